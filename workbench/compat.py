@@ -1,0 +1,64 @@
+"""The one place that touches torch internals or differs between torch versions (>= 2.6)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+if TORCH_VERSION < (2, 6):
+    raise ImportError(f"flex-workbench needs torch >= 2.6 (FlexAttention), found {torch.__version__}")
+
+
+def getitem_as_index():
+    """`tensor[idx]` inside a vmapped mod must become aten.index, as FlexAttention does when it
+    traces mods; torch keeps that switch in a private module."""
+    try:
+        from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    except ImportError:  # pragma: no cover - future torch
+        return contextlib.nullcontext()
+    return TransformGetItemToIndex()
+
+
+def vmap_bhqkv(mod, b, h, q, kv, score=None):
+    """Evaluate a mod over the grid b x h x q x kv the way FlexAttention's tracer does
+    (nested torch.vmap over 0-d index tensors). Returns a [B, H, Q, KV] tensor."""
+    fn = mod
+    prefix = () if score is None else (0,)
+    for dims in [(None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)]:
+        fn = torch.vmap(fn, in_dims=prefix + dims)
+    with getitem_as_index():
+        return fn(b, h, q, kv) if score is None else fn(score, b, h, q, kv)
+
+
+def block_mask_from_kv_blocks(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                              block_size: tuple[int, int], mask_mod, seq_lengths: tuple[int, int],
+                              compute_q_blocks: bool = True) -> BlockMask:
+    params = inspect.signature(BlockMask.from_kv_blocks).parameters
+    kwargs = dict(BLOCK_SIZE=block_size, mask_mod=mask_mod)
+    if "seq_lengths" in params:
+        kwargs["seq_lengths"] = seq_lengths
+    if "compute_q_blocks" in params:
+        kwargs["compute_q_blocks"] = compute_q_blocks
+    bm = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, **kwargs)
+    if "seq_lengths" not in params:  # torch 2.6 keeps lengths as an attribute only
+        bm.seq_lengths = seq_lengths
+    return bm
+
+
+def raise_recompile_limit(limit: int = 512) -> None:
+    """FlexAttention compiles once per distinct mod; past torch's recompile limit (8) it falls
+    back to the unfused path silently, which runs out of memory at length. A workbench session
+    tries many mods, so lift the limit."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(limit, getattr(dynamo_config, name)))
+    if hasattr(dynamo_config, "accumulated_recompile_limit"):
+        dynamo_config.accumulated_recompile_limit = max(limit * 4, dynamo_config.accumulated_recompile_limit)
+    elif hasattr(dynamo_config, "accumulated_cache_size_limit"):
+        dynamo_config.accumulated_cache_size_limit = max(limit * 4, dynamo_config.accumulated_cache_size_limit)

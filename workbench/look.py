@@ -1,0 +1,245 @@
+"""Stage: look -- pictures of a mask. Every function returns a matplotlib Figure and writes
+nothing; saving is the caller's choice (`fig.savefig(path)`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import matplotlib
+import numpy as np
+import torch
+from matplotlib.colors import CenteredNorm, ListedColormap
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from workbench.blocks import BlockScan, dense_mask, scan_blocks
+from workbench.define import Mask, WorkbenchError
+
+# Block classes and their colours: empty (skipped), partial (mask_mod applied), full (no mask).
+EMPTY, PARTIAL, FULL = 0, 1, 2
+BLOCK_COLOURS = {EMPTY: "#f2f2f2", PARTIAL: "#f4a259", FULL: "#2a6f97"}
+BLOCK_LABELS = {EMPTY: "empty (skipped)", PARTIAL: "partial (mask applied)", FULL: "full (no mask)"}
+MAX_TOKEN_VIEW = 4096
+MAX_BLOCK_PIXELS = 1024
+
+
+def block_classes(scan: BlockScan) -> torch.Tensor:
+    """[B', H', rows, cols] uint8 of EMPTY / PARTIAL / FULL."""
+    if scan.counts is None:
+        raise WorkbenchError("the scan kept no per-block table", "scan with keep_counts=True")
+    full_count = scan.q_block * scan.kv_block
+    classes = torch.full(scan.counts.shape, PARTIAL, dtype=torch.uint8, device=scan.counts.device)
+    classes[scan.counts == 0] = EMPTY
+    classes[scan.counts == full_count] = FULL
+    return classes
+
+
+def _pool_classes(classes: torch.Tensor, max_pixels: int) -> tuple[torch.Tensor, int, int]:
+    """Pool [rows, cols] classes into at most max_pixels per side: a cell is full (empty) only if
+    all its blocks are, partial otherwise."""
+    rows, cols = classes.shape
+    fr, fc = math.ceil(rows / max_pixels), math.ceil(cols / max_pixels)
+    if fr == 1 and fc == 1:
+        return classes, 1, 1
+    pad = (0, (-cols) % fc, 0, (-rows) % fr)
+    c = classes.float()
+    all_full = torch.nn.functional.pad((c == FULL).float(), pad, value=1.0)
+    all_empty = torch.nn.functional.pad((c == EMPTY).float(), pad, value=1.0)
+    pool = lambda x: torch.nn.functional.avg_pool2d(x[None, None], (fr, fc))[0, 0]  # noqa: E731
+    out = torch.full(pool(all_full).shape, PARTIAL, dtype=torch.uint8)
+    out[pool(all_full) == 1] = FULL
+    out[pool(all_empty) == 1] = EMPTY
+    return out, fr, fc
+
+
+def block_map(scan: BlockScan, title: str | None = None, max_panels: int = 16) -> Figure:
+    """Full / partial / empty blocks in three colours, axes in tokens; one panel per head (and
+    batch entry) when they differ."""
+    classes = block_classes(scan).cpu()
+    panels = [(b, h) for b in range(classes.shape[0]) for h in range(classes.shape[1])][:max_panels]
+    ncols = min(4, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    aspect = scan.q_len / scan.kv_len
+    fig = Figure(figsize=(3.6 * ncols + 1.2, 3.6 * nrows * min(max(aspect, 0.4), 2.5) + 0.9), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    cmap = ListedColormap([BLOCK_COLOURS[k] for k in (EMPTY, PARTIAL, FULL)])
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    pooled_note = ""
+    for ax, (b, h) in zip(axes.flat, panels):
+        img, fr, fc = _pool_classes(classes[b, h], MAX_BLOCK_PIXELS)
+        if fr > 1 or fc > 1:
+            pooled_note = f" (each pixel {fr}x{fc} blocks)"
+        ax.imshow(img.numpy(), cmap=cmap, vmin=0, vmax=2, interpolation="nearest", aspect="auto",
+                  extent=(0, scan.block_cols * scan.kv_block, scan.block_rows * scan.q_block, 0))
+        ax.set_xlabel("kv token")
+        ax.set_ylabel("q token")
+        label = []
+        if scan.depends_on_batch:
+            label.append(f"b={b}")
+        if scan.depends_on_head:
+            label.append(f"h={h}")
+        if label:
+            ax.set_title(", ".join(label), fontsize=9)
+    handles = [Patch(color=BLOCK_COLOURS[k], label=BLOCK_LABELS[k]) for k in (FULL, PARTIAL, EMPTY)]
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
+    fig.suptitle((title or "block map") + f"  ·  {scan.q_block}x{scan.kv_block} blocks{pooled_note}", fontsize=10)
+    return fig
+
+
+def token_view(mask: Mask | Callable, q_range: tuple[int, int], kv_range: tuple[int, int], b: int = 0,
+               h: int = 0, device="cpu", title: str | None = None) -> Figure:
+    """The kept (dark) / masked (light) pairs of a window, one pixel per pair in the image data
+    (the image array is the mask itself: `fig.axes[0].images[0].get_array()`)."""
+    _check_window(q_range, kv_range)
+    m = dense_mask(mask, q_range, kv_range, batch=[b], heads=[h], device=device)[0, 0].cpu().numpy()
+    nq, nk = m.shape
+    side = 6.0
+    fig = Figure(figsize=(side * min(1.0, nk / max(nq, nk)) + 1.0, side * min(1.0, nq / max(nq, nk)) + 0.8),
+                 layout="constrained")
+    ax = fig.subplots()
+    ax.imshow(m.astype(np.uint8), cmap=ListedColormap(["#f2f2f2", "#1d3557"]), vmin=0, vmax=1,
+              interpolation="nearest", aspect="auto", extent=(kv_range[0], kv_range[1], q_range[1], q_range[0]))
+    ax.set_xlabel("kv token")
+    ax.set_ylabel("q token")
+    name = title or getattr(mask, "name", "mask")
+    ax.set_title(f"{name}: q {q_range[0]}..{q_range[1] - 1}, kv {kv_range[0]}..{kv_range[1] - 1}"
+                 f"  (b={b}, h={h}; {int(m.sum()):,} kept)", fontsize=9)
+    return fig
+
+
+def _check_window(q_range, kv_range):
+    nq, nk = q_range[1] - q_range[0], kv_range[1] - kv_range[0]
+    if nq < 1 or nk < 1:
+        raise WorkbenchError(f"empty window q {q_range} x kv {kv_range}", "give (start, stop) with stop > start")
+    if nq > MAX_TOKEN_VIEW or nk > MAX_TOKEN_VIEW:
+        raise WorkbenchError(f"window {nq} x {nk} is larger than {MAX_TOKEN_VIEW} x {MAX_TOKEN_VIEW}",
+                             "use overview() for whole masks, or a smaller window")
+
+
+def overview_fractions(mask: Mask | Callable, q_len: int, kv_len: int, pixels: int = 512, b: int = 0, h: int = 0,
+                       device="cpu", **scan_kwargs) -> tuple[torch.Tensor, int, int]:
+    """Exact down-sampling: fraction of kept pairs in each cell of a grid of at most
+    pixels x pixels cells (cells of ceil(L / pixels) tokens). Returns (fractions, cell_q, cell_kv)."""
+    cell_q, cell_kv = max(1, math.ceil(q_len / pixels)), max(1, math.ceil(kv_len / pixels))
+    mask_mod = mask.mask_mod if isinstance(mask, Mask) else mask
+    if mask_mod is not None and (b or h):
+        inner = mask_mod
+
+        def one_head(bb, hh, q_idx, kv_idx):  # pick the (b, h) to draw
+            return inner(bb * 0 + b, hh * 0 + h, q_idx, kv_idx)
+        mask_mod = one_head
+    scan = scan_blocks(mask_mod, q_len, kv_len, block_size=(cell_q, cell_kv), device=device, **scan_kwargs)
+    counts = scan.counts[0, 0].double()
+    rows = torch.full((scan.block_rows,), float(cell_q), dtype=torch.float64, device=counts.device)
+    cols = torch.full((scan.block_cols,), float(cell_kv), dtype=torch.float64, device=counts.device)
+    rows[-1] = q_len - cell_q * (scan.block_rows - 1)
+    cols[-1] = kv_len - cell_kv * (scan.block_cols - 1)
+    return (counts / (rows[:, None] * cols[None, :])).cpu(), cell_q, cell_kv
+
+
+def overview(mask: Mask | Callable, q_len: int, kv_len: int, pixels: int = 512, b: int = 0, h: int = 0,
+             device="cpu", title: str | None = None, **scan_kwargs) -> Figure:
+    """The whole mask at any length: each pixel is the exact fraction of kept pairs in its cell."""
+    frac, cell_q, cell_kv = overview_fractions(mask, q_len, kv_len, pixels, b, h, device, **scan_kwargs)
+    fig = Figure(figsize=(6.4, 5.4), layout="constrained")
+    ax = fig.subplots()
+    im = ax.imshow(frac.numpy(), cmap="Blues", vmin=0, vmax=1, interpolation="nearest", aspect="auto",
+                   extent=(0, kv_len, q_len, 0))
+    fig.colorbar(im, ax=ax, label="fraction of pairs kept", shrink=0.8)
+    ax.set_xlabel("kv token")
+    ax.set_ylabel("q token")
+    name = title or getattr(mask, "name", "mask")
+    ax.set_title(f"{name}: {q_len:,} x {kv_len:,} tokens, each pixel {cell_q} x {cell_kv} tokens", fontsize=9)
+    return fig
+
+
+def score_values(mask: Mask, q_range, kv_range, b: int = 0, h: int = 0, device="cpu") -> torch.Tensor:
+    """score_mod applied to a zero score (the probe where q.k = 0, so it shows the mod itself);
+    masked pairs are NaN."""
+    from workbench import compat
+
+    _check_window(q_range, kv_range)
+    bb = torch.tensor([b], device=device, dtype=torch.int32)
+    hh = torch.tensor([h], device=device, dtype=torch.int32)
+    q = torch.arange(*q_range, device=device, dtype=torch.int32)
+    kv = torch.arange(*kv_range, device=device, dtype=torch.int32)
+    zeros = torch.zeros(1, 1, len(q), len(kv), device=device)
+    with torch.no_grad():
+        scores = zeros if mask.score_mod is None else compat.vmap_bhqkv(mask.score_mod, bb, hh, q, kv, score=zeros)
+        kept = dense_mask(mask, q_range, kv_range, batch=[b], heads=[h], device=device)
+    return torch.where(kept, scores.float(), torch.nan)[0, 0].cpu()
+
+
+def score_view(mask: Mask, q_range, kv_range, b: int = 0, h: int = 0, device="cpu", title: str | None = None) -> Figure:
+    """Score after score_mod on the zero probe, diverging colours around 0, masked cells blank."""
+    values = score_values(mask, q_range, kv_range, b, h, device).numpy()
+    fig = Figure(figsize=(6.6, 5.4), layout="constrained")
+    ax = fig.subplots()
+    finite = values[np.isfinite(values)]
+    spread = float(np.abs(finite).max()) if finite.size and np.abs(finite).max() > 0 else 1.0
+    cmap = matplotlib.colormaps["RdBu_r"].copy()
+    cmap.set_bad("white")
+    im = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=CenteredNorm(0.0, spread), interpolation="nearest",
+                   aspect="auto", extent=(kv_range[0], kv_range[1], q_range[1], q_range[0]))
+    fig.colorbar(im, ax=ax, label="score_mod(0, b, h, q, kv)", shrink=0.8)
+    ax.set_xlabel("kv token")
+    ax.set_ylabel("q token")
+    ax.set_title(f"{title or mask.name}: scores at q.k = 0 (b={b}, h={h}; blank = masked)", fontsize=9)
+    return fig
+
+
+DIFF_COLOURS = ["#ffffff", "#b8c4d0", "#d62828", "#1d70b8"]  # neither, both, only A, only B
+NEITHER, BOTH, ONLY_A, ONLY_B = 0, 1, 2, 3
+
+
+def diff_codes(mask_a, mask_b, q_range, kv_range, b: int = 0, h: int = 0, device="cpu") -> torch.Tensor:
+    """Per pair: NEITHER, BOTH, ONLY_A or ONLY_B kept."""
+    _check_window(q_range, kv_range)
+    a = dense_mask(mask_a, q_range, kv_range, batch=[b], heads=[h], device=device)[0, 0].cpu()
+    bm = dense_mask(mask_b, q_range, kv_range, batch=[b], heads=[h], device=device)[0, 0].cpu()
+    codes = torch.zeros(a.shape, dtype=torch.uint8)
+    codes[a & bm] = BOTH
+    codes[a & ~bm] = ONLY_A
+    codes[~a & bm] = ONLY_B
+    return codes
+
+
+def diff_view(mask_a, mask_b, q_range, kv_range, b: int = 0, h: int = 0, device="cpu",
+              labels: tuple[str, str] | None = None) -> Figure:
+    """Two masks overlaid: pairs only one keeps in red / blue, counted in the legend. For a
+    draft and its port, or a mask and the mask a spec rebuilds."""
+    codes = diff_codes(mask_a, mask_b, q_range, kv_range, b, h, device)
+    la = labels[0] if labels else getattr(mask_a, "name", "A")
+    lb = labels[1] if labels else getattr(mask_b, "name", "B")
+    n_a, n_b = int((codes == ONLY_A).sum()), int((codes == ONLY_B).sum())
+    fig = Figure(figsize=(6.6, 6.0), layout="constrained")
+    ax = fig.subplots()
+    ax.imshow(codes.numpy(), cmap=ListedColormap(DIFF_COLOURS), vmin=0, vmax=3, interpolation="nearest", aspect="auto",
+              extent=(kv_range[0], kv_range[1], q_range[1], q_range[0]))
+    ax.set_xlabel("kv token")
+    ax.set_ylabel("q token")
+    verdict = "identical" if n_a + n_b == 0 else f"{n_a + n_b:,} pairs differ"
+    ax.set_title(f"{la} vs {lb}: {verdict}", fontsize=9)
+    handles = [Patch(color=DIFF_COLOURS[BOTH], label="both keep"),
+               Patch(color=DIFF_COLOURS[ONLY_A], label=f"only {la}: {n_a:,}"),
+               Patch(color=DIFF_COLOURS[ONLY_B], label=f"only {lb}: {n_b:,}")]
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
+    return fig
+
+
+def count_differences(mask_a, mask_b, q_len: int, kv_len: int, heads: int | None = None, batch: int | None = None,
+                      device="cpu") -> int:
+    """Exact number of pairs where two masks disagree, at any length (a scan of a XOR b)."""
+    mod_a = mask_a.mask_mod if isinstance(mask_a, Mask) else mask_a
+    mod_b = mask_b.mask_mod if isinstance(mask_b, Mask) else mask_b
+
+    def disagreement(b, h, q_idx, kv_idx):
+        keep_a = mod_a(b, h, q_idx, kv_idx) if mod_a is not None else q_idx >= 0
+        keep_b = mod_b(b, h, q_idx, kv_idx) if mod_b is not None else q_idx >= 0
+        return keep_a != keep_b
+
+    scan = scan_blocks(disagreement, q_len, kv_len, heads=heads, batch=batch, device=device, keep_counts=False)
+    repeat = ((scan.batch if not scan.depends_on_batch else 1) * (scan.heads if not scan.depends_on_head else 1))
+    return scan.kept_pairs * repeat

@@ -1,0 +1,160 @@
+"""Command line: composes the stages; holds no logic of its own.
+
+    python -m workbench list
+    python -m workbench report [TARGET ...] [--param k=JSON ...] -o DIR
+    python -m workbench blocks TARGET [--param k=JSON ...] --q-len N --kv-len M [-o DIR] [--json]
+
+A TARGET is a library name (see `list`) or path/to/file.py:factory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from workbench.define import WorkbenchError, bind, library, make, parse_params, probe, with_score
+
+
+def _add_target_args(p: argparse.ArgumentParser, many: bool = False):
+    if many:
+        p.add_argument("targets", nargs="*", metavar="TARGET",
+                       help="library names or path/to/file.py:factory (default: the whole library)")
+    else:
+        p.add_argument("target", metavar="TARGET", help="library name or path/to/file.py:factory")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=JSON",
+                   help="factory parameter; the value is parsed as JSON, else taken as a string (repeatable)")
+    p.add_argument("--score", metavar="TARGET", help="add this score_mod target (e.g. softcap, alibi)")
+    p.add_argument("--score-param", action="append", default=[], metavar="KEY=JSON",
+                   help="parameter of the --score target (repeatable)")
+
+
+def _add_size_args(p: argparse.ArgumentParser, required: bool):
+    p.add_argument("--q-len", type=int, required=required, help="query length")
+    p.add_argument("--kv-len", type=int, help="key/value length (default: --q-len)")
+    p.add_argument("--heads", type=int, help="number of heads (default: broadcast, or what the mask needs)")
+    p.add_argument("--batch", type=int, help="batch size (default: broadcast)")
+    p.add_argument("--block-size", type=int, nargs="+", default=[128], metavar="S",
+                   help="block size, or Q_BLOCK KV_BLOCK (default 128)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="workbench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("list", help="the built-in masks, one per line", description="List the built-in mask library.")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("report", help="analyze masks and write an HTML report (the main job)",
+                       description="Run the workbench over masks and write DIR/report.html, summary.json, summary.csv.")
+    _add_target_args(p, many=True)
+    _add_size_args(p, required=False)
+    p.add_argument("-o", "--out", default="out", help="output folder (default: out)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("blocks", help="block statistics and pictures of one mask",
+                       description="Build the block mask of TARGET exactly, print its statistics, write pictures to DIR.")
+    _add_target_args(p)
+    _add_size_args(p, required=True)
+    p.add_argument("-o", "--out", help="write block_map.png, overview.png, token_view.png here")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=cmd_blocks)
+    return parser
+
+
+def _device(args) -> str:
+    from workbench.report import default_device
+
+    return args.device or default_device()
+
+
+def _block_size(args):
+    sizes = args.block_size
+    if len(sizes) not in (1, 2):
+        raise WorkbenchError("--block-size takes one or two numbers", "e.g. --block-size 128 or --block-size 128 64")
+    return sizes[0] if len(sizes) == 1 else tuple(sizes)
+
+
+def load_mask(args, q_len: int, kv_len: int, device: str, target: str | None = None):
+    target = target or args.target
+    mask = make(target, parse_params(args.param), q_len=q_len, kv_len=kv_len, device=device)
+    if args.score:
+        mask = with_score(mask, make(args.score, parse_params(args.score_param), q_len=q_len, kv_len=kv_len,
+                                     device=device))
+    mask = bind(mask, q_len, kv_len, device)
+    probe(mask, device=device)
+    return mask
+
+
+def cmd_list(args) -> int:
+    from workbench.define import make as make_mask
+
+    for name, factory in library().items():
+        try:
+            summary = make_mask(factory).summary
+        except WorkbenchError as exc:
+            summary = f"(fails with defaults: {exc.message})"
+        print(f"{name:24s} {summary}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from workbench.report import DEFAULT_LEN, library_targets, run_report
+
+    params = parse_params(args.param)
+    targets = [(t, params) for t in args.targets] if args.targets else library_targets()
+    if params and not args.targets:
+        raise WorkbenchError("--param needs a TARGET", "name the mask the parameters are for")
+    results = run_report(targets, args.out, q_len=args.q_len or DEFAULT_LEN, kv_len=args.kv_len,
+                         heads=args.heads if args.heads else 4, batch=args.batch, block_size=_block_size(args),
+                         device=_device(args))
+    failed = [r for r in results if r.error]
+    for r in failed:
+        print(f"error: {r.error}", file=sys.stderr)
+    print(f"wrote {Path(args.out) / 'report.html'} ({len(results)} masks, {len(failed)} failed)")
+    return 1 if failed else 0
+
+
+def cmd_blocks(args) -> int:
+    from workbench import look
+    from workbench.analyze import mask_stats
+    from workbench.blocks import scan_blocks
+
+    q_len, kv_len, device = args.q_len, args.kv_len or args.q_len, _device(args)
+    mask = load_mask(args, q_len, kv_len, device)
+    scan = scan_blocks(mask, q_len, kv_len, heads=args.heads or mask.heads, batch=args.batch,
+                       block_size=_block_size(args), device=device)
+    stats = mask_stats(scan)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        look.block_map(scan, title=mask.name).savefig(out / "block_map.png", dpi=100)
+        look.overview(mask, q_len, kv_len, device=device).savefig(out / "overview.png", dpi=100)
+        n = min(q_len, kv_len, 1024)
+        look.token_view(mask, (q_len - n, q_len), (kv_len - n, kv_len), device=device).savefig(out / "token_view.png", dpi=100)
+    if args.json:
+        record = stats.to_dict()
+        record.update(name=mask.name, block_size=stats.block_size, seconds=round(scan.seconds, 4), device=device)
+        print(json.dumps(record))
+    else:
+        print(f"{mask.name}  ({scan.evaluator}, {scan.seconds:.3f} s on {device})")
+        print(stats.to_frame().to_string())
+        if args.out:
+            print(f"pictures in {args.out}/")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except WorkbenchError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

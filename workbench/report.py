@@ -1,0 +1,193 @@
+"""The main job: run the stages over masks and write an HTML report plus a JSON/CSV summary.
+
+This module only composes stages (define -> blocks -> look -> analyze); it holds no analysis."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from workbench import look
+from workbench.analyze import mask_stats
+from workbench.blocks import scan_blocks
+from workbench.define import Mask, WorkbenchError, bind, library, library_variants, make, probe
+
+DEFAULT_LEN = 4096
+DEFAULT_HEADS = 4
+
+
+@dataclass
+class MaskResult:
+    """What the report knows of one mask: the mask, its statistics and figures, or its error."""
+
+    target: str
+    params: dict
+    mask: Mask | None = None
+    stats: object = None
+    figures: dict = field(default_factory=dict)   # title -> PNG bytes
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    return buf.getvalue()
+
+
+def analyze_target(target: str, params: dict, q_len: int, kv_len: int, heads: int | None, batch: int | None,
+                   block_size, device: str, factory=None) -> MaskResult:
+    """All stages for one mask; any user error is caught and kept on the result."""
+    result = MaskResult(target=target, params=params)
+    start = time.perf_counter()
+    try:
+        mask = make(factory or target, params, q_len=q_len, kv_len=kv_len, device=device)
+        mask = bind(mask, q_len, kv_len, device)
+        probe(mask, device=device)
+        result.mask = mask
+        n_heads = heads if mask.heads is None else min(heads or mask.heads, mask.heads)
+        zoom = min(q_len, kv_len, 512)  # the last queries, against the keys they sit on
+        q_zoom = (0, zoom) if q_len == kv_len else (q_len - min(q_len, zoom), q_len)
+        kv_zoom = (0, zoom) if q_len == kv_len else (kv_len - min(kv_len, zoom), kv_len)
+        if mask.mask_mod is not None:
+            scan = scan_blocks(mask, q_len, kv_len, heads=n_heads, batch=batch, block_size=block_size, device=device)
+            result.stats = mask_stats(scan)
+            result.figures["block map"] = _png(look.block_map(scan, title=mask.name))
+            result.figures["token view"] = _png(look.token_view(mask, q_zoom, kv_zoom, device=device))
+        if mask.score_mod is not None:
+            h = 1 if (mask.heads or n_heads or 1) > 1 else 0
+            result.figures["score view"] = _png(look.score_view(mask, q_zoom if zoom <= 256 else (q_zoom[0], q_zoom[0] + 256),
+                                                                kv_zoom if zoom <= 256 else (kv_zoom[0], kv_zoom[0] + 256),
+                                                                h=h, device=device))
+    except WorkbenchError as exc:
+        result.error = exc.message
+    except Exception as exc:  # user code can fail in any way; keep going with the others
+        result.error = f"{target}: {type(exc).__name__}: {exc}"
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def library_targets() -> list[tuple[str, dict]]:
+    return [(name, variant) for name in library() for variant in library_variants(name)]
+
+
+def run_report(targets: list[tuple[str, dict]] | None = None, out_dir: str | Path = "out", q_len: int = DEFAULT_LEN,
+               kv_len: int | None = None, heads: int | None = DEFAULT_HEADS, batch: int | None = None,
+               block_size=128, device: str | None = None, progress: bool = True) -> list[MaskResult]:
+    """Analyze each target and write out_dir/report.html, summary.json and summary.csv."""
+    device = device or default_device()
+    kv_len = kv_len or q_len
+    targets = targets if targets is not None else library_targets()
+    results = [analyze_target(t, p, q_len, kv_len, heads, batch, block_size, device)
+               for t, p in tqdm(targets, desc="report", disable=not progress)]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summary_frame(results)
+    summary.to_csv(out / "summary.csv", index=False)
+    (out / "summary.json").write_text(json.dumps(
+        dict(q_len=q_len, kv_len=kv_len, heads=heads, batch=batch, block_size=block_size, device=device,
+             torch=torch.__version__, masks=[_result_record(r) for r in results]), indent=2))
+    (out / "report.html").write_text(render_html(results, dict(q_len=q_len, kv_len=kv_len, heads=heads, batch=batch,
+                                                                block_size=block_size, device=device)))
+    return results
+
+
+def _result_record(r: MaskResult) -> dict:
+    rec = dict(target=r.target, params=r.params, name=r.mask.name if r.mask else None, error=r.error,
+               seconds=round(r.seconds, 3))
+    if r.stats is not None:
+        rec["stats"] = r.stats.to_dict()
+    return rec
+
+
+def summary_frame(results: list[MaskResult]) -> pd.DataFrame:
+    rows = []
+    for r in results:
+        s = r.stats
+        rows.append(dict(
+            name=r.mask.name if r.mask else r.target, target=r.target, params=json.dumps(r.params),
+            ok=r.error is None, error=r.error or "",
+            density=getattr(s, "density", None), block_sparsity=getattr(s, "block_sparsity", None),
+            full_blocks=getattr(s, "full_blocks", None), partial_blocks=getattr(s, "partial_blocks", None),
+            empty_blocks=getattr(s, "empty_blocks", None), kept_pairs=getattr(s, "kept_pairs", None),
+            partial_waste=getattr(s, "partial_waste", None), fully_masked_rows=getattr(s, "fully_masked_rows", None),
+            differs_across_heads=getattr(s, "differs_across_heads", None), seconds=round(r.seconds, 3)))
+    return pd.DataFrame(rows)
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:0;color:#1d2733;background:#fafbfc}
+header{background:#1d3557;color:#fff;padding:18px 28px}header h1{margin:0 0 4px;font-size:22px}
+header p{margin:0;opacity:.85;font-size:14px}main{padding:16px 28px;max-width:1400px}
+table{border-collapse:collapse;font-size:13px}td,th{padding:4px 10px;border-bottom:1px solid #e3e7ec;text-align:left}
+th{background:#eef2f6}section{background:#fff;border:1px solid #e3e7ec;border-radius:8px;padding:14px 18px;margin:18px 0}
+section h2{margin:0 0 6px;font-size:18px}.desc{white-space:pre-wrap;font-size:13px;color:#3a4756}
+.err{background:#fdecea;border-left:4px solid #d62828;padding:8px 12px;font-size:13px;white-space:pre-wrap}
+.figs{display:flex;flex-wrap:wrap;gap:12px;align-items:flex-start}.figs figure{margin:0}
+.figs img{max-width:640px;border:1px solid #e3e7ec}figcaption{font-size:12px;color:#5a6776}
+details pre{background:#f4f6f8;padding:10px;font-size:12px;overflow:auto}
+.pill{display:inline-block;padding:1px 8px;border-radius:10px;font-size:12px;margin-left:6px}
+.ok{background:#e6f4ea;color:#1e6b34}.bad{background:#fdecea;color:#a4161a}
+.na{color:#8a96a3;font-size:13px}a{color:#1d70b8}
+"""
+
+
+def render_html(results: list[MaskResult], settings: dict) -> str:
+    esc = html.escape
+    n_err = sum(r.error is not None for r in results)
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>flex-workbench report</title>"
+             f"<style>{_CSS}</style></head><body><header><h1>flex-workbench report</h1>"
+             f"<p>{len(results)} masks · Lq={settings['q_len']:,} Lk={settings['kv_len']:,} · heads={settings['heads']} · "
+             f"block {settings['block_size']} · device {esc(str(settings['device']))} · torch {esc(torch.__version__)}"
+             f"{' · ' + str(n_err) + ' failed' if n_err else ''}</p></header><main>"]
+    parts.append("<h2>Overview</h2><table><tr><th>mask</th><th>density</th><th>block sparsity</th>"
+                 "<th>full / partial / empty</th><th>wasted in partial blocks</th><th>fully masked rows</th>"
+                 "<th>varies by head</th><th>status</th></tr>")
+    for i, r in enumerate(results):
+        s = r.stats
+        name = r.mask.name if r.mask else r.target
+        status = "<span class='pill ok'>ok</span>" if r.error is None else "<span class='pill bad'>error</span>"
+        if s is None:
+            cells = "<td colspan=6 class='na'>" + ("score_mod only: see its score view" if r.error is None else "—") + "</td>"
+        else:
+            cells = (f"<td>{s.density:.2%}</td><td>{s.block_sparsity:.2%}</td>"
+                     f"<td>{s.full_blocks:,} / {s.partial_blocks:,} / {s.empty_blocks:,}</td><td>{s.partial_waste:.1%}</td>"
+                     f"<td>{s.fully_masked_rows:,}</td><td>{'yes' if s.differs_across_heads else 'no'}</td>")
+        parts.append(f"<tr><td><a href='#m{i}'>{esc(name)}</a></td>{cells}<td>{status}</td></tr>")
+    parts.append("</table>")
+    for i, r in enumerate(results):
+        name = r.mask.name if r.mask else r.target
+        parts.append(f"<section id='m{i}'><h2>{esc(name)}</h2>")
+        parts.append(f"<div class='na'>target <code>{esc(r.target)}</code> · params <code>"
+                     f"{esc(json.dumps(r.mask.params if r.mask else r.params))}</code> · {r.seconds:.2f} s</div>")
+        if r.error:
+            parts.append(f"<div class='err'>{esc(r.error)}</div></section>")
+            continue
+        parts.append(f"<p class='desc'>{esc(r.mask.description.strip())}</p>")
+        if r.figures:
+            parts.append("<div class='figs'>")
+            for title, png in r.figures.items():
+                data = base64.b64encode(png).decode()
+                parts.append(f"<figure><img alt='{esc(title)}' src='data:image/png;base64,{data}'>"
+                             f"<figcaption>{esc(title)}</figcaption></figure>")
+            parts.append("</div>")
+        if r.stats is not None:
+            parts.append("<h3>Statistics</h3>" + r.stats.to_frame().to_html(escape=True, header=False))
+        parts.append("<p class='na'>Verification against an eager reference, benchmarks and backend "
+                     "porting: not available in this version.</p>")
+        parts.append(f"<details><summary>source</summary><pre>{esc(r.mask.source)}</pre></details></section>")
+    parts.append("</main></body></html>")
+    return "".join(parts)

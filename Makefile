@@ -1,0 +1,36 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# A CPU build of torch, so no install ever pulls a CUDA build on a machine without a GPU.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-gpu lab venv clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## the main job: the whole built-in library on the default device -> out/report.html, out/summary.{json,csv}
+demo: $(STAMP)
+	$(PY) -m workbench report -o out
+
+## the test suite (CPU); GPU tests run with `make test-gpu` on a CUDA machine
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m gpu
+
+## JupyterLab on notebooks/
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+clean:
+	rm -rf out .pytest_cache

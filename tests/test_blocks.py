@@ -1,0 +1,144 @@
+"""The builder against torch's create_block_mask (every tensor), and statistics against brute force."""
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+from workbench import WorkbenchError, library, make
+from workbench.analyze import mask_stats
+from workbench.blocks import build_block_mask, dense_mask, scan_blocks
+
+FIELDS = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"]
+
+
+def assert_same_block_mask(ours, ref):
+    for name in FIELDS:
+        a, b = getattr(ours, name), getattr(ref, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert tuple(ours.seq_lengths) == tuple(ref.seq_lengths)
+    assert tuple(ours.BLOCK_SIZE) == tuple(ref.BLOCK_SIZE)
+
+
+def library_masks():
+    return [n for n, f in library().items() if make(f).mask_mod is not None]
+
+
+@pytest.mark.parametrize("name", library_masks())
+@pytest.mark.parametrize("q_len,kv_len,heads,batch,block", [
+    (256, 256, None, None, 128), (300, 300, 3, 2, 64), (200, 333, 8, None, (32, 64)), (129, 129, 2, None, 16),
+])
+def test_equals_create_block_mask(name, q_len, kv_len, heads, batch, block, device="cpu"):
+    mask = make(name, q_len=q_len, kv_len=kv_len, device=device)
+    if mask.heads is not None and heads is not None:
+        heads = min(heads, mask.heads)
+    ours = build_block_mask(mask, q_len, kv_len, heads=heads, batch=batch, block_size=block, device=device)
+    ref = create_block_mask(mask.mask_mod, batch, heads, q_len, kv_len, device=device, BLOCK_SIZE=block)
+    assert_same_block_mask(ours, ref)
+
+
+def test_tiny_memory_budget_forces_many_tiles_and_stays_exact():
+    mask = make("document", q_len=1000, kv_len=1000)
+    scan = scan_blocks(mask, 1000, 1000, block_size=64, memory_budget=1)
+    assert scan.extra["tiles"] > 50
+    ours = build_block_mask(mask, 1000, 1000, block_size=64, memory_budget=1)
+    assert_same_block_mask(ours, create_block_mask(mask.mask_mod, None, None, 1000, 1000, device="cpu", BLOCK_SIZE=64))
+
+
+def test_mask_depending_on_batch_and_head():
+    offsets = torch.tensor([0, 7, 30])
+
+    def shifted_causal(b, h, q_idx, kv_idx):
+        return q_idx + offsets[b] + h >= kv_idx
+
+    ours = build_block_mask(shifted_causal, 150, 150, heads=4, batch=3, block_size=32)
+    assert_same_block_mask(ours, create_block_mask(shifted_causal, 3, 4, 150, 150, device="cpu", BLOCK_SIZE=32))
+    scan = scan_blocks(shifted_causal, 150, 150, heads=4, batch=3, block_size=32)
+    assert scan.depends_on_batch and scan.depends_on_head
+
+
+def test_mod_that_does_not_broadcast_falls_back_to_vmap():
+    def stacked(b, h, q_idx, kv_idx):  # torch.stack over scalars: fine under vmap, wrong when broadcast
+        pair = torch.stack([q_idx, kv_idx])
+        return pair[0] >= pair[1]
+
+    scan = scan_blocks(stacked, 100, 100, block_size=32)
+    assert scan.evaluator == "vmap"
+    ours = build_block_mask(stacked, 100, 100, block_size=32)
+    assert_same_block_mask(ours, create_block_mask(stacked, None, None, 100, 100, device="cpu", BLOCK_SIZE=32))
+
+
+def test_stats_against_brute_force():
+    q_len, kv_len, heads = 270, 300, 3
+    mask = make("per_head_window", {"windows": [5, 40, 400]}, q_len=q_len, kv_len=kv_len)
+    dense = dense_mask(mask, (0, q_len), (0, kv_len), heads=heads)[0].numpy()  # [H, Lq, Lk]
+    stats = mask_stats(scan_blocks(mask, q_len, kv_len, heads=heads, block_size=(64, 32)))
+    assert stats.kept_pairs == dense.sum()
+    assert stats.density == pytest.approx(dense.sum() / dense.size)
+    rows, cols = -(-q_len // 64), -(-kv_len // 32)
+    padded = np.zeros((heads, rows * 64, cols * 32), bool)
+    padded[:, :q_len, :kv_len] = dense
+    blocks = padded.reshape(heads, rows, 64, cols, 32).sum(axis=(2, 4))
+    assert stats.full_blocks == (blocks == 64 * 32).sum()
+    assert stats.empty_blocks == (blocks == 0).sum()
+    assert stats.partial_blocks == ((blocks > 0) & (blocks < 64 * 32)).sum()
+    assert stats.kernel_flops == 4 * 128 * (stats.full_blocks + stats.partial_blocks) * 64 * 32
+    assert stats.partial_waste == pytest.approx(1 - dense.sum() / ((stats.full_blocks + stats.partial_blocks) * 64 * 32))
+    assert stats.fully_masked_rows == 0
+    assert stats.differs_across_heads
+    assert stats.head_pairs_differing == [int((dense[h] != dense[0]).sum()) for h in range(heads)]
+
+
+def test_fully_masked_rows_are_found():
+    def every_third_row_blind(b, h, q_idx, kv_idx):
+        return (q_idx % 3 != 0) & (kv_idx <= q_idx)
+
+    stats = mask_stats(scan_blocks(every_third_row_blind, 100, 100, block_size=32))
+    assert stats.fully_masked_rows == 34
+    assert [r[2] for r in stats.fully_masked_row_examples[:3]] == [0, 3, 6]
+
+
+def test_batch_broadcast_stats_count_every_entry():
+    mask = make("causal")
+    one = mask_stats(scan_blocks(mask, 128, 128, block_size=32))
+    many = mask_stats(scan_blocks(mask, 128, 128, heads=4, batch=2, block_size=32))
+    assert many.kept_pairs == 8 * one.kept_pairs and many.full_blocks == 8 * one.full_blocks
+    assert not many.differs_across_heads
+
+
+@pytest.mark.parametrize("bad,cause", [
+    (dict(block_size=0), "block size"), (dict(block_size=(128, -1)), "kv block"),
+    (dict(q_len=0), "q_len"), (dict(heads=-2), "heads"),
+])
+def test_bad_sizes_are_named(bad, cause):
+    kwargs = dict(q_len=128, kv_len=128)
+    kwargs.update(bad)
+    with pytest.raises(WorkbenchError, match=cause):
+        scan_blocks(make("causal"), **kwargs)
+
+
+def test_table_that_cannot_fit_fails_before_allocating():
+    with pytest.raises(WorkbenchError, match="would not fit") as err:
+        scan_blocks(make("causal"), 2 ** 40, 2 ** 40, block_size=16)
+    assert "block-size" in str(err.value)
+
+
+def test_stats_only_mode_at_length_on_cpu():
+    mask = make("causal_sliding_window", {"window": 1024})
+    scan = scan_blocks(mask, 1 << 16, 1 << 16, keep_counts=False)
+    assert scan.counts is None
+    n = 1 << 16
+    assert scan.kept_pairs == sum(min(i + 1, 1024) for i in range(n))
+
+
+def test_wrong_lengths_for_a_bound_mask():
+    mask = make("document", q_len=200, kv_len=200)
+    with pytest.raises(WorkbenchError, match="built for q_len=200"):
+        scan_blocks(mask, 300, 300)
+
+
+def test_too_many_heads_for_a_per_head_mask():
+    mask = make("per_head_window", {"windows": [4, 8]})
+    with pytest.raises(WorkbenchError, match="defined for 2 heads"):
+        scan_blocks(mask, 64, 64, heads=3)

@@ -179,8 +179,7 @@ def score_view(mask: Mask, q_range, kv_range, b: int = 0, h: int = 0, device="cp
     ax = fig.subplots()
     finite = values[np.isfinite(values)]
     spread = float(np.abs(finite).max()) if finite.size and np.abs(finite).max() > 0 else 1.0
-    cmap = matplotlib.colormaps["RdBu_r"].copy()
-    cmap.set_bad("white")
+    cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="white")
     im = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=CenteredNorm(0.0, spread), interpolation="nearest",
                    aspect="auto", extent=(kv_range[0], kv_range[1], q_range[1], q_range[0]))
     fig.colorbar(im, ax=ax, label="score_mod(0, b, h, q, kv)", shrink=0.8)

@@ -1,0 +1,142 @@
+"""Block-mask building: this workbench's builder vs torch's create_block_mask, side by side.
+
+    python benchmarks/bench_blocks.py [--lengths 8192 32768 131072 1048576] [--json FILE]
+
+For each mask and length: time (cold = first call for that mask_mod in the process, warm =
+the next) and peak GPU memory above what was allocated before the call, of
+  - ours:            workbench.blocks.build_block_mask (eager below 2^36 pairs, compiled above)
+  - torch:           create_block_mask (no compile)
+  - torch compiled:  torch.compile(create_block_mask)
+and whether our BlockMask equals torch's, tensor for tensor. Then statistics alone (no BlockMask
+kept) at 4,194,304 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torch.nn.attention.flex_attention import create_block_mask  # noqa: E402
+
+from workbench import make  # noqa: E402
+from workbench.blocks import build_block_mask, scan_blocks  # noqa: E402
+from workbench.compat import raise_recompile_limit  # noqa: E402
+
+FIELDS = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"]
+
+
+def masks_at(length, device):
+    return {
+        "causal": (make("causal", q_len=length, kv_len=length, device=device), None),
+        "sliding window 1024": (make("causal_sliding_window", {"window": 1024}, q_len=length, kv_len=length,
+                                     device=device), None),
+        "document (16 docs)": (make("document", {"doc_lengths": [length // 16] * 16}, q_len=length, kv_len=length,
+                                    device=device), None),
+        "per-head window (8 heads)": (make("per_head_window", q_len=length, kv_len=length, device=device), 8),
+    }
+
+
+def measure(fn, device):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        err = None
+    except torch.OutOfMemoryError as exc:
+        out, err = None, "OOM: " + str(exc).split("\n")[0][:80]
+    except Exception as exc:  # report, keep going
+        out, err = None, f"{type(exc).__name__}: {str(exc)[:80]}"
+    seconds = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    return out, seconds, peak, err
+
+
+def same(a, b):
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in FIELDS)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072, 1048576])
+    ap.add_argument("--stats-length", type=int, default=4194304)
+    ap.add_argument("--json", help="write the rows here too")
+    args = ap.parse_args()
+    device = "cuda"
+    raise_recompile_limit()
+    compiled_cbm = torch.compile(create_block_mask)
+    rows = []
+    print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    header = ("| mask | tokens | ours cold s | ours warm s | ours peak GiB | torch s (warm) | torch peak GiB "
+              "| torch compiled cold s | torch compiled warm s | compiled peak GiB | warm ratio torch-compiled/ours "
+              "| cold ratio torch-compiled/ours | exact |")
+    print(header)
+    print("|" + "---|" * header.count("|")[:-1] if False else "|" + "---|" * (header.count("|") - 1))
+    for length in args.lengths:
+        for name, (mask, heads) in masks_at(length, device).items():
+            row = dict(mask=name, tokens=length)
+            ours, row["ours_cold_s"], row["ours_peak_gib"], row["ours_err"] = measure(
+                lambda: build_block_mask(mask, length, length, heads=heads, device=device, progress=False), device)
+            ours = None
+            _, row["ours_warm_s"], _, _ = measure(
+                lambda: build_block_mask(mask, length, length, heads=heads, device=device, progress=False), device)
+            if length <= 65536:
+                measure(lambda: create_block_mask(mask.mask_mod, None, heads, length, length, device=device), device)
+                ref, row["torch_s"], row["torch_peak_gib"], row["torch_err"] = measure(
+                    lambda: create_block_mask(mask.mask_mod, None, heads, length, length, device=device), device)
+                ref = None
+            else:
+                row["torch_s"], row["torch_peak_gib"], row["torch_err"] = None, None, "skipped (needs > 64 GiB)"
+            tc, row["torch_compiled_cold_s"], row["torch_compiled_peak_gib"], row["tc_err"] = measure(
+                lambda: compiled_cbm(mask.mask_mod, None, heads, length, length, device), device)
+            tc, row["torch_compiled_warm_s"], _, _ = measure(
+                lambda: compiled_cbm(mask.mask_mod, None, heads, length, length, device), device)
+            if tc is not None:
+                ours = build_block_mask(mask, length, length, heads=heads, device=device, progress=False)
+                row["exact"] = same(ours, tc)
+                del ours
+            else:
+                row["exact"] = None
+            del tc
+            if row["ours_warm_s"] and row["torch_compiled_warm_s"]:
+                row["warm_ratio"] = row["torch_compiled_warm_s"] / row["ours_warm_s"]
+                row["cold_ratio"] = row["torch_compiled_cold_s"] / row["ours_cold_s"]
+            rows.append(row)
+            f = lambda v, d=3: "–" if v is None else (f"{v:.{d}f}" if isinstance(v, float) else str(v))  # noqa: E731
+            print(f"| {name} | {length:,} | {f(row['ours_cold_s'])} | {f(row['ours_warm_s'])} | {f(row['ours_peak_gib'], 2)} "
+                  f"| {f(row.get('torch_s'))}{' ' + row['torch_err'] if row.get('torch_err') else ''} "
+                  f"| {f(row.get('torch_peak_gib'), 2)} | {f(row['torch_compiled_cold_s'])} | {f(row['torch_compiled_warm_s'])} "
+                  f"| {f(row['torch_compiled_peak_gib'], 2)} | {f(row.get('warm_ratio'), 2)} | {f(row.get('cold_ratio'), 2)} "
+                  f"| {row['exact']} |", flush=True)
+    # Statistics alone at the longest length: no per-block table, no BlockMask.
+    n = args.stats_length
+    for name, (mask, heads) in list(masks_at(n, device).items())[:2]:
+        scan, secs, peak, err = measure(lambda: scan_blocks(mask, n, n, heads=heads, device=device, keep_counts=False,
+                                                            progress=False), device)
+        exact = None
+        if scan is not None and name == "causal":
+            exact = scan.kept_pairs == n * (n + 1) // 2
+        if scan is not None and name.startswith("sliding"):
+            exact = scan.kept_pairs == sum(min(i + 1, 1024) for i in range(n))
+        row = dict(mask=name, tokens=n, stats_only_s=secs, stats_only_peak_gib=peak, err=err,
+                   compile_s=getattr(scan, "compile_seconds", None), kept_pairs_exact=exact)
+        rows.append(row)
+        print(f"stats only: {name} at {n:,} tokens: {secs:.2f} s (compile {row['compile_s']:.2f} s), "
+              f"peak {peak:.2f} GiB, kept pairs exact: {exact} {err or ''}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

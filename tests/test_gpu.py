@@ -1,0 +1,59 @@
+"""GPU behaviour. Run on a CUDA machine: `pytest -m gpu`."""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from workbench import library, make
+from workbench.blocks import build_block_mask, scan_blocks
+
+pytestmark = pytest.mark.gpu
+FIELDS = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"]
+
+
+def _same(a, b):
+    for f in FIELDS:
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+@pytest.mark.parametrize("name", [n for n, f in library().items() if make(f).mask_mod is not None])
+@pytest.mark.parametrize("q_len,kv_len,heads,block", [(1000, 1000, 2, 128), (777, 2049, 8, (64, 128))])
+def test_equals_create_block_mask_on_cuda(cuda, name, q_len, kv_len, heads, block):
+    mask = make(name, q_len=q_len, kv_len=kv_len, device=cuda)
+    heads = min(heads, mask.heads or heads)
+    ours = build_block_mask(mask, q_len, kv_len, heads=heads, block_size=block, device=cuda)
+    _same(ours, create_block_mask(mask.mask_mod, None, heads, q_len, kv_len, device=cuda, BLOCK_SIZE=block))
+
+
+@pytest.mark.parametrize("name,heads", [("document", None), ("per_head_window", 8), ("image_spans", None)])
+def test_compiled_tiles_equal_eager(cuda, name, heads):
+    n = 20000  # not a multiple of the tile or block: clamped, masked edges
+    mask = make(name, q_len=n, kv_len=n, device=cuda)
+    eager = scan_blocks(mask, n, n, heads=heads, device=cuda, compile=False)
+    compiled = scan_blocks(mask, n, n, heads=heads, device=cuda, compile=True, memory_budget=64 << 20)
+    assert compiled.evaluator.startswith("compiled") and compiled.extra["tiles"] > 1
+    assert torch.equal(eager.counts, compiled.counts) and torch.equal(eager.row_kept, compiled.row_kept)
+    if heads:
+        assert torch.equal(eager.head_pairs_differing, compiled.head_pairs_differing)
+
+
+def test_128k_causal_exact(cuda):
+    n = 131072
+    scan = scan_blocks(make("causal"), n, n, device=cuda)
+    assert scan.kept_pairs == n * (n + 1) // 2
+    assert scan.full_blocks == 1024 * 1023 // 2 and scan.partial_blocks == 1024
+
+
+def test_flex_attention_accepts_our_block_mask(cuda):
+    n, H, D = 1536, 4, 64
+    mask = make("document", q_len=n, kv_len=n, device=cuda)
+    ours = build_block_mask(mask, n, n, device=cuda)
+    q, k, v = (torch.randn(1, H, n, D, device=cuda) for _ in range(3))
+    out = torch.compile(flex_attention)(q, k, v, block_mask=ours)
+    dense = torch.zeros(n, n, dtype=torch.bool, device=cuda)
+    ids = mask.data["document_id"]
+    dense = (ids[:, None] == ids[None, :]) & torch.ones(n, n, dtype=torch.bool, device=cuda).tril()
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=dense)
+    assert not torch.isnan(out).any()
+    assert (out.double() - ref).abs().max() < 2e-3

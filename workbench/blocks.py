@@ -266,20 +266,22 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
             f"in the {_format_bytes(free)} free on {device}",
             "use a larger --block-size, or statistics only (keep_counts=False)", name)
 
-    budget = memory_budget or default_budget(device)
-    pairs_per_tile = max(q_block * kv_block, budget // (BYTES_PER_PAIR * b_eff * h_eff))
-    tile_kv = min(n_cols * kv_block, max(kv_block, (int(math.sqrt(pairs_per_tile) * 2) // kv_block) * kv_block))
-    tile_q = min(n_rows * q_block, max(q_block, (pairs_per_tile // tile_kv) // q_block * q_block))
-    if tile_q * tile_kv * BYTES_PER_PAIR * b_eff * h_eff > max(budget, 1) * 4 and \
-            q_block * kv_block * BYTES_PER_PAIR * b_eff * h_eff > free // 2:
-        raise WorkbenchError(f"one {q_block} x {kv_block} block for {b_eff}x{h_eff} (batch x heads) "
-                             f"does not fit in the memory budget", "use a smaller block size or fewer heads", name)
-
     use_compile = compile
     if use_compile is None:
         use_compile = device.type == "cuda" and evaluator == "broadcast" and q_len * kv_len > COMPILE_ABOVE_PAIRS
     if use_compile and evaluator != "broadcast":
         use_compile = False
+
+    budget = memory_budget or default_budget(device)
+    # A compiled tile is fused (no per-pair temporaries beyond ~2 bytes), so it can be far larger,
+    # which matters at millions of tokens where per-tile launch overhead would dominate.
+    per_pair = 2 if use_compile else BYTES_PER_PAIR
+    pairs_per_tile = max(q_block * kv_block, budget // (per_pair * b_eff * h_eff))
+    tile_kv = min(n_cols * kv_block, max(kv_block, (int(math.sqrt(pairs_per_tile) * 2) // kv_block) * kv_block))
+    tile_q = min(n_rows * q_block, max(q_block, (pairs_per_tile // tile_kv) // q_block * q_block))
+    if q_block * kv_block * per_pair * b_eff * h_eff > free // 2:
+        raise WorkbenchError(f"one {q_block} x {kv_block} block for {b_eff}x{h_eff} (batch x heads) "
+                             f"does not fit in the memory on {device}", "use a smaller block size or fewer heads", name)
 
     counts = torch.zeros(b_eff, h_eff, n_rows, n_cols, dtype=torch.int32, device=device) if keep_counts else None
     row_kept = torch.zeros(b_eff, h_eff, q_len, dtype=torch.int64, device=device)

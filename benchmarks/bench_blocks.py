@@ -71,6 +71,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072, 1048576])
     ap.add_argument("--stats-length", type=int, default=4194304)
+    ap.add_argument("--masks", nargs="+", help="only masks whose name starts with one of these")
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
     device = "cuda"
@@ -85,6 +86,8 @@ def main():
     print("|" + "---|" * header.count("|")[:-1] if False else "|" + "---|" * (header.count("|") - 1))
     for length in args.lengths:
         for name, (mask, heads) in masks_at(length, device).items():
+            if args.masks and not any(name.startswith(m) for m in args.masks):
+                continue
             row = dict(mask=name, tokens=length)
             ours, row["ours_cold_s"], row["ours_peak_gib"], row["ours_err"] = measure(
                 lambda: build_block_mask(mask, length, length, heads=heads, device=device, progress=False), device)
@@ -121,7 +124,7 @@ def main():
                   f"| {row['exact']} |", flush=True)
     # Statistics alone at the longest length: no per-block table, no BlockMask.
     n = args.stats_length
-    for name, (mask, heads) in list(masks_at(n, device).items())[:2]:
+    for name, (mask, heads) in list(masks_at(n, device).items())[:2] if n else []:
         scan, secs, peak, err = measure(lambda: scan_blocks(mask, n, n, heads=heads, device=device, keep_counts=False,
                                                             progress=False), device)
         exact = None

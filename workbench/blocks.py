@@ -352,8 +352,10 @@ def _reduce_tile(m: torch.Tensor, q_block: int, kv_block: int, dep_b: bool, dep_
         head_diff = differing(m, m[:, :1].expand_as(m).contiguous()) if dep_h else None
         batch_diff = differing(m, m[:1].expand_as(m).contiguous()) if dep_b else None
         return counts, rows, (head_diff, batch_diff)
-    counts = m.view(B, H, Q // q_block, q_block, K // kv_block, kv_block).sum(dim=(3, 5), dtype=torch.int32)
-    rows = m.sum(dim=-1, dtype=torch.int32)
+    # One pass over the pairs: count each (row, kv block) first, then fold rows into blocks.
+    row_block = m.view(B, H, Q, K // kv_block, kv_block).sum(dim=-1, dtype=torch.int32)
+    counts = row_block.view(B, H, Q // q_block, q_block, K // kv_block).sum(dim=3, dtype=torch.int32)
+    rows = row_block.sum(dim=-1, dtype=torch.int32)
     head_diff = (m != m[:, :1]).sum(dim=(2, 3)) if dep_h else None
     batch_diff = (m != m[:1]).sum(dim=(2, 3)) if dep_b else None
     return counts, rows, (head_diff, batch_diff)

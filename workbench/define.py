@@ -69,6 +69,7 @@ class Mask:
     heads: int | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "description", inspect.cleandoc(self.description or ""))
         if not self.source:
             object.__setattr__(self, "source", mod_source(self.mask_mod, self.score_mod))
         check_signature(self.mask_mod, 4, "mask_mod", self.name)

@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     except WorkbenchError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `workbench list | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import importlib.util
 import inspect
 import json
 import pkgutil
+import re
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -77,8 +78,10 @@ class Mask:
 
     @property
     def summary(self) -> str:
-        """First line of the description."""
-        return self.description.strip().splitlines()[0] if self.description.strip() else ""
+        """First sentence of the description, on one line."""
+        text = " ".join(self.description.split())
+        first = re.split(r"(?<!\bal)\.\s+(?=[A-Z(])", text)[0].rstrip(".")
+        return first if len(first) <= 110 else first[:107] + "..."
 
     def replace(self, **changes) -> "Mask":
         return dataclasses.replace(self, **changes)

@@ -361,9 +361,6 @@ def _reduce_tile(m: torch.Tensor, q_block: int, kv_block: int, dep_b: bool, dep_
     return counts, rows, (head_diff, batch_diff)
 
 
-_COMPILED: dict = {}
-
-
 def _tile_function(mask_mod, evaluator, b_idx, h_idx, q_len, kv_len, q_block, kv_block, tile_q, tile_kv,
                    device, use_compile, dep_b, dep_h):
     shape_bh = (len(b_idx), len(h_idx))

@@ -421,6 +421,20 @@ def _pad_and_reduce(m, q_block, kv_block, dep_b, dep_h):
 
 # ---------------------------------------------------------------- BlockMask
 
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def block_classes(scan: BlockScan) -> torch.Tensor:
+    """[B', H', rows, cols] uint8 of EMPTY / PARTIAL / FULL."""
+    if scan.counts is None:
+        raise WorkbenchError("the scan kept no per-block table", "scan with keep_counts=True")
+    full_count = scan.q_block * scan.kv_block
+    classes = torch.full(scan.counts.shape, PARTIAL, dtype=torch.uint8, device=scan.counts.device)
+    classes[scan.counts == 0] = EMPTY
+    classes[scan.counts == full_count] = FULL
+    return classes
+
+
 def _ordered(dense_int8: torch.Tensor, rows_per_chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's (num_blocks, indices) encoding of a 0/1 block matrix: a stable descending argsort
     of each row, done in row chunks so the int64 argsort output stays small."""

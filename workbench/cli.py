@@ -3,6 +3,7 @@
     python -m workbench list
     python -m workbench report [TARGET ...] [--param k=JSON ...] -o DIR
     python -m workbench blocks TARGET [--param k=JSON ...] --q-len N --kv-len M [-o DIR] [--json]
+    python -m workbench verify TARGET [--param k=JSON ...] [--score TARGET] --q-len N [--backward] [--json]
 
 A TARGET is a library name (see `list`) or path/to/file.py:factory.
 """
@@ -62,6 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", help="write block_map.png, overview.png, token_view.png here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=cmd_blocks)
+
+    p = sub.add_parser("verify", help="FlexAttention vs an eager float64 reference",
+                       description="Run TARGET through compiled FlexAttention on random inputs and compare out, lse "
+                                   "(and with --backward dq, dk, dv) with an eager float64 reference. Exit 1 on failure.")
+    _add_target_args(p)
+    _add_size_args(p, required=True)
+    p.add_argument("--kv-heads", type=int, help="key/value heads for grouped-query attention (default: --heads)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension (default 64)")
+    p.add_argument("--dtype", default="bfloat16", help="float32, tf32, bfloat16, float16 (CUDA); float32, "
+                                                       "float64, bfloat16, float16 (CPU). Default bfloat16")
+    p.add_argument("--backward", action="store_true", help="also check dq, dk, dv (CUDA only)")
+    p.add_argument("--seed", type=int, help="input seed (default: a fresh one, printed)")
+    p.add_argument("--eager", action="store_true", help="run flex_attention without torch.compile")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_verify)
     return parser
 
 
@@ -145,6 +161,30 @@ def cmd_blocks(args) -> int:
         if args.out:
             print(f"pictures in {args.out}/")
     return 0
+
+
+def cmd_verify(args) -> int:
+    from workbench.run import Shape
+    from workbench.verify import verify
+
+    q_len, kv_len, device = args.q_len, args.kv_len or args.q_len, _device(args)
+    mask = load_mask(args, q_len, kv_len, device)
+    heads = args.heads or mask.heads or 1
+    shape = Shape(batch=args.batch or 1, q_heads=heads, kv_heads=args.kv_heads or heads, q_len=q_len,
+                  kv_len=kv_len, head_dim=args.head_dim)
+    verdict = verify(mask, shape, dtype=args.dtype, device=device, backward=args.backward, seed=args.seed,
+                     compile=not args.eager, block_size=_block_size(args))
+    if args.json:
+        print(json.dumps(verdict.to_dict()))
+    else:
+        print(verdict.line)
+        print(verdict.to_frame()[["max_abs_err", "rel_err", "worst", "bad_count", "nan_count", "passed"]].to_string())
+        compile_s = "not compiled" if verdict.compile_seconds is None else f"compile {verdict.compile_seconds:.2f} s"
+        print(f"{compile_s}, run {verdict.run_seconds * 1e3:.1f} ms, reference {verdict.reference_seconds:.2f} s "
+              f"({verdict.reference_dtype})")
+        for f in verdict.findings:
+            print(f"{f.severity}: {f.kind}: {f.message}")
+    return 0 if verdict.passed else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,3 +62,44 @@ def raise_recompile_limit(limit: int = 512) -> None:
         dynamo_config.accumulated_recompile_limit = max(limit * 4, dynamo_config.accumulated_recompile_limit)
     elif hasattr(dynamo_config, "accumulated_cache_size_limit"):
         dynamo_config.accumulated_cache_size_limit = max(limit * 4, dynamo_config.accumulated_cache_size_limit)
+
+
+def flex_with_lse(flex_fn, q, k, v, score_mod, block_mask, scale, enable_gqa, want_lse=True):
+    """(out, lse) from `flex_fn` (flex_attention, compiled or not). torch >= 2.9 asks for the
+    log-sum-exp through `return_aux`; older versions through `return_lse`. lse is None when
+    not wanted (compiled CPU FlexAttention cannot return it)."""
+    if not want_lse:
+        return flex_fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa), None
+    if _HAS_RETURN_AUX:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = flex_fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                           enable_gqa=enable_gqa, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    return flex_fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                   enable_gqa=enable_gqa, return_lse=True)
+
+
+def _flex_params():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return inspect.signature(flex_attention).parameters
+
+
+_HAS_RETURN_AUX = "return_aux" in _flex_params()
+
+
+def reset_compiled() -> None:
+    """Forget every compiled graph (a fresh start when a session has compiled very many mods)."""
+    torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def float32_matmul(precision: str):
+    """'ieee' (full fp32) or 'tf32' for matmuls on CUDA, restored afterwards."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old

@@ -13,26 +13,14 @@ from matplotlib.colors import CenteredNorm, ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from workbench.blocks import BlockScan, dense_mask, scan_blocks
+from workbench.blocks import EMPTY, FULL, PARTIAL, BlockScan, block_classes, dense_mask, scan_blocks
 from workbench.define import Mask, WorkbenchError
 
 # Block classes and their colours: empty (skipped), partial (mask_mod applied), full (no mask).
-EMPTY, PARTIAL, FULL = 0, 1, 2
 BLOCK_COLOURS = {EMPTY: "#f2f2f2", PARTIAL: "#f4a259", FULL: "#2a6f97"}
 BLOCK_LABELS = {EMPTY: "empty (skipped)", PARTIAL: "partial (mask applied)", FULL: "full (no mask)"}
 MAX_TOKEN_VIEW = 4096
 MAX_BLOCK_PIXELS = 1024
-
-
-def block_classes(scan: BlockScan) -> torch.Tensor:
-    """[B', H', rows, cols] uint8 of EMPTY / PARTIAL / FULL."""
-    if scan.counts is None:
-        raise WorkbenchError("the scan kept no per-block table", "scan with keep_counts=True")
-    full_count = scan.q_block * scan.kv_block
-    classes = torch.full(scan.counts.shape, PARTIAL, dtype=torch.uint8, device=scan.counts.device)
-    classes[scan.counts == 0] = EMPTY
-    classes[scan.counts == full_count] = FULL
-    return classes
 
 
 def _pool_classes(classes: torch.Tensor, max_pixels: int) -> tuple[torch.Tensor, int, int]:

@@ -1,0 +1,238 @@
+"""Runner, reference and verdict on the CPU (eager FlexAttention, plus one compiled case)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from workbench import Mask
+from workbench.blocks import build_block_mask
+from workbench.cli import main
+from workbench.define import WorkbenchError, make, with_score
+from workbench.run import Shape, make_inputs, run_flex
+from workbench.verify import Tolerance, compare, reference_attention, verify
+
+
+def dense_attention_numpy(q, k, v, keep, bias=None):
+    """Textbook attention in float64 numpy over the whole matrix. keep: [B, H, Lq, Lk] bool."""
+    q, k, v = (t.double().numpy() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        s = bias(s)
+    s = np.where(keep, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    z = e.sum(-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(z > 0, e / z, 0.0)
+        lse = np.where(z[..., 0] > 0, np.log(z[..., 0]) + m[..., 0], -np.inf)
+    return p @ v, lse
+
+
+def test_reference_matches_dense_numpy_with_gqa_score_and_dead_rows():
+    # prefix of 3 dead rows (keep nothing), then causal with an offset; softcap score
+    lq, lk = 37, 53
+    def mod(b, h, q_idx, kv_idx):
+        return (q_idx >= 3) & (kv_idx <= q_idx + (lk - lq)) & ((kv_idx + h) % 5 != 0)
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 7.0 * torch.tanh(score / 7.0)
+    mask = Mask("m", mask_mod=mod, score_mod=softcap)
+    shape = Shape(batch=2, q_heads=4, kv_heads=2, q_len=lq, kv_len=lk, head_dim=16)
+    inputs = make_inputs(shape, "float32", seed=3)
+    ref = reference_attention(mask, inputs, memory_budget=4096 * 8 * 8)  # forces several chunks
+    assert ref.chunk < lq
+    i = np.arange(lq)[:, None]
+    j = np.arange(lk)[None, :]
+    h = np.arange(4)[:, None, None]
+    keep = np.broadcast_to((i >= 3) & (j <= i + lk - lq) & ((j + h) % 5 != 0), (2, 4, lq, lk))
+    out, lse = dense_attention_numpy(inputs.q, inputs.k, inputs.v, keep, bias=lambda s: 7.0 * np.tanh(s / 7.0))
+    np.testing.assert_allclose(ref.out.numpy(), out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(ref.lse.numpy()), np.isneginf(lse))
+    finite = np.isfinite(lse)
+    np.testing.assert_allclose(ref.lse.numpy()[finite], lse[finite], rtol=1e-12)
+    assert ref.fully_masked_rows == 2 * 4 * 3
+    assert ref.masked_row_examples[0] == (0, 0, 0)
+    assert (ref.out[:, :, :3] == 0).all()
+
+
+def test_reference_gradients_match_dense_autograd_including_captured_table():
+    lq = lk = 40
+    table = torch.randn(2 * lk, dtype=torch.float64).requires_grad_()
+    def window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < 9)
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + lk]
+    mask = Mask("w", mask_mod=window, score_mod=bias, data={"table": table})
+    shape = Shape(batch=1, q_heads=2, kv_heads=1, q_len=lq, kv_len=lk, head_dim=8)
+    inputs = make_inputs(shape, "float64", seed=5, backward=True)
+    ref = reference_attention(mask, inputs, backward=True, memory_budget=2 * 40 * 8 * 20 * 7)
+    assert ref.chunk < lq
+    # independent: one dense float64 graph, torch autograd
+    q, k, v = (t.detach().clone().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+    t2 = table.detach().clone().requires_grad_()
+    i = torch.arange(lq)[:, None]
+    j = torch.arange(lk)[None, :]
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    s = q @ kk.transpose(-1, -2) / math.sqrt(8) + t2[i - j + lk]
+    s = s.masked_fill(~((j <= i) & (i - j < 9)), float("-inf"))
+    out = torch.softmax(s, -1) @ vv
+    dq, dk, dv, dt = torch.autograd.grad(out, [q, k, v, t2], inputs.grad_out)
+    for name, want in (("dq", dq), ("dk", dk), ("dv", dv), ("dtable", dt)):
+        torch.testing.assert_close(ref.grads[name], want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "float16"])
+def test_verify_passes_library_masks_eager(dtype):
+    shape = Shape(batch=2, q_heads=4, kv_heads=2, q_len=200, kv_len=200, head_dim=32)
+    for name, params in (("document", {"doc_lengths": [70, 50, 80]}), ("prefix_lm", {"prefix_len": 33})):
+        mask = make(name, params, q_len=200, kv_len=200)
+        if name == "prefix_lm":
+            mask = with_score(mask, make("alibi", {"num_heads": 4}, q_len=200, kv_len=200))
+        verdict = verify(mask, shape, dtype=dtype, compile=False, seed=11)
+        assert verdict.passed, verdict.line
+        assert verdict.seed == 11 and {c.name for c in verdict.checks} == {"out", "lse"}
+        assert verdict.to_frame().loc["out", "rel_err"] < {"float64": 1e-12, "float32": 1e-6}.get(dtype, 1e-2)
+
+
+def test_verify_fresh_seed_each_run_and_inputs_never_zero():
+    shape = Shape(q_len=16, head_dim=8)
+    a, b = make_inputs(shape, "float32"), make_inputs(shape, "float32")
+    assert a.seed != b.seed and not torch.equal(a.q, b.q)
+    assert (a.q != 0).float().mean() > 0.99
+
+
+def _drop_one_full_block(bm, row, q_len, kv_len):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    full_num = bm.full_kv_num_blocks.clone()
+    full_num[..., row] -= 1  # indices are listed in ascending order: drops the last full block
+    return BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, full_num, bm.full_kv_indices,
+                                    BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=bm.mask_mod, seq_lengths=(q_len, kv_len))
+
+
+def test_bug_dropped_kv_block_fails_with_location():
+    mask = make("causal")
+    shape = Shape(batch=1, q_heads=2, q_len=256, head_dim=16)
+    good = build_block_mask(mask, 256, 256, block_size=64)
+    assert int(good.full_kv_num_blocks[0, 0, 3]) == 3
+    broken = _drop_one_full_block(good, 3, 256, 256)  # q block 3 loses kv block 2
+    verdict = verify(mask, shape, dtype="float32", compile=False, block_mask=broken, seed=1)
+    assert not verdict.passed
+    drops = [f for f in verdict.findings if f.kind == "block_mask_drops_pairs"]
+    assert drops and "q 192..255, kv 128..191" in drops[0].message
+    # uncompiled FlexAttention applies mask_mod to every pair, so only the block check sees it
+    # (tests/test_gpu.py checks that the compiled kernel's output fails at these rows)
+    assert "FAIL" in verdict.line and "skips 1 block" in verdict.line
+
+
+def test_bug_window_off_by_one_fails_against_intended():
+    intended = make("causal_sliding_window", {"window": 16})
+    draft = make("causal_sliding_window", {"window": 17})
+    shape = Shape(q_heads=2, q_len=128, head_dim=16)
+    verdict = verify(draft, shape, dtype="float32", compile=False, expected=intended, seed=2)
+    assert not verdict.passed
+    out = verdict.checks[0]
+    assert out.worst["q"] >= 16  # the first rows agree: the window does not reach past the start
+    assert out.bad_count > 0 and "vs causal_sliding_window_16" in verdict.name
+    assert verify(intended, shape, dtype="float32", compile=False, expected=intended).passed
+
+
+def test_bug_score_mod_wrong_sign_fails():
+    alibi = make("alibi", {"num_heads": 2})
+    def alibi_wrong_sign(score, b, h, q_idx, kv_idx):  # adds the distance penalty instead of subtracting it
+        return 2 * score - alibi.score_mod(score, b, h, q_idx, kv_idx)
+    intended = with_score(make("causal"), alibi)
+    verdict = verify(intended.replace(score_mod=alibi_wrong_sign), Shape(q_heads=2, q_len=64, head_dim=16),
+                     dtype="float32", compile=False, expected=intended, seed=4)
+    assert not verdict.passed and verdict.checks[0].bad_count > 0
+
+
+def test_nan_never_passes_and_inf_mismatch_counts():
+    ref = torch.randn(3, 4, dtype=torch.float64)
+    got = ref.clone()
+    got[1, 2] = float("nan")
+    check = compare("out", got, ref, Tolerance(1, 1, 1, "loose"))
+    assert not check.passed and check.nan_count == 1 and check.worst == {"b": 1, "h": 2}
+    lse_ref = torch.tensor([0.5, float("-inf")], dtype=torch.float64)
+    assert compare("lse", lse_ref.clone(), lse_ref, Tolerance(0, 0, 0, "")).passed
+    assert not compare("lse", torch.tensor([0.5, 0.0], dtype=torch.float64), lse_ref, Tolerance(1, 1, 1, "")).passed
+
+
+def test_fully_masked_rows_are_explained():
+    def dead_rows(b, h, q_idx, kv_idx):
+        return (q_idx >= 8) & (kv_idx <= q_idx)
+    verdict = verify(Mask("dead_rows", mask_mod=dead_rows), Shape(q_heads=2, q_len=64, head_dim=16),
+                     dtype="float32", compile=False)
+    assert verdict.passed and verdict.fully_masked_rows == 2 * 8
+    text = " ".join(f.message for f in verdict.findings if f.kind == "fully_masked_rows")
+    assert "returns 0" in text and "NaN" in text
+
+
+def test_captured_scalars_and_eager_vs_traced_findings():
+    def reduces_over_queries(b, h, q_idx, kv_idx):  # amax sees one query traced, all of them called directly
+        return kv_idx <= q_idx.amax()
+    def returns_int(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx
+    limit = 5
+    def tensor_bool(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx < limit) & (kv_idx <= q_idx)
+    verdict = verify(Mask("tb", mask_mod=tensor_bool), Shape(q_len=32, head_dim=8), dtype="float32", compile=False)
+    assert any(f.kind == "captured_scalars" and "limit=5" in f.message for f in verdict.findings)
+    verdict = verify(Mask("r", mask_mod=reduces_over_queries), Shape(q_len=64, head_dim=8), dtype="float32",
+                     compile=False)
+    assert verdict.passed and any(f.kind == "eager_vs_traced" for f in verdict.findings)
+    with pytest.raises(WorkbenchError, match="bool"):
+        verify(Mask("ri", mask_mod=returns_int), Shape(q_len=32, head_dim=8), dtype="float32", compile=False)
+
+
+def test_stale_block_mask_and_bad_inputs_fail_before_work():
+    mask = make("causal")
+    old = build_block_mask(mask, 128, 128)
+    with pytest.raises(WorkbenchError, match="built for q_len=128.*rebuild"):
+        verify(mask, Shape(q_len=256, head_dim=8), dtype="float32", compile=False, block_mask=old)
+    with pytest.raises(WorkbenchError, match="not a multiple of kv_heads"):
+        Shape(q_heads=6, kv_heads=4)
+    with pytest.raises(WorkbenchError, match="tf32"):
+        verify(mask, Shape(q_len=16), dtype="tf32", device="cpu")
+    with pytest.raises(WorkbenchError, match="unknown dtype"):
+        verify(mask, Shape(q_len=16), dtype="float8")
+    with pytest.raises(WorkbenchError, match="no backward on the CPU"):
+        verify(mask, Shape(q_len=16), dtype="float32", backward=True)
+    with pytest.raises(WorkbenchError, match="defined for 3 heads"):
+        verify(make("per_head_window", {"windows": [1, 2, 3]}), Shape(q_heads=2, q_len=16), dtype="float32",
+               compile=False)
+    with pytest.raises(WorkbenchError, match="one query row of the reference needs"):
+        verify(mask, Shape(q_heads=64, q_len=16, kv_len=1 << 20), dtype="float32", memory_budget=1 << 20)
+    with pytest.raises(WorkbenchError, match="need about"):
+        make_inputs(Shape(batch=1 << 12, q_heads=1 << 10, q_len=1 << 20, head_dim=128), "float32")
+
+
+def test_run_flex_reports_compile_state_eager():
+    mask = make("causal")
+    inputs = make_inputs(Shape(q_len=64, head_dim=8), "float32", seed=0)
+    run = run_flex(mask, inputs, compile=False)
+    assert run.compile_seconds is None and not run.new_graph and run.run_seconds > 0 and run.lse is not None
+
+
+def test_cli_verify_compiled_cpu_json(capsys):
+    # the one compiled FlexAttention case of the CPU suite (~20 s)
+    code = main(["verify", "causal_sliding_window", "--param", "window=32", "--q-len", "128", "--heads", "2",
+                 "--device", "cpu", "--dtype", "float32", "--head-dim", "16", "--json"])
+    record = json.loads(capsys.readouterr().out)
+    assert code == 0 and record["passed"] is True and record["compiled"] is True
+    assert record["compile_seconds"] > 0 and record["nan_count"] == 0 and record["fully_masked_rows"] == 0
+    assert record["max_abs_err"] < 1e-4 and any(f["kind"] == "lse_not_checked" for f in record["findings"])
+
+
+def test_cli_verify_eager_table_and_bad_input(capsys):
+    assert main(["verify", "prefix_lm", "--q-len", "96", "--device", "cpu", "--dtype", "float32", "--eager",
+                 "--head-dim", "8", "--score", "softcap"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("PASS prefix_lm") and "not compiled" in text and "rel_err" in text
+    assert main(["verify", "causal", "--q-len", "64", "--heads", "6", "--kv-heads", "4", "--device", "cpu"]) == 2
+    assert "multiple of kv_heads" in capsys.readouterr().err

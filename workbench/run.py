@@ -1,0 +1,319 @@
+"""Stage 4, run: a mask through FlexAttention, with compilation managed and timed.
+
+`make_inputs` draws fresh random q, k, v (never zeros; the seed is kept), `run_flex` runs them
+through `flex_attention` -- compiled by default -- forward and optionally backward, and says
+what was compiled and how long that took, apart from the run itself.
+
+Why the compile bookkeeping: `torch.compile(flex_attention)` compiles once per distinct mod
+(code, captured Python values, shapes, dtype). Past dynamo's recompile limit (8 by default)
+torch silently falls back to the unfused path, which needs memory quadratic in the length. A
+session that tries many masks lifts the limit (compat.raise_recompile_limit) and starts over
+(compat.reset_compiled) before reaching it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from workbench import compat
+from workbench.define import Mask, WorkbenchError
+
+DTYPES = {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "float64": torch.float64}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64", "half": "float16",
+                 "float": "float32", "double": "float64"}
+# What FlexAttention runs on each device type (float64 is the reference's job on CUDA).
+SUPPORTED = {"cpu": {"float32", "bfloat16", "float16", "float64"},
+             "cuda": {"float32", "tf32", "bfloat16", "float16"}}
+RECOMPILE_LIMIT = 512
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    name = DTYPE_ALIASES.get(dtype, dtype)
+    if name not in DTYPES:
+        raise WorkbenchError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Attention problem size: q [batch, q_heads, q_len, head_dim], k/v [batch, kv_heads, kv_len, head_dim]."""
+
+    batch: int = 1
+    q_heads: int = 1
+    kv_heads: int | None = None  # None: same as q_heads
+    q_len: int = 128
+    kv_len: int | None = None  # None: same as q_len
+    head_dim: int = 64
+
+    def __post_init__(self):
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.q_heads)
+        if self.kv_len is None:
+            object.__setattr__(self, "kv_len", self.q_len)
+        for name in ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise WorkbenchError(f"{name} = {value!r} must be a positive integer", f"pass a positive {name}")
+        if self.q_heads % self.kv_heads:
+            raise WorkbenchError(f"q_heads = {self.q_heads} is not a multiple of kv_heads = {self.kv_heads}",
+                                 "grouped-query attention needs q_heads = kv_heads * group; change --heads or --kv-heads")
+
+    @property
+    def gqa(self) -> bool:
+        return self.q_heads != self.kv_heads
+
+
+@dataclass
+class Inputs:
+    """Random attention inputs; `grad_out` is the upstream gradient used for backward runs."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    shape: Shape
+    dtype: str
+    seed: int
+    grad_out: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
+def check_device_dtype(device: torch.device, dtype: str) -> None:
+    kind = device.type
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise WorkbenchError("CUDA was asked for but torch sees no GPU", "use --device cpu")
+    allowed = SUPPORTED.get(kind)
+    if allowed is None:
+        raise WorkbenchError(f"device {device} is not supported by the runner", "use cpu or cuda")
+    if dtype not in allowed:
+        fix = ("use float32, tf32, bfloat16 or float16; the float64 reference runs separately"
+               if kind == "cuda" else "tf32 exists only on CUDA; use float32 on the CPU")
+        raise WorkbenchError(f"FlexAttention does not run {dtype} on {kind}", fix)
+    if kind == "cuda" and dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        raise WorkbenchError("this GPU does not support bfloat16", "use float16 or float32")
+
+
+def _free_bytes(device: torch.device) -> int:
+    from workbench.blocks import _device_memory
+
+    return _device_memory(device)
+
+
+def input_bytes(shape: Shape, dtype: str, backward: bool) -> int:
+    item = DTYPES[dtype].itemsize
+    q = shape.batch * shape.q_heads * shape.q_len * shape.head_dim
+    kv = 2 * shape.batch * shape.kv_heads * shape.kv_len * shape.head_dim
+    per_pass = 2 * q + kv + shape.batch * shape.q_heads * shape.q_len * 2  # q, out, k, v, lse (fp32)
+    return item * per_pass * (2 if backward else 1)
+
+
+def make_inputs(shape: Shape, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu",
+                seed: int | None = None, backward: bool = False) -> Inputs:
+    """q, k, v ~ N(0, 1) drawn with `seed` (a fresh one when None), on `device` in `dtype`."""
+    dtype, device = dtype_name(dtype), torch.device(device)
+    check_device_dtype(device, dtype)
+    need, free = input_bytes(shape, dtype, backward), _free_bytes(device)
+    if need > free * 0.8:
+        raise WorkbenchError(f"inputs for {shape} need about {need / 2**30:.1f} GiB, "
+                             f"{free / 2**30:.1f} GiB is free on {device}",
+                             "use fewer heads, a smaller batch or a shorter length")
+    seed = secrets.randbits(31) if seed is None else int(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    real = DTYPES[dtype]
+
+    def draw(*size):
+        return torch.randn(*size, generator=generator, device=device, dtype=torch.float32).to(real)
+
+    s = shape
+    q = draw(s.batch, s.q_heads, s.q_len, s.head_dim)
+    k = draw(s.batch, s.kv_heads, s.kv_len, s.head_dim)
+    v = draw(s.batch, s.kv_heads, s.kv_len, s.head_dim)
+    grad_out = draw(s.batch, s.q_heads, s.q_len, s.head_dim) if backward else None
+    return Inputs(q, k, v, s, dtype, seed, grad_out)
+
+
+# ---------------------------------------------------------------- compilation
+
+_compiled_flex: Callable | None = None
+_graphs: dict[tuple, float] = {}  # graph key -> compile seconds
+
+
+def compiled_flex_attention() -> Callable:
+    global _compiled_flex
+    if _compiled_flex is None:
+        compat.raise_recompile_limit(RECOMPILE_LIMIT)
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def captured_scalars(fn: Callable | None) -> dict[str, object]:
+    """Python numbers a mod captures from its enclosing scope. Dynamo bakes them into the
+    compiled kernel, so each new value compiles a new graph."""
+    if fn is None or getattr(fn, "__closure__", None) is None:
+        return {}
+    out = {}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # empty cell
+            continue
+        if isinstance(value, (bool, int, float)):
+            out[name] = value
+    return out
+
+
+def graph_key(mask: Mask, inputs: Inputs, backward: bool, block_size: tuple[int, int]) -> tuple:
+    """What makes dynamo compile a new graph for flex_attention, as far as we can see it."""
+
+    def code(fn):
+        return None if fn is None else getattr(fn, "__code__", id(fn))
+
+    scalars = tuple(sorted(captured_scalars(mask.mask_mod).items())) + tuple(sorted(captured_scalars(mask.score_mod).items()))
+    return (code(mask.mask_mod), code(mask.score_mod), scalars, tuple(inputs.q.shape), tuple(inputs.k.shape),
+            inputs.dtype, str(inputs.device), backward, block_size)
+
+
+def forget_compiled() -> None:
+    """Drop every compiled graph and the bookkeeping about them."""
+    global _compiled_flex
+    compat.reset_compiled()
+    _compiled_flex = None
+    _graphs.clear()
+
+
+# ---------------------------------------------------------------- running
+
+@dataclass
+class FlexRun:
+    """What one FlexAttention run produced and what it cost.
+
+    compile_seconds: time spent compiling a new graph in this call (0 when the graph was
+    already compiled; None for an uncompiled run). run_seconds: one forward (+ backward) with
+    the graph compiled. grads: dq, dk, dv and, for captured tensors that require grad, their
+    gradients under their `Mask.data` names."""
+
+    out: torch.Tensor
+    lse: torch.Tensor | None  # None where FlexAttention cannot return it (compiled, CPU)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    compiled: bool = True
+    compile_seconds: float | None = None
+    run_seconds: float = 0.0
+    new_graph: bool = False
+    graphs_in_session: int = 0
+    block_mask: BlockMask | None = None
+
+
+def learnable_tensors(mask: Mask) -> dict[str, torch.Tensor]:
+    return {k: t for k, t in mask.data.items() if isinstance(t, torch.Tensor) and t.requires_grad}
+
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _call(flex_fn, mask: Mask, inputs: Inputs, block_mask, scale, backward: bool, want_lse: bool = True):
+    with compat.float32_matmul("tf32" if inputs.dtype == "tf32" else "ieee"), warnings.catch_warnings():
+        # an uncompiled run is asked for explicitly; torch's advice to compile is noise here
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        if not backward:
+            with torch.no_grad():
+                out, lse = compat.flex_with_lse(flex_fn, inputs.q, inputs.k, inputs.v, mask.score_mod, block_mask,
+                                                scale, inputs.shape.gqa, want_lse)
+            return out, lse, {}
+        learn = learnable_tensors(mask)
+        q, k, v = (t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+        out, lse = compat.flex_with_lse(flex_fn, q, k, v, mask.score_mod, block_mask, scale, inputs.shape.gqa)
+        grads = torch.autograd.grad(out, [q, k, v, *learn.values()], inputs.grad_out, allow_unused=True)
+        names = ["dq", "dk", "dv", *(f"d{name}" for name in learn)]
+        return out.detach(), lse.detach() if lse is not None else None, {n: g for n, g in zip(names, grads) if g is not None}
+
+
+def run_flex(mask: Mask, inputs: Inputs, *, block_mask: BlockMask | None = None,
+             block_size: int | tuple[int, int] = 128, backward: bool = False, compile: bool = True,
+             scale: float | None = None) -> FlexRun:
+    """Run `mask` through flex_attention on `inputs`. Builds the block mask (exactly, in bounded
+    memory) unless one is given. Raises WorkbenchError for inputs the mask cannot take."""
+    from workbench.blocks import build_block_mask
+
+    shape = inputs.shape
+    if backward and inputs.grad_out is None:
+        raise WorkbenchError("backward=True needs inputs made with backward=True (they carry grad_out)",
+                             "call make_inputs(..., backward=True)")
+    if backward and inputs.device.type != "cuda":
+        raise WorkbenchError("FlexAttention has no backward on the CPU", "verify the backward pass on a GPU "
+                             "(--device cuda), or drop --backward", mask.name)
+    if mask.heads is not None and mask.heads != shape.q_heads:
+        raise WorkbenchError(f"the mask is defined for {mask.heads} heads, the inputs have {shape.q_heads}",
+                             f"use --heads {mask.heads} or give the mask one entry per head", mask.name)
+    q_block, kv_block = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+    if block_mask is None:
+        if mask.mask_mod is not None:
+            heads = shape.q_heads if mask.heads else None
+            block_mask = build_block_mask(mask, shape.q_len, shape.kv_len, heads=heads, block_size=(q_block, kv_block),
+                                          device=inputs.device)
+    else:
+        check_block_mask(block_mask, shape, mask.name)
+    flex_fn = compiled_flex_attention() if compile else flex_attention
+    # compiled FlexAttention on the CPU is inference-only and cannot return the log-sum-exp
+    want_lse = not (compile and inputs.device.type == "cpu")
+    key = graph_key(mask, inputs, backward, (q_block, kv_block))
+    new_graph = compile and key not in _graphs
+    if new_graph and len(_graphs) >= RECOMPILE_LIMIT // 2:
+        forget_compiled()  # start over well before dynamo's limit
+        flex_fn = compiled_flex_attention()
+    try:
+        _sync(inputs.device)
+        t0 = time.perf_counter()
+        out, lse, grads = _call(flex_fn, mask, inputs, block_mask, scale, backward, want_lse)
+        _sync(inputs.device)
+        first = time.perf_counter() - t0
+        if new_graph:  # the first call compiled; time a second one for the run alone
+            t0 = time.perf_counter()
+            out, lse, grads = _call(flex_fn, mask, inputs, block_mask, scale, backward, want_lse)
+            _sync(inputs.device)
+            run = time.perf_counter() - t0
+            _graphs[key] = max(0.0, first - run)
+        else:
+            run = first
+    except WorkbenchError:
+        raise
+    except torch.OutOfMemoryError as exc:
+        raise WorkbenchError(f"FlexAttention ran out of memory on {inputs.device} for {shape}",
+                             "use fewer heads, a smaller batch or a shorter length", mask.name) from exc
+    except Exception as exc:
+        text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+        raise WorkbenchError(f"flex_attention failed ({'compiled' if compile else 'eager'}, {inputs.dtype} on "
+                             f"{inputs.device}): {text}",
+                             "check the mods with `probe(mask)`; try compile=False to see whether the "
+                             "failure is in compilation", mask.name) from exc
+    return FlexRun(out=out, lse=lse, grads=grads, compiled=compile,
+                   compile_seconds=(_graphs[key] if new_graph else 0.0) if compile else None,
+                   run_seconds=run, new_graph=new_graph, graphs_in_session=len(_graphs), block_mask=block_mask)
+
+
+def check_block_mask(block_mask: BlockMask, shape: Shape, name: str | None = None) -> None:
+    """A block mask must be built for the inputs' lengths and broadcast over their batch/heads."""
+    seq = tuple(getattr(block_mask, "seq_lengths", ()) or ())
+    if seq and seq != (shape.q_len, shape.kv_len):
+        raise WorkbenchError(
+            f"the block mask was built for q_len={seq[0]}, kv_len={seq[1]}, the inputs have "
+            f"q_len={shape.q_len}, kv_len={shape.kv_len}; FlexAttention would read the wrong blocks",
+            "rebuild it for these lengths: build_block_mask(mask, q_len, kv_len)", name)
+    b, h = block_mask.kv_num_blocks.shape[:2]
+    if b not in (1, shape.batch) or h not in (1, shape.q_heads):
+        raise WorkbenchError(f"the block mask has batch={b}, heads={h}, the inputs batch={shape.batch}, "
+                             f"heads={shape.q_heads}; they do not broadcast",
+                             "build it with heads/batch None (broadcast) or equal to the inputs'", name)

@@ -1,0 +1,513 @@
+"""Stage 5, verify: FlexAttention against an eager reference that shares none of its code.
+
+The reference computes scores in float64 (or float32 on request), applies the user's mods
+directly to them, and takes the softmax with FlexAttention's documented convention for rows
+with no kept key (output 0, log-sum-exp -inf). It works one chunk of queries at a time, so
+memory is O(chunk x kv_len), and gets gradients chunk by chunk the same way (the loss is a sum
+over query rows, so per-chunk gradients add up exactly).
+
+Tolerances (TOLERANCES) are per run dtype; see the reasoning next to each.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import pandas as pd
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from workbench import compat
+from workbench.define import Mask, WorkbenchError
+from workbench.run import FlexRun, Inputs, Shape, learnable_tensors, make_inputs, run_flex
+
+
+# ---------------------------------------------------------------- tolerances
+
+@dataclass(frozen=True)
+class Tolerance:
+    """An element passes when |got - ref| <= atol + rtol * |ref|; the tensor also needs
+    ||got - ref||_F / ||ref||_F <= rel_fro."""
+
+    atol: float
+    rtol: float
+    rel_fro: float
+    why: str
+
+
+TOLERANCES = {
+    # Inputs are drawn in the run dtype and the reference upcasts those same values, so the
+    # only error is the kernel's arithmetic and the final rounding of its output.
+    "float64": Tolerance(1e-9, 1e-9, 1e-10, "float64 kernel vs float64 reference: summation order only"),
+    "float32": Tolerance(2e-5, 2e-5, 1e-5,
+                         "fp32 unit roundoff 6e-8; online softmax over up to 1e6 keys loses a few "
+                         "hundred ulps in the worst row"),
+    "tf32": Tolerance(5e-3, 5e-3, 2e-3, "TF32 matmuls keep 10 mantissa bits (roundoff 4.9e-4) on q.k and p.v; "
+                      "errors average out over the head dim"),
+    "float16": Tolerance(5e-3, 5e-3, 2e-3, "fp16 output rounding 4.9e-4 plus p cast to fp16 before p.v; "
+                         "measured rel error ~3e-4"),
+    "bfloat16": Tolerance(3e-2, 3e-2, 1e-2,
+                          "bf16 output rounding 3.9e-3 plus p cast to bf16 before p.v; measured rel error "
+                          "2.1e-3 on the H200 (same as SDPA flash), so 1e-2 leaves 5x room"),
+}
+# The log-sum-exp comes back in float32 whatever the dtype; scores are O(sqrt(D)) so it gets an
+# absolute tolerance of its own.
+LSE_TOLERANCE = {"float64": Tolerance(1e-9, 1e-9, 1e-10, "float64"),
+                 "float32": Tolerance(1e-4, 1e-5, 1e-5, "fp32 log-sum-exp"),
+                 "tf32": Tolerance(2e-2, 2e-3, 2e-3, "tf32 q.k"),
+                 "float16": Tolerance(1e-2, 2e-3, 2e-3, "lse from fp16-rounded scores"),
+                 "bfloat16": Tolerance(2e-2, 4e-3, 4e-3, "lse from the kernel's fp32 scores of bf16 inputs")}
+
+
+# ---------------------------------------------------------------- the reference
+
+@dataclass
+class Reference:
+    out: torch.Tensor
+    lse: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    dtype: str
+    seconds: float
+    chunk: int
+    fully_masked_rows: int
+    masked_row_examples: list[tuple[int, int, int]]  # (b, h, q)
+
+
+def _mod_evaluator(mod: Callable, role: str, shape: Shape, device) -> str:
+    """'broadcast' if calling the mod on broadcast index tensors matches its vmapped value
+    (FlexAttention's semantics) on probe regions, else 'vmap'."""
+    from workbench.blocks import _probe_regions, choose_evaluator
+
+    if role == "mask":
+        return choose_evaluator(mod, shape.q_len, shape.kv_len, shape.batch, shape.q_heads, device)
+    b = torch.unique(torch.tensor([0, shape.batch - 1], dtype=torch.int32)).to(device)
+    h = torch.unique(torch.tensor([0, shape.q_heads - 1], dtype=torch.int32)).to(device)
+    for q_range, kv_range in _probe_regions(shape.q_len, shape.kv_len, size=16):
+        q = torch.arange(*q_range, device=device, dtype=torch.int32)
+        kv = torch.arange(*kv_range, device=device, dtype=torch.int32)
+        score = torch.randn(len(b), len(h), len(q), len(kv), device=device, dtype=torch.float64)
+        ref = compat.vmap_bhqkv(mod, b, h, q, kv, score=score)
+        try:
+            got = _score_broadcast(mod, score, b, h, q, kv)
+            if got.shape != ref.shape or not torch.allclose(got, ref, rtol=1e-12, atol=1e-12, equal_nan=True):
+                return "vmap"
+        except Exception:
+            return "vmap"
+    return "broadcast"
+
+
+def _score_broadcast(mod, score, b, h, q, kv):
+    out = mod(score, b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), q.view(1, 1, -1, 1), kv.view(1, 1, 1, -1))
+    return out.expand(score.shape) if out.shape != score.shape else out
+
+
+def reference_bytes_per_row(shape: Shape, backward: bool, itemsize: int = 8) -> int:
+    """Temporaries per query row: scores, modded scores, mask, probabilities... (x3 with the
+    autograd graph of a backward chunk)."""
+    return shape.batch * shape.q_heads * shape.kv_len * itemsize * (8 if not backward else 20)
+
+
+def default_reference_budget(device: torch.device) -> int:
+    from workbench.blocks import _device_memory
+
+    cap = (16 << 30) if device.type == "cuda" else (1 << 30)
+    return int(min(cap, _device_memory(device) // 4))
+
+
+def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, dtype: torch.dtype = torch.float64,
+                        scale: float | None = None, device: str | torch.device | None = None,
+                        memory_budget: int | None = None, progress: bool | None = None) -> Reference:
+    """Eager attention of `inputs` under `mask`, in `dtype`, a chunk of query rows at a time."""
+    from tqdm.auto import tqdm
+
+    shape = inputs.shape
+    device = torch.device(device) if device is not None else inputs.device
+    budget = memory_budget or default_reference_budget(device)
+    per_row = reference_bytes_per_row(shape, backward, torch.finfo(dtype).bits // 8)
+    if per_row > budget:
+        raise WorkbenchError(
+            f"one query row of the reference needs {per_row / 2**20:.0f} MiB (batch {shape.batch} x "
+            f"{shape.q_heads} heads x {shape.kv_len} keys), over the {budget / 2**20:.0f} MiB budget",
+            "use fewer heads or a smaller batch, or pass a larger memory_budget", mask.name)
+    chunk = max(1, min(shape.q_len, budget // per_row))
+    scale = 1.0 / math.sqrt(shape.head_dim) if scale is None else scale
+    group = shape.q_heads // shape.kv_heads
+
+    mask_eval = _mod_evaluator(mask.mask_mod, "mask", shape, device) if mask.mask_mod is not None else None
+    score_eval = _mod_evaluator(mask.score_mod, "score", shape, device) if mask.score_mod is not None else None
+    b = torch.arange(shape.batch, device=device, dtype=torch.int32)
+    h = torch.arange(shape.q_heads, device=device, dtype=torch.int32)
+    kv = torch.arange(shape.kv_len, device=device, dtype=torch.int32)
+
+    learn = learnable_tensors(mask) if backward else {}
+    k = inputs.k.detach().to(device, dtype).requires_grad_(backward)
+    v = inputs.v.detach().to(device, dtype).requires_grad_(backward)
+    out = torch.empty(shape.batch, shape.q_heads, shape.q_len, shape.head_dim, dtype=dtype, device=device)
+    lse = torch.empty(shape.batch, shape.q_heads, shape.q_len, dtype=dtype, device=device)
+    grads = {}
+    if backward:
+        grads = {"dq": torch.empty_like(out), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v)}
+        grads.update({f"d{n}": torch.zeros(t.shape, dtype=dtype, device=t.device) for n, t in learn.items()})
+    masked_rows, examples = 0, []
+    show = progress if progress is not None else shape.q_len // chunk > 16
+    t0 = time.perf_counter()
+    for q0 in tqdm(range(0, shape.q_len, chunk), desc=f"reference {mask.name}", disable=not show, leave=False):
+        q1 = min(shape.q_len, q0 + chunk)
+        q_idx = torch.arange(q0, q1, device=device, dtype=torch.int32)
+        qc = inputs.q[:, :, q0:q1].detach().to(device, dtype).requires_grad_(backward)
+        with torch.set_grad_enabled(backward):
+            k_full = k.repeat_interleave(group, dim=1) if group > 1 else k
+            v_full = v.repeat_interleave(group, dim=1) if group > 1 else v
+            scores = torch.matmul(qc, k_full.transpose(-1, -2)) * scale
+            if mask.score_mod is not None:
+                if score_eval == "broadcast":
+                    scores = _score_broadcast(mask.score_mod, scores, b, h, q_idx, kv)
+                else:
+                    with compat.getitem_as_index():
+                        scores = compat.vmap_bhqkv(mask.score_mod, b, h, q_idx, kv, score=scores)
+                scores = scores.to(dtype)
+            if mask.mask_mod is not None:
+                from workbench.blocks import _expand, evaluate_broadcast, evaluate_vmap
+
+                fn = evaluate_broadcast if mask_eval == "broadcast" else evaluate_vmap
+                keep = _expand(fn(mask.mask_mod, b, h, q_idx, kv), scores.shape)
+                scores = scores.masked_fill(~keep, float("-inf"))
+            row_lse = torch.logsumexp(scores, dim=-1)
+            dead = torch.isneginf(row_lse)
+            # exp(-inf - -inf) is NaN: rows without a kept key get probability 0 (output 0)
+            probs = torch.exp(scores - torch.where(dead, 0.0, row_lse).unsqueeze(-1))
+            out_c = torch.matmul(probs, v_full)
+        if backward:
+            targets = [qc, k, v, *learn.values()]
+            got = torch.autograd.grad(out_c, targets, inputs.grad_out[:, :, q0:q1].to(device, dtype), allow_unused=True)
+            grads["dq"][:, :, q0:q1] = got[0]
+            grads["dk"] += got[1]
+            grads["dv"] += got[2]
+            for name, g in zip(learn, got[3:]):
+                if g is not None:
+                    grads[f"d{name}"] += g.to(dtype)
+        out[:, :, q0:q1] = out_c.detach()
+        lse[:, :, q0:q1] = row_lse.detach()
+        n_dead = int(dead.sum())
+        if n_dead:
+            masked_rows += n_dead
+            if len(examples) < 8:
+                for bb, hh, qq in dead.nonzero()[: 8 - len(examples)].tolist():
+                    examples.append((bb, hh, q0 + qq))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return Reference(out=out, lse=lse, grads=grads, dtype=str(dtype).removeprefix("torch."),
+                     seconds=time.perf_counter() - t0, chunk=chunk, fully_masked_rows=masked_rows,
+                     masked_row_examples=examples)
+
+
+# ---------------------------------------------------------------- comparing
+
+AXES = {"out": ("b", "h", "q", "d"), "lse": ("b", "h", "q"), "dq": ("b", "h", "q", "d"),
+        "dk": ("b", "h_kv", "kv", "d"), "dv": ("b", "h_kv", "kv", "d")}
+
+
+@dataclass
+class TensorCheck:
+    """One tensor compared with the reference."""
+
+    name: str
+    max_abs_err: float
+    rel_err: float  # ||got - ref||_F / ||ref||_F (finite entries)
+    worst: dict[str, int]  # index of the largest error, by axis name
+    worst_got: float
+    worst_ref: float
+    bad_count: int  # elements outside atol + rtol * |ref| (NaN counts as bad)
+    nan_count: int
+    inf_count: int  # infinities where the reference is finite (or of the other sign)
+    numel: int
+    atol: float
+    rtol: float
+    rel_tol: float
+    passed: bool
+
+
+def compare(name: str, got: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> TensorCheck:
+    got = got.to(ref.device, torch.float64)
+    ref = ref.to(torch.float64)
+    nan = torch.isnan(got)
+    same_inf = torch.isinf(got) & torch.isinf(ref) & (torch.sign(got) == torch.sign(ref))
+    bad_inf = torch.isinf(got) & ~same_inf
+    ref_inf = torch.isinf(ref) & ~same_inf  # reference says -inf (dead row) and the kernel does not
+    finite = torch.isfinite(got) & torch.isfinite(ref)
+    diff = torch.where(finite, (got - ref).abs(), torch.zeros((), dtype=torch.float64, device=ref.device))
+    diff = torch.where(nan | bad_inf | ref_inf, torch.full((), float("inf"), dtype=torch.float64, device=ref.device), diff)
+    limit = tol.atol + tol.rtol * torch.where(finite, ref.abs(), torch.zeros((), dtype=torch.float64, device=ref.device))
+    bad = diff > limit
+    ref_f = torch.where(finite, ref, 0.0)
+    norm = float(torch.linalg.vector_norm(ref_f))
+    err_f = float(torch.linalg.vector_norm(torch.where(finite, got - ref, 0.0)))
+    rel = err_f / norm if norm > 0 else err_f
+    flat = int(torch.argmax(diff))
+    index = list(torch.unravel_index(torch.tensor(flat), diff.shape)) if diff.dim() else []
+    axes = AXES.get(name, tuple(f"dim{i}" for i in range(diff.dim())))
+    worst = {axis: int(i) for axis, i in zip(axes, index)}
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    n_nan, n_inf, n_bad = int(nan.sum()), int((bad_inf | ref_inf).sum()), int(bad.sum())
+    passed = n_nan == 0 and n_inf == 0 and n_bad == 0 and rel <= tol.rel_fro
+    return TensorCheck(name=name, max_abs_err=max_abs, rel_err=rel, worst=worst,
+                       worst_got=float(got.reshape(-1)[flat]) if got.numel() else 0.0,
+                       worst_ref=float(ref.reshape(-1)[flat]) if ref.numel() else 0.0,
+                       bad_count=n_bad, nan_count=n_nan, inf_count=n_inf, numel=got.numel(), atol=tol.atol,
+                       rtol=tol.rtol, rel_tol=tol.rel_fro, passed=passed)
+
+
+# ---------------------------------------------------------------- the traps
+
+@dataclass
+class Finding:
+    """Something about this mask or run that changes what the numbers mean."""
+
+    kind: str  # fully_masked_rows | block_mask_drops_pairs | block_mask_full_not_full | eager_vs_traced | captured_scalars
+    severity: str  # "error" fails the verdict; "warning" and "info" do not
+    message: str
+
+
+def block_mask_findings(mask: Mask, block_mask: BlockMask, shape: Shape) -> list[Finding]:
+    """Compare a given block mask with the blocks the mask_mod really needs: blocks it skips
+    that hold kept pairs lose them; blocks it marks full that hold masked pairs skip the mask_mod."""
+    from workbench.blocks import block_classes, scan_blocks
+
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    # every head and batch entry: a broadcast block mask must fit all of them
+    scan = scan_blocks(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch,
+                       block_size=(q_block, kv_block),
+                       device=block_mask.kv_num_blocks.device, progress=False)
+    rows, cols = scan.block_rows, scan.block_cols
+    dense = _visited(block_mask, rows, cols)  # 0 skipped, 1 partial, 2 full
+    needed = block_classes(scan).to(dense.device, torch.int8)  # same codes as _visited
+    dense, needed = torch.broadcast_tensors(dense, needed)
+    found = []
+    lost = (dense == 0) & (needed > 0)
+    if lost.any():
+        bb, hh, r, c = (int(x) for x in lost.nonzero()[0])
+        found.append(Finding("block_mask_drops_pairs", "error",
+                             f"the block mask skips {int(lost.sum())} block(s) holding kept pairs, first at "
+                             f"b={bb}, h={hh}, q {r * q_block}..{min(shape.q_len, (r + 1) * q_block) - 1}, "
+                             f"kv {c * kv_block}..{min(shape.kv_len, (c + 1) * kv_block) - 1}: FlexAttention "
+                             "never visits them, so those pairs are silently dropped (uncompiled FlexAttention applies the mask_mod to "
+                             "every pair and hides this). Rebuild it from this mask_mod"))
+    wrong_full = (dense == 2) & (needed == 1)
+    if wrong_full.any():
+        bb, hh, r, c = (int(x) for x in wrong_full.nonzero()[0])
+        found.append(Finding("block_mask_full_not_full", "error",
+                             f"the block mask marks {int(wrong_full.sum())} block(s) full that hold masked pairs, "
+                             f"first at b={bb}, h={hh}, q block {r}, kv block {c}: the mask_mod is not applied "
+                             "there, so masked pairs are attended"))
+    return found
+
+
+def _visited(block_mask: BlockMask, rows: int, cols: int) -> torch.Tensor:
+    """[B, H, rows, cols] int8: 2 where the block mask lists a block as full, 1 as partial."""
+    out = torch.zeros(*block_mask.kv_num_blocks.shape[:2], rows, cols, dtype=torch.int8,
+                      device=block_mask.kv_num_blocks.device)
+    for num, idx, value in ((block_mask.kv_num_blocks, block_mask.kv_indices, 1),
+                            (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, 2)):
+        if num is None:
+            continue
+        num, idx = num[..., :rows], idx[..., :rows, :]
+        valid = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
+        idx = torch.where(valid, idx.long(), cols)  # park unused slots past the end
+        tmp = torch.zeros(*out.shape[:3], cols + 1, dtype=torch.int8, device=out.device)
+        tmp.scatter_(-1, idx.clamp(max=cols), torch.full_like(idx, value, dtype=torch.int8))
+        out = torch.maximum(out, tmp[..., :cols])
+    return out
+
+
+def mod_findings(mask: Mask, shape: Shape, device) -> list[Finding]:
+    from workbench.blocks import _expand, _probe_regions, evaluate_broadcast, evaluate_vmap
+    from workbench.run import captured_scalars
+
+    found = []
+    scalars = {**captured_scalars(mask.mask_mod), **captured_scalars(mask.score_mod)}
+    if scalars:
+        shown = ", ".join(f"{k}={v!r}" for k, v in list(scalars.items())[:6])
+        found.append(Finding("captured_scalars", "info",
+                             f"the mods capture Python numbers ({shown}); torch.compile bakes them into the "
+                             "kernel, so each new value compiles again (seconds each). To sweep a value without "
+                             "recompiling, capture it as a 0-d tensor instead"))
+    if mask.mask_mod is not None:
+        b = torch.arange(min(shape.batch, 2), device=device, dtype=torch.int32)
+        h = torch.arange(min(shape.q_heads, 2), device=device, dtype=torch.int32)
+        for q_range, kv_range in _probe_regions(shape.q_len, shape.kv_len, size=32):
+            q = torch.arange(*q_range, device=device, dtype=torch.int32)
+            kv = torch.arange(*kv_range, device=device, dtype=torch.int32)
+            traced = evaluate_vmap(mask.mask_mod, b, h, q, kv)
+            try:
+                direct = _expand(evaluate_broadcast(mask.mask_mod, b, h, q, kv), traced.shape)
+                differs = direct.dtype != torch.bool or not torch.equal(direct, traced)
+            except Exception:
+                differs = False  # the mod only works per element; nothing to compare
+            if differs:
+                found.append(Finding("eager_vs_traced", "warning",
+                                     f"called directly on broadcast index tensors the mask_mod gives other values "
+                                     f"than FlexAttention's traced (vmapped) view, e.g. in q {q_range}, kv {kv_range}. "
+                                     "FlexAttention uses the traced values, and so does this verifier; code that "
+                                     "calls the mod directly (dense masks, other kernels) will disagree. Usual "
+                                     "cause: Python `and`/`or`/`not` or in-place ops on index tensors"))
+                break
+    return found
+
+
+# ---------------------------------------------------------------- the verdict
+
+@dataclass
+class Verdict:
+    """FlexAttention vs the reference for one mask and one set of random inputs."""
+
+    name: str
+    shape: Shape
+    dtype: str
+    device: str
+    seed: int
+    compiled: bool
+    checks: list[TensorCheck]
+    findings: list[Finding]
+    fully_masked_rows: int
+    masked_row_examples: list[tuple[int, int, int]]
+    compile_seconds: float | None
+    run_seconds: float
+    reference_seconds: float
+    reference_dtype: str
+    torch_version: str = torch.__version__
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks) and not any(f.severity == "error" for f in self.findings)
+
+    @property
+    def line(self) -> str:
+        """The verdict in one line."""
+        worst = max(self.checks, key=lambda c: (not c.passed, c.rel_err))
+        state = "PASS" if self.passed else "FAIL"
+        s = self.shape
+        head = (f"{state} {self.name}: {self.dtype} on {self.device}, B={s.batch} Hq={s.q_heads} Hkv={s.kv_heads} "
+                f"Lq={s.q_len} Lk={s.kv_len} D={s.head_dim}, seed {self.seed}")
+        if not self.passed:
+            failing = [c for c in self.checks if not c.passed]
+            if failing:
+                c = failing[0]
+                where = ", ".join(f"{k}={v}" for k, v in c.worst.items())
+                head += (f"; {c.name} off: max abs err {c.max_abs_err:.3g} at ({where}), rel err {c.rel_err:.3g}, "
+                         f"{c.bad_count} bad, {c.nan_count} NaN")
+            errors = [f for f in self.findings if f.severity == "error"]
+            if errors:
+                head += f"; {errors[0].message}"
+            return head
+        return head + f"; worst rel err {worst.rel_err:.2e} ({worst.name}), max abs err {max(c.max_abs_err for c in self.checks):.2e}"
+
+    def __str__(self) -> str:
+        return self.line
+
+    def to_frame(self) -> pd.DataFrame:
+        rows = []
+        for c in self.checks:
+            row = asdict(c)
+            row["worst"] = ", ".join(f"{k}={v}" for k, v in c.worst.items())
+            rows.append(row)
+        return pd.DataFrame(rows).set_index("name")
+
+    def to_dict(self) -> dict:
+        out = {"name": self.name, "passed": self.passed, "dtype": self.dtype, "device": self.device,
+               "seed": self.seed, "compiled": self.compiled, **asdict(self.shape),
+               "max_abs_err": max(c.max_abs_err for c in self.checks),
+               "rel_err": max(c.rel_err for c in self.checks),
+               "nan_count": sum(c.nan_count for c in self.checks),
+               "fully_masked_rows": self.fully_masked_rows,
+               "masked_row_examples": [list(x) for x in self.masked_row_examples],
+               "compile_seconds": self.compile_seconds, "run_seconds": self.run_seconds,
+               "reference_seconds": self.reference_seconds, "reference_dtype": self.reference_dtype,
+               "torch": self.torch_version,
+               "checks": {c.name: {k: v for k, v in asdict(c).items() if k != "name"} for c in self.checks},
+               "findings": [asdict(f) for f in self.findings], "line": self.line}
+        return _json_safe(out)
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | torch.device = "cpu",
+           backward: bool = False, seed: int | None = None, compile: bool = True,
+           block_mask: BlockMask | None = None, block_size: int | tuple[int, int] = 128,
+           expected: Mask | None = None, reference_dtype: torch.dtype | None = None,
+           memory_budget: int | None = None, progress: bool | None = None) -> Verdict:
+    """Run `mask` through FlexAttention and compare with the eager reference of `expected`
+    (default: the same mask) on fresh random inputs.
+
+    `block_mask`: use this block mask instead of building one (it is checked against the mask).
+    `expected`: the attention the run should equal -- e.g. the intended mask when `mask` is a
+    port or a draft. reference_dtype: float64 by default."""
+    from workbench.run import check_device_dtype, dtype_name
+
+    device = torch.device(device)
+    dtype = dtype_name(dtype)
+    check_device_dtype(device, dtype)
+    expected = expected or mask
+    reference_dtype = reference_dtype or torch.float64
+    budget = memory_budget or default_reference_budget(device)
+    per_row = reference_bytes_per_row(shape, backward, torch.finfo(reference_dtype).bits // 8)
+    if per_row > budget:  # fail before drawing inputs or compiling
+        raise WorkbenchError(
+            f"one query row of the reference needs {per_row / 2**20:.0f} MiB, over the {budget / 2**20:.0f} MiB budget",
+            "use fewer heads or a smaller batch, or pass a larger memory_budget", mask.name)
+    if backward and device.type != "cuda":
+        raise WorkbenchError("FlexAttention has no backward on the CPU", "verify the backward pass on a GPU "
+                             "(--device cuda), or drop --backward", mask.name)
+    inputs = make_inputs(shape, dtype, device, seed=seed, backward=backward)
+    findings = mod_findings(mask, shape, device)
+    if block_mask is not None:
+        from workbench.run import check_block_mask
+
+        check_block_mask(block_mask, shape, mask.name)
+        findings += block_mask_findings(mask, block_mask, shape)
+    run: FlexRun = run_flex(mask, inputs, block_mask=block_mask, block_size=block_size, backward=backward,
+                            compile=compile)
+    ref = reference_attention(expected, inputs, backward=backward, dtype=reference_dtype,
+                              memory_budget=budget, progress=progress)
+    checks = [compare("out", run.out, ref.out, TOLERANCES[dtype])]
+    if run.lse is not None:
+        checks.append(compare("lse", run.lse, ref.lse, LSE_TOLERANCE[dtype]))
+    else:
+        findings.append(Finding("lse_not_checked", "info", "compiled FlexAttention on the CPU does not return the "
+                                "log-sum-exp, so only the output was compared (run with --eager to check lse too)"))
+    for name, g in ref.grads.items():
+        got = run.grads.get(name)
+        if got is None:
+            got = torch.zeros_like(g)  # FlexAttention gave no gradient where the reference has one
+        # gradients sum over many rows: compare at the output tolerance scaled by their size
+        checks.append(compare(name, got, g, _grad_tolerance(dtype, name)))
+    if ref.fully_masked_rows:
+        ex = ", ".join(f"(b={b}, h={h}, q={q})" for b, h, q in ref.masked_row_examples[:3])
+        findings.append(Finding("fully_masked_rows", "warning",
+                                f"{ref.fully_masked_rows} query row(s) keep no key, e.g. {ex}. FlexAttention returns 0 "
+                                "there with lse = -inf; a softmax kernel (SDPA, FA with a dense mask) gives NaN or "
+                                "uniform weights instead. Any port must special-case these rows"))
+    return Verdict(name=mask.name if expected is mask else f"{mask.name} vs {expected.name}", shape=shape, dtype=dtype,
+                   device=str(device), seed=inputs.seed, compiled=compile, checks=checks, findings=findings,
+                   fully_masked_rows=ref.fully_masked_rows, masked_row_examples=ref.masked_row_examples,
+                   compile_seconds=run.compile_seconds, run_seconds=run.run_seconds, reference_seconds=ref.seconds,
+                   reference_dtype=ref.dtype)
+
+
+def _grad_tolerance(dtype: str, name: str) -> Tolerance:
+    base = TOLERANCES[dtype]
+    # dk, dv and captured-tensor grads sum over every query row: their absolute size grows with
+    # the length, so the elementwise check is looser and the Frobenius check carries the weight.
+    factor = 1 if name == "dq" else 4
+    return Tolerance(base.atol * factor, base.rtol * factor, base.rel_fro * 2,
+                     f"{base.why}; x{factor} for a gradient summed over rows")

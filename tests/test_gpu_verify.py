@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 def test_forward_backward_library_masks(cuda, dtype):
     shape = Shape(batch=2, q_heads=4, kv_heads=2, q_len=2048, kv_len=2048, head_dim=64)
     for mask in (make("document", {"doc_lengths": [700, 300, 1048]}, q_len=2048, kv_len=2048, device=cuda),
-                 with_score(make("causal_sliding_window", {"window": 256}), make("alibi", {"num_heads": 4})),
+                 with_score(make("causal_sliding_window", {"window": 256}), make("alibi", {"num_heads": 4}, device=cuda)),
                  make("image_spans", q_len=2048, kv_len=2048, device=cuda)):
         v = verify(mask, shape, dtype=dtype, device=cuda, backward=True)
         assert v.passed, v.line
@@ -83,5 +83,7 @@ def test_cli_verify_cuda_json(cuda, capsys):
 
     code = main(["verify", "document", "--param", "doc_lengths=[3000,1096]", "--q-len", "4096", "--heads", "8",
                  "--kv-heads", "2", "--head-dim", "128", "--device", "cuda", "--backward", "--json"])
-    record = json.loads(capsys.readouterr().out)
-    assert code == 0 and record["passed"] and set(record["checks"]) == {"out", "lse", "dq", "dk", "dv"}
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    record = json.loads(captured.out)
+    assert record["passed"] and set(record["checks"]) == {"out", "lse", "dq", "dk", "dv"}

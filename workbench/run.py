@@ -174,6 +174,29 @@ def captured_scalars(fn: Callable | None) -> dict[str, object]:
     return out
 
 
+def captured_tensors(mask: Mask) -> dict[str, torch.Tensor]:
+    """Tensors the mods read: `Mask.data` plus any tensor in the mods' closures."""
+    found = {k: t for k, t in mask.data.items() if isinstance(t, torch.Tensor)}
+    for fn in (mask.mask_mod, mask.score_mod):
+        for name, cell in zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if isinstance(value, torch.Tensor):
+                found.setdefault(name, value)
+    return found
+
+
+def check_captured_devices(mask: Mask, device: torch.device) -> None:
+    for name, tensor in captured_tensors(mask).items():
+        if tensor.device.type != device.type:
+            raise WorkbenchError(
+                f"captured tensor {name!r} is on {tensor.device}, the run is on {device}; a compiled kernel "
+                "cannot read it", "create the mask with device=... (make(..., device=DEVICE)) or move the "
+                "tensor before defining the mod", mask.name)
+
+
 def graph_key(mask: Mask, inputs: Inputs, backward: bool, block_size: tuple[int, int]) -> tuple:
     """What makes dynamo compile a new graph for flex_attention, as far as we can see it."""
 
@@ -258,6 +281,7 @@ def run_flex(mask: Mask, inputs: Inputs, *, block_mask: BlockMask | None = None,
     if mask.heads is not None and mask.heads != shape.q_heads:
         raise WorkbenchError(f"the mask is defined for {mask.heads} heads, the inputs have {shape.q_heads}",
                              f"use --heads {mask.heads} or give the mask one entry per head", mask.name)
+    check_captured_devices(mask, inputs.device)
     q_block, kv_block = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
     if block_mask is None:
         if mask.mask_mod is not None:

@@ -57,8 +57,10 @@ def test_report_on_user_file_with_one_broken_mask(tmp_path):
     by_target = {m["target"].split("/")[-1]: m for m in summary["masks"]}
     assert by_target["my_masks.py:banded"]["error"] is None
     assert by_target["my_masks.py:banded"]["params"] == {"width": 64}
+    verdict = by_target["my_masks.py:banded"]["verify"]
+    assert verdict["passed"] is True and verdict["q_len"] == 512 and verdict["rel_err"] < 1e-5
     html = (tmp_path / "out" / "report.html").read_text()
-    assert "banded" in html and "SyntaxError" in html and "data:image/png;base64" in html
+    assert "banded" in html and "SyntaxError" in html and "Verification" in html and "data:image/png;base64" in html
 
 
 def test_unknown_param_exits_non_zero():

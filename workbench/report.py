@@ -23,6 +23,9 @@ from workbench.define import Mask, WorkbenchError, bind, library, library_varian
 
 DEFAULT_LEN = 4096
 DEFAULT_HEADS = 4
+# The CPU verifies with uncompiled FlexAttention (its unfused path) at a short length; a GPU
+# verifies compiled FlexAttention at the report's length.
+CPU_VERIFY_LEN = 512
 
 
 @dataclass
@@ -36,6 +39,8 @@ class MaskResult:
     figures: dict = field(default_factory=dict)   # title -> PNG bytes
     error: str | None = None
     seconds: float = 0.0
+    verdict: object = None  # verify.Verdict
+    verify_note: str = ""   # why there is no verdict
 
 
 def default_device() -> str:
@@ -72,12 +77,35 @@ def analyze_target(target: str, params: dict, q_len: int, kv_len: int, heads: in
             result.figures["score view"] = _png(look.score_view(mask, q_zoom if zoom <= 256 else (q_zoom[0], q_zoom[0] + 256),
                                                                 kv_zoom if zoom <= 256 else (kv_zoom[0], kv_zoom[0] + 256),
                                                                 h=h, device=device))
+        verify_target(result, n_heads or 1, device)
     except WorkbenchError as exc:
         result.error = exc.message
     except Exception as exc:  # user code can fail in any way; keep going with the others
         result.error = f"{target}: {type(exc).__name__}: {exc}"
     result.seconds = time.perf_counter() - start
     return result
+
+
+def verify_target(result: MaskResult, heads: int, device: str) -> None:
+    """FlexAttention vs the float64 reference for this mask: compiled bf16 at the report's
+    length on a GPU, uncompiled float32 at CPU_VERIFY_LEN on the CPU."""
+    from workbench.run import Shape
+    from workbench.verify import verify
+
+    mask = result.mask
+    on_gpu = device.startswith("cuda")
+    q_len, kv_len = mask.q_len or DEFAULT_LEN, mask.kv_len or DEFAULT_LEN
+    if not on_gpu:
+        scale = min(1.0, CPU_VERIFY_LEN / max(q_len, kv_len))
+        q_len, kv_len = max(1, int(q_len * scale)), max(1, int(kv_len * scale))
+        try:
+            mask = bind(mask, q_len, kv_len, device)
+        except WorkbenchError as exc:
+            result.verify_note = f"not verified at a CPU-sized length: {exc.message}"
+            return
+    shape = Shape(batch=1, q_heads=mask.heads or heads, q_len=q_len, kv_len=kv_len, head_dim=64 if on_gpu else 32)
+    result.verdict = verify(mask, shape, dtype="bfloat16" if on_gpu else "float32", device=device,
+                            compile=on_gpu, progress=False)
 
 
 def library_targets() -> list[tuple[str, dict]]:
@@ -110,6 +138,10 @@ def _result_record(r: MaskResult) -> dict:
                seconds=round(r.seconds, 3))
     if r.stats is not None:
         rec["stats"] = r.stats.to_dict()
+    if r.verdict is not None:
+        rec["verify"] = r.verdict.to_dict()
+    elif r.verify_note:
+        rec["verify"] = {"note": r.verify_note}
     return rec
 
 
@@ -124,8 +156,25 @@ def summary_frame(results: list[MaskResult]) -> pd.DataFrame:
             full_blocks=getattr(s, "full_blocks", None), partial_blocks=getattr(s, "partial_blocks", None),
             empty_blocks=getattr(s, "empty_blocks", None), kept_pairs=getattr(s, "kept_pairs", None),
             partial_waste=getattr(s, "partial_waste", None), fully_masked_rows=getattr(s, "fully_masked_rows", None),
-            differs_across_heads=getattr(s, "differs_across_heads", None), seconds=round(r.seconds, 3)))
+            differs_across_heads=getattr(s, "differs_across_heads", None),
+            verified=None if r.verdict is None else r.verdict.passed,
+            verify_rel_err=None if r.verdict is None else max(c.rel_err for c in r.verdict.checks),
+            seconds=round(r.seconds, 3)))
     return pd.DataFrame(rows)
+
+
+def _verdict_html(r: MaskResult) -> str:
+    esc = html.escape
+    v = r.verdict
+    if v is None:
+        return f"<h3>Verification</h3><p class='na'>{esc(r.verify_note or 'not run')}</p>"
+    table = v.to_frame()[["max_abs_err", "rel_err", "worst", "bad_count", "nan_count", "passed"]].to_html(escape=True)
+    notes = "".join(f"<li><b>{esc(f.kind)}</b> ({f.severity}): {esc(f.message)}</li>" for f in v.findings)
+    compiled = "compiled" if v.compiled else "uncompiled (CPU)"
+    return (f"<h3>Verification</h3><p><span class='pill {'ok' if v.passed else 'bad'}'>"
+            f"{'pass' if v.passed else 'FAIL'}</span> {esc(v.line)}</p>"
+            f"<p class='na'>FlexAttention {compiled} vs an eager {v.reference_dtype} reference on random inputs.</p>"
+            f"{table}{'<ul>' + notes + '</ul>' if notes else ''}")
 
 
 _CSS = """
@@ -155,7 +204,7 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
              f"{' · ' + str(n_err) + ' failed' if n_err else ''}</p></header><main>"]
     parts.append("<h2>Overview</h2><table><tr><th>mask</th><th>density</th><th>block sparsity</th>"
                  "<th>full / partial / empty</th><th>wasted in partial blocks</th><th>fully masked rows</th>"
-                 "<th>varies by head</th><th>status</th></tr>")
+                 "<th>varies by head</th><th>verified</th><th>status</th></tr>")
     for i, r in enumerate(results):
         s = r.stats
         name = r.mask.name if r.mask else r.target
@@ -166,7 +215,10 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
             cells = (f"<td>{s.density:.2%}</td><td>{s.block_sparsity:.2%}</td>"
                      f"<td>{s.full_blocks:,} / {s.partial_blocks:,} / {s.empty_blocks:,}</td><td>{s.partial_waste:.1%}</td>"
                      f"<td>{s.fully_masked_rows:,}</td><td>{'yes' if s.differs_across_heads else 'no'}</td>")
-        parts.append(f"<tr><td><a href='#m{i}'>{esc(name)}</a></td>{cells}<td>{status}</td></tr>")
+        v = r.verdict
+        verified = ("—" if v is None else f"<span class='pill {'ok' if v.passed else 'bad'}'>"
+                    f"{'pass' if v.passed else 'FAIL'}</span> {max(c.rel_err for c in v.checks):.1e}")
+        parts.append(f"<tr><td><a href='#m{i}'>{esc(name)}</a></td>{cells}<td>{verified}</td><td>{status}</td></tr>")
     parts.append("</table>")
     for i, r in enumerate(results):
         name = r.mask.name if r.mask else r.target
@@ -186,8 +238,7 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
             parts.append("</div>")
         if r.stats is not None:
             parts.append("<h3>Statistics</h3>" + r.stats.to_frame().to_html(escape=True, header=False))
-        parts.append("<p class='na'>Verification against an eager reference, benchmarks and backend "
-                     "porting: not available in this version.</p>")
+        parts.append(_verdict_html(r))
         parts.append(f"<details><summary>source</summary><pre>{esc(r.mask.source)}</pre></details></section>")
     parts.append("</main></body></html>")
     return "".join(parts)

@@ -4,6 +4,9 @@
     python -m workbench report [TARGET ...] [--param k=JSON ...] -o DIR
     python -m workbench blocks TARGET [--param k=JSON ...] --q-len N --kv-len M [-o DIR] [--json]
     python -m workbench verify TARGET [--param k=JSON ...] [--score TARGET] --q-len N [--backward] [--json]
+    python -m workbench export TARGET [--param k=JSON ...] [--score TARGET] --q-len N -o DIR
+    python -m workbench conformance DIR/NAME.spec.json --impl path.py:function
+    python -m workbench diff A.spec.json B.spec.json
 
 A TARGET is a library name (see `list`) or path/to/file.py:factory.
 """
@@ -78,6 +81,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true", help="run flex_attention without torch.compile")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("export", help="write the porting spec and golden vectors of a mask",
+                       description="Write DIR/NAME.spec.json and DIR/NAME.golden.safetensors: every backend form that "
+                                   "reproduces TARGET exactly, the reasons for the others, and float64 golden outputs.")
+    _add_target_args(p)
+    _add_size_args(p, required=True)
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension of the golden vectors (default 64)")
+    p.add_argument("--seed", type=int, help="seed of the golden inputs (default: a fresh one, recorded)")
+    p.add_argument("-o", "--out", required=True, help="output folder")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("conformance", help="run an implementation on a spec's golden vectors",
+                       description="Call FUNCTION(q, k, v, spec) -> out on each golden vector of SPEC and compare with "
+                                   "the float64 reference. Exit 0 only if every vector passes.")
+    p.add_argument("spec", help="NAME.spec.json")
+    p.add_argument("--impl", required=True, metavar="path.py:function", help="the candidate implementation")
+    p.add_argument("--device", default="cpu", help="device for q, k, v (default cpu)")
+    p.add_argument("--dtype", help="judge with this dtype's tolerance (default: the dtype the function returns)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_conformance)
+
+    p = sub.add_parser("diff", help="do two specs describe the same attention",
+                       description="Compare two porting specs pair by pair; exit 0 if they are the same, 1 if not.")
+    p.add_argument("a", help="A.spec.json")
+    p.add_argument("b", help="B.spec.json")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_diff)
     return parser
 
 
@@ -185,6 +216,54 @@ def cmd_verify(args) -> int:
         for f in verdict.findings:
             print(f"{f.severity}: {f.kind}: {f.message}")
     return 0 if verdict.passed else 1
+
+
+def cmd_export(args) -> int:
+    from workbench.export import build_spec, write_spec
+
+    q_len, kv_len, device = args.q_len, args.kv_len or args.q_len, _device(args)
+    mask = load_mask(args, q_len, kv_len, device)
+    spec = build_spec(mask, q_len, kv_len, heads=args.heads or mask.heads, batch=args.batch, head_dim=args.head_dim,
+                      block_size=_block_size(args), device=device, seed=args.seed, progress=True)
+    json_path, st_path = write_spec(spec, args.out)
+    if args.json:
+        print(json.dumps({"spec": str(json_path), "tensors": str(st_path), "backends": spec.supported,
+                          "unsupported": spec.unsupported, "pattern": spec.doc["pattern"], "score": spec.doc["score"]}))
+        return 0
+    print(f"wrote {json_path} and {st_path.name}")
+    print(f"pattern: {spec.doc['pattern']['kind']} {json.dumps(spec.doc['pattern']['params'])[:200]}; "
+          f"score: {spec.doc['score']['kind']}")
+    print("exact on: " + ", ".join(spec.supported))
+    for target, reason in spec.unsupported.items():
+        print(f"not {target}: {reason}")
+    return 0
+
+
+def cmd_conformance(args) -> int:
+    from workbench.export import conformance
+
+    report = conformance(args.spec, args.impl, device=args.device, dtype=args.dtype)
+    if args.json:
+        print(json.dumps({"passed": report.passed, "spec": report.spec, "impl": report.impl, "vectors": report.rows}))
+    else:
+        print(report.line)
+        print(report.to_frame().to_string())
+    return 0 if report.passed else 1
+
+
+def cmd_diff(args) -> int:
+    from dataclasses import asdict
+
+    from workbench.export import diff_specs
+
+    d = diff_specs(args.a, args.b)
+    if args.json:
+        print(json.dumps({**asdict(d), "line": d.line}))
+    else:
+        print(d.line)
+        for ex in d.examples:
+            print(f"  b={ex['b']} h={ex['h']} q={ex['q']} kv={ex['kv']}: kept only by {ex['kept_by']}")
+    return 0 if d.same else 1
 
 
 def main(argv: list[str] | None = None) -> int:

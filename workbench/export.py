@@ -1,0 +1,712 @@
+"""Stage 7, export: the porting spec -- a mask in the terms of every backend that can run it.
+
+`build_spec` fits each target form (workbench.porting) for every distinct (batch, head) mask,
+keeps only forms that reproduce the mask exactly, probes the score_mod, and computes golden
+outputs with the float64 reference. `write_spec` writes NAME.spec.json + NAME.golden.safetensors
+(validated against spec.schema.json); `load_spec` reads them back without executing anything.
+`conformance` runs a candidate implementation on the golden vectors; `diff_specs` says whether
+two specs describe the same attention.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+import torch
+
+from workbench import porting
+from workbench.define import Mask, WorkbenchError, bind
+
+SPEC_VERSION = "1.0"
+SCHEMA_PATH = Path(__file__).with_name("spec.schema.json")
+TARGETS = ("flash_attn", "vllm_triton", "magi", "flashmask", "row_intervals", "block_sparse", "triton")
+INLINE_LIMIT = 4096  # integer arrays longer than this go to the safetensors file
+GOLDEN_VECTORS = 2
+
+
+@dataclass
+class PortingSpec:
+    """A spec in memory: the JSON document and the arrays it references by {"$tensor": name}."""
+
+    doc: dict
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.doc["name"]
+
+    @property
+    def supported(self) -> list[str]:
+        return list(self.doc["backends"])
+
+    @property
+    def unsupported(self) -> dict[str, str]:
+        return dict(self.doc["unsupported"])
+
+    def backends_frame(self) -> pd.DataFrame:
+        rows = [dict(backend=t, exact=t in self.doc["backends"], reason=self.doc["unsupported"].get(t, ""))
+                for t in TARGETS]
+        return pd.DataFrame(rows).set_index("backend")
+
+
+# ---------------------------------------------------------------- building
+
+def _tensor_ref(tensors: dict, name: str, array: np.ndarray, inline: bool = False):
+    if inline and array.size <= INLINE_LIMIT:
+        return array.tolist()
+    tensors[name] = np.ascontiguousarray(array)
+    return {"$tensor": name}
+
+
+def _variants(mask: Mask, q_len: int, kv_len: int, batch: int | None, heads: int | None, device):
+    """Which (b, h) masks differ: (B or None, H or None) as the spec's shape."""
+    from workbench.blocks import scan_blocks
+
+    if mask.mask_mod is None:
+        return None, None
+    scan = scan_blocks(mask, q_len, kv_len, heads=heads, batch=batch, device=device, progress=False)
+    b = batch if scan.depends_on_batch else None
+    h = heads if scan.depends_on_head else None
+    return b, h
+
+
+def _wrap(per_variant: list[list[Any]], B, H):
+    """[[section per head] per batch] -> the section, or {"by_head": ...} / {"by_batch": ...}."""
+    def heads_of(row):
+        return row[0] if H is None else {"by_head": row}
+    return heads_of(per_variant[0]) if B is None else {"by_batch": [heads_of(r) for r in per_variant]}
+
+
+def _pattern(sections: dict, iv: porting.Intervals, q_len: int, kv_len: int, per_head: bool) -> dict:
+    if per_head:
+        return {"kind": "per_head", "params": {}}
+    fa, vl = sections.get("flash_attn"), sections.get("vllm_triton")
+    if fa is not None:
+        l, r = fa["window_size"]
+        if fa["cu_seqlens_q"]:
+            return {"kind": "document", "params": {"cu_seqlens_q": fa["cu_seqlens_q"], "cu_seqlens_k": fa["cu_seqlens_k"],
+                                                   "causal": fa["causal"]}}
+        if fa["attention_chunk"]:
+            return {"kind": "chunked", "params": {"chunk": fa["attention_chunk"], "causal": fa["causal"]}}
+        if fa["causal"]:
+            return ({"kind": "causal", "params": {"align": "bottom_right"}} if l < 0 else
+                    {"kind": "sliding_window", "params": {"left": l, "right": 0}})
+        if l < 0 and r < 0:
+            return {"kind": "full", "params": {}}
+        return {"kind": "sliding_window", "params": {"left": l, "right": r}}
+    if vl is not None:
+        if vl["rswa"]:
+            return {"kind": "sinks_window", "params": dict(vl["rswa"])}
+        ranges = vl["mm_prefix_ranges"] or []
+        if vl["attn_type"] == "decoder" and not vl["sliding_window"]:
+            if len(ranges) == 1 and ranges[0][0] == 0:
+                return {"kind": "prefix_lm", "params": {"prefix_len": ranges[0][1] + 1}}
+            return {"kind": "spans_in_causal", "params": {"spans": ranges}}
+    lo, hi, empty = iv.single() if (iv.counts <= 1).all() else (None, None, None)
+    if lo is not None and not empty.any() and (lo == 0).all() and np.array_equal(hi, np.arange(1, q_len + 1)):
+        return {"kind": "causal", "params": {"align": "top_left"}}
+    return {"kind": "unknown", "params": {}}
+
+
+def _fit_variant(mask: Mask, q_len: int, kv_len: int, b: int, h: int, device, tensors: dict, tag: str,
+                 block_scan=None) -> tuple[dict, dict, porting.Intervals]:
+    """All target sections for one (b, h): ({target: section}, {target: reason}, intervals)."""
+    iv = porting.mask_intervals(mask, q_len, kv_len, b, h, device=device)
+    sections, reasons = {}, {}
+    fa, why = porting.fit_flash_attn(iv, q_len, kv_len)
+    (sections.__setitem__("flash_attn", fa) if fa else reasons.__setitem__("flash_attn", why))
+    vl, why = porting.fit_vllm_triton(iv, q_len, kv_len)
+    (sections.__setitem__("vllm_triton", vl) if vl else reasons.__setitem__("vllm_triton", why))
+    mg, why = porting.fit_magi(iv, q_len, kv_len)
+    (sections.__setitem__("magi", mg) if mg else reasons.__setitem__("magi", why))
+    if q_len == kv_len:
+        cols = porting.mask_intervals(mask, q_len, kv_len, b, h, axis="cols", device=device)
+        fm, arr, why = porting.fit_flashmask(cols, iv, q_len, kv_len)
+    else:
+        fm, arr, why = None, None, "FlashMask needs Lq == Lk"
+    if fm:
+        fm["startend_row_indices"] = _tensor_ref(tensors, f"flashmask{tag}", arr)
+        sections["flashmask"] = fm
+    else:
+        reasons["flashmask"] = why
+    k, table = porting.row_intervals_table(iv)
+    sections["row_intervals"] = {"max_intervals": k, "rows": _tensor_ref(tensors, f"row_intervals{tag}", table, inline=True)}
+    return sections, reasons, iv
+
+
+def _block_sparse(scan, b: int, h: int, tensors: dict, tag: str) -> dict:
+    from workbench.blocks import FULL, PARTIAL, block_classes
+
+    classes = block_classes(scan)
+    cls = classes[min(b, classes.shape[0] - 1), min(h, classes.shape[1] - 1)].cpu().numpy()
+    rows_idx, cols_idx = np.nonzero(cls != 0)
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(rows_idx, minlength=cls.shape[0]))]).astype(np.int32)
+    partial = (cls[rows_idx, cols_idx] == PARTIAL).astype(np.int8)
+    flex = {"BLOCK_SIZE": [scan.q_block, scan.kv_block]}
+    for name, value in (("kv", PARTIAL), ("full_kv", FULL)):
+        sel = cls == value
+        num = sel.sum(-1).astype(np.int32)
+        order = np.argsort(~sel, axis=-1, kind="stable").astype(np.int32)
+        flex[f"{name}_num_blocks"] = _tensor_ref(tensors, f"flex_{name}_num_blocks{tag}", num)
+        flex[f"{name}_indices"] = _tensor_ref(tensors, f"flex_{name}_indices{tag}", order)
+    return {"R": scan.q_block, "C": scan.kv_block,
+            "indptr": _tensor_ref(tensors, f"bsr_indptr{tag}", indptr),
+            "indices": _tensor_ref(tensors, f"bsr_indices{tag}", cols_idx.astype(np.int32)),
+            "partial": _tensor_ref(tensors, f"bsr_partial{tag}", partial),
+            "flex": flex}
+
+
+def _parametric(target: str, section: dict) -> dict | None:
+    """The part of a section that should not change with the length (None: size-specific data)."""
+    if target == "flash_attn" and not section["cu_seqlens_q"]:
+        return {k: section[k] for k in ("causal", "window_size", "attention_chunk")}
+    if target == "vllm_triton" and not section["mm_prefix_ranges"]:
+        return {k: section[k] for k in ("attn_type", "sliding_window", "rswa")}
+    return None
+
+
+def _other_sizes(q_len: int, kv_len: int) -> list[tuple[int, int]]:
+    sizes = [(max(1, q_len - 37), max(1, kv_len - 37)), (q_len + 61, kv_len + 61)]
+    if q_len == kv_len:
+        sizes.append((max(1, q_len // 2 + 3), kv_len))
+    return sizes
+
+
+def build_spec(mask: Mask, q_len: int, kv_len: int | None = None, *, heads: int | None = None,
+               batch: int | None = None, head_dim: int = 64, block_size: int = 128, device="cpu",
+               seed: int | None = None, golden: bool = True, generalize: bool = True,
+               progress: bool = False) -> PortingSpec:
+    """The porting spec of `mask` at these sizes. Every backend section in it reproduces the mask
+    exactly; the others are listed under `unsupported` with the reason."""
+    from tqdm.auto import tqdm
+
+    from workbench.analyze import mask_stats
+    from workbench.blocks import scan_blocks
+
+    kv_len = kv_len or q_len
+    device = torch.device(device)
+    limit = 1 << 28
+    if q_len * kv_len > limit:
+        raise WorkbenchError(f"a porting spec at {q_len} x {kv_len} would list {q_len * kv_len:,} pairs per head",
+                             f"export at a length with q_len * kv_len <= {limit:,} (e.g. 16384 x 16384); the parametric "
+                             "forms are checked at other sizes anyway", mask.name)
+    mask = bind(mask, q_len, kv_len, device)
+    heads = heads or mask.heads
+    B, H = _variants(mask, q_len, kv_len, batch, heads, device)
+    tensors: dict[str, np.ndarray] = {}
+    scan = scan_blocks(mask, q_len, kv_len, heads=heads, batch=batch, block_size=block_size, device=device,
+                       progress=False) if mask.mask_mod is not None else None
+    per_target: dict[str, list[list]] = {t: [] for t in ("flash_attn", "vllm_triton", "magi", "flashmask",
+                                                            "row_intervals", "block_sparse")}
+    reasons: dict[str, str] = {}
+    first_iv = None
+    variants = [(b, h) for b in range(B or 1) for h in range(H or 1)]
+    for b, h in tqdm(variants, desc=f"spec {mask.name}", disable=not progress or len(variants) < 2):
+        tag = "" if (B is None and H is None) else f".b{b}.h{h}"
+        if mask.mask_mod is None:
+            full = Mask("full", mask_mod=lambda bb, hh, q_idx, kv_idx: q_idx >= 0)
+            sections, why, iv = _fit_variant(full, q_len, kv_len, 0, 0, device, tensors, tag)
+        else:
+            sections, why, iv = _fit_variant(mask, q_len, kv_len, b, h, device, tensors, tag)
+            sections["block_sparse"] = _block_sparse(scan, b, h, tensors, tag)
+            check = porting.check_section(
+                porting.decode_block_sparse(_resolve(sections["block_sparse"], tensors), q_len, kv_len,
+                                            lambda r0, r1, iv=iv: iv.dense((r0, r1))), iv)
+            if check is not None:  # cannot happen unless the block scan is wrong; never emit it then
+                del sections["block_sparse"]
+                why["block_sparse"] = f"block list did not reproduce the mask: {check}"
+        first_iv = first_iv or iv
+        for target in per_target:
+            if per_target[target] is None:
+                continue
+            if target in sections:
+                if len(per_target[target]) <= b:
+                    per_target[target].append([])
+                per_target[target][b].append(sections[target])
+            else:
+                per_target[target] = None
+                where = "" if tag == "" else f" (batch {b}, head {h})"
+                reasons[target] = why.get(target, "not applicable") + where
+    if mask.mask_mod is None:
+        reasons["block_sparse"] = "there is no mask_mod: every block is full; run dense attention"
+        per_target["block_sparse"] = None
+    score, score_arrays = porting.probe_score(mask, q_len, kv_len, heads or 1)
+    for key, arr in score_arrays.items():
+        tensors[key] = arr.astype(np.float32)
+    backends: dict[str, Any] = {}
+    for target, rows in per_target.items():
+        if rows is None:
+            continue
+        backends[target] = _wrap(rows, B, H)
+    _apply_score(backends, reasons, score, heads)
+    pattern = _pattern({t: (rows[0][0] if rows else None) for t, rows in per_target.items() if rows}, first_iv,
+                       q_len, kv_len, per_head=H is not None)
+    generalizes = _check_generalization(mask, backends, q_len, kv_len, device) if generalize else {}
+    for target, note in generalizes.items():
+        section = backends[target]
+        if isinstance(section, dict) and "by_head" not in section and "by_batch" not in section:
+            section["generalizes"] = note
+    reasons["triton"] = reasons.get("triton") or triton_reason(mask)
+    if reasons["triton"] is None:
+        from workbench.triton_gen import triton_section
+
+        del reasons["triton"]
+        backends["triton"] = triton_section(mask, tensors)
+    doc = {
+        "spec_version": SPEC_VERSION,
+        "name": mask.name,
+        "params": mask.params,
+        "library": getattr(mask.factory, "__name__", None),
+        "description": mask.description,
+        "source": mask.source,
+        "shape": {"B": B, "H": H, "q_len": q_len, "kv_len": kv_len},
+        "notation": "i = query index, j = key index, D = kv_len - q_len, a = i + D; keep = attended",
+        "pattern": pattern,
+        "score": score,
+        "backends": backends,
+        "unsupported": {t: reasons[t] for t in TARGETS if t not in backends and t in reasons},
+        "hazards": {},
+        "golden": None,
+        "cost": {},
+    }
+    if scan is not None:
+        stats = mask_stats(scan, head_dim=head_dim)
+        doc["hazards"] = {"fully_masked_rows": stats.fully_masked_rows,
+                          "fully_masked_row_examples": [list(x) for x in stats.fully_masked_row_examples[:8]]}
+        doc["cost"] = {"density": stats.density, "block_size": [scan.q_block, scan.kv_block],
+                       "block_density": 1 - stats.block_sparsity, "head_dim": head_dim,
+                       "kernel_flops": stats.kernel_flops, "kept_flops": stats.kept_flops,
+                       "partial_waste": stats.partial_waste}
+    else:
+        doc["cost"] = {"density": 1.0, "block_density": 1.0, "head_dim": head_dim,
+                       "kept_flops": 4.0 * head_dim * q_len * kv_len * (heads or 1) * (batch or 1)}
+    spec = PortingSpec(doc, tensors)
+    if golden:
+        add_golden(spec, mask, batch=batch or B or 1, heads=heads or H or 1, head_dim=head_dim, device=device, seed=seed)
+    return spec
+
+
+def triton_reason(mask: Mask) -> str | None:
+    try:
+        from workbench.triton_gen import unsupported_reason
+    except ImportError as exc:  # pragma: no cover
+        return f"the Triton generator could not be loaded: {exc}"
+    return unsupported_reason(mask)
+
+
+def _apply_score(backends: dict, reasons: dict, score: dict, heads: int | None) -> None:
+    """Put the score into the sections that can carry it; drop those that cannot."""
+    kind = score["kind"]
+
+    def each_section(section):
+        if "by_batch" in section:
+            for s in section["by_batch"]:
+                yield from each_section(s)
+        elif "by_head" in section:
+            yield from section["by_head"]
+        else:
+            yield section
+
+    if "flash_attn" in backends:
+        if kind in ("none", "softcap", "alibi"):
+            for s in each_section(backends["flash_attn"]):
+                s["softcap"] = score["cap"] if kind == "softcap" else 0.0
+                s["alibi_slopes"] = score["slopes"] if kind == "alibi" else None
+        else:
+            del backends["flash_attn"]
+            reasons["flash_attn"] = f"the score_mod is {kind}; FlashAttention takes only softcap and alibi_slopes"
+    if "vllm_triton" in backends:
+        if kind in ("none", "softcap", "alibi"):
+            for s in each_section(backends["vllm_triton"]):
+                s["logits_soft_cap"] = score["cap"] if kind == "softcap" else None
+                s["alibi_slopes"] = score["slopes"] if kind == "alibi" else None
+        else:
+            del backends["vllm_triton"]
+            reasons["vllm_triton"] = f"the score_mod is {kind}; TritonAttention takes only logits_soft_cap and alibi_slopes"
+    if kind != "none":
+        for target in ("magi", "flashmask"):
+            if target in backends:
+                del backends[target]
+                reasons[target] = f"the score_mod is {kind}; {target} sections describe masks only"
+    for target in ("row_intervals", "block_sparse"):
+        if target in backends and kind != "none":
+            backends[target]["score"] = "apply the spec's `score` section to every kept pair"
+
+
+def _check_generalization(mask: Mask, backends: dict, q_len: int, kv_len: int, device) -> dict:
+    """Refit the parametric forms at other sizes; say whether they hold there too."""
+    out = {}
+    targets = {t: _parametric(t, s) for t, s in backends.items()
+               if t in ("flash_attn", "vllm_triton") and isinstance(s, dict) and "by_head" not in s
+               and "by_batch" not in s}
+    for target, params in targets.items():
+        if params is None:
+            out[target] = {"parametric": False, "note": "segment/range lists are specific to these lengths"}
+            continue
+        checked, failed = [], None
+        for lq, lk in _other_sizes(q_len, kv_len):
+            try:
+                other = bind(mask, lq, lk, device)
+            except WorkbenchError:
+                continue
+            iv = porting.mask_intervals(other, lq, lk, device=device)
+            fit = porting.fit_flash_attn if target == "flash_attn" else porting.fit_vllm_triton
+            section, _ = fit(iv, lq, lk)
+            if section is None or _parametric(target, section) != params:
+                failed = [lq, lk]
+                break
+            checked.append([lq, lk])
+        out[target] = {"parametric": failed is None, "checked_sizes": checked,
+                       **({"differs_at": failed} if failed else {})}
+    return out
+
+
+# ---------------------------------------------------------------- golden vectors
+
+def add_golden(spec: PortingSpec, mask: Mask, batch: int, heads: int, head_dim: int, device, seed: int | None):
+    """Float64-reference outputs on random float32 inputs at the spec's shape (vector 1 has
+    4x larger queries: peaked softmaxes, where masking mistakes show most)."""
+    from workbench.run import Shape, make_inputs
+    from workbench.verify import reference_attention
+
+    q_len, kv_len = spec.doc["shape"]["q_len"], spec.doc["shape"]["kv_len"]
+    shape = Shape(batch=batch, q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim)
+    seeds = []
+    for n in range(GOLDEN_VECTORS):
+        inputs = make_inputs(shape, "float32", device, seed=None if seed is None else seed + n)
+        if n == 1:
+            inputs.q = inputs.q * 4
+        ref = reference_attention(mask, inputs)
+        for key, value in (("q", inputs.q), ("k", inputs.k), ("v", inputs.v), ("out", ref.out), ("lse", ref.lse)):
+            spec.tensors[f"golden.{n}.{key}"] = value.detach().cpu().numpy()
+        seeds.append(inputs.seed)
+    spec.doc["golden"] = {
+        "file": f"{_safe_name(spec.name)}.golden.safetensors", "vectors": GOLDEN_VECTORS, "seeds": seeds,
+        "input_dtype": "float32", "reference_dtype": "float64", "scale": 1 / math.sqrt(head_dim),
+        "shapes": {"q": [batch, heads, q_len, head_dim], "k": [batch, heads, kv_len, head_dim],
+                   "v": [batch, heads, kv_len, head_dim], "out": [batch, heads, q_len, head_dim],
+                   "lse": [batch, heads, q_len]},
+        "tensors": "golden.N.q / .k / .v / .out / .lse for N = 0 .. vectors - 1",
+        "fully_masked_rows": "out = 0 and lse = -inf there (FlexAttention's convention)",
+    }
+    if device.type == "cuda" and mask.mask_mod is not None:
+        spec.doc["cost"].update(_flex_time(mask, shape, device))
+
+
+def _flex_time(mask: Mask, shape, device) -> dict:
+    from triton.testing import do_bench
+
+    from workbench.run import make_inputs, run_flex
+
+    inputs = make_inputs(shape, "bfloat16", device, seed=0)
+    run = run_flex(mask, inputs)
+    ms = do_bench(lambda: run_flex(mask, inputs, block_mask=run.block_mask), warmup=5, rep=50)
+    return {"flex_ms": ms, "flex_device": torch.cuda.get_device_name(device), "flex_dtype": "bfloat16",
+            "flex_shape": asdict(shape), "torch": torch.__version__}
+
+
+# ---------------------------------------------------------------- files
+
+def _safe_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_.+" else "_" for c in name)
+
+
+def _schema() -> dict:
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+def validate_doc(doc: dict, where: str = "spec") -> None:
+    import jsonschema
+
+    try:
+        jsonschema.validate(doc, _schema())
+    except jsonschema.ValidationError as exc:
+        path = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
+        raise WorkbenchError(f"{where} fails the porting-spec schema at `{path}`: {exc.message[:300]}",
+                             "fix that field, or export the spec again with `python -m workbench export`") from exc
+
+
+def write_spec(spec: PortingSpec, out_dir: str | Path) -> tuple[Path, Path]:
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = _safe_name(spec.name)
+    doc = dict(spec.doc)
+    doc["tensor_file"] = f"{base}.golden.safetensors"
+    doc["tensors"] = {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in sorted(spec.tensors.items())}
+    doc = _json_ready(doc)
+    validate_doc(doc)
+    json_path, st_path = out / f"{base}.spec.json", out / f"{base}.golden.safetensors"
+    save_file({k: np.ascontiguousarray(v) for k, v in spec.tensors.items()}, str(st_path),
+              metadata={"spec": json_path.name, "spec_version": SPEC_VERSION})
+    json_path.write_text(json.dumps(doc, indent=1))
+    return json_path, st_path
+
+
+def _json_ready(value):
+    if isinstance(value, dict):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _resolve(value, tensors: dict, field_path: str = ""):
+    """Replace {"$tensor": name} by the array (numpy) everywhere inside `value`."""
+    if isinstance(value, dict):
+        if set(value) == {"$tensor"}:
+            name = value["$tensor"]
+            if name not in tensors:
+                raise WorkbenchError(f"field `{field_path}` references tensor {name!r}, which is not in the tensor file",
+                                     "export the spec again so the JSON and the safetensors file match")
+            return tensors[name]
+        return {k: _resolve(v, tensors, f"{field_path}/{k}" if field_path else k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve(v, tensors, f"{field_path}/{i}") for i, v in enumerate(value)]
+    return value
+
+
+def load_spec(path: str | Path) -> PortingSpec:
+    """Read NAME.spec.json and its safetensors file: JSON and safetensors only (no pickle, no
+    code runs). Validates the schema, every tensor reference and every array shape."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise WorkbenchError(f"no spec file at {path}", "pass the NAME.spec.json that `export` wrote") from exc
+    except json.JSONDecodeError as exc:
+        raise WorkbenchError(f"{path.name} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
+                             "export the spec again, or repair the JSON") from exc
+    validate_doc(doc, path.name)
+    st_path = path.with_name(doc["tensor_file"])
+    try:
+        tensors = load_file(str(st_path))
+    except FileNotFoundError as exc:
+        raise WorkbenchError(f"the tensor file {st_path.name} named by `tensor_file` is missing",
+                             "keep NAME.spec.json and NAME.golden.safetensors together") from exc
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise WorkbenchError(f"{st_path.name} is not a readable safetensors file ({exc})",
+                             "export the spec again") from exc
+    spec = PortingSpec(doc, tensors)
+    check_shapes(spec)
+    return spec
+
+
+def _expect(cond: bool, field_path: str, what: str):
+    if not cond:
+        raise WorkbenchError(f"field `{field_path}` has the wrong shape: {what}",
+                             "export the spec again so every array matches the spec's shape")
+
+
+def _sections(section, path):
+    if isinstance(section, dict) and "by_batch" in section:
+        for b, s in enumerate(section["by_batch"]):
+            yield from _sections(s, f"{path}/by_batch/{b}")
+    elif isinstance(section, dict) and "by_head" in section:
+        for h, s in enumerate(section["by_head"]):
+            yield from _sections(s, f"{path}/by_head/{h}")
+    else:
+        yield section, path
+
+
+def check_shapes(spec: PortingSpec) -> None:
+    doc, tensors = spec.doc, spec.tensors
+    q_len, kv_len = doc["shape"]["q_len"], doc["shape"]["kv_len"]
+    _resolve(doc, tensors)  # every reference exists
+    for name, meta in doc.get("tensors", {}).items():
+        _expect(name in tensors and list(tensors[name].shape) == meta["shape"], f"tensors/{name}",
+                f"index says {meta['shape']}, file has {list(tensors[name].shape) if name in tensors else 'nothing'}")
+    backends = doc["backends"]
+    for target, section in backends.items():
+        for s, p in _sections(section, f"backends/{target}"):
+            s = _resolve(s, tensors, p)
+            if target == "row_intervals":
+                rows = np.asarray(s["rows"]) if not isinstance(s["rows"], np.ndarray) else s["rows"]
+                _expect(len(rows) == q_len, f"{p}/rows", f"{len(rows)} rows for q_len {q_len}")
+            elif target == "flashmask":
+                arr = np.asarray(s["startend_row_indices"])
+                _expect(arr.ndim == 2 and arr.shape[0] == kv_len and arr.shape[1] in (1, 2, 4),
+                        f"{p}/startend_row_indices", f"{list(arr.shape)}, want [kv_len={kv_len}, 1|2|4]")
+            elif target == "block_sparse":
+                rows = -(-q_len // s["R"])
+                _expect(len(s["indptr"]) == rows + 1, f"{p}/indptr", f"{len(s['indptr'])} entries, want {rows + 1}")
+                _expect(len(s["indices"]) == len(s["partial"]) == int(s["indptr"][-1]), f"{p}/indices",
+                        "indices/partial lengths differ from indptr[-1]")
+            elif target == "magi":
+                _expect(len(s["q_ranges"]) == len(s["k_ranges"]) == len(s["attn_type_map"]), f"{p}/q_ranges",
+                        "q_ranges, k_ranges and attn_type_map differ in length")
+    g = doc.get("golden")
+    if g:
+        for n in range(g["vectors"]):
+            for key in ("q", "k", "v", "out", "lse"):
+                name = f"golden.{n}.{key}"
+                _expect(name in tensors and list(tensors[name].shape) == g["shapes"][key], f"golden/shapes/{key}",
+                        f"{name} is {list(tensors[name].shape) if name in tensors else 'missing'}, want {g['shapes'][key]}")
+
+
+# ---------------------------------------------------------------- reading a spec back as a mask
+
+def spec_keep(spec: PortingSpec, b: int, h: int, rows: tuple[int, int]) -> np.ndarray:
+    """The spec's mask for (b, h), rows r0..r1-1, decoded from its row intervals."""
+    section = spec.doc["backends"]["row_intervals"]
+    if "by_batch" in section:
+        section = section["by_batch"][b]
+    if "by_head" in section:
+        section = section["by_head"][h]
+    table = _resolve(section["rows"], spec.tensors)
+    kv_len = spec.doc["shape"]["kv_len"]
+    return porting.decode_row_intervals(table, kv_len)(*rows)
+
+
+# ---------------------------------------------------------------- conformance
+
+@dataclass
+class ConformanceReport:
+    spec: str
+    impl: str
+    rows: list[dict]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r["passed"] for r in self.rows)
+
+    def to_frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows).set_index("vector")
+
+    @property
+    def line(self) -> str:
+        n_pass = sum(r["passed"] for r in self.rows)
+        return f"{'PASS' if self.passed else 'FAIL'} {self.impl} on {self.spec}: {n_pass}/{len(self.rows)} golden vectors"
+
+
+def load_impl(target: str) -> Callable:
+    from workbench.define import load_factory
+
+    return load_factory(target)
+
+
+def conformance(spec_path: str | Path, impl: Callable | str, device="cpu", dtype: str | None = None) -> ConformanceReport:
+    """Run impl(q, k, v, spec) -> out on every golden vector and compare with the reference at
+    the tolerance of impl's output dtype (or `dtype`). `spec` is the JSON dict with each
+    {"$tensor": name} replaced by a CPU torch tensor."""
+    from workbench.verify import TOLERANCES, compare
+
+    spec = load_spec(spec_path)
+    impl_name = impl if isinstance(impl, str) else getattr(impl, "__name__", repr(impl))
+    fn = load_impl(impl) if isinstance(impl, str) else impl
+    resolved = _resolve(spec.doc, {k: torch.from_numpy(v.copy()) for k, v in spec.tensors.items()})
+    rows = []
+    for n in range(spec.doc["golden"]["vectors"]):
+        q, k, v = (torch.from_numpy(spec.tensors[f"golden.{n}.{x}"].copy()).to(device) for x in ("q", "k", "v"))
+        want = torch.from_numpy(spec.tensors[f"golden.{n}.out"].copy())
+        row = {"vector": n, "passed": False, "max_abs_err": None, "rel_err": None, "nan_count": None,
+               "worst": "", "message": ""}
+        try:
+            got = fn(q, k, v, resolved)
+        except Exception as exc:  # the candidate's failure is a result, not a crash
+            row["message"] = f"raised {type(exc).__name__}: {str(exc).strip()[:300]}"
+            rows.append(row)
+            continue
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            row["message"] = f"returned {shape}, want a tensor of shape {tuple(want.shape)}"
+            rows.append(row)
+            continue
+        out_dtype = dtype or str(got.dtype).removeprefix("torch.")
+        tol = TOLERANCES.get(out_dtype, TOLERANCES["float32"])
+        check = compare("out", got.detach().cpu(), want, tol)
+        row.update(passed=check.passed, max_abs_err=check.max_abs_err, rel_err=check.rel_err,
+                   nan_count=check.nan_count, worst=", ".join(f"{a}={i}" for a, i in check.worst.items()),
+                   message=(f"{check.bad_count} elements outside atol {tol.atol:g} + rtol {tol.rtol:g} ({out_dtype})"
+                            if not check.passed else "ok"))
+        rows.append(row)
+    return ConformanceReport(spec=Path(spec_path).name, impl=impl_name, rows=rows)
+
+
+# ---------------------------------------------------------------- diff
+
+@dataclass
+class SpecDiff:
+    a: str
+    b: str
+    same: bool
+    shape_a: dict
+    shape_b: dict
+    score_same: bool
+    differing_pairs: int
+    examples: list[dict]  # first differences: b, h, q, kv and which spec keeps the pair
+    notes: list[str]
+
+    @property
+    def line(self) -> str:
+        if self.same:
+            return f"SAME {self.a} and {self.b}: identical masks and scores"
+        return (f"DIFFERENT {self.a} vs {self.b}: {self.differing_pairs:,} pairs differ"
+                + ("" if self.score_same else "; scores differ") + ("; " + "; ".join(self.notes) if self.notes else ""))
+
+
+def diff_specs(path_a: str | Path, path_b: str | Path, max_examples: int = 10) -> SpecDiff:
+    a, b = load_spec(path_a), load_spec(path_b)
+    sa, sb = a.doc["shape"], b.doc["shape"]
+    notes = []
+    score_same = a.doc["score"] == b.doc["score"] or _score_close(a, b)
+    if (sa["q_len"], sa["kv_len"]) != (sb["q_len"], sb["kv_len"]):
+        notes.append(f"lengths differ: {sa['q_len']}x{sa['kv_len']} vs {sb['q_len']}x{sb['kv_len']}; export both at one size")
+        return SpecDiff(Path(path_a).name, Path(path_b).name, False, sa, sb, score_same, -1, [], notes)
+    B = max(sa["B"] or 1, sb["B"] or 1)
+    H = max(sa["H"] or 1, sb["H"] or 1)
+    for key in ("B", "H"):
+        if sa[key] and sb[key] and sa[key] != sb[key]:
+            notes.append(f"{key} differs: {sa[key]} vs {sb[key]}")
+            return SpecDiff(Path(path_a).name, Path(path_b).name, False, sa, sb, score_same, -1, [], notes)
+    q_len = sa["q_len"]
+    step = max(1, porting.ROW_CHUNK_PAIRS // max(1, sa["kv_len"]))
+    differing, examples = 0, []
+    for bb in range(B):
+        for hh in range(H):
+            for r0 in range(0, q_len, step):
+                r1 = min(q_len, r0 + step)
+                ka = spec_keep(a, min(bb, (sa["B"] or 1) - 1), min(hh, (sa["H"] or 1) - 1), (r0, r1))
+                kb = spec_keep(b, min(bb, (sb["B"] or 1) - 1), min(hh, (sb["H"] or 1) - 1), (r0, r1))
+                bad = np.argwhere(ka != kb)
+                differing += len(bad)
+                for r, c in bad[: max(0, max_examples - len(examples))]:
+                    examples.append({"b": bb, "h": hh, "q": int(r0 + r), "kv": int(c),
+                                     "kept_by": Path(path_a).name if ka[r, c] else Path(path_b).name})
+    if not score_same:
+        notes.append(f"score {a.doc['score'].get('kind')} vs {b.doc['score'].get('kind')}")
+    return SpecDiff(Path(path_a).name, Path(path_b).name, differing == 0 and score_same, sa, sb, score_same,
+                    differing, examples, notes)
+
+
+def _score_close(a: PortingSpec, b: PortingSpec) -> bool:
+    sa, sb = a.doc["score"], b.doc["score"]
+    if sa.get("kind") != sb.get("kind"):
+        return False
+    ra, rb = _resolve(sa, a.tensors), _resolve(sb, b.tensors)
+    for key in set(ra) | set(rb):
+        va, vb = ra.get(key), rb.get(key)
+        if isinstance(va, (list, np.ndarray, float, int)) and isinstance(vb, (list, np.ndarray, float, int)):
+            va, vb = np.asarray(va, dtype=float), np.asarray(vb, dtype=float)
+            if va.shape != vb.shape or not np.allclose(va, vb, rtol=1e-6, atol=1e-7):
+                return False
+        elif va != vb:
+            return False
+    return True

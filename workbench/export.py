@@ -121,6 +121,9 @@ def _fit_variant(mask: Mask, q_len: int, kv_len: int, b: int, h: int, device, te
     iv = porting.mask_intervals(mask, q_len, kv_len, b, h, device=device)
     sections, reasons = {}, {}
     fa, why = porting.fit_flash_attn(iv, q_len, kv_len)
+    if fa is not None:  # the fit compares run ends; the rule is a dense decode with FA's semantics
+        wrong = porting.check_section(porting.decode_flash_attn(fa, q_len, kv_len), iv)
+        fa, why = (fa, why) if wrong is None else (None, f"fitted form did not decode to the mask: {wrong}")
     (sections.__setitem__("flash_attn", fa) if fa else reasons.__setitem__("flash_attn", why))
     vl, why = porting.fit_vllm_triton(iv, q_len, kv_len)
     (sections.__setitem__("vllm_triton", vl) if vl else reasons.__setitem__("vllm_triton", why))
@@ -372,7 +375,8 @@ def _check_generalization(mask: Mask, backends: dict, q_len: int, kv_len: int, d
 
 def add_golden(spec: PortingSpec, mask: Mask, batch: int, heads: int, head_dim: int, device, seed: int | None):
     """Float64-reference outputs on random float32 inputs at the spec's shape (vector 1 has
-    4x larger queries: peaked softmaxes, where masking mistakes show most)."""
+    4x larger queries: peaked softmaxes, where masking mistakes show most). The inputs sit on
+    the bfloat16 grid, so a port that casts them to bf16 or fp16 loses nothing."""
     from workbench.run import Shape, make_inputs
     from workbench.verify import reference_attention
 
@@ -381,6 +385,7 @@ def add_golden(spec: PortingSpec, mask: Mask, batch: int, heads: int, head_dim: 
     seeds = []
     for n in range(GOLDEN_VECTORS):
         inputs = make_inputs(shape, "float32", device, seed=None if seed is None else seed + n)
+        inputs.q, inputs.k, inputs.v = (t.bfloat16().float() for t in (inputs.q, inputs.k, inputs.v))
         if n == 1:
             inputs.q = inputs.q * 4
         ref = reference_attention(mask, inputs)
@@ -389,7 +394,7 @@ def add_golden(spec: PortingSpec, mask: Mask, batch: int, heads: int, head_dim: 
         seeds.append(inputs.seed)
     spec.doc["golden"] = {
         "file": f"{_safe_name(spec.name)}.golden.safetensors", "vectors": GOLDEN_VECTORS, "seeds": seeds,
-        "input_dtype": "float32", "reference_dtype": "float64", "scale": 1 / math.sqrt(head_dim),
+        "input_dtype": "float32", "inputs_exact_in": ["bfloat16", "float32"], "reference_dtype": "float64", "scale": 1 / math.sqrt(head_dim),
         "shapes": {"q": [batch, heads, q_len, head_dim], "k": [batch, heads, kv_len, head_dim],
                    "v": [batch, heads, kv_len, head_dim], "out": [batch, heads, q_len, head_dim],
                    "lse": [batch, heads, q_len]},

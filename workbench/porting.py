@@ -225,12 +225,15 @@ def fit_flash_attn(iv: Intervals, q_len: int, kv_len: int) -> tuple[dict | None,
     base = dict(causal=False, window_size=[-1, -1], softcap=0.0, alibi_slopes=None, attention_chunk=0,
                 cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=q_len, max_seqlen_k=kv_len)
     a = np.arange(q_len) + (kv_len - q_len)
-    tried = []
+    closest = None  # (rows that differ, first differing row, l, r, c, predicted lo, hi)
     for l, r, c in _fit_window(lo, hi, empty, a, kv_len):
         p_lo, p_hi, p_empty = _predict(a, kv_len, l, r, c)
         if np.array_equal(p_empty, empty) and np.array_equal(p_lo, lo) and np.array_equal(p_hi, hi):
             return dict(base, causal=(r == 0), window_size=_window(l, r), attention_chunk=c), ""
-        tried.append((l, r, c))
+        differ = (p_empty != empty) | (p_lo != lo) | (p_hi != hi)
+        if closest is None or differ.sum() < closest[0]:
+            row = int(np.argmax(differ))
+            closest = (int(differ.sum()), row, l, r, c, int(p_lo[row]), int(p_hi[row]))
     cu_q, cu_k = _segments(lo, hi, empty, q_len, kv_len)
     if len(cu_q) > 2:
         seg_of_row = np.searchsorted(np.array(cu_q), np.arange(q_len), side="right") - 1
@@ -246,8 +249,14 @@ def fit_flash_attn(iv: Intervals, q_len: int, kv_len: int) -> tuple[dict | None,
                 return dict(base, causal=(r == 0), window_size=_window(l, r), attention_chunk=c,
                             cu_seqlens_q=[int(x) for x in cu_q], cu_seqlens_k=[int(x) for x in cu_k],
                             max_seqlen_q=int(np.diff(cu_q).max()), max_seqlen_k=int(np.diff(cu_k).max())), ""
-    return None, ("no causal flag, window_size, attention_chunk or cu_seqlens segmentation reproduces the mask "
-                  f"(tried (l, r, chunk) = {tried[:3]})")
+    why = "no causal flag, window_size, attention_chunk or cu_seqlens segmentation reproduces the mask"
+    if closest is not None:
+        n, row, l, r, c, p_lo, p_hi = closest
+        keeps = f"kv {lo[row]}..{hi[row] - 1}" if not empty[row] else "nothing"
+        fa = f"kv {p_lo}..{p_hi - 1}" if p_hi > p_lo else "nothing"
+        why += (f"; the closest, causal={r == 0} window_size={_window(l, r)} attention_chunk={c}, differs on {n} rows, "
+                f"first q={row}: the mask keeps {keeps}, FA would keep {fa}")
+    return None, why
 
 
 # ---------------------------------------------------------------- vLLM TritonAttention

@@ -26,6 +26,7 @@ DEFAULT_HEADS = 4
 # The CPU verifies with uncompiled FlexAttention (its unfused path) at a short length; a GPU
 # verifies compiled FlexAttention at the report's length.
 CPU_VERIFY_LEN = 512
+CPU_SPEC_LEN = 1024  # porting specs on the CPU: long enough for the library's spans and documents
 
 
 @dataclass
@@ -41,6 +42,9 @@ class MaskResult:
     seconds: float = 0.0
     verdict: object = None  # verify.Verdict
     verify_note: str = ""   # why there is no verdict
+    spec: object = None     # export.PortingSpec
+    spec_path: str = ""
+    spec_note: str = ""
 
 
 def default_device() -> str:
@@ -54,7 +58,7 @@ def _png(fig) -> bytes:
 
 
 def analyze_target(target: str, params: dict, q_len: int, kv_len: int, heads: int | None, batch: int | None,
-                   block_size, device: str, factory=None) -> MaskResult:
+                   block_size, device: str, factory=None, spec_dir: Path | None = None) -> MaskResult:
     """All stages for one mask; any user error is caught and kept on the result."""
     result = MaskResult(target=target, params=params)
     start = time.perf_counter()
@@ -78,12 +82,24 @@ def analyze_target(target: str, params: dict, q_len: int, kv_len: int, heads: in
                                                                 kv_zoom if zoom <= 256 else (kv_zoom[0], kv_zoom[0] + 256),
                                                                 h=h, device=device))
         verify_target(result, n_heads or 1, device)
+        if spec_dir is not None:
+            export_target(result, n_heads, batch, device, spec_dir)
     except WorkbenchError as exc:
         result.error = exc.message
     except Exception as exc:  # user code can fail in any way; keep going with the others
         result.error = f"{target}: {type(exc).__name__}: {exc}"
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _at_length(result: MaskResult, q_len: int, kv_len: int, device: str) -> Mask:
+    """The target rebuilt at another length from the parameters the user gave (so defaults
+    that scale with the length, such as the library's spans, scale too)."""
+    try:
+        return bind(make(result.mask.factory or result.target, result.params, q_len=q_len, kv_len=kv_len,
+                         device=device), q_len, kv_len, device)
+    except WorkbenchError:
+        return bind(result.mask, q_len, kv_len, device)
 
 
 def verify_target(result: MaskResult, heads: int, device: str) -> None:
@@ -99,13 +115,33 @@ def verify_target(result: MaskResult, heads: int, device: str) -> None:
         scale = min(1.0, CPU_VERIFY_LEN / max(q_len, kv_len))
         q_len, kv_len = max(1, int(q_len * scale)), max(1, int(kv_len * scale))
         try:
-            mask = bind(mask, q_len, kv_len, device)
+            mask = _at_length(result, q_len, kv_len, device)
         except WorkbenchError as exc:
             result.verify_note = f"not verified at a CPU-sized length: {exc.message}"
             return
     shape = Shape(batch=1, q_heads=mask.heads or heads, q_len=q_len, kv_len=kv_len, head_dim=64 if on_gpu else 32)
     result.verdict = verify(mask, shape, dtype="bfloat16" if on_gpu else "float32", device=device,
                             compile=on_gpu, progress=False)
+
+
+def export_target(result: MaskResult, heads: int | None, batch: int | None, device: str, spec_dir: Path) -> None:
+    """The porting spec (with golden vectors) of this mask, written to spec_dir."""
+    from workbench.export import build_spec, write_spec
+
+    mask = result.mask
+    q_len, kv_len = mask.q_len or DEFAULT_LEN, mask.kv_len or DEFAULT_LEN
+    if not device.startswith("cuda"):
+        scale = min(1.0, CPU_SPEC_LEN / max(q_len, kv_len))
+        q_len, kv_len = max(1, int(q_len * scale)), max(1, int(kv_len * scale))
+        try:
+            mask = _at_length(result, q_len, kv_len, device)
+        except WorkbenchError as exc:
+            result.spec_note = f"no spec at a CPU-sized length: {exc.message}"
+            return
+    spec = build_spec(mask, q_len, kv_len, heads=mask.heads or (heads if mask.score_mod is not None else None),
+                      batch=batch, device=device, seed=0)
+    json_path, _ = write_spec(spec, spec_dir)
+    result.spec, result.spec_path = spec, str(json_path)
 
 
 def library_targets() -> list[tuple[str, dict]]:
@@ -119,10 +155,10 @@ def run_report(targets: list[tuple[str, dict]] | None = None, out_dir: str | Pat
     device = device or default_device()
     kv_len = kv_len or q_len
     targets = targets if targets is not None else library_targets()
-    results = [analyze_target(t, p, q_len, kv_len, heads, batch, block_size, device)
-               for t, p in tqdm(targets, desc="report", disable=not progress)]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    results = [analyze_target(t, p, q_len, kv_len, heads, batch, block_size, device, spec_dir=out / "specs")
+               for t, p in tqdm(targets, desc="report", disable=not progress)]
     summary = summary_frame(results)
     summary.to_csv(out / "summary.csv", index=False)
     (out / "summary.json").write_text(json.dumps(
@@ -142,6 +178,12 @@ def _result_record(r: MaskResult) -> dict:
         rec["verify"] = r.verdict.to_dict()
     elif r.verify_note:
         rec["verify"] = {"note": r.verify_note}
+    if r.spec is not None:
+        rec["porting"] = {"spec": r.spec_path, "shape": r.spec.doc["shape"], "pattern": r.spec.doc["pattern"],
+                          "score": r.spec.doc["score"]["kind"], "exact": r.spec.supported,
+                          "unsupported": r.spec.unsupported}
+    elif r.spec_note:
+        rec["porting"] = {"note": r.spec_note}
     return rec
 
 
@@ -159,6 +201,7 @@ def summary_frame(results: list[MaskResult]) -> pd.DataFrame:
             differs_across_heads=getattr(s, "differs_across_heads", None),
             verified=None if r.verdict is None else r.verdict.passed,
             verify_rel_err=None if r.verdict is None else max(c.rel_err for c in r.verdict.checks),
+            exact_backends=None if r.spec is None else " ".join(r.spec.supported),
             seconds=round(r.seconds, 3)))
     return pd.DataFrame(rows)
 
@@ -175,6 +218,28 @@ def _verdict_html(r: MaskResult) -> str:
             f"{'pass' if v.passed else 'FAIL'}</span> {esc(v.line)}</p>"
             f"<p class='na'>FlexAttention {compiled} vs an eager {v.reference_dtype} reference on random inputs.</p>"
             f"{table}{'<ul>' + notes + '</ul>' if notes else ''}")
+
+
+def _porting_html(r: MaskResult) -> str:
+    esc = html.escape
+    spec = r.spec
+    if spec is None:
+        return f"<h3>Porting</h3><p class='na'>{esc(r.spec_note or 'not exported')}</p>"
+    shape = spec.doc["shape"]
+    rows = []
+    for target, row in spec.backends_frame().iterrows():
+        section = spec.doc["backends"].get(target)
+        shown = ""
+        if section is not None and target in ("flash_attn", "vllm_triton", "magi"):
+            text = json.dumps(section)
+            shown = text if len(text) <= 220 else text[:217] + "..."
+        mark = "<span class='pill ok'>exact</span>" if row["exact"] else "<span class='pill bad'>no</span>"
+        rows.append(f"<tr><td>{esc(target)}</td><td>{mark}</td><td><code>{esc(shown)}</code>{esc(row['reason'])}</td></tr>")
+    return (f"<h3>Porting</h3><p>Pattern <b>{esc(spec.doc['pattern']['kind'])}</b> "
+            f"<code>{esc(json.dumps(spec.doc['pattern']['params'])[:200])}</code>, score <b>{esc(spec.doc['score']['kind'])}</b>; "
+            f"spec at Lq={shape['q_len']} Lk={shape['kv_len']}: <code>{esc(Path(r.spec_path).name)}</code> "
+            f"(+ golden vectors)</p><table><tr><th>backend</th><th>exact</th><th>section / why not</th></tr>"
+            + "".join(rows) + "</table>")
 
 
 _CSS = """
@@ -204,7 +269,7 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
              f"{' · ' + str(n_err) + ' failed' if n_err else ''}</p></header><main>"]
     parts.append("<h2>Overview</h2><table><tr><th>mask</th><th>density</th><th>block sparsity</th>"
                  "<th>full / partial / empty</th><th>wasted in partial blocks</th><th>fully masked rows</th>"
-                 "<th>varies by head</th><th>verified</th><th>status</th></tr>")
+                 "<th>varies by head</th><th>verified</th><th>exact backends</th><th>status</th></tr>")
     for i, r in enumerate(results):
         s = r.stats
         name = r.mask.name if r.mask else r.target
@@ -218,7 +283,10 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
         v = r.verdict
         verified = ("—" if v is None else f"<span class='pill {'ok' if v.passed else 'bad'}'>"
                     f"{'pass' if v.passed else 'FAIL'}</span> {max(c.rel_err for c in v.checks):.1e}")
-        parts.append(f"<tr><td><a href='#m{i}'>{esc(name)}</a></td>{cells}<td>{verified}</td><td>{status}</td></tr>")
+        backends = "—" if r.spec is None else esc(", ".join(t for t in r.spec.supported
+                                                        if t not in ("row_intervals", "block_sparse")) or "only generic forms")
+        parts.append(f"<tr><td><a href='#m{i}'>{esc(name)}</a></td>{cells}<td>{verified}</td><td>{backends}</td>"
+                     f"<td>{status}</td></tr>")
     parts.append("</table>")
     for i, r in enumerate(results):
         name = r.mask.name if r.mask else r.target
@@ -239,6 +307,7 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
         if r.stats is not None:
             parts.append("<h3>Statistics</h3>" + r.stats.to_frame().to_html(escape=True, header=False))
         parts.append(_verdict_html(r))
+        parts.append(_porting_html(r))
         parts.append(f"<details><summary>source</summary><pre>{esc(r.mask.source)}</pre></details></section>")
     parts.append("</main></body></html>")
     return "".join(parts)

@@ -271,6 +271,14 @@ def make(factory: Callable | str, params: dict[str, Any] | None = None, *, q_len
     return mask
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """cuda and cuda:0 are the same device when the current device is 0."""
+    if a.type != b.type:
+        return False
+    index = torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else 0
+    return (a.index if a.index is not None else index) == (b.index if b.index is not None else index)
+
+
 def bind(mask: Mask, q_len: int, kv_len: int, device: str | torch.device = "cpu") -> Mask:
     """The same pattern rebuilt for these lengths and this device (if its factory can), with
     its captured tensors moved to `device`."""
@@ -287,7 +295,7 @@ def bind(mask: Mask, q_len: int, kv_len: int, device: str | torch.device = "cpu"
                 rebuilt = rebuilt.replace(score_mod=mask.score_mod, name=mask.name)
             mask = rebuilt
     for key, tensor in mask.data.items():
-        if tensor.device != device and not (device.type == "cpu" and tensor.device.type == "cpu"):
+        if not same_device(tensor.device, device):
             raise WorkbenchError(
                 f"captured tensor {key!r} is on {tensor.device}, the run is on {device}",
                 "let the factory take a `device` keyword and create its tensors there", mask.name)

@@ -1,0 +1,389 @@
+"""The notebook workbench: an ipywidgets app over the stages. It composes them; no logic here.
+
+    from workbench import Workbench
+    Workbench("document", q_len=4096)           # a library mask
+    Workbench(my_mask_mod)                      # your own mod (or a Mask, or "file.py:factory")
+
+or, after `%load_ext workbench`, a cell that starts with `%%flexmask [--q-len N ...]` and
+defines `mask_mod(b, h, q_idx, kv_idx)` (and optionally `score_mod(score, b, h, q_idx, kv_idx)`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import io
+import json
+import shlex
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import ipywidgets as w
+import torch
+from IPython.display import display
+
+from workbench import look
+from workbench.analyze import mask_stats
+from workbench.blocks import scan_blocks
+from workbench.define import CONTEXT_KEYS, Mask, WorkbenchError, bind, library, make, probe
+
+CUSTOM = "(your mod)"
+TABS = ["Block map", "Token zoom", "Scores", "Stats", "Verify", "Benchmark", "Export"]
+
+
+def _png(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _param_widget(name: str, default: Any) -> w.Widget:
+    style = {"description_width": "initial"}
+    if isinstance(default, bool):
+        return w.Checkbox(value=default, description=name, style=style)
+    if isinstance(default, int):
+        return w.IntText(value=default, description=name, style=style, layout=w.Layout(width="180px"))
+    if isinstance(default, float):
+        return w.FloatText(value=default, description=name, style=style, layout=w.Layout(width="180px"))
+    # lists, None and strings are edited as JSON
+    return w.Text(value=json.dumps(default), description=name, style=style, continuous_update=False,
+                  layout=w.Layout(width="360px"))
+
+
+def _param_value(widget: w.Widget):
+    if isinstance(widget, w.Text):
+        try:
+            return json.loads(widget.value)
+        except json.JSONDecodeError:
+            return widget.value
+    return widget.value
+
+
+def factory_defaults(factory: Callable) -> dict[str, Any]:
+    """A factory's parameters and defaults, without the context keywords the workbench fills in."""
+    out = {}
+    for name, p in inspect.signature(factory).parameters.items():
+        if name in CONTEXT_KEYS or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        out[name] = None if p.default is p.empty else p.default
+    return out
+
+
+class Workbench:
+    """Pick or bring a mask, change its parameters and sizes, and look, verify, benchmark and
+    export it. `last_redraw_seconds` says how long the last redraw took."""
+
+    def __init__(self, mask: str | Mask | Callable | None = "causal", params: dict | None = None, *,
+                 q_len: int = 1024, kv_len: int | None = None, heads: int | None = None, batch: int | None = None,
+                 block_size: int = 128, device: str | None = None):
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.custom: Mask | None = None
+        self.mask: Mask | None = None
+        self.scan = None
+        self.last_redraw_seconds = 0.0
+        self.redraws = 0
+        names = list(library())
+        start = "causal"
+        if isinstance(mask, str) and mask in names:
+            start = mask
+        elif mask is not None:
+            self.custom = self._as_mask(mask, q_len, kv_len or q_len)
+            start = CUSTOM
+        style = {"description_width": "initial"}
+        self.picker = w.Dropdown(options=names + [CUSTOM] if self.custom else names, value=start,
+                                 description="mask", style=style)
+        self.q_len = w.BoundedIntText(value=q_len, min=1, max=1 << 24, description="Lq", style=style,
+                                      layout=w.Layout(width="170px"))
+        self.kv_len = w.BoundedIntText(value=kv_len or q_len, min=1, max=1 << 24, description="Lk", style=style,
+                                       layout=w.Layout(width="170px"))
+        self.block = w.Dropdown(options=[16, 32, 64, 128, 256], value=block_size, description="block", style=style,
+                                layout=w.Layout(width="150px"))
+        self.heads = w.BoundedIntText(value=heads or 1, min=1, max=4096, description="heads", style=style,
+                                      layout=w.Layout(width="150px"))
+        self.head = w.BoundedIntText(value=0, min=0, max=4095, description="head", style=style,
+                                     layout=w.Layout(width="140px"))
+        self.batch = w.BoundedIntText(value=batch or 1, min=1, max=4096, description="batch", style=style,
+                                      layout=w.Layout(width="150px"))
+        self.params_box = w.HBox(layout=w.Layout(flex_flow="row wrap"))
+        self.param_widgets: dict[str, w.Widget] = {}
+        self.status = w.HTML()
+        self.message = w.HTML()
+        self.outputs = {name: w.Output() for name in TABS}
+        self.tabs = w.Tab(children=[self._tab_body(name) for name in TABS])
+        for i, name in enumerate(TABS):
+            self.tabs.set_title(i, name)
+        self.picker.observe(self._on_pick, names="value")
+        for widget in (self.q_len, self.kv_len, self.block, self.heads, self.head, self.batch):
+            widget.observe(self._on_change, names="value")
+        self.tabs.observe(lambda change: self._draw_tab(TABS[change["new"]]), names="selected_index")
+        self.widget = w.VBox([
+            w.HBox([self.picker, self.q_len, self.kv_len, self.block, self.heads, self.head, self.batch],
+                   layout=w.Layout(flex_flow="row wrap")),
+            self.params_box, self.message, self.status, self.tabs])
+        self._build_params()
+        self.refresh()
+
+    # ------------------------------------------------------------ building the mask
+
+    @staticmethod
+    def _as_mask(mask, q_len, kv_len) -> Mask:
+        if isinstance(mask, Mask):
+            return mask
+        return make(mask, q_len=q_len, kv_len=kv_len)
+
+    def _build_params(self):
+        self.param_widgets = {}
+        if self.picker.value != CUSTOM:
+            for name, default in factory_defaults(library()[self.picker.value]).items():
+                widget = _param_widget(name, default)
+                widget.observe(self._on_change, names="value")
+                self.param_widgets[name] = widget
+        self.params_box.children = list(self.param_widgets.values())
+
+    def params(self) -> dict:
+        return {k: _param_value(v) for k, v in self.param_widgets.items()}
+
+    def build(self) -> Mask:
+        q_len, kv_len = self.q_len.value, self.kv_len.value
+        if self.picker.value == CUSTOM:
+            mask = bind(self.custom, q_len, kv_len, self.device)
+        else:
+            mask = make(self.picker.value, self.params(), q_len=q_len, kv_len=kv_len, device=self.device)
+            mask = bind(mask, q_len, kv_len, self.device)
+        probe(mask, device=self.device)
+        return mask
+
+    # ------------------------------------------------------------ events
+
+    def _on_pick(self, change):
+        self._build_params()
+        self.refresh()
+
+    def _on_change(self, change):
+        self.refresh()
+
+    def _show_error(self, exc: Exception):
+        text = exc.message if isinstance(exc, WorkbenchError) else f"{type(exc).__name__}: {exc}"
+        self.message.value = (f"<div style='background:#fdecea;border-left:4px solid #d62828;padding:6px 10px'>"
+                              f"{_esc(text)}</div>")
+
+    def refresh(self):
+        """Rebuild the mask and redraw what depends on it (the visible tab and the block map)."""
+        start = time.perf_counter()
+        try:
+            self.mask = self.build()
+            heads = self.mask.heads or self.heads.value  # a per-head mask shows all its heads
+            self.scan = scan_blocks(self.mask, self.q_len.value, self.kv_len.value, heads=heads,
+                                    batch=self.batch.value, block_size=self.block.value, device=self.device)
+            self.message.value = ""
+        except Exception as exc:  # user code: show it, keep the app alive
+            self.mask, self.scan = None, None
+            self._show_error(exc)
+        for name in ("Block map", "Stats", "Token zoom", "Scores"):
+            self._draw_tab(name)
+        self.last_redraw_seconds = time.perf_counter() - start
+        self.redraws += 1
+        if self.mask is not None:
+            self.status.value = (f"<span style='color:#5a6776;font-size:12px'>{_esc(self.mask.name)} · "
+                                 f"{self.scan.evaluator} · redrawn in {self.last_redraw_seconds:.2f} s on {self.device}"
+                                 f"</span>")
+
+    # ------------------------------------------------------------ tabs
+
+    def _tab_body(self, name):
+        out = self.outputs[name]
+        if name == "Token zoom":
+            self.zoom_q = w.IntText(value=0, description="q from", layout=w.Layout(width="160px"))
+            self.zoom_kv = w.IntText(value=0, description="kv from", layout=w.Layout(width="160px"))
+            self.zoom_size = w.Dropdown(options=[64, 128, 256, 512, 1024, 2048], value=256, description="size",
+                                        layout=w.Layout(width="160px"))
+            for widget in (self.zoom_q, self.zoom_kv, self.zoom_size):
+                widget.observe(lambda change: self._draw_tab("Token zoom"), names="value")
+            return w.VBox([w.HBox([self.zoom_q, self.zoom_kv, self.zoom_size]), out])
+        if name == "Verify":
+            self.verify_dtype = w.Dropdown(options=["float32", "bfloat16", "float16"] +
+                                           (["tf32"] if torch.cuda.is_available() else ["float64"]),
+                                           value="bfloat16" if torch.cuda.is_available() else "float32",
+                                           description="dtype", layout=w.Layout(width="180px"))
+            self.verify_len = w.IntText(value=512, description="verify at Lq=Lk", style={"description_width": "initial"},
+                                        layout=w.Layout(width="200px"))
+            self.verify_button = w.Button(description="Verify", button_style="primary", icon="check")
+            self.verify_button.on_click(lambda _: self.run_verify())
+            return w.VBox([w.HBox([self.verify_dtype, self.verify_len, self.verify_button]), out])
+        if name == "Benchmark":
+            self.bench_button = w.Button(description="Benchmark", icon="tachometer",
+                                         disabled=not torch.cuda.is_available())
+            self.bench_button.on_click(lambda _: self.run_benchmark())
+            return w.VBox([self.bench_button, out])
+        if name == "Export":
+            self.export_dir = w.Text(value="out/specs", description="folder")
+            self.export_button = w.Button(description="Export spec", icon="download")
+            self.export_button.on_click(lambda _: self.run_export())
+            return w.VBox([w.HBox([self.export_dir, self.export_button]), out])
+        return out
+
+    def _draw_tab(self, name):
+        out = self.outputs[name]
+        if name in ("Verify", "Benchmark", "Export"):
+            return
+        out.clear_output(wait=True)
+        if self.mask is None:
+            return
+        with out:
+            try:
+                if name == "Block map":
+                    _show_png(look.block_map(self.scan, title=self.mask.name))
+                elif name == "Stats":
+                    display(mask_stats(self.scan).to_frame())
+                elif name == "Token zoom":
+                    n = self.zoom_size.value
+                    q0 = max(0, min(self.zoom_q.value, self.q_len.value - 1))
+                    k0 = max(0, min(self.zoom_kv.value, self.kv_len.value - 1))
+                    _show_png(look.token_view(self.mask, (q0, min(self.q_len.value, q0 + n)),
+                                              (k0, min(self.kv_len.value, k0 + n)), h=self._head(),
+                                              device=self.device))
+                elif name == "Scores":
+                    if self.mask.score_mod is None:
+                        display(w.HTML("<i>No score_mod: scores are unchanged.</i>"))
+                    else:
+                        n = min(256, self.q_len.value, self.kv_len.value)
+                        _show_png(look.score_view(self.mask, (self.q_len.value - n, self.q_len.value),
+                                                  (self.kv_len.value - n, self.kv_len.value), h=self._head(),
+                                                  device=self.device))
+            except Exception as exc:
+                self._show_error(exc)
+
+    def _head(self) -> int:
+        limit = self.mask.heads or self.heads.value
+        return min(self.head.value, limit - 1)
+
+    # ------------------------------------------------------------ actions
+
+    def run_verify(self):
+        from workbench.run import Shape
+        from workbench.verify import verify
+
+        out = self.outputs["Verify"]
+        out.clear_output()
+        with out:
+            if self.mask is None:
+                return
+            try:
+                n = max(1, self.verify_len.value)
+                mask = bind(self.mask, n, n, self.device) if (self.q_len.value, self.kv_len.value) != (n, n) else self.mask
+                on_gpu = self.device.startswith("cuda")
+                heads = self.mask.heads or self.heads.value
+                verdict = verify(mask, Shape(batch=1, q_heads=heads, q_len=n, kv_len=n, head_dim=64),
+                                 dtype=self.verify_dtype.value, device=self.device, compile=on_gpu, progress=True)
+                self.last_verdict = verdict
+                colour = "#1e6b34" if verdict.passed else "#a4161a"
+                display(w.HTML(f"<b style='color:{colour}'>{_esc(verdict.line)}</b>"))
+                display(verdict.to_frame()[["max_abs_err", "rel_err", "worst", "bad_count", "nan_count", "passed"]])
+                for f in verdict.findings:
+                    display(w.HTML(f"<div style='font-size:12px'><b>{_esc(f.kind)}</b> ({f.severity}): "
+                                   f"{_esc(f.message)}</div>"))
+            except Exception as exc:
+                self._show_error(exc)
+
+    def run_benchmark(self):
+        from workbench.run import Shape, make_inputs, run_flex
+
+        out = self.outputs["Benchmark"]
+        out.clear_output()
+        with out:
+            if self.mask is None or not self.device.startswith("cuda"):
+                display(w.HTML("<i>Benchmarks need a CUDA GPU (see benchmarks/bench_attention.py).</i>"))
+                return
+            try:
+                from triton.testing import do_bench
+
+                heads = self.mask.heads or max(self.heads.value, 16)
+                shape = Shape(batch=self.batch.value, q_heads=heads, q_len=self.q_len.value, kv_len=self.kv_len.value,
+                              head_dim=128)
+                inputs = make_inputs(shape, "bfloat16", self.device, seed=0)
+                first = run_flex(self.mask, inputs, block_size=self.block.value)
+                ms = do_bench(lambda: run_flex(self.mask, inputs, block_mask=first.block_mask), warmup=5, rep=50)
+                stats = mask_stats(self.scan, head_dim=128)
+                tflops = stats.kept_flops / max(1, stats.batch * stats.heads) * shape.batch * heads / ms / 1e9
+                display(w.HTML(f"compiled FlexAttention forward, bf16, B={shape.batch} H={heads} D=128: "
+                               f"<b>{ms:.3f} ms</b>, {tflops:.0f} TFLOP/s on kept pairs; compile "
+                               f"{first.compile_seconds or 0:.1f} s"))
+            except Exception as exc:
+                self._show_error(exc)
+
+    def run_export(self):
+        from workbench.export import build_spec, write_spec
+
+        out = self.outputs["Export"]
+        out.clear_output()
+        with out:
+            if self.mask is None:
+                return
+            try:
+                spec = build_spec(self.mask, self.q_len.value, self.kv_len.value, heads=self.mask.heads,
+                                  device=self.device, seed=0, progress=True)
+                path, _ = write_spec(spec, Path(self.export_dir.value))
+                self.last_spec = spec
+                display(w.HTML(f"wrote <code>{_esc(str(path))}</code>; pattern <b>{_esc(spec.doc['pattern']['kind'])}"
+                               f"</b>, score <b>{_esc(spec.doc['score']['kind'])}</b>"))
+                display(spec.backends_frame())
+            except Exception as exc:
+                self._show_error(exc)
+
+    def _ipython_display_(self):
+        display(self.widget)
+
+
+def _show_png(fig):
+    display(w.Image(value=_png(fig), format="png"))
+
+
+def _esc(text: str) -> str:
+    import html
+
+    return html.escape(str(text))
+
+
+# ---------------------------------------------------------------- %%flexmask
+
+def _magic_args(line: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="%%flexmask", add_help=False)
+    p.add_argument("name", nargs="?", default="my_mask")
+    p.add_argument("--q-len", type=int, default=1024)
+    p.add_argument("--kv-len", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--device")
+    return p.parse_args(shlex.split(line))
+
+
+def mask_from_cell(name: str, cell: str, namespace: dict) -> Mask:
+    """Run the cell in `namespace` and take `mask_mod` / `score_mod` from it."""
+    code = compile(cell, f"<flexmask {name}>", "exec")
+    exec(code, namespace)  # the user's own cell, as IPython would run it
+    mask_mod, score_mod = namespace.get("mask_mod"), namespace.get("score_mod")
+    if mask_mod is None and score_mod is None:
+        raise WorkbenchError("the %%flexmask cell defines neither `mask_mod` nor `score_mod`",
+                             "define def mask_mod(b, h, q_idx, kv_idx): ... in the cell")
+    return Mask(name=name, mask_mod=mask_mod, score_mod=score_mod, source=cell,
+                description=f"Defined in a %%flexmask cell ({name}).")
+
+
+def load_ipython_extension(ipython):
+    def flexmask(line, cell):
+        try:
+            args = _magic_args(line)
+            mask = mask_from_cell(args.name, cell, ipython.user_ns)
+            bench = Workbench(mask, q_len=args.q_len, kv_len=args.kv_len, heads=args.heads,
+                              block_size=args.block_size, device=args.device)
+        except WorkbenchError as exc:
+            display(w.HTML(f"<div style='background:#fdecea;padding:6px 10px'>{_esc(exc.message)}</div>"))
+            return None
+        ipython.user_ns[f"{args.name}_workbench"] = bench
+        return bench
+
+    ipython.register_magic_function(flexmask, magic_kind="cell", magic_name="flexmask")

@@ -119,7 +119,8 @@ class Workbench:
         self.picker.observe(self._on_pick, names="value")
         for widget in (self.q_len, self.kv_len, self.block, self.heads, self.head, self.batch):
             widget.observe(self._on_change, names="value")
-        self.tabs.observe(lambda change: self._draw_tab(TABS[change["new"]]), names="selected_index")
+        self._stale: set[str] = set()
+        self.tabs.observe(self._on_tab, names="selected_index")
         self.widget = w.VBox([
             w.HBox([self.picker, self.q_len, self.kv_len, self.block, self.heads, self.head, self.batch],
                    layout=w.Layout(flex_flow="row wrap")),
@@ -166,6 +167,11 @@ class Workbench:
     def _on_change(self, change):
         self.refresh()
 
+    def _on_tab(self, change):
+        name = TABS[change["new"]]
+        if name in self._stale:
+            self._draw_tab(name)
+
     def _show_error(self, exc: Exception):
         text = exc.message if isinstance(exc, WorkbenchError) else f"{type(exc).__name__}: {exc}"
         self.message.value = (f"<div style='background:#fdecea;border-left:4px solid #d62828;padding:6px 10px'>"
@@ -183,8 +189,9 @@ class Workbench:
         except Exception as exc:  # user code: show it, keep the app alive
             self.mask, self.scan = None, None
             self._show_error(exc)
-        for name in ("Block map", "Stats", "Token zoom", "Scores"):
-            self._draw_tab(name)
+        # draw the tab on screen now; the others when they are opened
+        self._stale = {"Block map", "Stats", "Token zoom", "Scores"}
+        self._draw_tab(TABS[self.tabs.selected_index or 0])
         self.last_redraw_seconds = time.perf_counter() - start
         self.redraws += 1
         if self.mask is not None:
@@ -230,6 +237,7 @@ class Workbench:
         out = self.outputs[name]
         if name in ("Verify", "Benchmark", "Export"):
             return
+        self._stale.discard(name)
         out.clear_output(wait=True)
         if self.mask is None:
             return

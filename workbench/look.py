@@ -49,7 +49,10 @@ def block_map(scan: BlockScan, title: str | None = None, max_panels: int = 16) -
     ncols = min(4, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     aspect = scan.q_len / scan.kv_len
-    fig = Figure(figsize=(3.6 * ncols + 1.2, 3.6 * nrows * min(max(aspect, 0.4), 2.5) + 0.9), layout="constrained")
+    # the constrained layout solver doubles the drawing time of a grid of heads: place those by hand
+    many = len(panels) > 1
+    fig = Figure(figsize=(3.6 * ncols + 1.2, 3.6 * nrows * min(max(aspect, 0.4), 2.5) + 0.9),
+                 layout=None if many else "constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
     cmap = ListedColormap([BLOCK_COLOURS[k] for k in (EMPTY, PARTIAL, FULL)])
     for ax in axes.flat[len(panels):]:
@@ -71,7 +74,12 @@ def block_map(scan: BlockScan, title: str | None = None, max_panels: int = 16) -
         if label:
             ax.set_title(", ".join(label), fontsize=9)
     handles = [Patch(color=BLOCK_COLOURS[k], label=BLOCK_LABELS[k]) for k in (FULL, PARTIAL, EMPTY)]
-    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="lower center" if many else "outside lower center", ncols=3, fontsize=8,
+               frameon=False)
+    if many:
+        height = fig.get_figheight()
+        fig.subplots_adjust(left=0.7 / fig.get_figwidth(), right=0.98, top=1 - 0.55 / height, bottom=0.85 / height,
+                            wspace=0.35, hspace=0.45 * 3.6 / max(1.0, height / nrows))
     fig.suptitle((title or "block map") + f"  ·  {scan.q_block}x{scan.kv_block} blocks{pooled_note}", fontsize=10)
     return fig
 
@@ -212,7 +220,12 @@ def diff_view(mask_a, mask_b, q_range, kv_range, b: int = 0, h: int = 0, device=
     handles = [Patch(color=DIFF_COLOURS[BOTH], label="both keep"),
                Patch(color=DIFF_COLOURS[ONLY_A], label=f"only {la}: {n_a:,}"),
                Patch(color=DIFF_COLOURS[ONLY_B], label=f"only {lb}: {n_b:,}")]
-    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="lower center" if many else "outside lower center", ncols=3, fontsize=8,
+               frameon=False)
+    if many:
+        height = fig.get_figheight()
+        fig.subplots_adjust(left=0.7 / fig.get_figwidth(), right=0.98, top=1 - 0.55 / height, bottom=0.85 / height,
+                            wspace=0.35, hspace=0.45 * 3.6 / max(1.0, height / nrows))
     return fig
 
 

@@ -220,12 +220,7 @@ def diff_view(mask_a, mask_b, q_range, kv_range, b: int = 0, h: int = 0, device=
     handles = [Patch(color=DIFF_COLOURS[BOTH], label="both keep"),
                Patch(color=DIFF_COLOURS[ONLY_A], label=f"only {la}: {n_a:,}"),
                Patch(color=DIFF_COLOURS[ONLY_B], label=f"only {lb}: {n_b:,}")]
-    fig.legend(handles=handles, loc="lower center" if many else "outside lower center", ncols=3, fontsize=8,
-               frameon=False)
-    if many:
-        height = fig.get_figheight()
-        fig.subplots_adjust(left=0.7 / fig.get_figwidth(), right=0.98, top=1 - 0.55 / height, bottom=0.85 / height,
-                            wspace=0.35, hspace=0.45 * 3.6 / max(1.0, height / nrows))
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
     return fig
 
 

@@ -366,6 +366,9 @@ def _check_generalization(mask: Mask, backends: dict, q_len: int, kv_len: int, d
                 failed = [lq, lk]
                 break
             checked.append([lq, lk])
+        if failed is None and not checked:
+            out[target] = {"parametric": None, "note": "the mask could not be rebuilt at other sizes to check"}
+            continue
         out[target] = {"parametric": failed is None, "checked_sizes": checked,
                        **({"differs_at": failed} if failed else {})}
     return out

@@ -226,7 +226,13 @@ def fit_flash_attn(iv: Intervals, q_len: int, kv_len: int) -> tuple[dict | None,
                 cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=q_len, max_seqlen_k=kv_len)
     a = np.arange(q_len) + (kv_len - q_len)
     closest = None  # (rows that differ, first differing row, l, r, c, predicted lo, hi)
-    for l, r, c in _fit_window(lo, hi, empty, a, kv_len):
+    candidates = _fit_window(lo, hi, empty, a, kv_len)
+    # A mask of a few unequal documents can also read as one attention_chunk that happens to fit
+    # at this length; prefer chunks only when at least two whole chunks repeat, else segments.
+    chunk = next((c for _, _, c in candidates if c), 0)
+    repeats = chunk > 0 and kv_len // chunk >= 2
+    first = [x for x in candidates if x[2] == 0 or repeats]
+    for l, r, c in first:
         p_lo, p_hi, p_empty = _predict(a, kv_len, l, r, c)
         if np.array_equal(p_empty, empty) and np.array_equal(p_lo, lo) and np.array_equal(p_hi, hi):
             return dict(base, causal=(r == 0), window_size=_window(l, r), attention_chunk=c), ""
@@ -234,6 +240,7 @@ def fit_flash_attn(iv: Intervals, q_len: int, kv_len: int) -> tuple[dict | None,
         if closest is None or differ.sum() < closest[0]:
             row = int(np.argmax(differ))
             closest = (int(differ.sum()), row, l, r, c, int(p_lo[row]), int(p_hi[row]))
+    late_chunks = [x for x in candidates if x not in first]
     cu_q, cu_k = _segments(lo, hi, empty, q_len, kv_len)
     if len(cu_q) > 2:
         seg_of_row = np.searchsorted(np.array(cu_q), np.arange(q_len), side="right") - 1
@@ -249,6 +256,10 @@ def fit_flash_attn(iv: Intervals, q_len: int, kv_len: int) -> tuple[dict | None,
                 return dict(base, causal=(r == 0), window_size=_window(l, r), attention_chunk=c,
                             cu_seqlens_q=[int(x) for x in cu_q], cu_seqlens_k=[int(x) for x in cu_k],
                             max_seqlen_q=int(np.diff(cu_q).max()), max_seqlen_k=int(np.diff(cu_k).max())), ""
+    for l, r, c in late_chunks:
+        p_lo, p_hi, p_empty = _predict(a, kv_len, l, r, c)
+        if np.array_equal(p_empty, empty) and np.array_equal(p_lo, lo) and np.array_equal(p_hi, hi):
+            return dict(base, causal=(r == 0), window_size=_window(l, r), attention_chunk=c), ""
     why = "no causal flag, window_size, attention_chunk or cu_seqlens segmentation reproduces the mask"
     if closest is not None:
         n, row, l, r, c, p_lo, p_hi = closest

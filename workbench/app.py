@@ -86,6 +86,7 @@ class Workbench:
         self.scan = None
         self.last_redraw_seconds = 0.0
         self.redraws = 0
+        self.shown: dict[str, object] = {}  # tab -> what it shows now (PNG bytes, DataFrame, text)
         names = list(library())
         start = "causal"
         if isinstance(mask, str) and mask in names:
@@ -244,22 +245,24 @@ class Workbench:
         with out:
             try:
                 if name == "Block map":
-                    _show_png(look.block_map(self.scan, title=self.mask.name))
+                    self.shown[name] = _show_png(look.block_map(self.scan, title=self.mask.name))
                 elif name == "Stats":
-                    display(mask_stats(self.scan).to_frame())
+                    self.shown[name] = mask_stats(self.scan).to_frame()
+                    display(self.shown[name])
                 elif name == "Token zoom":
                     n = self.zoom_size.value
                     q0 = max(0, min(self.zoom_q.value, self.q_len.value - 1))
                     k0 = max(0, min(self.zoom_kv.value, self.kv_len.value - 1))
-                    _show_png(look.token_view(self.mask, (q0, min(self.q_len.value, q0 + n)),
-                                              (k0, min(self.kv_len.value, k0 + n)), h=self._head(),
-                                              device=self.device))
+                    self.shown[name] = _show_png(look.token_view(
+                        self.mask, (q0, min(self.q_len.value, q0 + n)), (k0, min(self.kv_len.value, k0 + n)),
+                        h=self._head(), device=self.device))
                 elif name == "Scores":
                     if self.mask.score_mod is None:
-                        display(w.HTML("<i>No score_mod: scores are unchanged.</i>"))
+                        self.shown[name] = "No score_mod: scores are unchanged."
+                        display(w.HTML(f"<i>{self.shown[name]}</i>"))
                     else:
                         n = min(256, self.q_len.value, self.kv_len.value)
-                        _show_png(look.score_view(self.mask, (self.q_len.value - n, self.q_len.value),
+                        self.shown[name] = _show_png(look.score_view(self.mask, (self.q_len.value - n, self.q_len.value),
                                                   (self.kv_len.value - n, self.kv_len.value), h=self._head(),
                                                   device=self.device))
             except Exception as exc:
@@ -304,7 +307,8 @@ class Workbench:
         out.clear_output()
         with out:
             if self.mask is None or not self.device.startswith("cuda"):
-                display(w.HTML("<i>Benchmarks need a CUDA GPU (see benchmarks/bench_attention.py).</i>"))
+                self.shown["Benchmark"] = "Benchmarks need a CUDA GPU (see benchmarks/bench_attention.py)."
+                display(w.HTML(f"<i>{self.shown['Benchmark']}</i>"))
                 return
             try:
                 from triton.testing import do_bench
@@ -317,9 +321,10 @@ class Workbench:
                 ms = do_bench(lambda: run_flex(self.mask, inputs, block_mask=first.block_mask), warmup=5, rep=50)
                 stats = mask_stats(self.scan, head_dim=128)
                 tflops = stats.kept_flops / max(1, stats.batch * stats.heads) * shape.batch * heads / ms / 1e9
-                display(w.HTML(f"compiled FlexAttention forward, bf16, B={shape.batch} H={heads} D=128: "
-                               f"<b>{ms:.3f} ms</b>, {tflops:.0f} TFLOP/s on kept pairs; compile "
-                               f"{first.compile_seconds or 0:.1f} s"))
+                self.shown["Benchmark"] = (f"compiled FlexAttention forward, bf16, B={shape.batch} H={heads} D=128: "
+                                           f"{ms:.3f} ms, {tflops:.0f} TFLOP/s on kept pairs; compile "
+                                           f"{first.compile_seconds or 0:.1f} s")
+                display(w.HTML(self.shown["Benchmark"]))
             except Exception as exc:
                 self._show_error(exc)
 
@@ -346,8 +351,10 @@ class Workbench:
         display(self.widget)
 
 
-def _show_png(fig):
-    display(w.Image(value=_png(fig), format="png"))
+def _show_png(fig) -> bytes:
+    png = _png(fig)
+    display(w.Image(value=png, format="png"))
+    return png
 
 
 def _esc(text: str) -> str:

@@ -11,8 +11,10 @@ import decoders
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+
+hypothesis = pytest.importorskip("hypothesis")  # a dev dependency; `make test` installs it
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from torch.nn.attention.flex_attention import and_masks, or_masks
 
 from workbench import Mask, library, make

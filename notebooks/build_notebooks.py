@@ -187,7 +187,7 @@ print(verdict.line)       # FAIL, with the worst element's location""",
 
 lengths = torch.tensor([300, 200])          # 500 real tokens, 12 padding tokens
 L = 512
-doc_id = torch.repeat_interleave(torch.arange(3), torch.tensor([300, 200, 12]))
+doc_id = torch.repeat_interleave(torch.arange(3), torch.tensor([300, 200, 12])).to(DEVICE)
 
 def packed_documents(b, h, q_idx, kv_idx):
     real = doc_id[q_idx] < 2
@@ -196,9 +196,9 @@ def packed_documents(b, h, q_idx, kv_idx):
 packed = Mask("packed_documents", mask_mod=packed_documents, data={"doc_id": doc_id})
 from workbench.blocks import scan_blocks
 from workbench.analyze import mask_stats
-stats = mask_stats(scan_blocks(packed, L, L))
+stats = mask_stats(scan_blocks(packed, L, L, device=DEVICE))
 stats.fully_masked_rows, stats.fully_masked_row_examples[:3]""",
-"""look.token_view(packed, (440, 512), (440, 512))""",
+"""look.token_view(packed, (440, 512), (440, 512), device=DEVICE)""",
 """verdict = verify(packed, Shape(q_heads=2, q_len=L, head_dim=64), dtype="float32", device=DEVICE,
                  compile=DEVICE == "cuda")
 print(verdict.line)
@@ -207,7 +207,7 @@ for f in verdict.findings:
 """from workbench.export import build_spec, write_spec, conformance
 import torch.nn.functional as F
 
-path, _ = write_spec(build_spec(packed, L, L, seed=0), "out/debugging")
+path, _ = write_spec(build_spec(packed, L, L, seed=0, device=DEVICE), "out/debugging")
 
 def dense_keep(spec):
     keep = torch.zeros(L, L, dtype=torch.bool)

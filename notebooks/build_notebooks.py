@@ -185,9 +185,8 @@ print(verdict.line)       # FAIL, with the worst element's location""",
 "md:## Rows that keep nothing\n\nPadding queries in a packed batch (positions past the last document) keep no key. FlexAttention returns 0 there; a textbook softmax over a dense mask (what a hand-written kernel computes) returns NaN.",
 """import torch
 
-lengths = torch.tensor([300, 200])          # 500 real tokens, 12 padding tokens
 L = 512
-doc_id = torch.repeat_interleave(torch.arange(3), torch.tensor([300, 200, 12])).to(DEVICE)
+doc_id = torch.repeat_interleave(torch.arange(3), torch.tensor([300, 200, 12])).to(DEVICE)  # 2 documents, 12 padding tokens
 
 def packed_documents(b, h, q_idx, kv_idx):
     real = doc_id[q_idx] < 2

@@ -363,3 +363,17 @@ def test_triton_source_matches_the_mask_in_the_interpreter(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("OK") == len(specs)
+
+
+def test_batch_dependent_mask_uses_by_batch():
+    cuts = torch.tensor([40, 90])  # batch entry b: one document boundary at cuts[b]
+
+    def per_batch_documents(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((q_idx < cuts[b]) == (kv_idx < cuts[b]))
+
+    mask = Mask("per_batch_documents", mask_mod=per_batch_documents, data={"cuts": cuts})
+    spec = build_spec(mask, 128, 128, batch=2, golden=False)
+    assert spec.doc["shape"]["B"] == 2 and spec.doc["shape"]["H"] is None
+    segments = [s["cu_seqlens_q"] for s in spec.doc["backends"]["flash_attn"]["by_batch"]]
+    assert segments == [[0, 40, 128], [0, 90, 128]]
+    assert check_every_section(spec, mask) >= {"flash_attn", "magi", "row_intervals", "block_sparse"}

@@ -14,9 +14,10 @@ def run(*args, cwd=ROOT):
 
 
 def test_help_on_every_subcommand():
-    for sub in ([], ["list"], ["report"], ["blocks"]):
+    for sub in ([], ["list"], ["report"], ["blocks"], ["verify"], ["export"], ["conformance"], ["diff"]):
         out = run(*sub, "--help")
         assert out.returncode == 0 and "usage" in out.stdout
+    assert all(cmd in run("--help").stdout for cmd in ("verify", "export", "conformance", "diff"))
 
 
 def test_list():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -115,20 +114,25 @@ def _pattern(sections: dict, iv: porting.Intervals, q_len: int, kv_len: int, per
     return {"kind": "unknown", "params": {}}
 
 
-def _fit_variant(mask: Mask, q_len: int, kv_len: int, b: int, h: int, device, tensors: dict, tag: str,
-                 block_scan=None) -> tuple[dict, dict, porting.Intervals]:
+def _fit_variant(mask: Mask, q_len: int, kv_len: int, b: int, h: int, device, tensors: dict,
+                 tag: str) -> tuple[dict, dict, porting.Intervals]:
     """All target sections for one (b, h): ({target: section}, {target: reason}, intervals)."""
     iv = porting.mask_intervals(mask, q_len, kv_len, b, h, device=device)
     sections, reasons = {}, {}
+
+    def keep(target, section, why):
+        if section is not None:
+            sections[target] = section
+        else:
+            reasons[target] = why
+
     fa, why = porting.fit_flash_attn(iv, q_len, kv_len)
     if fa is not None:  # the fit compares run ends; the rule is a dense decode with FA's semantics
         wrong = porting.check_section(porting.decode_flash_attn(fa, q_len, kv_len), iv)
         fa, why = (fa, why) if wrong is None else (None, f"fitted form did not decode to the mask: {wrong}")
-    (sections.__setitem__("flash_attn", fa) if fa else reasons.__setitem__("flash_attn", why))
-    vl, why = porting.fit_vllm_triton(iv, q_len, kv_len)
-    (sections.__setitem__("vllm_triton", vl) if vl else reasons.__setitem__("vllm_triton", why))
-    mg, why = porting.fit_magi(iv, q_len, kv_len)
-    (sections.__setitem__("magi", mg) if mg else reasons.__setitem__("magi", why))
+    keep("flash_attn", fa, why)
+    keep("vllm_triton", *porting.fit_vllm_triton(iv, q_len, kv_len))
+    keep("magi", *porting.fit_magi(iv, q_len, kv_len))
     if q_len == kv_len:
         cols = porting.mask_intervals(mask, q_len, kv_len, b, h, axis="cols", device=device)
         fm, arr, why = porting.fit_flashmask(cols, iv, q_len, kv_len)

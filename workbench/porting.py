@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from workbench.blocks import dense_mask
-from workbench.define import Mask, WorkbenchError
+from workbench.define import Mask
 
 ROW_CHUNK_PAIRS = 1 << 24  # pairs per dense chunk while reading intervals or checking a form
 MAX_SLICES = 1 << 16

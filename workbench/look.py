@@ -53,7 +53,8 @@ def block_map(scan: BlockScan, title: str | None = None, max_panels: int = 16) -
     many = len(panels) > 1
     fig = Figure(figsize=(3.6 * ncols + 1.2, 3.6 * nrows * min(max(aspect, 0.4), 2.5) + 0.9),
                  layout=None if many else "constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
+    # one set of axes for the whole grid: easier to compare heads, and fewer labels to draw
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharex=many, sharey=many)
     cmap = ListedColormap([BLOCK_COLOURS[k] for k in (EMPTY, PARTIAL, FULL)])
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
@@ -71,15 +72,23 @@ def block_map(scan: BlockScan, title: str | None = None, max_panels: int = 16) -
             label.append(f"b={b}")
         if scan.depends_on_head:
             label.append(f"h={h}")
-        if label:
+        if label and many:  # a tag inside the panel: titles cost a layout pass per panel
+            ax.text(0.97, 0.97, ", ".join(label), transform=ax.transAxes, ha="right", va="top", fontsize=9,
+                    bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="#c0c6cc"))
+        elif label:
             ax.set_title(", ".join(label), fontsize=9)
     handles = [Patch(color=BLOCK_COLOURS[k], label=BLOCK_LABELS[k]) for k in (FULL, PARTIAL, EMPTY)]
     fig.legend(handles=handles, loc="lower center" if many else "outside lower center", ncols=3, fontsize=8,
                frameon=False)
     if many:
+        for ax in axes.flat[:len(panels)]:
+            ax.label_outer()
+        for ax in axes.flat[len(panels) - ncols:len(panels)]:  # bottom row of a ragged grid keeps its ticks
+            ax.xaxis.set_tick_params(labelbottom=True)
+            ax.set_xlabel("kv token")
         height = fig.get_figheight()
-        fig.subplots_adjust(left=0.7 / fig.get_figwidth(), right=0.98, top=1 - 0.55 / height, bottom=0.85 / height,
-                            wspace=0.35, hspace=0.45 * 3.6 / max(1.0, height / nrows))
+        fig.subplots_adjust(left=0.95 / fig.get_figwidth(), right=0.98, top=1 - 0.55 / height, bottom=0.85 / height,
+                            wspace=0.08, hspace=0.2 * 3.6 / max(1.0, height / nrows))
     fig.suptitle((title or "block map") + f"  ·  {scan.q_block}x{scan.kv_block} blocks{pooled_note}", fontsize=10)
     return fig
 

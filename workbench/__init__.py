@@ -1,6 +1,8 @@
 """flex-workbench: define FlexAttention masks, see their blocks, run and verify them, export them.
 
-Stages, one module each: define -> blocks -> look -> (run -> verify) -> analyze -> export.
+Stages, one module each: define -> blocks -> look -> run -> verify -> analyze (statistics) /
+porting (backend forms) -> export (spec files, conformance, diff). `report`, `cli` and `app`
+(the notebook UI) only compose them; `triton_gen` writes Triton source from traced mods.
 """
 
 from workbench.define import Mask, WorkbenchError, bind, library, make, parse_params, probe, with_score

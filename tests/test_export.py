@@ -377,3 +377,14 @@ def test_batch_dependent_mask_uses_by_batch():
     segments = [s["cu_seqlens_q"] for s in spec.doc["backends"]["flash_attn"]["by_batch"]]
     assert segments == [[0, 40, 128], [0, 90, 128]]
     assert check_every_section(spec, mask) >= {"flash_attn", "magi", "row_intervals", "block_sparse"}
+
+
+def test_score_that_varies_by_batch_entry_is_opaque():
+    per_entry = torch.tensor([0.0, 2.0])
+
+    def batch_bias(score, b, h, q_idx, kv_idx):
+        return score + per_entry[b]
+
+    mask = Mask("batch_bias", mask_mod=make("causal").mask_mod, score_mod=batch_bias, data={"b": per_entry})
+    assert build_spec(mask, 64, 64, batch=2, golden=False).doc["score"]["kind"] == "opaque"
+    assert build_spec(mask, 64, 64, golden=False).doc["score"] == {"kind": "none"}  # batch entry 0 adds 0

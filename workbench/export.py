@@ -244,7 +244,7 @@ def build_spec(mask: Mask, q_len: int, kv_len: int | None = None, *, heads: int 
     if mask.mask_mod is None:
         reasons["block_sparse"] = "there is no mask_mod: every block is full; run dense attention"
         per_target["block_sparse"] = None
-    score, score_arrays = porting.probe_score(mask, q_len, kv_len, heads or 1)
+    score, score_arrays = porting.probe_score(mask, q_len, kv_len, heads or 1, batch=batch or 1)
     for key, arr in score_arrays.items():
         tensors[key] = arr.astype(np.float32)
     backends: dict[str, Any] = {}

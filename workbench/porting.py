@@ -579,15 +579,18 @@ SCORE_ATOL = 1e-4
 
 
 def probe_score(mask: Mask, q_len: int, kv_len: int, heads: int, device="cpu", samples: int = 4096,
-                seed: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
-    """What the score_mod does, found numerically and checked on random probes:
-    none, softcap {cap}, alibi {slopes}, relative_bias {table by i + D - j}, head_bias {biases},
-    or opaque {reason}. Returns the section and the arrays it references."""
+                seed: int = 0, batch: int = 1) -> tuple[dict, dict[str, np.ndarray]]:
+    """What the score_mod does, found numerically and checked on random probes over every
+    batch entry and head: none, softcap {cap}, alibi {slopes}, relative_bias {table by
+    i + D - j}, head_bias {biases}, or opaque {reason}. Returns the section and the arrays it
+    references. The forms are read at batch entry 0, so a score that varies by batch entry
+    fails the checks and comes out opaque."""
     if mask.score_mod is None:
         return {"kind": "none"}, {}
     g = torch.Generator().manual_seed(seed)
     n = samples
     h = torch.randint(0, heads, (n,), generator=g, dtype=torch.int32)
+    b_all = torch.randint(0, batch, (n,), generator=g, dtype=torch.int32)
     qi = torch.randint(0, q_len, (n,), generator=g, dtype=torch.int32)
     kj = torch.randint(0, kv_len, (n,), generator=g, dtype=torch.int32)
     # edges too: first/last rows and columns, the diagonal
@@ -595,25 +598,25 @@ def probe_score(mask: Mask, q_len: int, kv_len: int, heads: int, device="cpu", s
     kj[:64] = (torch.arange(64, dtype=torch.int32) + (kv_len - q_len)).clamp(0, kv_len - 1)
     s = torch.randn(n, generator=g, dtype=torch.float32) * 4
 
-    def mod(score, hh=h, qq=qi, kk=kj):
+    def mod(score, hh=h, qq=qi, kk=kj, bb=None):
         from workbench.compat import getitem_as_index
 
         fn = torch.vmap(mask.score_mod, in_dims=(0, 0, 0, 0, 0))
         with getitem_as_index(), torch.no_grad():
-            bb = torch.zeros(len(score), dtype=torch.int32)
+            bb = torch.zeros(len(score), dtype=torch.int32) if bb is None else bb
             return fn(score.to(device), bb.to(device), hh.to(device), qq.to(device), kk.to(device)).float().cpu()
 
     try:
-        out = mod(s)
+        out = mod(s, bb=b_all)
     except Exception as exc:
         return {"kind": "opaque", "reason": f"score_mod failed on probes: {type(exc).__name__}: {exc}"}, {}
     if torch.allclose(out, s, atol=SCORE_ATOL, rtol=0):
         return {"kind": "none"}, {}
-    big = mod(torch.full((n,), 1e4))
+    big = mod(torch.full((n,), 1e4), bb=b_all)
     cap = float(big.median())
     if math.isfinite(cap) and cap > 0 and torch.allclose(out, cap * torch.tanh(s / cap), atol=SCORE_ATOL, rtol=1e-5):
         return {"kind": "softcap", "cap": cap}, {}
-    zero = mod(torch.zeros(n))
+    zero = mod(torch.zeros(n), bb=b_all)
     if not torch.allclose(out, s + zero, atol=SCORE_ATOL, rtol=1e-5):
         return {"kind": "opaque", "reason": "the score_mod is neither additive (score + bias) nor a softcap"}, {}
     dist = (qi + (kv_len - q_len) - kj).to(torch.float64)

@@ -77,3 +77,14 @@ def test_flexmask_cell_and_magic():
                       "    return (q_idx - kv_idx).abs() <= 4\n")
     bench = ip.user_ns["banded_workbench"]
     assert bench.mask.name == "banded" and bench.scan.q_len == 256
+
+
+def test_a_failing_action_shows_its_error(tmp_path):
+    app = Workbench("causal", q_len=256)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    app.export_dir.value = str(blocker / "specs")
+    app.run_export()  # cannot create a folder under a file
+    assert "Error" in app.message.value or "exists" in app.message.value
+    app.q_len.value = 300  # and the app keeps working
+    assert app.mask is not None and app.message.value == ""

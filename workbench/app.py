@@ -11,6 +11,7 @@ defines `mask_mod(b, h, q_idx, kv_idx)` (and optionally `score_mod(score, b, h, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import io
 import json
@@ -274,78 +275,74 @@ class Workbench:
 
     # ------------------------------------------------------------ actions
 
+    @contextlib.contextmanager
+    def _action(self, tab: str):
+        """Output of a button's action goes to its tab; a failure becomes the app's message."""
+        out = self.outputs[tab]
+        out.clear_output()
+        with out:
+            try:
+                yield
+            except Exception as exc:  # user code: show it, keep the app alive
+                self._show_error(exc)
+
     def run_verify(self):
         from workbench.run import Shape
         from workbench.verify import verify
 
-        out = self.outputs["Verify"]
-        out.clear_output()
-        with out:
+        with self._action("Verify"):
             if self.mask is None:
                 return
-            try:
-                n = max(1, self.verify_len.value)
-                mask = bind(self.mask, n, n, self.device) if (self.q_len.value, self.kv_len.value) != (n, n) else self.mask
-                on_gpu = self.device.startswith("cuda")
-                heads = self.mask.heads or self.heads.value
-                verdict = verify(mask, Shape(batch=1, q_heads=heads, q_len=n, kv_len=n, head_dim=64),
-                                 dtype=self.verify_dtype.value, device=self.device, compile=on_gpu, progress=True)
-                self.last_verdict = verdict
-                colour = "#1e6b34" if verdict.passed else "#a4161a"
-                display(w.HTML(f"<b style='color:{colour}'>{_esc(verdict.line)}</b>"))
-                display(verdict.to_frame()[["max_abs_err", "rel_err", "worst", "bad_count", "nan_count", "passed"]])
-                for f in verdict.findings:
-                    display(w.HTML(f"<div style='font-size:12px'><b>{_esc(f.kind)}</b> ({f.severity}): "
-                                   f"{_esc(f.message)}</div>"))
-            except Exception as exc:
-                self._show_error(exc)
+            n = max(1, self.verify_len.value)
+            mask = bind(self.mask, n, n, self.device) if (self.q_len.value, self.kv_len.value) != (n, n) else self.mask
+            on_gpu = self.device.startswith("cuda")
+            heads = self.mask.heads or self.heads.value
+            verdict = verify(mask, Shape(batch=1, q_heads=heads, q_len=n, kv_len=n, head_dim=64),
+                             dtype=self.verify_dtype.value, device=self.device, compile=on_gpu, progress=True)
+            self.last_verdict = verdict
+            colour = "#1e6b34" if verdict.passed else "#a4161a"
+            display(w.HTML(f"<b style='color:{colour}'>{_esc(verdict.line)}</b>"))
+            display(verdict.to_frame()[["max_abs_err", "rel_err", "worst", "bad_count", "nan_count", "passed"]])
+            for f in verdict.findings:
+                display(w.HTML(f"<div style='font-size:12px'><b>{_esc(f.kind)}</b> ({f.severity}): "
+                               f"{_esc(f.message)}</div>"))
 
     def run_benchmark(self):
         from workbench.run import Shape, make_inputs, run_flex
 
-        out = self.outputs["Benchmark"]
-        out.clear_output()
-        with out:
+        with self._action("Benchmark"):
             if self.mask is None or not self.device.startswith("cuda"):
                 self.shown["Benchmark"] = "Benchmarks need a CUDA GPU (see benchmarks/bench_attention.py)."
                 display(w.HTML(f"<i>{self.shown['Benchmark']}</i>"))
                 return
-            try:
-                from triton.testing import do_bench
+            from triton.testing import do_bench
 
-                heads = self.mask.heads or max(self.heads.value, 16)
-                shape = Shape(batch=self.batch.value, q_heads=heads, q_len=self.q_len.value, kv_len=self.kv_len.value,
-                              head_dim=128)
-                inputs = make_inputs(shape, "bfloat16", self.device, seed=0)
-                first = run_flex(self.mask, inputs, block_size=self.block.value)
-                ms = do_bench(lambda: run_flex(self.mask, inputs, block_mask=first.block_mask), warmup=5, rep=50)
-                stats = mask_stats(self.scan, head_dim=128)
-                tflops = stats.kept_flops / max(1, stats.batch * stats.heads) * shape.batch * heads / ms / 1e9
-                self.shown["Benchmark"] = (f"compiled FlexAttention forward, bf16, B={shape.batch} H={heads} D=128: "
-                                           f"{ms:.3f} ms, {tflops:.0f} TFLOP/s on kept pairs; compile "
-                                           f"{first.compile_seconds or 0:.1f} s")
-                display(w.HTML(self.shown["Benchmark"]))
-            except Exception as exc:
-                self._show_error(exc)
+            heads = self.mask.heads or max(self.heads.value, 16)
+            shape = Shape(batch=self.batch.value, q_heads=heads, q_len=self.q_len.value, kv_len=self.kv_len.value,
+                          head_dim=128)
+            inputs = make_inputs(shape, "bfloat16", self.device, seed=0)
+            first = run_flex(self.mask, inputs, block_size=self.block.value)
+            ms = do_bench(lambda: run_flex(self.mask, inputs, block_mask=first.block_mask), warmup=5, rep=50)
+            stats = mask_stats(self.scan, head_dim=128)
+            tflops = stats.kept_flops / max(1, stats.batch * stats.heads) * shape.batch * heads / ms / 1e9
+            self.shown["Benchmark"] = (f"compiled FlexAttention forward, bf16, B={shape.batch} H={heads} D=128: "
+                                       f"{ms:.3f} ms, {tflops:.0f} TFLOP/s on kept pairs; compile "
+                                       f"{first.compile_seconds or 0:.1f} s")
+            display(w.HTML(self.shown["Benchmark"]))
 
     def run_export(self):
         from workbench.export import build_spec, write_spec
 
-        out = self.outputs["Export"]
-        out.clear_output()
-        with out:
+        with self._action("Export"):
             if self.mask is None:
                 return
-            try:
-                spec = build_spec(self.mask, self.q_len.value, self.kv_len.value, heads=self.mask.heads,
-                                  device=self.device, seed=0, progress=True)
-                path, _ = write_spec(spec, Path(self.export_dir.value))
-                self.last_spec = spec
-                display(w.HTML(f"wrote <code>{_esc(str(path))}</code>; pattern <b>{_esc(spec.doc['pattern']['kind'])}"
-                               f"</b>, score <b>{_esc(spec.doc['score']['kind'])}</b>"))
-                display(spec.backends_frame())
-            except Exception as exc:
-                self._show_error(exc)
+            spec = build_spec(self.mask, self.q_len.value, self.kv_len.value, heads=self.mask.heads,
+                              device=self.device, seed=0, progress=True)
+            path, _ = write_spec(spec, Path(self.export_dir.value))
+            self.last_spec = spec
+            display(w.HTML(f"wrote <code>{_esc(str(path))}</code>; pattern <b>{_esc(spec.doc['pattern']['kind'])}"
+                           f"</b>, score <b>{_esc(spec.doc['score']['kind'])}</b>"))
+            display(spec.backends_frame())
 
     def _ipython_display_(self):
         display(self.widget)

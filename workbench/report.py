@@ -105,23 +105,29 @@ def _at_length(result: MaskResult, q_len: int, kv_len: int, device: str) -> Mask
         return bind(result.mask, q_len, kv_len, device)
 
 
+def _at_most(result: MaskResult, limit: int | None, device: str) -> tuple[Mask, int, int]:
+    """The mask with both lengths scaled down to at most `limit` (None: as it is)."""
+    mask = result.mask
+    q_len, kv_len = mask.q_len or DEFAULT_LEN, mask.kv_len or DEFAULT_LEN
+    scale = 1.0 if limit is None else min(1.0, limit / max(q_len, kv_len))
+    if scale == 1.0:
+        return mask, q_len, kv_len
+    q_len, kv_len = max(1, int(q_len * scale)), max(1, int(kv_len * scale))
+    return _at_length(result, q_len, kv_len, device), q_len, kv_len
+
+
 def verify_target(result: MaskResult, heads: int, device: str) -> None:
     """FlexAttention vs the float64 reference for this mask: compiled bf16 at the report's
     length on a GPU, uncompiled float32 at CPU_VERIFY_LEN on the CPU."""
     from workbench.run import Shape
     from workbench.verify import verify
 
-    mask = result.mask
     on_gpu = device.startswith("cuda")
-    q_len, kv_len = mask.q_len or DEFAULT_LEN, mask.kv_len or DEFAULT_LEN
-    if not on_gpu:
-        scale = min(1.0, CPU_VERIFY_LEN / max(q_len, kv_len))
-        q_len, kv_len = max(1, int(q_len * scale)), max(1, int(kv_len * scale))
-        try:
-            mask = _at_length(result, q_len, kv_len, device)
-        except WorkbenchError as exc:
-            result.verify_note = f"not verified at a CPU-sized length: {exc.message}"
-            return
+    try:
+        mask, q_len, kv_len = _at_most(result, None if on_gpu else CPU_VERIFY_LEN, device)
+    except WorkbenchError as exc:
+        result.verify_note = f"not verified at a CPU-sized length: {exc.message}"
+        return
     shape = Shape(batch=1, q_heads=mask.heads or heads, q_len=q_len, kv_len=kv_len, head_dim=64 if on_gpu else 32)
     result.verdict = verify(mask, shape, dtype="bfloat16" if on_gpu else "float32", device=device,
                             compile=on_gpu, progress=False)
@@ -131,16 +137,11 @@ def export_target(result: MaskResult, heads: int | None, batch: int | None, devi
     """The porting spec (with golden vectors) of this mask, written to spec_dir."""
     from workbench.export import build_spec, write_spec
 
-    mask = result.mask
-    q_len, kv_len = mask.q_len or DEFAULT_LEN, mask.kv_len or DEFAULT_LEN
-    scale = min(1.0, SPEC_LEN / max(q_len, kv_len))
-    if scale < 1:
-        q_len, kv_len = max(1, int(q_len * scale)), max(1, int(kv_len * scale))
-        try:
-            mask = _at_length(result, q_len, kv_len, device)
-        except WorkbenchError as exc:
-            result.spec_note = f"no spec at {q_len} x {kv_len} tokens: {exc.message}"
-            return
+    try:
+        mask, q_len, kv_len = _at_most(result, SPEC_LEN, device)
+    except WorkbenchError as exc:
+        result.spec_note = f"no spec at {SPEC_LEN} tokens: {exc.message}"
+        return
     spec = build_spec(mask, q_len, kv_len, heads=mask.heads or (heads if mask.score_mod is not None else None),
                       batch=batch, head_dim=SPEC_HEAD_DIM, device=device, seed=0)
     json_path, _ = write_spec(spec, spec_dir)

@@ -275,9 +275,7 @@ def run_flex(mask: Mask, inputs: Inputs, *, block_mask: BlockMask | None = None,
     if backward and inputs.grad_out is None:
         raise WorkbenchError("backward=True needs inputs made with backward=True (they carry grad_out)",
                              "call make_inputs(..., backward=True)")
-    if backward and inputs.device.type != "cuda":
-        raise WorkbenchError("FlexAttention has no backward on the CPU", "verify the backward pass on a GPU "
-                             "(--device cuda), or drop --backward", mask.name)
+    check_backward_device(backward, inputs.device, mask.name)
     if mask.heads is not None and mask.heads != shape.q_heads:
         raise WorkbenchError(f"the mask is defined for {mask.heads} heads, the inputs have {shape.q_heads}",
                              f"use --heads {mask.heads} or give the mask one entry per head", mask.name)
@@ -326,6 +324,12 @@ def run_flex(mask: Mask, inputs: Inputs, *, block_mask: BlockMask | None = None,
     return FlexRun(out=out, lse=lse, grads=grads, compiled=compile,
                    compile_seconds=(_graphs[key] if new_graph else 0.0) if compile else None,
                    run_seconds=run, new_graph=new_graph, graphs_in_session=len(_graphs), block_mask=block_mask)
+
+
+def check_backward_device(backward: bool, device: torch.device, name: str | None = None) -> None:
+    if backward and device.type != "cuda":
+        raise WorkbenchError("FlexAttention has no backward on the CPU", "verify the backward pass on a GPU "
+                             "(--device cuda), or drop --backward", name)
 
 
 def check_block_mask(block_mask: BlockMask, shape: Shape, name: str | None = None) -> None:

@@ -117,6 +117,19 @@ def default_reference_budget(device: torch.device) -> int:
     return int(min(cap, _device_memory(device) // 4))
 
 
+def reference_budget(shape: Shape, backward: bool, dtype: torch.dtype, device: torch.device,
+                     memory_budget: int | None, name: str | None = None) -> tuple[int, int]:
+    """(budget, bytes per query row) of the reference; an error when one row does not fit."""
+    budget = memory_budget or default_reference_budget(device)
+    per_row = reference_bytes_per_row(shape, backward, torch.finfo(dtype).bits // 8)
+    if per_row > budget:
+        raise WorkbenchError(
+            f"one query row of the reference needs {per_row / 2**20:.0f} MiB (batch {shape.batch} x "
+            f"{shape.q_heads} heads x {shape.kv_len} keys), over the {budget / 2**20:.0f} MiB budget",
+            "use fewer heads or a smaller batch, or pass a larger memory_budget", name)
+    return budget, per_row
+
+
 def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, dtype: torch.dtype = torch.float64,
                         scale: float | None = None, device: str | torch.device | None = None,
                         memory_budget: int | None = None, progress: bool | None = None) -> Reference:
@@ -125,13 +138,7 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
 
     shape = inputs.shape
     device = torch.device(device) if device is not None else inputs.device
-    budget = memory_budget or default_reference_budget(device)
-    per_row = reference_bytes_per_row(shape, backward, torch.finfo(dtype).bits // 8)
-    if per_row > budget:
-        raise WorkbenchError(
-            f"one query row of the reference needs {per_row / 2**20:.0f} MiB (batch {shape.batch} x "
-            f"{shape.q_heads} heads x {shape.kv_len} keys), over the {budget / 2**20:.0f} MiB budget",
-            "use fewer heads or a smaller batch, or pass a larger memory_budget", mask.name)
+    budget, per_row = reference_budget(shape, backward, dtype, device, memory_budget, mask.name)
     chunk = max(1, min(shape.q_len, budget // per_row))
     scale = 1.0 / math.sqrt(shape.head_dim) if scale is None else scale
     group = shape.q_heads // shape.kv_heads
@@ -452,22 +459,16 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
     `block_mask`: use this block mask instead of building one (it is checked against the mask).
     `expected`: the attention the run should equal -- e.g. the intended mask when `mask` is a
     port or a draft. reference_dtype: float64 by default."""
-    from workbench.run import check_device_dtype, dtype_name
+    from workbench.run import check_backward_device, check_device_dtype, dtype_name
 
     device = torch.device(device)
     dtype = dtype_name(dtype)
     check_device_dtype(device, dtype)
     expected = expected or mask
     reference_dtype = reference_dtype or torch.float64
-    budget = memory_budget or default_reference_budget(device)
-    per_row = reference_bytes_per_row(shape, backward, torch.finfo(reference_dtype).bits // 8)
-    if per_row > budget:  # fail before drawing inputs or compiling
-        raise WorkbenchError(
-            f"one query row of the reference needs {per_row / 2**20:.0f} MiB, over the {budget / 2**20:.0f} MiB budget",
-            "use fewer heads or a smaller batch, or pass a larger memory_budget", mask.name)
-    if backward and device.type != "cuda":
-        raise WorkbenchError("FlexAttention has no backward on the CPU", "verify the backward pass on a GPU "
-                             "(--device cuda), or drop --backward", mask.name)
+    # fail before drawing inputs or compiling
+    budget, _ = reference_budget(shape, backward, reference_dtype, device, memory_budget, mask.name)
+    check_backward_device(backward, device, mask.name)
     inputs = make_inputs(shape, dtype, device, seed=seed, backward=backward)
     findings = mod_findings(mask, shape, device)
     if block_mask is not None:

@@ -449,7 +449,11 @@ def write_spec(spec: PortingSpec, out_dir: str | Path) -> tuple[Path, Path]:
     from safetensors.numpy import save_file
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise WorkbenchError(f"cannot write the spec to {out}: {exc.strerror or exc}",
+                             "pass an output folder you can write to (-o DIR)", spec.name) from exc
     base = _safe_name(spec.name)
     doc = dict(spec.doc)
     doc["tensor_file"] = f"{base}.golden.safetensors"

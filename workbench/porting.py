@@ -69,11 +69,6 @@ class Intervals:
                 out[n - r0, s:e] = True
         return out
 
-    def __eq__(self, other) -> bool:
-        return (isinstance(other, Intervals) and self.length == other.length
-                and np.array_equal(self.indptr, other.indptr) and np.array_equal(self.starts, other.starts)
-                and np.array_equal(self.ends, other.ends))
-
 
 def _runs(chunk: torch.Tensor):
     """Run starts/ends of each line of a [n, L] bool tensor: (line, start) and (line, end) lists."""

@@ -105,12 +105,6 @@ def check_device_dtype(device: torch.device, dtype: str) -> None:
         raise WorkbenchError("this GPU does not support bfloat16", "use float16 or float32")
 
 
-def _free_bytes(device: torch.device) -> int:
-    from workbench.blocks import _device_memory
-
-    return _device_memory(device)
-
-
 def input_bytes(shape: Shape, dtype: str, backward: bool) -> int:
     item = DTYPES[dtype].itemsize
     q = shape.batch * shape.q_heads * shape.q_len * shape.head_dim
@@ -124,7 +118,9 @@ def make_inputs(shape: Shape, dtype: str | torch.dtype = "bfloat16", device: str
     """q, k, v ~ N(0, 1) drawn with `seed` (a fresh one when None), on `device` in `dtype`."""
     dtype, device = dtype_name(dtype), torch.device(device)
     check_device_dtype(device, dtype)
-    need, free = input_bytes(shape, dtype, backward), _free_bytes(device)
+    from workbench.blocks import _device_memory
+
+    need, free = input_bytes(shape, dtype, backward), _device_memory(device)
     if need > free * 0.8:
         raise WorkbenchError(f"inputs for {shape} need about {need / 2**30:.1f} GiB, "
                              f"{free / 2**30:.1f} GiB is free on {device}",

@@ -388,3 +388,16 @@ def test_score_that_varies_by_batch_entry_is_opaque():
     mask = Mask("batch_bias", mask_mod=make("causal").mask_mod, score_mod=batch_bias, data={"b": per_entry})
     assert build_spec(mask, 64, 64, batch=2, golden=False).doc["score"]["kind"] == "opaque"
     assert build_spec(mask, 64, 64, golden=False).doc["score"] == {"kind": "none"}  # batch entry 0 adds 0
+
+
+def test_bad_input_to_export_conformance_and_diff(tmp_path, capsys):
+    with pytest.raises(WorkbenchError, match="would list .* pairs per head.*Fix:"):
+        build_spec(make("causal"), 1 << 15, 1 << 15)
+    assert main(["conformance", str(tmp_path / "missing.spec.json"), "--impl", "x.py:f"]) == 2
+    assert "no spec file" in capsys.readouterr().err
+    a = write_spec(build_spec(make("causal"), 64, 64, golden=True, seed=0), tmp_path / "a")[0]
+    b = write_spec(build_spec(make("causal"), 96, 96, golden=True, seed=0), tmp_path / "b")[0]
+    d = diff_specs(a, b)
+    assert not d.same and "lengths differ" in d.line and "export both at one size" in d.line
+    assert main(["export", "causal", "--q-len", "64", "--device", "cpu", "-o", str(tmp_path / "a" / "causal_bottom_right.spec.json" / "x")]) == 2
+    assert "cannot write the spec" in capsys.readouterr().err

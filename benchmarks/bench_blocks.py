@@ -4,18 +4,23 @@
 
 For each mask and length: time (cold = first call for that mask_mod in the process, warm =
 the next) and peak GPU memory above what was allocated before the call, of
-  - ours:            workbench.blocks.build_block_mask (eager below 2^36 pairs, compiled above)
+  - ours:            workbench.blocks.build_block_mask (the fused Triton scan on CUDA; "cold"
+                     starts from an empty Triton cache, so it includes compiling the kernel
+                     for that mask_mod, as a user with a new mask waits)
   - torch:           create_block_mask (no compile)
   - torch compiled:  torch.compile(create_block_mask)
-and whether our BlockMask equals torch's, tensor for tensor. Then statistics alone (no BlockMask
-kept) at 4,194,304 tokens.
+and whether our BlockMask equals torch's, tensor for tensor; also our forward-only BlockMask's peak
+(no q-side tables). Then statistics alone (no BlockMask kept) at 4,194,304 tokens, and the exact
+overview picture's data (512 x 512 cells) at --overview-length tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torch.nn.attention.flex_attention import create_block_mask  # noqa: E402
 
-from workbench import make  # noqa: E402
+from workbench import kernels, make  # noqa: E402
 from workbench.blocks import build_block_mask, scan_blocks  # noqa: E402
+from workbench.look import overview_fractions  # noqa: E402
 from workbench.compat import raise_recompile_limit  # noqa: E402
 
 FIELDS = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
@@ -63,6 +69,12 @@ def measure(fn, device):
     return out, seconds, peak, err
 
 
+def forget_compiled_kernels():
+    """A new, empty Triton cache: the next scan compiles its kernel as for a never-seen mask_mod."""
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
+    kernels.forget()
+
+
 def same(a, b):
     return all(torch.equal(getattr(a, f), getattr(b, f)) for f in FIELDS)
 
@@ -72,6 +84,7 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072, 1048576])
     ap.add_argument("--stats-length", type=int, default=4194304)
     ap.add_argument("--masks", nargs="+", help="only masks whose name starts with one of these")
+    ap.add_argument("--overview-length", type=int, default=1048576)
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
     device = "cuda"
@@ -81,7 +94,7 @@ def main():
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}")
     header = ("| mask | tokens | ours cold s | ours warm s | ours peak GiB | torch s (warm) | torch peak GiB "
               "| torch compiled cold s | torch compiled warm s | compiled peak GiB | warm ratio torch-compiled/ours "
-              "| cold ratio torch-compiled/ours | exact |")
+              "| cold ratio torch-compiled/ours | exact | ours engine | ours forward-only peak GiB |")
     print(header)
     print("|" + "---|" * header.count("|")[:-1] if False else "|" + "---|" * (header.count("|") - 1))
     for length in args.lengths:
@@ -89,11 +102,18 @@ def main():
             if args.masks and not any(name.startswith(m) for m in args.masks):
                 continue
             row = dict(mask=name, tokens=length)
+            forget_compiled_kernels()
             ours, row["ours_cold_s"], row["ours_peak_gib"], row["ours_err"] = measure(
                 lambda: build_block_mask(mask, length, length, heads=heads, device=device, progress=False), device)
             ours = None
             _, row["ours_warm_s"], _, _ = measure(
                 lambda: build_block_mask(mask, length, length, heads=heads, device=device, progress=False), device)
+            scan = scan_blocks(mask, length, length, heads=heads, device=device, progress=False)
+            row["ours_engine"], row["triton_fallback"] = scan.evaluator, scan.extra.get("triton_fallback")
+            del scan
+            _, _, row["ours_forward_only_peak_gib"], _ = measure(
+                lambda: build_block_mask(mask, length, length, heads=heads, device=device, progress=False,
+                                         compute_q_blocks=False), device)
             if length <= 65536:
                 measure(lambda: create_block_mask(mask.mask_mod, None, heads, length, length, device=device), device)
                 ref, row["torch_s"], row["torch_peak_gib"], row["torch_err"] = measure(
@@ -121,7 +141,7 @@ def main():
                   f"| {f(row.get('torch_s'))}{' ' + row['torch_err'] if row.get('torch_err') else ''} "
                   f"| {f(row.get('torch_peak_gib'), 2)} | {f(row['torch_compiled_cold_s'])} | {f(row['torch_compiled_warm_s'])} "
                   f"| {f(row['torch_compiled_peak_gib'], 2)} | {f(row.get('warm_ratio'), 2)} | {f(row.get('cold_ratio'), 2)} "
-                  f"| {row['exact']} |", flush=True)
+                  f"| {row['exact']} | {row['ours_engine']} | {f(row['ours_forward_only_peak_gib'], 2)} |", flush=True)
     # Statistics alone at the longest length: no per-block table, no BlockMask.
     n = args.stats_length
     for name, (mask, heads) in list(masks_at(n, device).items())[:2] if n else []:
@@ -137,6 +157,16 @@ def main():
         rows.append(row)
         print(f"stats only: {name} at {n:,} tokens: {secs:.2f} s (compile {row['compile_s']:.2f} s), "
               f"peak {peak:.2f} GiB, kept pairs exact: {exact} {err or ''}", flush=True)
+    # The overview picture's data: exact kept fractions of 512 x 512 cells.
+    n = args.overview_length
+    for name, (mask, heads) in list(masks_at(n, device).items())[:3] if n else []:
+        forget_compiled_kernels()
+        _, cold, peak, err = measure(lambda: overview_fractions(mask, n, n, pixels=512, device=device), device)
+        frac, warm, _, _ = measure(lambda: overview_fractions(mask, n, n, pixels=512, device=device), device)
+        row = dict(mask=name, tokens=n, overview_cold_s=cold, overview_warm_s=warm, overview_peak_gib=peak, err=err)
+        rows.append(row)
+        print(f"overview: {name} at {n:,} tokens, 512 x 512 cells: cold {cold:.2f} s, warm {warm:.2f} s, "
+              f"peak {peak:.2f} GiB {err or ''}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -151,3 +151,92 @@ def test_compiled_tile_path_equals_eager_on_cpu():
     compiled = scan_blocks(mask, 1500, 1500, block_size=64, compile=True, memory_budget=1 << 20)
     assert compiled.evaluator == "compiled broadcast" and compiled.extra["tiles"] > 1
     assert torch.equal(eager.counts, compiled.counts) and torch.equal(eager.row_kept, compiled.row_kept)
+
+
+def test_triton_scan_equals_eager_on_the_library_in_the_interpreter():
+    """The fused kernel (Triton's CPU interpreter, a fresh process): every library mask and a
+    batch- and head-dependent mod, at odd lengths, uneven and tall blocks (~55 s)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("run_triton_scan.py")
+    out = subprocess.run([sys.executable, str(script), "cpu"], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert out.returncode == 0 and "ALL EQUAL" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def _pretend_triton(monkeypatch, corrupt):
+    """Stand in for the GPU kernel with the eager counts, optionally corrupted (bug injection)."""
+    from workbench import blocks, kernels
+
+    def fake_block_scan(kernel, q_len, kv_len, q_block, kv_block, batch, heads, diff_head, diff_batch,
+                        keep_counts, device):
+        scan = scan_blocks(kernel, q_len, kv_len, heads=heads if heads > 1 else None,
+                           batch=batch if batch > 1 else None, block_size=(q_block, kv_block), engine="eager")
+        counts, rows = scan.counts.clone(), scan.row_kept.clone()
+        corrupt(counts, rows)
+        zero = torch.zeros(batch, heads, dtype=torch.int64)
+        return dict(counts=counts, row_kept=rows, head_diff=zero, batch_diff=zero, full=scan.full_blocks,
+                    empty=scan.empty_blocks, launch_seconds=0.0, tile=(1, 1))
+
+    monkeypatch.setattr(kernels, "scan_kernel", lambda mask_mod, device: mask_mod)
+    monkeypatch.setattr(kernels, "block_scan", fake_block_scan)
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    monkeypatch.setattr(blocks, "TRITON_ABOVE_PAIRS", 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_spot_check_rejects_a_kernel_that_disagrees_with_torch(monkeypatch):
+    mask = make("causal_sliding_window", {"window": 100})
+    _pretend_triton(monkeypatch, lambda counts, rows: None)
+    assert scan_blocks(mask, 1024, 1024, engine="triton").evaluator == "triton broadcast"
+
+    def one_block_off(counts, rows):  # the middle block row, as a wrong translation would give
+        counts[0, 0, 4, 4] -= 1
+        rows[0, 0, 4 * 128] -= 1
+    _pretend_triton(monkeypatch, one_block_off)
+    with pytest.raises(WorkbenchError, match="differ from torch's in block row 4"):
+        scan_blocks(mask, 1024, 1024, engine="triton")
+    # Picked automatically, a disagreeing kernel is dropped for the eager tiles, and the reason kept.
+    scan = scan_blocks(mask, 1024, 1024)
+    assert scan.evaluator == "broadcast" and "block row 4" in scan.extra["triton_fallback"]
+    assert scan.kept_pairs == sum(min(i + 1, 100) for i in range(1024))
+
+
+def test_untranslatable_mod_is_named_and_falls_back(monkeypatch):
+    def by_sign(b, h, q_idx, kv_idx):  # aten.sign has no Triton translation here
+        return (q_idx - kv_idx).sign() >= 0
+
+    monkeypatch.setattr("workbench.kernels.available", lambda device: True)
+    monkeypatch.setattr("workbench.blocks.TRITON_ABOVE_PAIRS", 0)
+    scan = scan_blocks(by_sign, 300, 300)
+    assert scan.evaluator == "broadcast" and "sign" in scan.extra["triton_fallback"]
+    assert scan.kept_pairs == 300 * 301 // 2
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(WorkbenchError, match="no Triton translation") as err:
+        scan_blocks(by_sign, 300, 300, engine="triton")
+    assert "engine='eager'" in str(err.value)
+
+
+def test_triton_engine_needs_cuda(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(WorkbenchError, match="runs on CUDA"):
+        scan_blocks(make("causal"), 256, 256, engine="triton")
+    with pytest.raises(WorkbenchError, match="unknown engine"):
+        scan_blocks(make("causal"), 256, 256, engine="fast")
+
+
+def test_forward_only_block_mask_drops_the_q_side_and_still_runs():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    mask = make("document", {"doc_lengths": [100, 156]}, q_len=256, kv_len=256)
+    ours = build_block_mask(mask, 256, 256, block_size=64, compute_q_blocks=False)
+    ref = create_block_mask(mask.mask_mod, None, None, 256, 256, device="cpu", BLOCK_SIZE=64)
+    for name in FIELDS[:4]:
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+    assert ours.q_indices is None and ours.full_q_indices is None
+    q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=ours), flex_attention(q, k, v, block_mask=ref))

@@ -19,11 +19,49 @@ def _same(a, b):
 
 @pytest.mark.parametrize("name", [n for n, f in library().items() if make(f).mask_mod is not None])
 @pytest.mark.parametrize("q_len,kv_len,heads,block", [(1000, 1000, 2, 128), (777, 2049, 8, (64, 128))])
-def test_equals_create_block_mask_on_cuda(cuda, name, q_len, kv_len, heads, block):
+@pytest.mark.parametrize("engine", ["eager", "triton"])
+def test_equals_create_block_mask_on_cuda(cuda, name, q_len, kv_len, heads, block, engine):
     mask = make(name, q_len=q_len, kv_len=kv_len, device=cuda)
     heads = min(heads, mask.heads or heads)
-    ours = build_block_mask(mask, q_len, kv_len, heads=heads, block_size=block, device=cuda)
+    ours = build_block_mask(mask, q_len, kv_len, heads=heads, block_size=block, device=cuda, engine=engine)
     _same(ours, create_block_mask(mask.mask_mod, None, heads, q_len, kv_len, device=cuda, BLOCK_SIZE=block))
+
+
+def test_triton_scan_equals_eager_on_the_library_on_cuda(cuda):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("run_triton_scan.py")
+    out = subprocess.run([sys.executable, str(script), "cuda"], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and "ALL EQUAL" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name,heads", [("document", None), ("per_head_window", 8), ("causal_sliding_window", None)])
+def test_long_masks_pick_the_triton_scan_and_equal_torch_compiled(cuda, name, heads):
+    n = 40000  # not a multiple of 128
+    mask = make(name, q_len=n, kv_len=n, device=cuda)
+    scan = scan_blocks(mask, n, n, heads=heads, device=cuda)
+    assert scan.evaluator.startswith("triton"), scan.extra
+    ours = build_block_mask(mask, n, n, heads=heads, device=cuda)
+    _same(ours, torch.compile(create_block_mask)(mask.mask_mod, None, heads, n, n, device=cuda))
+
+
+def test_forward_only_block_mask_at_1m_within_1_gib(cuda):
+    n = 1 << 20
+    mask = make("causal_sliding_window", {"window": 4096}, q_len=n, kv_len=n, device=cuda)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    bm = build_block_mask(mask, n, n, device=cuda, compute_q_blocks=False)
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= 1 << 30, peak / 2 ** 30
+    assert bm.q_indices is None
+    rows = torch.arange(8192, device=cuda)
+    partial = bm.kv_num_blocks[0, 0]
+    full = bm.full_kv_num_blocks[0, 0]
+    assert torch.equal(partial, torch.where(rows < 32, 1, 2).to(torch.int32))  # diagonal + window edge
+    assert torch.equal(full, torch.clamp(rows, max=31).to(torch.int32))
 
 
 @pytest.mark.parametrize("name,heads", [("document", None), ("per_head_window", 8), ("image_spans", None)])

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from workbench import compat
+from workbench import compat, kernels
 from workbench.define import Mask, WorkbenchError, explain_mod_error
 
 DEFAULT_BLOCK = 128
@@ -34,6 +34,8 @@ DEFAULT_BLOCK = 128
 BYTES_PER_PAIR = 16
 # Above this many pairs per (b, h) the CUDA path compiles the tile function.
 COMPILE_ABOVE_PAIRS = 2 ** 36
+# Above this many pairs (x batch x heads) a CUDA scan uses the fused Triton kernel.
+TRITON_ABOVE_PAIRS = 2 ** 26
 
 
 @dataclass
@@ -223,13 +225,16 @@ def _check_sizes(q_len, kv_len, batch, heads):
 def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | None = None,
                 batch: int | None = None, block_size: int | tuple[int, int] = DEFAULT_BLOCK,
                 device: str | torch.device = "cpu", memory_budget: int | None = None,
-                keep_counts: bool = True, compile: bool | None = None,
+                keep_counts: bool = True, engine: str | None = None, compile: bool | None = None,
                 progress: bool | None = None) -> BlockScan:
-    """Count kept pairs block by block, in tiles that fit `memory_budget` bytes.
+    """Count kept pairs block by block.
 
-    heads / batch: None means broadcast (size 1), as in create_block_mask. compile: None picks
-    the compiled tile function on CUDA for very long masks. keep_counts=False keeps only the
-    totals (no per-block table), for lengths where even that table would not fit.
+    heads / batch: None means broadcast (size 1), as in create_block_mask. keep_counts=False keeps
+    only the totals (no per-block table), for lengths where even that table would not fit.
+    engine: "triton" (the mod translated into one fused kernel: CUDA), "compiled" (torch.compile'd
+    tiles), "eager" (tiles that fit `memory_budget` bytes: any device), or None to pick:
+    triton on CUDA past ~8K x 8K pairs when the mod translates, else eager (compiled above
+    2^36 pairs). `compile=True/False` is the older spelling of engine="compiled"/"eager".
     """
     mask_mod = mask.mask_mod if isinstance(mask, Mask) else mask
     name = mask.name if isinstance(mask, Mask) else getattr(mask, "__name__", "mask_mod")
@@ -237,6 +242,13 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
     heads_n, batch_n = heads or 1, batch or 1
     _check_sizes(q_len, kv_len, batch_n, heads_n)
     q_block, kv_block = _block_sizes(block_size)
+    if engine is None and compile is not None:
+        engine = "compiled" if compile else "eager"
+    if engine not in (None, "eager", "compiled", "triton"):
+        raise WorkbenchError(f"unknown engine {engine!r}", "use engine='triton', 'compiled' or 'eager' (or None)", name)
+    if engine == "triton" and device.type != "cuda" and not _interpreting():
+        raise WorkbenchError(f"engine='triton' runs on CUDA, the scan is on {device}",
+                             "use engine='eager' or 'compiled' (or None) on this device", name)
     if isinstance(mask, Mask) and mask.heads is not None and heads_n > mask.heads:
         raise WorkbenchError(f"the mask is defined for {mask.heads} heads, {heads_n} were asked",
                              f"use --heads {mask.heads} or fewer, or give the factory more per-head values", name)
@@ -266,39 +278,151 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
             f"in the {_format_bytes(free)} free on {device}",
             "use a larger --block-size, or statistics only (keep_counts=False)", name)
 
-    use_compile = compile
-    if use_compile is None:
-        use_compile = device.type == "cuda" and evaluator == "broadcast" and q_len * kv_len > COMPILE_ABOVE_PAIRS
-    if use_compile and evaluator != "broadcast":
-        use_compile = False
+    geometry = _Geometry(name, q_len, kv_len, q_block, kv_block, b_eff, h_eff, dep_b, dep_h, device,
+                         memory_budget or default_budget(device), free)
+    pairs = q_len * kv_len * b_eff * h_eff
+    result, fallback = None, None
+    want_triton = engine == "triton" or (engine is None and mask_mod is not None and pairs > TRITON_ABOVE_PAIRS
+                                         and kernels.available(device))
+    if want_triton and mask_mod is not None:
+        try:
+            result = _scan_triton(mask_mod, evaluator, geometry, keep_counts)
+        except Exception as exc:  # an untranslatable mod, or a translation that disagrees with torch
+            if engine == "triton":
+                raise WorkbenchError(f"the Triton block scan is not usable for this mod: {exc}",
+                                     "use engine='eager' or 'compiled'", name) from exc
+            fallback = f"{type(exc).__name__}: {exc}"
+    if result is None:
+        use_compile = engine == "compiled" or (engine is None and device.type == "cuda"
+                                               and q_len * kv_len > COMPILE_ABOVE_PAIRS)
+        result = _scan_tiles(mask_mod, evaluator, geometry, keep_counts, use_compile and evaluator == "broadcast",
+                             progress)
+    if fallback:
+        result["extra"]["triton_fallback"] = fallback
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    total_blocks = b_eff * h_eff * n_rows * n_cols
+    full_n, empty_n = result["full"], result["empty"]
+    row_kept = result["row_kept"]
+    return BlockScan(
+        q_len=q_len, kv_len=kv_len, q_block=q_block, kv_block=kv_block, batch=batch_n, heads=heads_n,
+        depends_on_batch=dep_b, depends_on_head=dep_h, counts=result["counts"], row_kept=row_kept,
+        full_blocks=full_n, partial_blocks=total_blocks - full_n - empty_n, empty_blocks=empty_n,
+        kept_pairs=int(row_kept.sum()), head_pairs_differing=result["head_diff"] if dep_h else None,
+        batch_pairs_differing=result["batch_diff"] if dep_b else None,
+        evaluator=result["engine"] + evaluator, seconds=time.perf_counter() - start,
+        compile_seconds=result["compile_seconds"], device=str(device), extra=result["extra"])
 
-    budget = memory_budget or default_budget(device)
+
+@dataclass
+class _Geometry:
+    name: str
+    q_len: int
+    kv_len: int
+    q_block: int
+    kv_block: int
+    b_eff: int
+    h_eff: int
+    dep_b: bool
+    dep_h: bool
+    device: torch.device
+    budget: int
+    free: int
+
+    @property
+    def n_rows(self) -> int:
+        return -(-self.q_len // self.q_block)
+
+    @property
+    def n_cols(self) -> int:
+        return -(-self.kv_len // self.kv_block)
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _scan_triton(mask_mod, evaluator, g: _Geometry, keep_counts: bool) -> dict:
+    """The fused kernel, then an exact spot check of three block rows against the eager tiles:
+    the translation must agree with torch before its counts are trusted."""
+    t0 = time.perf_counter()
+    kernel = kernels.scan_kernel(mask_mod, g.device)
+    out = kernels.block_scan(kernel, g.q_len, g.kv_len, g.q_block, g.kv_block, g.b_eff, g.h_eff, g.dep_h,
+                             g.dep_b, keep_counts, g.device)
+    counts = out["counts"]
+    full, empty = out["full"], out["empty"]
+    if full is None:
+        if counts is None:
+            raise ValueError("blocks taller than 128 rows need the per-block table (keep_counts=True)")
+        full, empty = _class_totals(counts, g.q_block * g.kv_block)
+    seconds = time.perf_counter() - t0
+    check_rows = sorted({0, g.n_rows // 2, g.n_rows - 1})
+    _spot_check(mask_mod, evaluator, g, check_rows, counts, out["row_kept"])
+    return dict(counts=counts, row_kept=out["row_kept"], full=full, empty=empty, head_diff=out["head_diff"],
+                batch_diff=out["batch_diff"], engine="triton ", compile_seconds=0.0,
+                extra=dict(tile=out["tile"], tiles=g.n_rows * g.b_eff * g.h_eff, kernel_seconds=seconds,
+                           spot_checked_rows=check_rows))
+
+
+def _class_totals(counts: torch.Tensor, full_count: int) -> tuple[int, int]:
+    return int((counts == full_count).sum()), int((counts == 0).sum())
+
+
+def _spot_check(mask_mod, evaluator, g: _Geometry, block_rows: list[int], counts, row_kept) -> None:
+    pairs_per_tile = max(g.q_block * g.kv_block, g.budget // (BYTES_PER_PAIR * g.b_eff * g.h_eff))
+    tile_kv = min(g.n_cols * g.kv_block, max(g.kv_block, (pairs_per_tile // g.q_block) // g.kv_block * g.kv_block))
+    b_idx = torch.arange(g.b_eff, device=g.device, dtype=torch.int32)
+    h_idx = torch.arange(g.h_eff, device=g.device, dtype=torch.int32)
+    tile_fn, _ = _tile_function(mask_mod, evaluator, b_idx, h_idx, g.q_len, g.kv_len, g.q_block, g.kv_block,
+                                g.q_block, tile_kv, g.device, False, False, False)
+    with torch.no_grad():
+        for r in block_rows:
+            q0, q1 = r * g.q_block, min((r + 1) * g.q_block, g.q_len)
+            rows = torch.zeros(g.b_eff, g.h_eff, q1 - q0, dtype=torch.int64, device=g.device)
+            for k0 in range(0, g.n_cols * g.kv_block, tile_kv):
+                tile_counts, tile_rows, _ = tile_fn(q0, k0)
+                c0 = k0 // g.kv_block
+                c1 = min(c0 + tile_counts.shape[3], g.n_cols)
+                if counts is not None and not torch.equal(counts[:, :, r, c0:c1], tile_counts[:, :, 0, : c1 - c0]):
+                    raise ValueError(f"the translated mod's block counts differ from torch's in block row {r}")
+                rows += tile_rows[:, :, : q1 - q0]
+            if not torch.equal(rows, row_kept[:, :, q0:q1]):
+                raise ValueError(f"the translated mod's row counts differ from torch's in block row {r}")
+
+
+def _scan_tiles(mask_mod, evaluator, g: _Geometry, keep_counts: bool, use_compile: bool, progress) -> dict:
+    """Eager (or torch.compile'd) tiles of a few thousand x a few thousand pairs."""
+    device, b_eff, h_eff, q_block, kv_block = g.device, g.b_eff, g.h_eff, g.q_block, g.kv_block
+    n_rows, n_cols = g.n_rows, g.n_cols
     # A compiled tile is fused (no per-pair temporaries beyond ~2 bytes), so it can be far larger,
     # which matters at millions of tokens where per-tile launch overhead would dominate.
     per_pair = 2 if use_compile else BYTES_PER_PAIR
-    pairs_per_tile = max(q_block * kv_block, budget // (per_pair * b_eff * h_eff))
+    pairs_per_tile = max(q_block * kv_block, g.budget // (per_pair * b_eff * h_eff))
     tile_kv = min(n_cols * kv_block, max(kv_block, (int(math.sqrt(pairs_per_tile) * 2) // kv_block) * kv_block))
     tile_q = min(n_rows * q_block, max(q_block, (pairs_per_tile // tile_kv) // q_block * q_block))
-    if q_block * kv_block * per_pair * b_eff * h_eff > free // 2:
+    if q_block * kv_block * per_pair * b_eff * h_eff > g.free // 2:
         raise WorkbenchError(f"one {q_block} x {kv_block} block for {b_eff}x{h_eff} (batch x heads) "
-                             f"does not fit in the memory on {device}", "use a smaller block size or fewer heads", name)
+                             f"does not fit in the memory on {device}", "use a smaller block size or fewer heads",
+                             g.name)
 
     counts = torch.zeros(b_eff, h_eff, n_rows, n_cols, dtype=torch.int32, device=device) if keep_counts else None
-    row_kept = torch.zeros(b_eff, h_eff, q_len, dtype=torch.int64, device=device)
+    row_kept = torch.zeros(b_eff, h_eff, g.q_len, dtype=torch.int64, device=device)
     class_totals = torch.zeros(3, dtype=torch.int64, device=device)  # full, partial, empty
-    head_diff = torch.zeros(b_eff, h_eff, dtype=torch.int64, device=device) if dep_h else None
-    batch_diff = torch.zeros(b_eff, h_eff, dtype=torch.int64, device=device) if dep_b else None
+    head_diff = torch.zeros(b_eff, h_eff, dtype=torch.int64, device=device)
+    batch_diff = torch.zeros(b_eff, h_eff, dtype=torch.int64, device=device)
     b_idx = torch.arange(b_eff, device=device, dtype=torch.int32)
     h_idx = torch.arange(h_eff, device=device, dtype=torch.int32)
     full_count = q_block * kv_block
 
-    tile_fn, compile_seconds = _tile_function(mask_mod, evaluator, b_idx, h_idx, q_len, kv_len,
+    tile_fn, compile_seconds = _tile_function(mask_mod, evaluator, b_idx, h_idx, g.q_len, g.kv_len,
                                               q_block, kv_block, tile_q, tile_kv, device, use_compile,
-                                              dep_b, dep_h)
+                                              g.dep_b, g.dep_h)
     tiles = [(q0, k0) for q0 in range(0, n_rows * q_block, tile_q) for k0 in range(0, n_cols * kv_block, tile_kv)]
     show = progress if progress is not None else (len(tiles) > 64)
     with torch.no_grad():
-        for q0, k0 in tqdm(tiles, desc=f"blocks {name}", disable=not show, leave=False):
+        for q0, k0 in tqdm(tiles, desc=f"blocks {g.name}", disable=not show, leave=False):
             tile_counts, tile_rows, diffs = tile_fn(q0, k0)
             r0, c0 = q0 // q_block, k0 // kv_block
             r1, c1 = r0 + tile_counts.shape[2], c0 + tile_counts.shape[3]
@@ -306,26 +430,17 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
             tile_counts = tile_counts[:, :, : r1 - r0, : c1 - c0]
             if counts is not None:
                 counts[:, :, r0:r1, c0:c1] = tile_counts
-            q1 = min(q0 + tile_q, q_len)
+            q1 = min(q0 + tile_q, g.q_len)
             row_kept[:, :, q0:q1] += tile_rows[:, :, : q1 - q0]
             class_totals[0] += (tile_counts == full_count).sum()
             class_totals[2] += (tile_counts == 0).sum()
-            if head_diff is not None:
+            if g.dep_h:
                 head_diff += diffs[0]
-            if batch_diff is not None:
+            if g.dep_b:
                 batch_diff += diffs[1]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    total_blocks = b_eff * h_eff * n_rows * n_cols
-    full_n, empty_n = int(class_totals[0]), int(class_totals[2])
-    return BlockScan(
-        q_len=q_len, kv_len=kv_len, q_block=q_block, kv_block=kv_block, batch=batch_n, heads=heads_n,
-        depends_on_batch=dep_b, depends_on_head=dep_h, counts=counts, row_kept=row_kept,
-        full_blocks=full_n, partial_blocks=total_blocks - full_n - empty_n, empty_blocks=empty_n,
-        kept_pairs=int(row_kept.sum()), head_pairs_differing=head_diff, batch_pairs_differing=batch_diff,
-        evaluator=("compiled " if use_compile else "") + evaluator, seconds=time.perf_counter() - start,
-        compile_seconds=compile_seconds, device=str(device),
-        extra=dict(tile=(tile_q, tile_kv), tiles=len(tiles)))
+    return dict(counts=counts, row_kept=row_kept, full=int(class_totals[0]), empty=int(class_totals[2]),
+                head_diff=head_diff, batch_diff=batch_diff, engine="compiled " if use_compile else "",
+                compile_seconds=compile_seconds, extra=dict(tile=(tile_q, tile_kv), tiles=len(tiles)))
 
 
 def _reduce_tile(m: torch.Tensor, q_block: int, kv_block: int, dep_b: bool, dep_h: bool, packed: bool = False):
@@ -435,37 +550,49 @@ def block_classes(scan: BlockScan) -> torch.Tensor:
     return classes
 
 
-def _ordered(dense_int8: torch.Tensor, rows_per_chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's (num_blocks, indices) encoding of a 0/1 block matrix: a stable descending argsort
-    of each row, done in row chunks so the int64 argsort output stays small."""
-    num = dense_int8.sum(dim=-1, dtype=torch.int32)
-    out = torch.empty(dense_int8.shape, dtype=torch.int32, device=dense_int8.device)
-    flat_in = dense_int8.reshape(-1, dense_int8.shape[-1])
-    flat_out = out.view(-1, dense_int8.shape[-1])
-    for r0 in range(0, flat_in.shape[0], rows_per_chunk):
-        chunk = flat_in[r0:r0 + rows_per_chunk]
-        flat_out[r0:r0 + rows_per_chunk] = torch.argsort(chunk, dim=-1, descending=True, stable=True).to(torch.int32)
-    return num, out
+def _ordered(classes: torch.Tensor, wanted: int, rows_per_chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's (num_blocks, indices) encoding of the blocks of one class: per row, the columns of
+    class `wanted` in ascending order, then all other columns in ascending order -- what torch's
+    stable descending argsort of a 0/1 row gives. Written by a scatter (each column's place is
+    known from a running count), in row chunks so temporaries stay a few tens of MiB."""
+    *lead, n_rows, n_cols = classes.shape
+    flat = classes.reshape(-1, n_cols)
+    num = torch.empty(flat.shape[0], dtype=torch.int32, device=classes.device)
+    out = torch.empty(flat.shape, dtype=torch.int32, device=classes.device)
+    col = torch.arange(n_cols, dtype=torch.int32, device=classes.device)
+    for r0 in range(0, flat.shape[0], rows_per_chunk):
+        hit = flat[r0:r0 + rows_per_chunk] == wanted
+        hits_upto = hit.cumsum(-1, dtype=torch.int32)  # hits at or before each column
+        n_hit = hits_upto[:, -1:]
+        place = torch.where(hit, hits_upto - 1, n_hit + col - hits_upto)
+        num[r0:r0 + rows_per_chunk] = n_hit[:, 0]
+        out[r0:r0 + rows_per_chunk].scatter_(-1, place.long(), col.expand_as(place))
+    return num.view(*lead, n_rows), out.view(*lead, n_rows, n_cols)
 
 
-def block_mask_from_scan(scan: BlockScan, mask_mod: Callable | None, compute_q_blocks: bool = True):
-    """A torch BlockMask with exactly the tensors create_block_mask would give."""
+def block_mask_from_scan(scan: BlockScan, mask_mod: Callable | None, compute_q_blocks: bool = True,
+                         release_counts: bool = False):
+    """A torch BlockMask with exactly the tensors create_block_mask would give.
+
+    compute_q_blocks=False leaves out the q-side tables (q_num_blocks, q_indices and their full_
+    forms), which only FlexAttention's backward reads: half the memory at length.
+    release_counts=True drops `scan.counts` once the block classes are known (lower peak memory)."""
     if scan.counts is None:
         raise WorkbenchError("this scan kept no per-block table (keep_counts=False)",
                              "scan again with keep_counts=True to build a BlockMask")
-    full_count = scan.q_block * scan.kv_block
-    counts = scan.counts.expand(scan.batch, scan.heads, -1, -1)
-    partial = ((counts > 0) & (counts < full_count)).to(torch.int8)
-    full = (counts == full_count).to(torch.int8)
-    kv_num, kv_idx = _ordered(partial)
-    full_kv_num, full_kv_idx = _ordered(full)
+    classes = block_classes(scan).expand(scan.batch, scan.heads, -1, -1)
+    if release_counts:
+        scan.counts = None
+    kv_num, kv_idx = _ordered(classes, PARTIAL)
+    full_kv_num, full_kv_idx = _ordered(classes, FULL)
     bm = compat.block_mask_from_kv_blocks(
         kv_num, kv_idx, full_kv_num, full_kv_idx, block_size=(scan.q_block, scan.kv_block),
         mask_mod=mask_mod if mask_mod is not None else _attend_all, seq_lengths=(scan.q_len, scan.kv_len),
         compute_q_blocks=False)
     if compute_q_blocks:
-        bm.q_num_blocks, bm.q_indices = _ordered(partial.transpose(-2, -1))
-        bm.full_q_num_blocks, bm.full_q_indices = _ordered(full.transpose(-2, -1))
+        by_column = classes.transpose(-2, -1)
+        bm.q_num_blocks, bm.q_indices = _ordered(by_column, PARTIAL)
+        bm.full_q_num_blocks, bm.full_q_indices = _ordered(by_column, FULL)
     return bm
 
 
@@ -476,10 +603,12 @@ def _attend_all(b, h, q_idx, kv_idx):
 def build_block_mask(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | None = None,
                      batch: int | None = None, block_size: int | tuple[int, int] = DEFAULT_BLOCK,
                      device: str | torch.device = "cpu", memory_budget: int | None = None,
-                     compile: bool | None = None, progress: bool | None = None):
+                     engine: str | None = None, compile: bool | None = None, progress: bool | None = None,
+                     compute_q_blocks: bool = True):
     """Drop-in for `create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)`:
-    the same BlockMask, built in bounded memory."""
+    the same BlockMask, built in bounded memory. compute_q_blocks=False: forward-only (no q-side
+    tables; FlexAttention's backward needs them)."""
     scan = scan_blocks(mask, q_len, kv_len, heads=heads, batch=batch, block_size=block_size, device=device,
-                       memory_budget=memory_budget, compile=compile, progress=progress)
+                       memory_budget=memory_budget, engine=engine, compile=compile, progress=progress)
     mask_mod = mask.mask_mod if isinstance(mask, Mask) else mask
-    return block_mask_from_scan(scan, mask_mod)
+    return block_mask_from_scan(scan, mask_mod, compute_q_blocks=compute_q_blocks, release_counts=True)

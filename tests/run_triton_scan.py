@@ -1,0 +1,66 @@
+"""The fused Triton block scan against the eager tiles on the whole library, in this process.
+
+Run with TRITON_INTERPRET=1 on a CPU (tests/test_blocks.py does) or plainly on a GPU:
+    python tests/run_triton_scan.py DEVICE
+Prints one line per mismatch and "ALL EQUAL" at the end when there is none.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workbench import Mask, library, make  # noqa: E402
+from workbench.blocks import scan_blocks  # noqa: E402
+
+# (q_len, kv_len, heads, batch, block): odd lengths, Lq != Lk, small / uneven / tall blocks
+CASES = [(200, 333, 4, 2, (32, 64)), (260, 300, None, None, (160, 48))]
+
+
+def same(a, b) -> bool:
+    if (a is None) != (b is None):
+        return False
+    return a is None or torch.equal(a, b)
+
+
+def compare(mask, q_len, kv_len, heads, batch, block, device) -> str | None:
+    eager = scan_blocks(mask, q_len, kv_len, heads=heads, batch=batch, block_size=block, device=device,
+                        engine="eager")
+    fused = scan_blocks(mask, q_len, kv_len, heads=heads, batch=batch, block_size=block, device=device,
+                        engine="triton")
+    if not fused.evaluator.startswith("triton"):
+        return f"engine {fused.evaluator}"
+    checks = dict(counts=same(eager.counts, fused.counts), rows=same(eager.row_kept, fused.row_kept),
+                  classes=(eager.full_blocks, eager.empty_blocks) == (fused.full_blocks, fused.empty_blocks),
+                  heads=same(eager.head_pairs_differing, fused.head_pairs_differing),
+                  batch=same(eager.batch_pairs_differing, fused.batch_pairs_differing))
+    bad = [k for k, ok in checks.items() if not ok]
+    return ", ".join(bad) or None
+
+
+def shifted_per_batch(b, h, q_idx, kv_idx):  # depends on batch and head
+    return (q_idx - kv_idx >= b * 7) & ((q_idx + h) % 3 != 0)
+
+
+def main(device: str) -> int:
+    failures = 0
+    masks = [make(f, q_len=q, kv_len=k, device=device) for name, f in library().items()
+             for q, k, *_ in CASES[:1]]
+    masks = [m for m in masks if m.mask_mod is not None] + [Mask("shifted_per_batch", mask_mod=shifted_per_batch)]
+    for base in masks:
+        for q_len, kv_len, heads, batch, block in CASES:
+            mask = make(base.factory, base.params, q_len=q_len, kv_len=kv_len, device=device) if base.factory else base
+            if mask.heads is not None and heads is not None:
+                heads = min(heads, mask.heads)
+            problem = compare(mask, q_len, kv_len, heads, batch, block, device)
+            if problem:
+                failures += 1
+                print(f"MISMATCH {mask.name} {q_len}x{kv_len} heads={heads} batch={batch} block={block}: {problem}")
+    print("ALL EQUAL" if not failures else f"{failures} MISMATCHES")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cpu"))

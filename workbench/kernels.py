@@ -1,0 +1,174 @@
+"""Triton kernels, kept apart from the analysis that uses them.
+
+`block_scan`: the block scan of `blocks.scan_blocks` as one fused GPU kernel. The mask_mod is
+translated to Triton (`triton_gen`), and each program walks one row of blocks for one (b, h),
+evaluating the mask on register tiles and keeping only sums: per-block kept counts, per-row kept
+counts, and the pairs where this head / batch entry differs from head 0 / entry 0. No pair is
+ever written to memory, so the scan runs at the speed of the mask's arithmetic, and a new
+mask_mod costs one Triton compile (a fraction of a second) instead of a torch.compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Callable
+
+import torch
+
+from workbench.define import Mask
+
+# The kernel, appended to the translated mod. `mask_mod_triton(b, h, q_idx, kv_idx, *tables)` is
+# the generated function; {ptrs} stands for its table pointers.
+_SCAN_KERNEL = '''
+{jit}
+def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{int}, n_cols{int}, q_block{int},
+                      kv_block{int}{ptrs},
+                      SUB_Q: tl.constexpr, SUB_K: tl.constexpr, N_SUB_Q: tl.constexpr,
+                      KEEP_COUNTS: tl.constexpr, DIFF_HEAD: tl.constexpr, DIFF_BATCH: tl.constexpr):
+    # one program = one row of blocks r for one (b, h); the grid is (n_rows, heads, batch)
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    bh = (b * tl.num_programs(1) + h).to(tl.int64)
+    full_count = q_block * kv_block
+    head_diff = tl.zeros([SUB_Q], tl.int64)
+    batch_diff = tl.zeros([SUB_Q], tl.int64)
+    full_blocks = tl.zeros([SUB_Q], tl.int32)  # only lane 0 is used; a vector keeps loop types fixed
+    empty_blocks = tl.zeros([SUB_Q], tl.int32)
+    for qs in range(0, N_SUB_Q):
+        q_in_block = qs * SUB_Q + tl.arange(0, SUB_Q)
+        q_idx = r * q_block + q_in_block
+        q_ok = (q_in_block < q_block) & (q_idx < Lq)
+        # indices past the end are clamped so table reads stay in bounds, then masked out
+        q_safe = tl.minimum(q_idx, Lq - 1)[:, None]
+        row_kept = tl.zeros([SUB_Q], tl.int32)
+        head_acc = tl.zeros([SUB_Q, SUB_K], tl.int32)
+        batch_acc = tl.zeros([SUB_Q, SUB_K], tl.int32)
+        for c in range(0, n_cols):
+            kept = tl.zeros([SUB_Q, SUB_K], tl.int32)
+            for ks in range(0, kv_block, SUB_K):
+                k_in_block = ks + tl.arange(0, SUB_K)
+                kv_idx = c * kv_block + k_in_block
+                inside = q_ok[:, None] & ((k_in_block < kv_block) & (kv_idx < Lk))[None, :]
+                kv_safe = tl.minimum(kv_idx, Lk - 1)[None, :]
+                keep = (mask_mod_triton(b, h, q_safe, kv_safe{ptrs}) != 0) & inside
+                kept += keep.to(tl.int32)
+                if DIFF_HEAD:
+                    other = (mask_mod_triton(b, 0, q_safe, kv_safe{ptrs}) != 0) & inside
+                    head_acc += (keep != other).to(tl.int32)
+                if DIFF_BATCH:
+                    other = (mask_mod_triton(0, h, q_safe, kv_safe{ptrs}) != 0) & inside
+                    batch_acc += (keep != other).to(tl.int32)
+            block_kept = tl.sum(tl.sum(kept, axis=1), axis=0)
+            row_kept += tl.sum(kept, axis=1)
+            if KEEP_COUNTS:
+                at = counts_ptr + (bh * n_rows + r) * n_cols + c
+                if N_SUB_Q == 1:
+                    tl.store(at, block_kept)
+                else:  # the block's rows come in N_SUB_Q slices: add them up (zero-initialised)
+                    tl.store(at, tl.load(at) + block_kept)
+            if N_SUB_Q == 1:
+                lane0 = tl.arange(0, SUB_Q) == 0
+                full_blocks += (lane0 & (block_kept == full_count)).to(tl.int32)
+                empty_blocks += (lane0 & (block_kept == 0)).to(tl.int32)
+        tl.store(rows_ptr + bh * Lq + q_idx, row_kept, mask=q_ok)
+        head_diff += tl.sum(head_acc, axis=1).to(tl.int64)
+        batch_diff += tl.sum(batch_acc, axis=1).to(tl.int64)
+    at = stats_ptr + (bh * n_rows + r) * 4
+    tl.store(at, tl.sum(head_diff, axis=0))
+    tl.store(at + 1, tl.sum(batch_diff, axis=0))
+    tl.store(at + 2, tl.sum(full_blocks, axis=0).to(tl.int64))
+    tl.store(at + 3, tl.sum(empty_blocks, axis=0).to(tl.int64))
+'''
+
+# Register tile: SUB_Q x SUB_K lanes of int32 accumulators per program.
+TILE_ELEMENTS = 8192
+_namespaces: dict[str, dict] = {}
+
+
+def available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclasses.dataclass
+class ScanKernel:
+    """A compiled-on-first-launch block-scan kernel for one mask_mod, with its table arguments."""
+
+    fn: object
+    tables: list[torch.Tensor]
+    source: str
+
+
+def scan_kernel(mask_mod: Callable, device: torch.device) -> ScanKernel:
+    """Translate `mask_mod` and build the kernel. Raises `triton_gen.Untranslatable` (or a
+    tracing error) when the mod cannot be written as Triton; the caller then scans eagerly."""
+    from workbench.triton_gen import Untranslatable, generate, load_source
+
+    source, mask_ptrs, _, captured = generate(Mask("scan", mask_mod=mask_mod))
+    tables = []
+    for ptr in mask_ptrs:
+        table = captured[ptr[: -len("_ptr")]]
+        if table.device != device:
+            raise Untranslatable(f"table {ptr[:-4]!r} is on {table.device}, not {device}")
+        tables.append(table.contiguous())
+    ptr_text = "".join(f", {p}" for p in mask_ptrs)
+    # Lengths and block sizes change between calls, and specialising on them would recompile. The
+    # CPU interpreter (used by the tests) cannot loop over runtime integers: there they are constants.
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    jit = "@triton.jit" if interpret else \
+        '@triton.jit(do_not_specialize=["Lq", "Lk", "n_rows", "n_cols", "q_block", "kv_block"])'
+    source = source + "\n" + _SCAN_KERNEL.replace("{ptrs}", ptr_text).replace("{jit}", jit).replace(
+        "{int}", ": tl.constexpr" if interpret else "")
+    if source not in _namespaces:
+        _namespaces[source] = load_source(source)
+    return ScanKernel(_namespaces[source]["block_scan_kernel"], tables, source)
+
+
+def forget() -> None:
+    """Drop the kernels built in this process (benchmarks use it to time a first build)."""
+    _namespaces.clear()
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def tile_shape(q_block: int, kv_block: int) -> tuple[int, int]:
+    """(SUB_Q, SUB_K): a whole q block when it is <= 128 rows (so a block's count is final after
+    one pass and its class can be counted in the kernel), else slices of 64 rows."""
+    sub_q = _pow2(q_block) if q_block <= 128 else 64
+    sub_k = max(16, min(_pow2(kv_block), TILE_ELEMENTS // sub_q))
+    return sub_q, sub_k
+
+
+def block_scan(kernel: ScanKernel, q_len: int, kv_len: int, q_block: int, kv_block: int, batch: int, heads: int,
+               diff_head: bool, diff_batch: bool, keep_counts: bool, device: torch.device) -> dict:
+    """Run the kernel over every block. Returns counts [B, H, rows, cols] int32 (or None), row_kept
+    [B, H, q_len] int64, head / batch differing pairs [B, H] int64, and full / empty block totals
+    (None when a block spans several row slices and no counts table is kept)."""
+    n_rows, n_cols = -(-q_len // q_block), -(-kv_len // kv_block)
+    sub_q, sub_k = tile_shape(q_block, kv_block)
+    n_sub_q = -(-q_block // sub_q)
+    alloc = torch.zeros if n_sub_q > 1 else torch.empty
+    counts = alloc(batch, heads, n_rows, n_cols, dtype=torch.int32, device=device) if keep_counts else None
+    rows = torch.empty(batch, heads, q_len, dtype=torch.int32, device=device)
+    stats = torch.empty(batch, heads, n_rows, 4, dtype=torch.int64, device=device)
+    counts_arg = counts if counts is not None else rows  # never written when KEEP_COUNTS is off
+    start = time.perf_counter()
+    kernel.fn[(n_rows, heads, batch)](
+        counts_arg, rows, stats, q_len, kv_len, n_rows, n_cols, q_block, kv_block, *kernel.tables,
+        SUB_Q=sub_q, SUB_K=sub_k, N_SUB_Q=n_sub_q, KEEP_COUNTS=keep_counts, DIFF_HEAD=diff_head,
+        DIFF_BATCH=diff_batch, num_warps=8)
+    totals = stats.sum(dim=2)
+    return dict(counts=counts, row_kept=rows.to(torch.int64), head_diff=totals[..., 0], batch_diff=totals[..., 1],
+                full=int(totals[..., 2].sum()) if n_sub_q == 1 else None,
+                empty=int(totals[..., 3].sum()) if n_sub_q == 1 else None,
+                launch_seconds=time.perf_counter() - start, tile=(sub_q, sub_k))

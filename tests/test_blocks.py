@@ -186,6 +186,7 @@ def _pretend_triton(monkeypatch, corrupt):
     monkeypatch.setattr(kernels, "block_scan", fake_block_scan)
     monkeypatch.setattr(kernels, "available", lambda device: True)
     monkeypatch.setattr(blocks, "TRITON_ABOVE_PAIRS", 0)
+    monkeypatch.setattr(blocks, "TRITON_COLD_ABOVE_PAIRS", 0)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
@@ -212,6 +213,7 @@ def test_untranslatable_mod_is_named_and_falls_back(monkeypatch):
 
     monkeypatch.setattr("workbench.kernels.available", lambda device: True)
     monkeypatch.setattr("workbench.blocks.TRITON_ABOVE_PAIRS", 0)
+    monkeypatch.setattr("workbench.blocks.TRITON_COLD_ABOVE_PAIRS", 0)
     scan = scan_blocks(by_sign, 300, 300)
     assert scan.evaluator == "broadcast" and "sign" in scan.extra["triton_fallback"]
     assert scan.kept_pairs == 300 * 301 // 2

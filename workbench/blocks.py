@@ -34,8 +34,12 @@ DEFAULT_BLOCK = 128
 BYTES_PER_PAIR = 16
 # Above this many pairs per (b, h) the CUDA path compiles the tile function.
 COMPILE_ABOVE_PAIRS = 2 ** 36
-# Above this many pairs (x batch x heads) a CUDA scan uses the fused Triton kernel.
+# Above this many pairs (x batch x heads) a CUDA scan uses the fused Triton kernel once it is
+# compiled; a first compile (~0.5-0.8 s on an H200) pays off above the second threshold, where
+# eager tiles (~1e11 pairs/s there, vs ~1e12 fused) would take longer than it, or for a mod that
+# is scanned again (a notebook redrawing it).
 TRITON_ABOVE_PAIRS = 2 ** 26
+TRITON_COLD_ABOVE_PAIRS = 2 ** 35
 
 
 @dataclass
@@ -225,12 +229,14 @@ def _check_sizes(q_len, kv_len, batch, heads):
 def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | None = None,
                 batch: int | None = None, block_size: int | tuple[int, int] = DEFAULT_BLOCK,
                 device: str | torch.device = "cpu", memory_budget: int | None = None,
-                keep_counts: bool = True, engine: str | None = None, compile: bool | None = None,
-                progress: bool | None = None) -> BlockScan:
+                keep_counts: bool = True, differences: bool = True, engine: str | None = None,
+                compile: bool | None = None, progress: bool | None = None) -> BlockScan:
     """Count kept pairs block by block.
 
     heads / batch: None means broadcast (size 1), as in create_block_mask. keep_counts=False keeps
     only the totals (no per-block table), for lengths where even that table would not fit.
+    differences=False skips counting the pairs where heads / batch entries differ from the first
+    (it doubles the work of a per-head mask; a BlockMask does not need it).
     engine: "triton" (the mod translated into one fused kernel: CUDA), "compiled" (torch.compile'd
     tiles), "eager" (tiles that fit `memory_budget` bytes: any device), or None to pick:
     triton on CUDA past ~8K x 8K pairs when the mod translates, else eager (compiled above
@@ -278,7 +284,8 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
             f"in the {_format_bytes(free)} free on {device}",
             "use a larger --block-size, or statistics only (keep_counts=False)", name)
 
-    geometry = _Geometry(name, q_len, kv_len, q_block, kv_block, b_eff, h_eff, dep_b, dep_h, device,
+    geometry = _Geometry(name, q_len, kv_len, q_block, kv_block, b_eff, h_eff, dep_b and differences,
+                         dep_h and differences, device,
                          memory_budget or default_budget(device), free)
     pairs = q_len * kv_len * b_eff * h_eff
     result, fallback = None, None
@@ -286,7 +293,8 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
                                          and kernels.available(device))
     if want_triton and mask_mod is not None:
         try:
-            result = _scan_triton(mask_mod, evaluator, geometry, keep_counts)
+            result = _scan_triton(mask_mod, evaluator, geometry, keep_counts,
+                                  compile_above=TRITON_COLD_ABOVE_PAIRS if engine is None else 0)
         except Exception as exc:  # an untranslatable mod, or a translation that disagrees with torch
             if engine == "triton":
                 raise WorkbenchError(f"the Triton block scan is not usable for this mod: {exc}",
@@ -308,8 +316,8 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
         q_len=q_len, kv_len=kv_len, q_block=q_block, kv_block=kv_block, batch=batch_n, heads=heads_n,
         depends_on_batch=dep_b, depends_on_head=dep_h, counts=result["counts"], row_kept=row_kept,
         full_blocks=full_n, partial_blocks=total_blocks - full_n - empty_n, empty_blocks=empty_n,
-        kept_pairs=int(row_kept.sum()), head_pairs_differing=result["head_diff"] if dep_h else None,
-        batch_pairs_differing=result["batch_diff"] if dep_b else None,
+        kept_pairs=int(row_kept.sum()), head_pairs_differing=result["head_diff"] if geometry.diff_h else None,
+        batch_pairs_differing=result["batch_diff"] if geometry.diff_b else None,
         evaluator=result["engine"] + evaluator, seconds=time.perf_counter() - start,
         compile_seconds=result["compile_seconds"], device=str(device), extra=result["extra"])
 
@@ -323,8 +331,8 @@ class _Geometry:
     kv_block: int
     b_eff: int
     h_eff: int
-    dep_b: bool
-    dep_h: bool
+    diff_b: bool  # count the pairs where batch entry b differs from entry 0
+    diff_h: bool  # likewise head h from head 0
     device: torch.device
     budget: int
     free: int
@@ -344,13 +352,18 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _scan_triton(mask_mod, evaluator, g: _Geometry, keep_counts: bool) -> dict:
+def _scan_triton(mask_mod, evaluator, g: _Geometry, keep_counts: bool, compile_above: int = 0) -> dict | None:
     """The fused kernel, then an exact spot check of three block rows against the eager tiles:
-    the translation must agree with torch before its counts are trusted."""
+    the translation must agree with torch before its counts are trusted. None when the kernel
+    would need compiling and the problem has at most `compile_above` pairs (eager is sooner)."""
     t0 = time.perf_counter()
     kernel = kernels.scan_kernel(mask_mod, g.device)
-    out = kernels.block_scan(kernel, g.q_len, g.kv_len, g.q_block, g.kv_block, g.b_eff, g.h_eff, g.dep_h,
-                             g.dep_b, keep_counts, g.device)
+    pairs = g.q_len * g.kv_len * g.b_eff * g.h_eff
+    if pairs <= compile_above and kernels.times_requested(kernel) < 2 and not kernels.is_compiled(
+            kernel, g.q_block, g.kv_block, g.diff_h, g.diff_b, keep_counts):
+        return None
+    out = kernels.block_scan(kernel, g.q_len, g.kv_len, g.q_block, g.kv_block, g.b_eff, g.h_eff, g.diff_h,
+                             g.diff_b, keep_counts, g.device)
     counts = out["counts"]
     full, empty = out["full"], out["empty"]
     if full is None:
@@ -418,7 +431,7 @@ def _scan_tiles(mask_mod, evaluator, g: _Geometry, keep_counts: bool, use_compil
 
     tile_fn, compile_seconds = _tile_function(mask_mod, evaluator, b_idx, h_idx, g.q_len, g.kv_len,
                                               q_block, kv_block, tile_q, tile_kv, device, use_compile,
-                                              g.dep_b, g.dep_h)
+                                              g.diff_b, g.diff_h)
     tiles = [(q0, k0) for q0 in range(0, n_rows * q_block, tile_q) for k0 in range(0, n_cols * kv_block, tile_kv)]
     show = progress if progress is not None else (len(tiles) > 64)
     with torch.no_grad():
@@ -434,16 +447,16 @@ def _scan_tiles(mask_mod, evaluator, g: _Geometry, keep_counts: bool, use_compil
             row_kept[:, :, q0:q1] += tile_rows[:, :, : q1 - q0]
             class_totals[0] += (tile_counts == full_count).sum()
             class_totals[2] += (tile_counts == 0).sum()
-            if g.dep_h:
+            if g.diff_h:
                 head_diff += diffs[0]
-            if g.dep_b:
+            if g.diff_b:
                 batch_diff += diffs[1]
     return dict(counts=counts, row_kept=row_kept, full=int(class_totals[0]), empty=int(class_totals[2]),
                 head_diff=head_diff, batch_diff=batch_diff, engine="compiled " if use_compile else "",
                 compile_seconds=compile_seconds, extra=dict(tile=(tile_q, tile_kv), tiles=len(tiles)))
 
 
-def _reduce_tile(m: torch.Tensor, q_block: int, kv_block: int, dep_b: bool, dep_h: bool, packed: bool = False):
+def _reduce_tile(m: torch.Tensor, q_block: int, kv_block: int, diff_b: bool, diff_h: bool, packed: bool = False):
     """Per-block kept counts, per-row kept counts and head/batch difference counts of a tile.
 
     packed=True sums the bool bytes eight at a time through an int64 view (each byte stays
@@ -464,27 +477,27 @@ def _reduce_tile(m: torch.Tensor, q_block: int, kv_block: int, dep_b: bool, dep_
         row_block = count(m)
         counts = row_block.view(B, H, Q // q_block, q_block, K // kv_block).sum(3, dtype=torch.int32)
         rows = row_block.sum(-1, dtype=torch.int32)
-        head_diff = differing(m, m[:, :1].expand_as(m).contiguous()) if dep_h else None
-        batch_diff = differing(m, m[:1].expand_as(m).contiguous()) if dep_b else None
+        head_diff = differing(m, m[:, :1].expand_as(m).contiguous()) if diff_h else None
+        batch_diff = differing(m, m[:1].expand_as(m).contiguous()) if diff_b else None
         return counts, rows, (head_diff, batch_diff)
     # One pass over the pairs: count each (row, kv block) first, then fold rows into blocks.
     row_block = m.view(B, H, Q, K // kv_block, kv_block).sum(dim=-1, dtype=torch.int32)
     counts = row_block.view(B, H, Q // q_block, q_block, K // kv_block).sum(dim=3, dtype=torch.int32)
     rows = row_block.sum(dim=-1, dtype=torch.int32)
-    head_diff = (m != m[:, :1]).sum(dim=(2, 3)) if dep_h else None
-    batch_diff = (m != m[:1]).sum(dim=(2, 3)) if dep_b else None
+    head_diff = (m != m[:, :1]).sum(dim=(2, 3)) if diff_h else None
+    batch_diff = (m != m[:1]).sum(dim=(2, 3)) if diff_b else None
     return counts, rows, (head_diff, batch_diff)
 
 
 def _tile_function(mask_mod, evaluator, b_idx, h_idx, q_len, kv_len, q_block, kv_block, tile_q, tile_kv,
-                   device, use_compile, dep_b, dep_h):
+                   device, use_compile, diff_b, diff_h):
     shape_bh = (len(b_idx), len(h_idx))
 
     if mask_mod is None:
         def full_tile(q0, k0):
             q1, k1 = min(q0 + tile_q, q_len), min(k0 + tile_kv, kv_len)
             m = torch.ones(*shape_bh, q1 - q0, k1 - k0, dtype=torch.bool, device=device)
-            return _pad_and_reduce(m, q_block, kv_block, dep_b, dep_h)
+            return _pad_and_reduce(m, q_block, kv_block, diff_b, diff_h)
         return full_tile, 0.0
 
     if not use_compile:
@@ -495,7 +508,7 @@ def _tile_function(mask_mod, evaluator, b_idx, h_idx, q_len, kv_len, q_block, kv
             q = torch.arange(q0, q1, device=device, dtype=torch.int32)
             kv = torch.arange(k0, k1, device=device, dtype=torch.int32)
             m = _expand(fn(mask_mod, b_idx, h_idx, q, kv), (*shape_bh, q1 - q0, k1 - k0))
-            return _pad_and_reduce(m.to(torch.bool), q_block, kv_block, dep_b, dep_h)
+            return _pad_and_reduce(m.to(torch.bool), q_block, kv_block, diff_b, diff_h)
         return eager_tile, 0.0
 
     # Compiled: one fixed tile shape; indices past the end are clamped (so captured tables are
@@ -511,7 +524,7 @@ def _tile_function(mask_mod, evaluator, b_idx, h_idx, q_len, kv_len, q_block, kv
         m = evaluate_broadcast(mask_mod, b_idx, h_idx, q.clamp(max=q_len - 1), kv.clamp(max=kv_len - 1))
         m = m & valid
         m = m.expand(*shape_bh, tile_q, tile_kv)
-        return _reduce_tile(m, q_block, kv_block, dep_b, dep_h)
+        return _reduce_tile(m, q_block, kv_block, diff_b, diff_h)
 
     compiled = torch.compile(tile_body, dynamic=False)
     t0 = time.perf_counter()
@@ -526,12 +539,12 @@ def _tile_function(mask_mod, evaluator, b_idx, h_idx, q_len, kv_len, q_block, kv
     return compiled_tile, compile_seconds
 
 
-def _pad_and_reduce(m, q_block, kv_block, dep_b, dep_h):
+def _pad_and_reduce(m, q_block, kv_block, diff_b, diff_h):
     Q, K = m.shape[-2:]
     pad_q, pad_k = (-Q) % q_block, (-K) % kv_block
     if pad_q or pad_k:  # masked padding, as torch pads: the last short block is never full
         m = torch.nn.functional.pad(m, (0, pad_k, 0, pad_q))
-    return _reduce_tile(m.contiguous(), q_block, kv_block, dep_b, dep_h, packed=True)
+    return _reduce_tile(m.contiguous(), q_block, kv_block, diff_b, diff_h, packed=True)
 
 
 # ---------------------------------------------------------------- BlockMask
@@ -609,6 +622,7 @@ def build_block_mask(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: i
     the same BlockMask, built in bounded memory. compute_q_blocks=False: forward-only (no q-side
     tables; FlexAttention's backward needs them)."""
     scan = scan_blocks(mask, q_len, kv_len, heads=heads, batch=batch, block_size=block_size, device=device,
-                       memory_budget=memory_budget, engine=engine, compile=compile, progress=progress)
+                       memory_budget=memory_budget, differences=False, engine=engine, compile=compile,
+                       progress=progress)
     mask_mod = mask.mask_mod if isinstance(mask, Mask) else mask
     return block_mask_from_scan(scan, mask_mod, compute_q_blocks=compute_q_blocks, release_counts=True)

@@ -10,6 +10,7 @@ mask_mod costs one Triton compile (a fraction of a second) instead of a torch.co
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import time
@@ -28,7 +29,7 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
                       SUB_Q: tl.constexpr, SUB_K: tl.constexpr, N_SUB_Q: tl.constexpr,
                       KEEP_COUNTS: tl.constexpr, DIFF_HEAD: tl.constexpr, DIFF_BATCH: tl.constexpr):
     # one program = one row of blocks r for one (b, h); the grid is (n_rows, heads, batch)
-    r = tl.program_id(0)
+    r = tl.program_id(0)  # {salt}
     h = tl.program_id(1)
     b = tl.program_id(2)
     bh = (b * tl.num_programs(1) + h).to(tl.int64)
@@ -86,6 +87,10 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
 # Register tile: SUB_Q x SUB_K lanes of int32 accumulators per program.
 TILE_ELEMENTS = 8192
 _namespaces: dict[str, dict] = {}
+_launched: set[tuple] = set()  # (source, constexprs) already compiled in this process
+_requests: collections.Counter = collections.Counter()  # scans asked of each source
+# Written into the kernel as a comment; benchmarks bump it to time a never-seen mask_mod.
+build_salt = 0
 
 
 def available(device: torch.device) -> bool:
@@ -116,7 +121,7 @@ def scan_kernel(mask_mod: Callable, device: torch.device) -> ScanKernel:
     tables = []
     for ptr in mask_ptrs:
         table = captured[ptr[: -len("_ptr")]]
-        if table.device != device:
+        if not _same_device(table.device, device):
             raise Untranslatable(f"table {ptr[:-4]!r} is on {table.device}, not {device}")
         tables.append(table.contiguous())
     ptr_text = "".join(f", {p}" for p in mask_ptrs)
@@ -126,15 +131,47 @@ def scan_kernel(mask_mod: Callable, device: torch.device) -> ScanKernel:
     jit = "@triton.jit" if interpret else \
         '@triton.jit(do_not_specialize=["Lq", "Lk", "n_rows", "n_cols", "q_block", "kv_block"])'
     source = source + "\n" + _SCAN_KERNEL.replace("{ptrs}", ptr_text).replace("{jit}", jit).replace(
-        "{int}", ": tl.constexpr" if interpret else "")
+        "{int}", ": tl.constexpr" if interpret else "").replace("{salt}", f"build {build_salt}")
+    _requests[source] += 1
     if source not in _namespaces:
         _namespaces[source] = load_source(source)
     return ScanKernel(_namespaces[source]["block_scan_kernel"], tables, source)
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    current = torch.cuda.current_device() if a.type == "cuda" else 0
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
 def forget() -> None:
-    """Drop the kernels built in this process (benchmarks use it to time a first build)."""
+    """Make the next scan compile afresh, as for a mask_mod never seen (benchmarks time first
+    builds with it): drops this process's kernels and changes the source Triton's cache keys on."""
+    global build_salt
     _namespaces.clear()
+    _launched.clear()
+    _requests.clear()
+    build_salt += 1
+
+
+def _constexprs(q_block, kv_block, diff_head, diff_batch, keep_counts) -> dict:
+    sub_q, sub_k = tile_shape(q_block, kv_block)
+    return dict(SUB_Q=sub_q, SUB_K=sub_k, N_SUB_Q=-(-q_block // sub_q), KEEP_COUNTS=keep_counts,
+                DIFF_HEAD=diff_head, DIFF_BATCH=diff_batch)
+
+
+def is_compiled(kernel: "ScanKernel", q_block: int, kv_block: int, diff_head: bool, diff_batch: bool,
+                keep_counts: bool) -> bool:
+    """Has this process already compiled the kernel for these settings (so a scan costs no compile)?"""
+    key = tuple(_constexprs(q_block, kv_block, diff_head, diff_batch, keep_counts).items())
+    return (kernel.source, key) in _launched
+
+
+def times_requested(kernel: "ScanKernel") -> int:
+    """How many scans of this process have asked for this kernel (a mod drawn again is likely to be
+    drawn many times: then compiling pays off even where one eager scan would be sooner)."""
+    return _requests[kernel.source]
 
 
 def _pow2(n: int) -> int:
@@ -155,8 +192,8 @@ def block_scan(kernel: ScanKernel, q_len: int, kv_len: int, q_block: int, kv_blo
     [B, H, q_len] int64, head / batch differing pairs [B, H] int64, and full / empty block totals
     (None when a block spans several row slices and no counts table is kept)."""
     n_rows, n_cols = -(-q_len // q_block), -(-kv_len // kv_block)
-    sub_q, sub_k = tile_shape(q_block, kv_block)
-    n_sub_q = -(-q_block // sub_q)
+    const = _constexprs(q_block, kv_block, diff_head, diff_batch, keep_counts)
+    sub_q, sub_k, n_sub_q = const["SUB_Q"], const["SUB_K"], const["N_SUB_Q"]
     alloc = torch.zeros if n_sub_q > 1 else torch.empty
     counts = alloc(batch, heads, n_rows, n_cols, dtype=torch.int32, device=device) if keep_counts else None
     rows = torch.empty(batch, heads, q_len, dtype=torch.int32, device=device)
@@ -165,8 +202,8 @@ def block_scan(kernel: ScanKernel, q_len: int, kv_len: int, q_block: int, kv_blo
     start = time.perf_counter()
     kernel.fn[(n_rows, heads, batch)](
         counts_arg, rows, stats, q_len, kv_len, n_rows, n_cols, q_block, kv_block, *kernel.tables,
-        SUB_Q=sub_q, SUB_K=sub_k, N_SUB_Q=n_sub_q, KEEP_COUNTS=keep_counts, DIFF_HEAD=diff_head,
-        DIFF_BATCH=diff_batch, num_warps=8)
+        num_warps=8, **const)
+    _launched.add((kernel.source, tuple(const.items())))
     totals = stats.sum(dim=2)
     return dict(counts=counts, row_kept=rows.to(torch.int64), head_diff=totals[..., 0], batch_diff=totals[..., 1],
                 full=int(totals[..., 2].sum()) if n_sub_q == 1 else None,

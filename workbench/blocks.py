@@ -34,11 +34,11 @@ DEFAULT_BLOCK = 128
 BYTES_PER_PAIR = 16
 # Above this many pairs per (b, h) the CUDA path compiles the tile function.
 COMPILE_ABOVE_PAIRS = 2 ** 36
-# Above this many pairs (x batch x heads) a CUDA scan uses the fused Triton kernel once it is
-# compiled; a first compile (~0.5-0.8 s on an H200) pays off above the second threshold, where
-# eager tiles (~1e11 pairs/s there, vs ~1e12 fused) would take longer than it, or for a mod that
+# From this many pairs (x batch x heads) on, a CUDA scan uses the fused Triton kernel once it is
+# compiled. A first compile (~0.3-0.5 s on an H200) pays off above the second threshold, where
+# eager tiles (~1e11 pairs/s there, vs 2-3e12 fused) would take longer than it, or for a mod that
 # is scanned again (a notebook redrawing it).
-TRITON_ABOVE_PAIRS = 2 ** 26
+TRITON_ABOVE_PAIRS = 2 ** 33
 TRITON_COLD_ABOVE_PAIRS = 2 ** 35
 
 
@@ -289,7 +289,7 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
                          memory_budget or default_budget(device), free)
     pairs = q_len * kv_len * b_eff * h_eff
     result, fallback = None, None
-    want_triton = engine == "triton" or (engine is None and mask_mod is not None and pairs > TRITON_ABOVE_PAIRS
+    want_triton = engine == "triton" or (engine is None and mask_mod is not None and pairs >= TRITON_ABOVE_PAIRS
                                          and kernels.available(device))
     if want_triton and mask_mod is not None:
         try:

@@ -84,8 +84,9 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
     tl.store(at + 3, tl.sum(empty_blocks, axis=0).to(tl.int64))
 '''
 
-# Register tile: SUB_Q x SUB_K lanes of int32 accumulators per program.
-TILE_ELEMENTS = 8192
+# Register tile: SUB_Q x SUB_K lanes of int32 accumulators per program. 4096 beat 8192 and 2048
+# on an H200 (faster compile, and 2x faster than 8192 at 1M tokens).
+TILE_ELEMENTS = 4096
 _namespaces: dict[str, dict] = {}
 _launched: set[tuple] = set()  # (source, constexprs) already compiled in this process
 _requests: collections.Counter = collections.Counter()  # scans asked of each source

@@ -242,3 +242,37 @@ def test_forward_only_block_mask_drops_the_q_side_and_still_runs():
     assert ours.q_indices is None and ours.full_q_indices is None
     q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=ours), flex_attention(q, k, v, block_mask=ref))
+
+
+def test_auto_engine_compiles_only_where_it_pays_off(monkeypatch):
+    """Below the cold threshold a first scan stays eager; the same mod asked again gets the kernel."""
+    from workbench import blocks, kernels
+
+    launches = []
+
+    class FakeKernel:
+        source = "fake"
+
+    def fake_block_scan(kernel, q_len, kv_len, q_block, kv_block, batch, heads, diff_head, diff_batch,
+                        keep_counts, device):
+        launches.append(q_len)
+        scan = scan_blocks(mask, q_len, kv_len, engine="eager")
+        zero = torch.zeros(1, 1, dtype=torch.int64)
+        return dict(counts=scan.counts, row_kept=scan.row_kept, head_diff=zero, batch_diff=zero,
+                    full=scan.full_blocks, empty=scan.empty_blocks, launch_seconds=0.0, tile=(1, 1))
+
+    mask = make("causal")
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    monkeypatch.setattr(kernels, "block_scan", fake_block_scan)
+    monkeypatch.setattr(blocks, "TRITON_ABOVE_PAIRS", 256 * 256)
+    monkeypatch.setattr(blocks, "TRITON_COLD_ABOVE_PAIRS", 512 * 512)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernels.forget()
+    monkeypatch.setattr(kernels, "scan_kernel", lambda mod, device: (
+        kernels._requests.update({"fake": 1}), FakeKernel())[1])
+    assert scan_blocks(mask, 200, 200).evaluator == "broadcast"            # below TRITON_ABOVE_PAIRS
+    assert scan_blocks(mask, 300, 300).evaluator == "broadcast" and not launches  # first ask, small: eager
+    assert scan_blocks(mask, 300, 300).evaluator == "triton broadcast"     # asked again: compile
+    assert scan_blocks(mask, 600, 600).evaluator == "triton broadcast"     # past the cold threshold
+    assert launches == [300, 600]
+    kernels.forget()

@@ -35,6 +35,12 @@ def test_blocks_json_keys():
                 "fully_masked_rows"):
         assert key in record
     assert record["kept_pairs"] == sum(min(i + 1, 100) for i in range(1000))
+    assert record["engine"] == "broadcast"
+
+
+def test_blocks_triton_engine_on_cpu_is_a_named_error():
+    out = run("blocks", "causal", "--q-len", "256", "--device", "cpu", "--engine", "triton")
+    assert out.returncode == 2 and "runs on CUDA" in out.stderr and "Fix:" in out.stderr
 
 
 def test_blocks_writes_pictures(tmp_path):

@@ -9,11 +9,12 @@ torch, which pads with masked pairs), *partial* when some are, *empty* otherwise
 of a row list its kept blocks in ascending order followed by the others in ascending order
 (torch's stable descending argsort), so every tensor equals torch's, element for element.
 
-Mods are evaluated on broadcast index tensors (b: [B,1,1,1], h: [1,H,1,1], q: [1,1,Q,1],
-kv: [1,1,1,K]) -- the fastest exact form for the elementwise mods people write. Each mod is
-first checked against FlexAttention's own semantics (vmap over scalars) on probe regions; a mod
-that does not broadcast the same way is evaluated under vmap instead. On CUDA, large problems
-compile the tile function (one graph per mask_mod) and run it fused.
+Two engines count. Eager tiles evaluate mods on broadcast index tensors (b: [B,1,1,1],
+h: [1,H,1,1], q: [1,1,Q,1], kv: [1,1,1,K]) -- the fastest exact form for the elementwise mods
+people write -- after checking them against FlexAttention's own semantics (vmap over scalars) on
+probe regions; a mod that does not broadcast the same way is evaluated under vmap instead. On
+CUDA the mod can also be translated to Triton and counted by one fused kernel (`kernels.py`),
+whose result is trusted only after three block rows recounted by the eager tiles agree exactly.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python -m workbench list
     python -m workbench report [TARGET ...] [--param k=JSON ...] -o DIR
-    python -m workbench blocks TARGET [--param k=JSON ...] --q-len N --kv-len M [-o DIR] [--json]
+    python -m workbench blocks TARGET [--param k=JSON ...] --q-len N --kv-len M [-o DIR] [--json] [--engine E]
     python -m workbench verify TARGET [--param k=JSON ...] [--score TARGET] --q-len N [--backward] [--json]
     python -m workbench export TARGET [--param k=JSON ...] [--score TARGET] --q-len N -o DIR
     python -m workbench conformance DIR/NAME.spec.json --impl path.py:function
@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_size_args(p, required=True)
     p.add_argument("-o", "--out", help="write block_map.png, overview.png, token_view.png here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--engine", choices=["eager", "triton", "compiled"],
+                   help="how to count blocks (default: picked; triton = one fused kernel, CUDA only)")
     p.set_defaults(func=cmd_blocks)
 
     p = sub.add_parser("verify", help="FlexAttention vs an eager float64 reference",
@@ -173,7 +175,7 @@ def cmd_blocks(args) -> int:
     q_len, kv_len, device = args.q_len, args.kv_len or args.q_len, _device(args)
     mask = load_mask(args, q_len, kv_len, device)
     scan = scan_blocks(mask, q_len, kv_len, heads=args.heads or mask.heads, batch=args.batch,
-                       block_size=_block_size(args), device=device)
+                       block_size=_block_size(args), device=device, engine=args.engine)
     stats = mask_stats(scan)
     if args.out:
         out = Path(args.out)
@@ -184,7 +186,8 @@ def cmd_blocks(args) -> int:
         look.token_view(mask, (q_len - n, q_len), (kv_len - n, kv_len), device=device).savefig(out / "token_view.png", dpi=100)
     if args.json:
         record = stats.to_dict()
-        record.update(name=mask.name, block_size=stats.block_size, seconds=round(scan.seconds, 4), device=device)
+        record.update(name=mask.name, block_size=stats.block_size, seconds=round(scan.seconds, 4), device=device,
+                      engine=scan.evaluator)
         print(json.dumps(record))
     else:
         print(f"{mask.name}  ({scan.evaluator}, {scan.seconds:.3f} s on {device})")

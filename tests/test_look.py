@@ -73,3 +73,18 @@ def test_diff_view_counts_the_off_by_one():
     assert "42 pairs differ" in fig.axes[0].get_title()
     assert look.count_differences(a, b, 5000, 5000) == 5000 - 8
     assert look.count_differences(a, a, 5000, 5000) == 0
+
+
+def test_grid_of_heads_ticks_only_the_outer_panels():
+    mask = make("per_head_window", {"windows": [1, 8, 16, 32, 64, 128]})
+    scan = scan_blocks(mask, 256, 256, heads=6, block_size=32)
+    fig = look.block_map(scan)
+    panels = [a for a in fig.axes if a.get_visible()]
+    assert len(panels) == 6
+    fig.canvas.draw()
+    has_x = [len(a.get_xticks()) > 0 for a in panels]
+    has_y = [len(a.get_yticks()) > 0 for a in panels]
+    # 4 columns: h=2, h=3 are the lowest of their columns in a ragged grid, h=4, h=5 the bottom row
+    assert has_x == [False, False, True, True, True, True]
+    assert has_y == [True, False, False, False, True, False]
+    assert {a.images[0].get_extent() == [0, 256, 256, 0] for a in panels} == {True}

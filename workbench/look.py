@@ -12,6 +12,7 @@ import torch
 from matplotlib.colors import CenteredNorm, ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator, NullLocator
 
 from workbench.blocks import EMPTY, FULL, PARTIAL, BlockScan, block_classes, dense_mask, scan_blocks
 from workbench.define import Mask, WorkbenchError
@@ -53,8 +54,9 @@ def block_map(scan: BlockScan, title: str | None = None, max_panels: int = 16) -
     many = len(panels) > 1
     fig = Figure(figsize=(3.6 * ncols + 1.2, 3.6 * nrows * min(max(aspect, 0.4), 2.5) + 0.9),
                  layout=None if many else "constrained")
-    # one set of axes for the whole grid: easier to compare heads, and fewer labels to draw
-    axes = fig.subplots(nrows, ncols, squeeze=False, sharex=many, sharey=many)
+    # Every panel has the same extent, so only the outer panels get ticks: tick objects are most
+    # of the drawing time of a grid of heads.
+    axes = fig.subplots(nrows, ncols, squeeze=False)
     cmap = ListedColormap([BLOCK_COLOURS[k] for k in (EMPTY, PARTIAL, FULL)])
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
@@ -65,8 +67,17 @@ def block_map(scan: BlockScan, title: str | None = None, max_panels: int = 16) -
             pooled_note = f" (each pixel {fr}x{fc} blocks)"
         ax.imshow(img.numpy(), cmap=cmap, vmin=0, vmax=2, interpolation="nearest", aspect="auto",
                   extent=(0, scan.block_cols * scan.kv_block, scan.block_rows * scan.q_block, 0))
-        ax.set_xlabel("kv token")
-        ax.set_ylabel("q token")
+        index = panels.index((b, h))
+        if not many or index + ncols >= len(panels):  # the lowest panel of its column
+            ax.set_xlabel("kv token")
+            ax.xaxis.set_major_locator(MaxNLocator(5))
+        else:
+            ax.xaxis.set_major_locator(NullLocator())
+        if not many or index % ncols == 0:
+            ax.set_ylabel("q token")
+            ax.yaxis.set_major_locator(MaxNLocator(5))
+        else:
+            ax.yaxis.set_major_locator(NullLocator())
         label = []
         if scan.depends_on_batch:
             label.append(f"b={b}")
@@ -81,11 +92,6 @@ def block_map(scan: BlockScan, title: str | None = None, max_panels: int = 16) -
     fig.legend(handles=handles, loc="lower center" if many else "outside lower center", ncols=3, fontsize=8,
                frameon=False)
     if many:
-        for ax in axes.flat[:len(panels)]:
-            ax.label_outer()
-        for ax in axes.flat[len(panels) - ncols:len(panels)]:  # bottom row of a ragged grid keeps its ticks
-            ax.xaxis.set_tick_params(labelbottom=True)
-            ax.set_xlabel("kv token")
         height = fig.get_figheight()
         fig.subplots_adjust(left=0.95 / fig.get_figwidth(), right=0.98, top=1 - 0.55 / height, bottom=0.85 / height,
                             wspace=0.08, hspace=0.2 * 3.6 / max(1.0, height / nrows))

@@ -180,7 +180,7 @@ def _pretend_triton(monkeypatch, corrupt):
         corrupt(counts, rows)
         zero = torch.zeros(batch, heads, dtype=torch.int64)
         return dict(counts=counts, row_kept=rows, head_diff=zero, batch_diff=zero, full=scan.full_blocks,
-                    empty=scan.empty_blocks, launch_seconds=0.0, tile=(1, 1))
+                    empty=scan.empty_blocks, tile=(1, 1))
 
     monkeypatch.setattr(kernels, "scan_kernel", lambda mask_mod, device: mask_mod)
     monkeypatch.setattr(kernels, "block_scan", fake_block_scan)
@@ -259,7 +259,7 @@ def test_auto_engine_compiles_only_where_it_pays_off(monkeypatch):
         scan = scan_blocks(mask, q_len, kv_len, engine="eager")
         zero = torch.zeros(1, 1, dtype=torch.int64)
         return dict(counts=scan.counts, row_kept=scan.row_kept, head_diff=zero, batch_diff=zero,
-                    full=scan.full_blocks, empty=scan.empty_blocks, launch_seconds=0.0, tile=(1, 1))
+                    full=scan.full_blocks, empty=scan.empty_blocks, tile=(1, 1))
 
     mask = make("causal")
     monkeypatch.setattr(kernels, "available", lambda device: True)

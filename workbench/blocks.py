@@ -253,7 +253,7 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
         engine = "compiled" if compile else "eager"
     if engine not in (None, "eager", "compiled", "triton"):
         raise WorkbenchError(f"unknown engine {engine!r}", "use engine='triton', 'compiled' or 'eager' (or None)", name)
-    if engine == "triton" and device.type != "cuda" and not _interpreting():
+    if engine == "triton" and device.type != "cuda" and not kernels.interpreting():
         raise WorkbenchError(f"engine='triton' runs on CUDA, the scan is on {device}",
                              "use engine='eager' or 'compiled' (or None) on this device", name)
     if isinstance(mask, Mask) and mask.heads is not None and heads_n > mask.heads:
@@ -288,9 +288,9 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
     geometry = _Geometry(name, q_len, kv_len, q_block, kv_block, b_eff, h_eff, dep_b and differences,
                          dep_h and differences, device,
                          memory_budget or default_budget(device), free)
-    pairs = q_len * kv_len * b_eff * h_eff
     result, fallback = None, None
-    want_triton = engine == "triton" or (engine is None and mask_mod is not None and pairs >= TRITON_ABOVE_PAIRS
+    want_triton = engine == "triton" or (engine is None and mask_mod is not None
+                                         and geometry.pairs >= TRITON_ABOVE_PAIRS
                                          and kernels.available(device))
     if want_triton and mask_mod is not None:
         try:
@@ -346,11 +346,13 @@ class _Geometry:
     def n_cols(self) -> int:
         return -(-self.kv_len // self.kv_block)
 
+    @property
+    def pairs(self) -> int:  # pairs to evaluate, over the batch entries and heads that differ
+        return self.q_len * self.kv_len * self.b_eff * self.h_eff
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    def pairs_per_tile(self, bytes_per_pair: int) -> int:
+        """Pairs (per batch entry and head) in a tile whose temporaries fit the budget; one block at least."""
+        return max(self.q_block * self.kv_block, self.budget // (bytes_per_pair * self.b_eff * self.h_eff))
 
 
 def _scan_triton(mask_mod, evaluator, g: _Geometry, keep_counts: bool, compile_above: int = 0) -> dict | None:
@@ -359,8 +361,7 @@ def _scan_triton(mask_mod, evaluator, g: _Geometry, keep_counts: bool, compile_a
     would need compiling and the problem has at most `compile_above` pairs (eager is sooner)."""
     t0 = time.perf_counter()
     kernel = kernels.scan_kernel(mask_mod, g.device)
-    pairs = g.q_len * g.kv_len * g.b_eff * g.h_eff
-    if pairs <= compile_above and kernels.times_requested(kernel) < 2 and not kernels.is_compiled(
+    if g.pairs <= compile_above and kernels.times_requested(kernel) < 2 and not kernels.is_compiled(
             kernel, g.q_block, g.kv_block, g.diff_h, g.diff_b, keep_counts):
         return None
     out = kernels.block_scan(kernel, g.q_len, g.kv_len, g.q_block, g.kv_block, g.b_eff, g.h_eff, g.diff_h,
@@ -385,8 +386,8 @@ def _class_totals(counts: torch.Tensor, full_count: int) -> tuple[int, int]:
 
 
 def _spot_check(mask_mod, evaluator, g: _Geometry, block_rows: list[int], counts, row_kept) -> None:
-    pairs_per_tile = max(g.q_block * g.kv_block, g.budget // (BYTES_PER_PAIR * g.b_eff * g.h_eff))
-    tile_kv = min(g.n_cols * g.kv_block, max(g.kv_block, (pairs_per_tile // g.q_block) // g.kv_block * g.kv_block))
+    tile_kv = min(g.n_cols * g.kv_block,
+                  max(g.kv_block, (g.pairs_per_tile(BYTES_PER_PAIR) // g.q_block) // g.kv_block * g.kv_block))
     b_idx = torch.arange(g.b_eff, device=g.device, dtype=torch.int32)
     h_idx = torch.arange(g.h_eff, device=g.device, dtype=torch.int32)
     tile_fn, _ = _tile_function(mask_mod, evaluator, b_idx, h_idx, g.q_len, g.kv_len, g.q_block, g.kv_block,
@@ -413,7 +414,7 @@ def _scan_tiles(mask_mod, evaluator, g: _Geometry, keep_counts: bool, use_compil
     # A compiled tile is fused (no per-pair temporaries beyond ~2 bytes), so it can be far larger,
     # which matters at millions of tokens where per-tile launch overhead would dominate.
     per_pair = 2 if use_compile else BYTES_PER_PAIR
-    pairs_per_tile = max(q_block * kv_block, g.budget // (per_pair * b_eff * h_eff))
+    pairs_per_tile = g.pairs_per_tile(per_pair)
     tile_kv = min(n_cols * kv_block, max(kv_block, (int(math.sqrt(pairs_per_tile) * 2) // kv_block) * kv_block))
     tile_q = min(n_rows * q_block, max(q_block, (pairs_per_tile // tile_kv) // q_block * q_block))
     if q_block * kv_block * per_pair * b_eff * h_eff > g.free // 2:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import time
 from typing import Callable
 
 import torch
@@ -94,6 +93,11 @@ _requests: collections.Counter = collections.Counter()  # scans asked of each so
 build_salt = 0
 
 
+def interpreting() -> bool:
+    """Triton's CPU interpreter is on (TRITON_INTERPRET=1): kernels run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def available(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
@@ -128,7 +132,7 @@ def scan_kernel(mask_mod: Callable, device: torch.device) -> ScanKernel:
     ptr_text = "".join(f", {p}" for p in mask_ptrs)
     # Lengths and block sizes change between calls, and specialising on them would recompile. The
     # CPU interpreter (used by the tests) cannot loop over runtime integers: there they are constants.
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = interpreting()
     jit = "@triton.jit" if interpret else \
         '@triton.jit(do_not_specialize=["Lq", "Lk", "n_rows", "n_cols", "q_block", "kv_block"])'
     source = source + "\n" + _SCAN_KERNEL.replace("{ptrs}", ptr_text).replace("{jit}", jit).replace(
@@ -200,7 +204,6 @@ def block_scan(kernel: ScanKernel, q_len: int, kv_len: int, q_block: int, kv_blo
     rows = torch.empty(batch, heads, q_len, dtype=torch.int32, device=device)
     stats = torch.empty(batch, heads, n_rows, 4, dtype=torch.int64, device=device)
     counts_arg = counts if counts is not None else rows  # never written when KEEP_COUNTS is off
-    start = time.perf_counter()
     kernel.fn[(n_rows, heads, batch)](
         counts_arg, rows, stats, q_len, kv_len, n_rows, n_cols, q_block, kv_block, *kernel.tables,
         num_warps=8, **const)
@@ -209,4 +212,4 @@ def block_scan(kernel: ScanKernel, q_len: int, kv_len: int, q_block: int, kv_blo
     return dict(counts=counts, row_kept=rows.to(torch.int64), head_diff=totals[..., 0], batch_diff=totals[..., 1],
                 full=int(totals[..., 2].sum()) if n_sub_q == 1 else None,
                 empty=int(totals[..., 3].sum()) if n_sub_q == 1 else None,
-                launch_seconds=time.perf_counter() - start, tile=(sub_q, sub_k))
+                tile=(sub_q, sub_k))

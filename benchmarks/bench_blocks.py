@@ -118,7 +118,7 @@ def main():
             _, row["ours_warm_s"], _, _ = measure(
                 lambda: build_block_mask(mask, length, length, heads=heads, device=device, progress=False), device)
             scan = scan_blocks(mask, length, length, heads=heads, device=device, progress=False, differences=False)
-            row["ours_engine"], row["triton_fallback"] = scan.evaluator, scan.extra.get("triton_fallback")
+            row["ours_engine"], row["triton_fallback"] = scan.engine, scan.extra.get("triton_fallback")
             del scan
             _, _, row["ours_forward_only_peak_gib"], _ = measure(
                 lambda: build_block_mask(mask, length, length, heads=heads, device=device, progress=False,

@@ -7,6 +7,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from workbench import WorkbenchError, library, make
 from workbench.analyze import mask_stats
+from workbench.define import index_reads
 from workbench.blocks import build_block_mask, dense_mask, scan_blocks
 
 FIELDS = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
@@ -33,6 +34,11 @@ def test_equals_create_block_mask(name, q_len, kv_len, heads, batch, block, devi
     mask = make(name, q_len=q_len, kv_len=kv_len, device=device)
     if mask.heads is not None and heads is not None:
         heads = min(heads, mask.heads)
+    if heads is None and "h" in index_reads(mask.mask_mod):
+        # broadcasting a per-head mask would give every head head 0's blocks: refused, with the fix
+        with pytest.raises(WorkbenchError, match=r"reads `h`.*Fix: pass heads=N"):
+            build_block_mask(mask, q_len, kv_len, heads=heads, batch=batch, block_size=block, device=device)
+        heads = mask.heads
     ours = build_block_mask(mask, q_len, kv_len, heads=heads, batch=batch, block_size=block, device=device)
     ref = create_block_mask(mask.mask_mod, batch, heads, q_len, kv_len, device=device, BLOCK_SIZE=block)
     assert_same_block_mask(ours, ref)
@@ -149,7 +155,7 @@ def test_compiled_tile_path_equals_eager_on_cpu():
     mask = make("document", q_len=1500, kv_len=1500)
     eager = scan_blocks(mask, 1500, 1500, block_size=64, compile=False)
     compiled = scan_blocks(mask, 1500, 1500, block_size=64, compile=True, memory_budget=1 << 20)
-    assert compiled.evaluator == "compiled broadcast" and compiled.extra["tiles"] > 1
+    assert compiled.engine == "compiled" and compiled.extra["tiles"] > 1
     assert torch.equal(eager.counts, compiled.counts) and torch.equal(eager.row_kept, compiled.row_kept)
 
 
@@ -172,9 +178,13 @@ def _pretend_triton(monkeypatch, corrupt):
     """Stand in for the GPU kernel with the eager counts, optionally corrupted (bug injection)."""
     from workbench import blocks, kernels
 
+    class FakeKernel:
+        def __init__(self, mod):
+            self.mod, self.source = mod, f"fake {id(mod)}"
+
     def fake_block_scan(kernel, q_len, kv_len, q_block, kv_block, batch, heads, diff_head, diff_batch,
                         keep_counts, device):
-        scan = scan_blocks(kernel, q_len, kv_len, heads=heads if heads > 1 else None,
+        scan = scan_blocks(kernel.mod, q_len, kv_len, heads=heads if heads > 1 else None,
                            batch=batch if batch > 1 else None, block_size=(q_block, kv_block), engine="eager")
         counts, rows = scan.counts.clone(), scan.row_kept.clone()
         corrupt(counts, rows)
@@ -182,7 +192,7 @@ def _pretend_triton(monkeypatch, corrupt):
         return dict(counts=counts, row_kept=rows, head_diff=zero, batch_diff=zero, full=scan.full_blocks,
                     empty=scan.empty_blocks, tile=(1, 1))
 
-    monkeypatch.setattr(kernels, "scan_kernel", lambda mask_mod, device: mask_mod)
+    monkeypatch.setattr(kernels, "scan_kernel", lambda mask_mod, device: FakeKernel(mask_mod))
     monkeypatch.setattr(kernels, "block_scan", fake_block_scan)
     monkeypatch.setattr(kernels, "available", lambda device: True)
     monkeypatch.setattr(blocks, "TRITON_ABOVE_PAIRS", 0)
@@ -193,7 +203,7 @@ def _pretend_triton(monkeypatch, corrupt):
 def test_spot_check_rejects_a_kernel_that_disagrees_with_torch(monkeypatch):
     mask = make("causal_sliding_window", {"window": 100})
     _pretend_triton(monkeypatch, lambda counts, rows: None)
-    assert scan_blocks(mask, 1024, 1024, engine="triton").evaluator == "triton broadcast"
+    assert scan_blocks(mask, 1024, 1024, engine="triton").engine == "triton"
 
     def one_block_off(counts, rows):  # the middle block row, as a wrong translation would give
         counts[0, 0, 4, 4] -= 1
@@ -203,7 +213,7 @@ def test_spot_check_rejects_a_kernel_that_disagrees_with_torch(monkeypatch):
         scan_blocks(mask, 1024, 1024, engine="triton")
     # Picked automatically, a disagreeing kernel is dropped for the eager tiles, and the reason kept.
     scan = scan_blocks(mask, 1024, 1024)
-    assert scan.evaluator == "broadcast" and "block row 4" in scan.extra["triton_fallback"]
+    assert scan.engine == "eager" and "block row 4" in scan.extra["triton_fallback"]
     assert scan.kept_pairs == sum(min(i + 1, 100) for i in range(1024))
 
 
@@ -215,7 +225,7 @@ def test_untranslatable_mod_is_named_and_falls_back(monkeypatch):
     monkeypatch.setattr("workbench.blocks.TRITON_ABOVE_PAIRS", 0)
     monkeypatch.setattr("workbench.blocks.TRITON_COLD_ABOVE_PAIRS", 0)
     scan = scan_blocks(by_sign, 300, 300)
-    assert scan.evaluator == "broadcast" and "sign" in scan.extra["triton_fallback"]
+    assert scan.engine == "eager" and "sign" in scan.extra["triton_fallback"]
     assert scan.kept_pairs == 300 * 301 // 2
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(WorkbenchError, match="no Triton translation") as err:
@@ -270,9 +280,9 @@ def test_auto_engine_compiles_only_where_it_pays_off(monkeypatch):
     kernels.forget()
     monkeypatch.setattr(kernels, "scan_kernel", lambda mod, device: (
         kernels._requests.update({"fake": 1}), FakeKernel())[1])
-    assert scan_blocks(mask, 200, 200).evaluator == "broadcast"            # below TRITON_ABOVE_PAIRS
-    assert scan_blocks(mask, 300, 300).evaluator == "broadcast" and not launches  # first ask, small: eager
-    assert scan_blocks(mask, 300, 300).evaluator == "triton broadcast"     # asked again: compile
-    assert scan_blocks(mask, 600, 600).evaluator == "triton broadcast"     # past the cold threshold
+    assert scan_blocks(mask, 200, 200).engine == "eager"            # below TRITON_ABOVE_PAIRS
+    assert scan_blocks(mask, 300, 300).engine == "eager" and not launches  # first ask, small: eager
+    assert scan_blocks(mask, 300, 300).engine == "triton"     # asked again: compile
+    assert scan_blocks(mask, 600, 600).engine == "triton"     # past the cold threshold
     assert launches == [300, 600]
     kernels.forget()

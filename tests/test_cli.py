@@ -35,7 +35,7 @@ def test_blocks_json_keys():
                 "fully_masked_rows"):
         assert key in record
     assert record["kept_pairs"] == sum(min(i + 1, 100) for i in range(1000))
-    assert record["engine"] == "broadcast"
+    assert record["engine"] == "eager" and record["evaluator"] == "broadcast"
 
 
 def test_blocks_triton_engine_on_cpu_is_a_named_error():

@@ -100,7 +100,7 @@ def test_expected_backends_and_reasons():
     causal = spec_of("causal")
     fa = causal.doc["backends"]["flash_attn"]
     assert fa["causal"] and fa["window_size"] == [-1, -1] and fa["cu_seqlens_q"] is None
-    assert fa["generalizes"]["parametric"] is True and len(fa["generalizes"]["checked_sizes"]) == 3
+    assert fa["generalizes"]["parametric"] is True and len(fa["generalizes"]["checked_sizes"]) == 4
     assert causal.doc["pattern"] == {"kind": "causal", "params": {"align": "bottom_right"}}
     doc = spec_of("document", {"doc_lengths": [100, 56, 100]}).doc
     assert doc["backends"]["flash_attn"]["cu_seqlens_q"] == [0, 100, 156, 256]

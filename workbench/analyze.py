@@ -42,6 +42,7 @@ class MaskStats:
     differs_across_batch: bool = False
     head_pairs_differing: list = field(default_factory=list)   # per head, pairs unlike head 0 (batch 0)
     batch_pairs_differing: list = field(default_factory=list)  # per batch entry, pairs unlike entry 0 (head 0)
+    engine: str = ""
     evaluator: str = ""
     seconds: float = 0.0
 
@@ -108,5 +109,5 @@ def mask_stats(scan: BlockScan, head_dim: int = 128) -> MaskStats:
         differs_across_batch=bool(batch_diff is not None and int(batch_diff.sum()) > 0),
         head_pairs_differing=head_diff[0].tolist() if head_diff is not None else [],
         batch_pairs_differing=batch_diff[:, 0].tolist() if batch_diff is not None else [],
-        evaluator=scan.evaluator, seconds=scan.seconds,
+        engine=scan.engine, evaluator=scan.evaluator, seconds=scan.seconds,
     )

@@ -198,7 +198,7 @@ class Workbench:
         self.redraws += 1
         if self.mask is not None:
             self.status.value = (f"<span style='color:#5a6776;font-size:12px'>{_esc(self.mask.name)} · "
-                                 f"{self.scan.evaluator} · redrawn in {self.last_redraw_seconds:.2f} s on {self.device}"
+                                 f"{self.scan.engine} {self.scan.evaluator} · redrawn in {self.last_redraw_seconds:.2f} s on {self.device}"
                                  f"</span>")
 
     # ------------------------------------------------------------ tabs

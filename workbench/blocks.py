@@ -28,7 +28,8 @@ import torch
 from tqdm.auto import tqdm
 
 from workbench import compat, kernels
-from workbench.define import Mask, WorkbenchError, explain_mod_error
+from workbench.define import (Mask, WorkbenchError, broadcast_indices, choose_evaluator, evaluate_mod,
+                              index_reads)
 
 DEFAULT_BLOCK = 128
 # Rough bytes of temporaries per evaluated pair (bool results, int32 intermediates of a mod).
@@ -70,7 +71,8 @@ class BlockScan:
     kept_pairs: int
     head_pairs_differing: torch.Tensor | None = None
     batch_pairs_differing: torch.Tensor | None = None
-    evaluator: str = "broadcast"
+    engine: str = "eager"  # eager | compiled | triton: what counted the pairs
+    evaluator: str = "broadcast"  # broadcast | vmap: how the mod was called on index tensors
     seconds: float = 0.0
     compile_seconds: float = 0.0
     device: str = "cpu"
@@ -91,25 +93,6 @@ class BlockScan:
 
 # ---------------------------------------------------------------- evaluating a mod
 
-def _expand(out, shape) -> torch.Tensor:
-    if not isinstance(out, torch.Tensor):
-        out = torch.tensor(out)
-    return out.expand(shape) if tuple(out.shape) != tuple(shape) else out
-
-
-def evaluate_broadcast(mask_mod: Callable, b, h, q, kv) -> torch.Tensor:
-    """mask_mod on broadcast index tensors b [B,1,1,1], h [1,H,1,1], q [1,1,Q,1], kv [1,1,1,K]."""
-    out = mask_mod(b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), q.view(1, 1, -1, 1), kv.view(1, 1, 1, -1))
-    if not isinstance(out, torch.Tensor):
-        out = torch.as_tensor(out, device=q.device)
-    return out
-
-
-def evaluate_vmap(mask_mod: Callable, b, h, q, kv) -> torch.Tensor:
-    """mask_mod evaluated exactly as FlexAttention's tracer sees it (vmap over scalars)."""
-    return compat.vmap_bhqkv(mask_mod, b, h, q, kv)
-
-
 def dense_mask(mask: Mask | Callable, q_range: tuple[int, int], kv_range: tuple[int, int],
                batch: int | list[int] = 1, heads: int | list[int] = 1, device="cpu",
                evaluator: str | None = None) -> torch.Tensor:
@@ -126,66 +109,47 @@ def dense_mask(mask: Mask | Callable, q_range: tuple[int, int], kv_range: tuple[
     if mask_mod is None:
         return torch.ones(shape, dtype=torch.bool, device=device)
     if evaluator is None:
-        evaluator = choose_evaluator(mask_mod, q_range[1], kv_range[1], len(b), len(h), device)
-    fn = evaluate_vmap if evaluator == "vmap" else evaluate_broadcast
+        evaluator = choose_evaluator(mask_mod, q_range[1], kv_range[1], int(b.max()) + 1, int(h.max()) + 1,
+                                     device).how
     with torch.no_grad():
-        return _expand(fn(mask_mod, b, h, q, kv), shape).to(torch.bool)
-
-
-def _probe_regions(q_len: int, kv_len: int, size: int = 48):
-    """Corners and the middle of the pair space: where off-by-ones and data edges live."""
-    qs = sorted({0, max(0, q_len // 2 - size // 2), max(0, q_len - size)})
-    ks = sorted({0, max(0, kv_len // 2 - size // 2), max(0, kv_len - size)})
-    for q0 in qs:
-        for k0 in ks:
-            yield (q0, min(q_len, q0 + size)), (k0, min(kv_len, k0 + size))
-
-
-def choose_evaluator(mask_mod: Callable, q_len: int, kv_len: int, batch: int, heads: int,
-                     device="cpu") -> str:
-    """'broadcast' when the mod gives, on broadcast inputs, exactly what FlexAttention's
-    vmapped view gives on probe regions; 'vmap' otherwise. Raises a WorkbenchError that names
-    the mistake when the mod does not trace under vmap at all (Python `if`, `.item()`...)."""
-    b = torch.unique(torch.tensor([0, batch - 1], dtype=torch.int32)).to(device)
-    h = torch.unique(torch.tensor([0, heads - 1], dtype=torch.int32)).to(device)
-    use_broadcast = True
-    for q_range, kv_range in _probe_regions(q_len, kv_len):
-        q = torch.arange(*q_range, device=device, dtype=torch.int32)
-        kv = torch.arange(*kv_range, device=device, dtype=torch.int32)
-        shape = (len(b), len(h), len(q), len(kv))
-        try:
-            ref = evaluate_vmap(mask_mod, b, h, q, kv)
-        except Exception as exc:
-            raise explain_mod_error(exc, "mask_mod") from exc
-        if not isinstance(ref, torch.Tensor) or ref.dtype != torch.bool:
-            got = ref.dtype if isinstance(ref, torch.Tensor) else type(ref).__name__
-            raise WorkbenchError(f"mask_mod returned {got}, FlexAttention needs a bool tensor",
-                                 "return a comparison such as `q_idx >= kv_idx` (combine with & and |)")
-        if use_broadcast:
-            try:
-                got = _expand(evaluate_broadcast(mask_mod, b, h, q, kv), shape)
-                use_broadcast = got.dtype == torch.bool and torch.equal(got, ref)
-            except Exception:
-                use_broadcast = False
-    return "broadcast" if use_broadcast else "vmap"
+        return evaluate_mod(mask_mod, evaluator, b, h, q, kv).to(torch.bool)
 
 
 def _dependence(mask_mod: Callable, batch: int, heads: int, device, evaluator: str) -> tuple[bool, bool]:
-    """Does the mod read b / h? Read off the broadcast result's shape (a mod that never touches
-    `h` yields size 1 on that axis); vmap-evaluated mods are taken to depend on both."""
-    if evaluator != "broadcast":
-        return batch > 1, heads > 1
+    """Does the mod's value change with b / h? Only if its traced graph reads them
+    (`index_reads`); for broadcast-evaluated mods also only if the result has that axis."""
+    reads = index_reads(mask_mod)
+    dep_b, dep_h = batch > 1 and "b" in reads, heads > 1 and "h" in reads
+    if evaluator != "broadcast" or not (dep_b or dep_h):
+        return dep_b, dep_h
     b = torch.arange(batch, device=device, dtype=torch.int32)
     h = torch.arange(heads, device=device, dtype=torch.int32)
     one = torch.zeros(1, device=device, dtype=torch.int32)
-    out = evaluate_broadcast(mask_mod, b, h, one, one)
-    shape = tuple(out.shape) if out.dim() == 4 else (1, 1, 1, 1)
-    return batch > 1 and shape[0] > 1, heads > 1 and shape[1] > 1
+    out = mask_mod(*broadcast_indices(b, h, one, one))
+    shape = tuple(out.shape) if isinstance(out, torch.Tensor) and out.dim() == 4 else (1, 1, 1, 1)
+    return dep_b and shape[0] > 1, dep_h and shape[1] > 1
+
+
+def check_index_sizes(mask_mod: Callable | None, heads: int | None, batch: int | None, name: str) -> None:
+    """A broadcast (None) head or batch axis is only right for a mod that does not read h / b:
+    otherwise every head would get head 0's blocks (what create_block_mask(mod, None, None)
+    silently does)."""
+    if mask_mod is None:
+        return
+    reads = index_reads(mask_mod)
+    for axis, given, flag in (("h", heads, "heads"), ("b", batch, "batch")):
+        if given is None and axis in reads:
+            what = "head" if axis == "h" else "batch entry"
+            raise WorkbenchError(
+                f"the mask_mod reads `{axis}` (the {what} index), but no {flag} count was given; a block mask "
+                f"broadcast over {flag} would give every {what} the blocks of {what} 0",
+                f"pass {flag}=N (--{flag} N on the command line), the number of {flag} the attention runs with",
+                name)
 
 
 # ---------------------------------------------------------------- scanning
 
-def _device_memory(device: torch.device) -> int:
+def device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
@@ -201,7 +165,7 @@ def default_budget(device: torch.device) -> int:
     """Bytes of temporaries a tile may use: 1 GiB on a GPU, 256 MiB on a CPU (and never more
     than a quarter of what is free)."""
     cap = (1 << 30) if device.type == "cuda" else (256 << 20)
-    return int(min(cap, _device_memory(device) // 4))
+    return int(min(cap, device_memory(device) // 4))
 
 
 def _format_bytes(n: float) -> str:
@@ -269,15 +233,16 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
         evaluator, dep_b, dep_h = "broadcast", False, False
     else:
         try:
-            evaluator = choose_evaluator(mask_mod, q_len, kv_len, batch_n, heads_n, device)
+            evaluator = choose_evaluator(mask_mod, q_len, kv_len, batch_n, heads_n, device).how
         except WorkbenchError as exc:
             raise exc.for_mask(name)
+        check_index_sizes(mask_mod, heads, batch, name)
         dep_b, dep_h = _dependence(mask_mod, batch_n, heads_n, device, evaluator)
     b_eff, h_eff = (batch_n if dep_b else 1), (heads_n if dep_h else 1)
     n_rows, n_cols = -(-q_len // q_block), -(-kv_len // kv_block)
 
     table_bytes = b_eff * h_eff * n_rows * n_cols * 4
-    free = _device_memory(device)
+    free = device_memory(device)
     if keep_counts and table_bytes > free // 2:
         raise WorkbenchError(
             f"the per-block table for {q_len:,} x {kv_len:,} tokens in {q_block} x {kv_block} blocks "
@@ -288,24 +253,33 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
     geometry = _Geometry(name, q_len, kv_len, q_block, kv_block, b_eff, h_eff, dep_b and differences,
                          dep_h and differences, device,
                          memory_budget or default_budget(device), free)
-    result, fallback = None, None
-    want_triton = engine == "triton" or (engine is None and mask_mod is not None
-                                         and geometry.pairs >= TRITON_ABOVE_PAIRS
-                                         and kernels.available(device))
-    if want_triton and mask_mod is not None:
+    kernel, fallback = None, None
+    triton_ok = mask_mod is not None and (engine == "triton" or (
+        engine is None and geometry.pairs >= TRITON_ABOVE_PAIRS and kernels.available(device)))
+    if triton_ok:
         try:
-            result = _scan_triton(mask_mod, evaluator, geometry, keep_counts,
-                                  compile_above=TRITON_COLD_ABOVE_PAIRS if engine is None else 0)
-        except Exception as exc:  # an untranslatable mod, or a translation that disagrees with torch
+            kernel = kernels.scan_kernel(mask_mod, device)
+        except Exception as exc:  # a mod that does not translate
             if engine == "triton":
                 raise WorkbenchError(f"the Triton block scan is not usable for this mod: {exc}",
                                      "use engine='eager' or 'compiled'", name) from exc
             fallback = f"{type(exc).__name__}: {exc}"
+    ready = kernel is not None and (kernels.times_requested(kernel) >= 2 or kernels.is_compiled(
+        kernel, q_block, kv_block, geometry.diff_h, geometry.diff_b, keep_counts))
+    chosen = pick_engine(engine, device.type, geometry.pairs, q_len * kv_len, evaluator, kernel is not None, ready)
+    if mask_mod is None:
+        chosen = "eager"
+    result = None
+    if chosen == "triton":
+        try:
+            result = _scan_triton(mask_mod, kernel, evaluator, geometry, keep_counts)
+        except Exception as exc:  # a translation that disagrees with torch
+            if engine == "triton":
+                raise WorkbenchError(f"the Triton block scan is not usable for this mod: {exc}",
+                                     "use engine='eager' or 'compiled'", name) from exc
+            fallback, chosen = f"{type(exc).__name__}: {exc}", "eager"
     if result is None:
-        use_compile = engine == "compiled" or (engine is None and device.type == "cuda"
-                                               and q_len * kv_len > COMPILE_ABOVE_PAIRS)
-        result = _scan_tiles(mask_mod, evaluator, geometry, keep_counts, use_compile and evaluator == "broadcast",
-                             progress)
+        result = _scan_tiles(mask_mod, evaluator, geometry, keep_counts, chosen == "compiled", progress)
     if fallback:
         result["extra"]["triton_fallback"] = fallback
     if device.type == "cuda":
@@ -319,7 +293,7 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
         full_blocks=full_n, partial_blocks=total_blocks - full_n - empty_n, empty_blocks=empty_n,
         kept_pairs=int(row_kept.sum()), head_pairs_differing=result["head_diff"] if geometry.diff_h else None,
         batch_pairs_differing=result["batch_diff"] if geometry.diff_b else None,
-        evaluator=result["engine"] + evaluator, seconds=time.perf_counter() - start,
+        engine=chosen, evaluator=evaluator, seconds=time.perf_counter() - start,
         compile_seconds=result["compile_seconds"], device=str(device), extra=result["extra"])
 
 
@@ -355,15 +329,28 @@ class _Geometry:
         return max(self.q_block * self.kv_block, self.budget // (bytes_per_pair * self.b_eff * self.h_eff))
 
 
-def _scan_triton(mask_mod, evaluator, g: _Geometry, keep_counts: bool, compile_above: int = 0) -> dict | None:
+def pick_engine(requested: str | None, device_type: str, pairs: int, pairs_per_bh: int, evaluator: str,
+                translated: bool, kernel_ready: bool) -> str:
+    """'triton', 'compiled' or 'eager' for one scan (a pure function of what it is given).
+
+    pairs: pairs to evaluate over the batch entries and heads that differ; pairs_per_bh: per
+    (b, h). translated: the mod has a fused-kernel translation; kernel_ready: that kernel is
+    compiled already, or this mod was asked for before (a notebook redrawing it)."""
+    if requested == "compiled":
+        return "compiled" if evaluator == "broadcast" else "eager"
+    if requested is not None:
+        return requested
+    if translated and pairs >= TRITON_ABOVE_PAIRS and (pairs > TRITON_COLD_ABOVE_PAIRS or kernel_ready):
+        return "triton"
+    if device_type == "cuda" and pairs_per_bh > COMPILE_ABOVE_PAIRS and evaluator == "broadcast":
+        return "compiled"
+    return "eager"
+
+
+def _scan_triton(mask_mod, kernel, evaluator, g: _Geometry, keep_counts: bool) -> dict:
     """The fused kernel, then an exact spot check of three block rows against the eager tiles:
-    the translation must agree with torch before its counts are trusted. None when the kernel
-    would need compiling and the problem has at most `compile_above` pairs (eager is sooner)."""
+    the translation must agree with torch before its counts are trusted."""
     t0 = time.perf_counter()
-    kernel = kernels.scan_kernel(mask_mod, g.device)
-    if g.pairs <= compile_above and kernels.times_requested(kernel) < 2 and not kernels.is_compiled(
-            kernel, g.q_block, g.kv_block, g.diff_h, g.diff_b, keep_counts):
-        return None
     out = kernels.block_scan(kernel, g.q_len, g.kv_len, g.q_block, g.kv_block, g.b_eff, g.h_eff, g.diff_h,
                              g.diff_b, keep_counts, g.device)
     counts = out["counts"]
@@ -376,7 +363,7 @@ def _scan_triton(mask_mod, evaluator, g: _Geometry, keep_counts: bool, compile_a
     check_rows = sorted({0, g.n_rows // 2, g.n_rows - 1})
     _spot_check(mask_mod, evaluator, g, check_rows, counts, out["row_kept"])
     return dict(counts=counts, row_kept=out["row_kept"], full=full, empty=empty, head_diff=out["head_diff"],
-                batch_diff=out["batch_diff"], engine="triton ", compile_seconds=0.0,
+                batch_diff=out["batch_diff"], compile_seconds=0.0,
                 extra=dict(tile=out["tile"], tiles=g.n_rows * g.b_eff * g.h_eff, kernel_seconds=seconds,
                            spot_checked_rows=check_rows))
 
@@ -454,7 +441,7 @@ def _scan_tiles(mask_mod, evaluator, g: _Geometry, keep_counts: bool, use_compil
             if g.diff_b:
                 batch_diff += diffs[1]
     return dict(counts=counts, row_kept=row_kept, full=int(class_totals[0]), empty=int(class_totals[2]),
-                head_diff=head_diff, batch_diff=batch_diff, engine="compiled " if use_compile else "",
+                head_diff=head_diff, batch_diff=batch_diff,
                 compile_seconds=compile_seconds, extra=dict(tile=(tile_q, tile_kv), tiles=len(tiles)))
 
 
@@ -503,13 +490,12 @@ def _tile_function(mask_mod, evaluator, b_idx, h_idx, q_len, kv_len, q_block, kv
         return full_tile, 0.0
 
     if not use_compile:
-        fn = evaluate_vmap if evaluator == "vmap" else evaluate_broadcast
 
         def eager_tile(q0, k0):
             q1, k1 = min(q0 + tile_q, q_len), min(k0 + tile_kv, kv_len)
             q = torch.arange(q0, q1, device=device, dtype=torch.int32)
             kv = torch.arange(k0, k1, device=device, dtype=torch.int32)
-            m = _expand(fn(mask_mod, b_idx, h_idx, q, kv), (*shape_bh, q1 - q0, k1 - k0))
+            m = evaluate_mod(mask_mod, evaluator, b_idx, h_idx, q, kv)
             return _pad_and_reduce(m.to(torch.bool), q_block, kv_block, diff_b, diff_h)
         return eager_tile, 0.0
 
@@ -523,7 +509,7 @@ def _tile_function(mask_mod, evaluator, b_idx, h_idx, q_len, kv_len, q_block, kv
         q = q0 + q_base
         kv = k0 + kv_base
         valid = (q < q_len).view(1, 1, -1, 1) & (kv < kv_len).view(1, 1, 1, -1)
-        m = evaluate_broadcast(mask_mod, b_idx, h_idx, q.clamp(max=q_len - 1), kv.clamp(max=kv_len - 1))
+        m = mask_mod(*broadcast_indices(b_idx, h_idx, q.clamp(max=q_len - 1), kv.clamp(max=kv_len - 1)))
         m = m & valid
         m = m.expand(*shape_bh, tile_q, tile_kv)
         return _reduce_tile(m, q_block, kv_block, diff_b, diff_h)
@@ -586,16 +572,20 @@ def _ordered(classes: torch.Tensor, wanted: int, rows_per_chunk: int = 512) -> t
 
 
 def block_mask_from_scan(scan: BlockScan, mask_mod: Callable | None, compute_q_blocks: bool = True,
-                         release_counts: bool = False):
+                         release_counts: bool = False, shrink: bool = False):
     """A torch BlockMask with exactly the tensors create_block_mask would give.
 
     compute_q_blocks=False leaves out the q-side tables (q_num_blocks, q_indices and their full_
     forms), which only FlexAttention's backward reads: half the memory at length.
-    release_counts=True drops `scan.counts` once the block classes are known (lower peak memory)."""
+    release_counts=True drops `scan.counts` once the block classes are known (lower peak memory).
+    shrink=True gives the batch / head axes the mask does not depend on size 1 (FlexAttention
+    broadcasts them): the same attention with a fraction of the index tables."""
     if scan.counts is None:
         raise WorkbenchError("this scan kept no per-block table (keep_counts=False)",
                              "scan again with keep_counts=True to build a BlockMask")
-    classes = block_classes(scan).expand(scan.batch, scan.heads, -1, -1)
+    batch = 1 if shrink and not scan.depends_on_batch else scan.batch
+    heads = 1 if shrink and not scan.depends_on_head else scan.heads
+    classes = block_classes(scan).expand(batch, heads, -1, -1)
     if release_counts:
         scan.counts = None
     kv_num, kv_idx = _ordered(classes, PARTIAL)
@@ -619,12 +609,14 @@ def build_block_mask(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: i
                      batch: int | None = None, block_size: int | tuple[int, int] = DEFAULT_BLOCK,
                      device: str | torch.device = "cpu", memory_budget: int | None = None,
                      engine: str | None = None, compile: bool | None = None, progress: bool | None = None,
-                     compute_q_blocks: bool = True):
+                     compute_q_blocks: bool = True, shrink: bool = False):
     """Drop-in for `create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)`:
     the same BlockMask, built in bounded memory. compute_q_blocks=False: forward-only (no q-side
-    tables; FlexAttention's backward needs them)."""
+    tables; FlexAttention's backward needs them). shrink=True: axes the mask does not depend on
+    get size 1. heads / batch None (broadcast) are refused for a mod that reads h / b."""
     scan = scan_blocks(mask, q_len, kv_len, heads=heads, batch=batch, block_size=block_size, device=device,
                        memory_budget=memory_budget, differences=False, engine=engine, compile=compile,
                        progress=progress)
     mask_mod = mask.mask_mod if isinstance(mask, Mask) else mask
-    return block_mask_from_scan(scan, mask_mod, compute_q_blocks=compute_q_blocks, release_counts=True)
+    return block_mask_from_scan(scan, mask_mod, compute_q_blocks=compute_q_blocks, release_counts=True,
+                                shrink=shrink)

@@ -187,10 +187,10 @@ def cmd_blocks(args) -> int:
     if args.json:
         record = stats.to_dict()
         record.update(name=mask.name, block_size=stats.block_size, seconds=round(scan.seconds, 4), device=device,
-                      engine=scan.evaluator)
+                      engine=scan.engine, evaluator=scan.evaluator)
         print(json.dumps(record))
     else:
-        print(f"{mask.name}  ({scan.evaluator}, {scan.seconds:.3f} s on {device})")
+        print(f"{mask.name}  ({scan.engine}, {scan.evaluator}, {scan.seconds:.3f} s on {device})")
         print(stats.to_frame().to_string())
         if args.out:
             print(f"pictures in {args.out}/")

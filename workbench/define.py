@@ -53,8 +53,10 @@ class Mask:
 
     `data` names the tensors the mods capture (document ids, spans, tables...). `factory` and
     `params` rebuild the mask for other sizes or devices (see `bind`). `q_len`/`kv_len` are the
-    lengths it was built for, when its meaning depends on them (None: any length); `heads` the
-    number of heads it is defined for, when it indexes per-head data (None: any).
+    lengths it was built for, when its meaning depends on them (None: any length); `heads` /
+    `batch` the number of heads / batch entries it is defined for, when it indexes per-head or
+    per-sample data (None: any). Whether the mods read `b` or `h` at all is never taken from
+    these fields: it is read off the traced mods (`index_reads`).
     """
 
     name: str
@@ -68,6 +70,7 @@ class Mask:
     q_len: int | None = None
     kv_len: int | None = None
     heads: int | None = None
+    batch: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "description", inspect.cleandoc(self.description or ""))
@@ -141,6 +144,7 @@ def with_score(mask: Mask, score: Mask) -> Mask:
         data={**mask.data, **{f"score.{k}": v for k, v in score.data.items()}},
         q_len=mask.q_len or score.q_len, kv_len=mask.kv_len or score.kv_len,
         heads=min((n for n in (mask.heads, score.heads) if n), default=None),
+        batch=min((n for n in (mask.batch, score.batch) if n), default=None),
     )
 
 
@@ -319,12 +323,39 @@ _HINTS = [
 ]
 
 
-def explain_mod_error(exc: BaseException, role: str) -> WorkbenchError:
+def explain_mod_error(exc: BaseException, role: str, mod: Callable | None = None) -> WorkbenchError:
+    """Turn an exception raised while evaluating a mod into a WorkbenchError that names the cause
+    (the captured tensor, its size or device, the construct FlexAttention cannot trace)."""
     text = f"{type(exc).__name__}: {exc}"
+    first = text.splitlines()[0][:200]
+    closure = _closure(mod) if mod is not None else {}
+    arrays = [n for n, v in closure.items() if type(v).__module__.startswith("numpy") and hasattr(v, "shape")]
+    if arrays:
+        return WorkbenchError(f"{role} captures the numpy array {arrays[0]!r}; FlexAttention's mods index torch "
+                              f"tensors only ({first})",
+                              f"capture torch.as_tensor({arrays[0]}) instead, on the device the run uses")
+    if "random" in text.lower() and "vmap" in text.lower():
+        return WorkbenchError(f"{role} draws random numbers (torch.rand / randn / randint...); a mask or score "
+                              f"must give the same value every time it is evaluated ({first})",
+                              "draw the random values once, outside the mod, and capture the tensor")
+    bound = re.search(r"index (-?\d+) is out of bounds for dimension (\d+) with size (\d+)", text)
+    if bound:
+        index, size = int(bound.group(1)), int(bound.group(3))
+        tensors = {n: t for n, t in closure.items() if isinstance(t, torch.Tensor) and t.dim() > 0}
+        named = [n for n, t in tensors.items() if size in t.shape] or list(tensors)
+        who = f"the captured tensor {named[0]!r} ({size} entries)" if named else f"a captured tensor ({size} entries)"
+        return WorkbenchError(f"{role} reads {who} at index {index}: it is too short for the sizes asked",
+                              "give the table one entry per head / batch entry / token asked for, or ask for "
+                              f"fewer (at most {size}); a factory that takes q_len/kv_len/device keywords is "
+                              "rebuilt for each size")
+    if "device" in text and ("same device" in text or "Expected all tensors" in text or "cuda" in text):
+        tensors = [f"{n!r} on {t.device}" for n, t in closure.items() if isinstance(t, torch.Tensor)]
+        return WorkbenchError(f"{role} mixes devices: it captures {', '.join(tensors) or 'a tensor'} ({first})",
+                              "create the captured tensors on the run's device (a factory with a `device` "
+                              "keyword gets it filled in), or move them with .to(device)")
     for needle, cause, fix in _HINTS:
         if needle in text:
-            return WorkbenchError(f"{role} uses {cause}, which FlexAttention cannot trace "
-                                  f"({text.splitlines()[0][:200]})", fix)
+            return WorkbenchError(f"{role} uses {cause}, which FlexAttention cannot trace ({first})", fix)
     return WorkbenchError(f"{role} failed on probe inputs: {text.splitlines()[0][:300]}",
                           "make it a function of tensors using torch ops only; captured tensors must "
                           "be indexable by every q_idx/kv_idx in range")
@@ -342,7 +373,7 @@ def probe(mask: Mask, q_len: int = 37, kv_len: int = 45, heads: int = 2, batch: 
         try:
             out = compat.vmap_bhqkv(mask.mask_mod, *idx)
         except Exception as exc:
-            raise explain_mod_error(exc, "mask_mod").for_mask(mask.name) from exc
+            raise explain_mod_error(exc, "mask_mod", mask.mask_mod).for_mask(mask.name) from exc
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
             got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
             raise WorkbenchError(f"mask_mod returned {got}, FlexAttention needs a bool tensor",
@@ -353,8 +384,200 @@ def probe(mask: Mask, q_len: int = 37, kv_len: int = 45, heads: int = 2, batch: 
         try:
             out = compat.vmap_bhqkv(mask.score_mod, *idx, score=score)
         except Exception as exc:
-            raise explain_mod_error(exc, "score_mod").for_mask(mask.name) from exc
+            raise explain_mod_error(exc, "score_mod", mask.score_mod).for_mask(mask.name) from exc
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
             raise WorkbenchError(f"score_mod returned {got}, FlexAttention needs a float score",
                                  "return an expression of `score`, e.g. score + bias", mask.name)
+
+
+# ---------------------------------------------------------------- what a mod captures and reads
+
+def _closure(fn: Callable | None) -> dict[str, object]:
+    """The values a function's closure cells hold, by name (empty cells left out)."""
+    code = getattr(fn, "__code__", None)
+    out = {}
+    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    return out
+
+
+def captured_scalars(fn: Callable | None) -> dict[str, object]:
+    """Python numbers a mod captures from its enclosing scope. Dynamo bakes them into the
+    compiled kernel, so each new value compiles a new graph."""
+    return {k: v for k, v in _closure(fn).items() if isinstance(v, (bool, int, float))}
+
+
+def captured_tensors(mask: Mask) -> dict[str, torch.Tensor]:
+    """Tensors the mods read: `Mask.data` plus any tensor in the mods' closures, and in the
+    closures of mods they wrap (torch's and_masks / or_masks, attention-gym's factories)."""
+    found = {k: t for k, t in mask.data.items() if isinstance(t, torch.Tensor)}
+    seen: set[int] = set()
+
+    def walk(fn, depth=0):
+        if fn is None or id(fn) in seen or depth > 8:
+            return
+        seen.add(id(fn))
+        for name, value in _closure(fn).items():
+            if isinstance(value, torch.Tensor):
+                if not any(value is t for t in found.values()):
+                    found.setdefault(name if name not in found else f"{name}_{len(found)}", value)
+            elif callable(value):
+                walk(value, depth + 1)
+            elif isinstance(value, (tuple, list)):
+                for item in value:
+                    if isinstance(item, torch.Tensor) and not any(item is t for t in found.values()):
+                        found.setdefault(f"{name}_{len(found)}", item)
+                    elif callable(item):
+                        walk(item, depth + 1)
+
+    walk(mask.mask_mod)
+    walk(mask.score_mod)
+    return found
+
+
+MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
+SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
+# ops that read only the dtype, device or shape of their tensor argument, never its value
+_SHAPE_ONLY_OPS = {"new_ones", "new_zeros", "new_full", "new_empty", "empty_like", "zeros_like", "ones_like",
+                   "full_like", "sym_size", "size", "new_empty_strided"}
+
+
+def trace_mod(fn: Callable, role: str = "mask"):
+    """The mod traced with make_fx on 0-d int32 index tensors (float32 score), the way
+    FlexAttention's tracer sees it: an aten graph (tensor[idx] becomes aten.index)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    args = [torch.tensor(0, dtype=torch.int32) for _ in range(4)]
+    if role == "score":
+        args = [torch.tensor(0.0, dtype=torch.float32)] + args
+    with compat.getitem_as_index():
+        return make_fx(fn)(*args)
+
+
+def op_name(target) -> str:
+    """`aten.add.Tensor` -> 'add'."""
+    name = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+def index_reads(mod: Callable | None, role: str = "mask") -> frozenset[str]:
+    """Which of the mod's arguments (b, h, q_idx, kv_idx; score) its result depends on, read off
+    its traced graph by data flow. An argument used only for its dtype or device (torch's
+    `and_masks` calls b.new_ones) does not count. A mod that cannot be traced reads them all."""
+    names = MASK_ARGS if role == "mask" else SCORE_ARGS
+    if mod is None:
+        return frozenset()
+    try:
+        gm = trace_mod(mod, role)
+    except Exception:
+        return frozenset(names)
+    deps: dict[str, frozenset] = {}
+    placeholders = iter(names)
+    result: frozenset = frozenset()
+
+    def inputs_of(args) -> frozenset:
+        out: frozenset = frozenset()
+        for a in args:
+            if isinstance(a, (list, tuple)):
+                out |= inputs_of(a)
+            elif hasattr(a, "name") and a.name in deps:
+                out |= deps[a.name]
+        return out
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            deps[node.name] = frozenset([next(placeholders, node.name)])
+        elif node.op == "call_function":
+            if op_name(node.target) in _SHAPE_ONLY_OPS:
+                deps[node.name] = frozenset()
+            else:
+                deps[node.name] = inputs_of(list(node.args) + list(node.kwargs.values()))
+        elif node.op == "output":
+            result = inputs_of(node.args)
+        else:
+            deps[node.name] = frozenset()
+    return result
+
+
+# ---------------------------------------------------------------- evaluating a mod on index tensors
+
+def broadcast_indices(b, h, q, kv):
+    """1-d index tensors as b [B,1,1,1], h [1,H,1,1], q [1,1,Q,1], kv [1,1,1,K]."""
+    return b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), q.view(1, 1, -1, 1), kv.view(1, 1, 1, -1)
+
+
+def evaluate_mod(mod: Callable, how: str, b, h, q, kv, score=None) -> torch.Tensor:
+    """A mod over the grid b x h x q x kv (1-d index tensors), as a [B, H, Q, KV] tensor:
+    'broadcast' calls it once on broadcast index tensors (fast), 'vmap' exactly as
+    FlexAttention's tracer does (nested vmap over scalars)."""
+    shape = (len(b), len(h), len(q), len(kv))
+    if how == "vmap":
+        return compat.vmap_bhqkv(mod, b, h, q, kv, score=score)
+    args = broadcast_indices(b, h, q, kv)
+    out = mod(*args) if score is None else mod(score, *args)
+    if not isinstance(out, torch.Tensor):
+        out = torch.as_tensor(out, device=q.device)
+    return out.expand(shape) if tuple(out.shape) != shape else out
+
+
+def probe_regions(q_len: int, kv_len: int, size: int = 48):
+    """Corners and the middle of the pair space: where off-by-ones and data edges live."""
+    qs = sorted({0, max(0, q_len // 2 - size // 2), max(0, q_len - size)})
+    ks = sorted({0, max(0, kv_len // 2 - size // 2), max(0, kv_len - size)})
+    for q0 in qs:
+        for k0 in ks:
+            yield (q0, min(q_len, q0 + size)), (k0, min(kv_len, k0 + size))
+
+
+@dataclass(frozen=True)
+class EvaluatorChoice:
+    """How to evaluate a mod on index tensors. `how` is 'broadcast' when calling the mod on
+    broadcast index tensors gives exactly FlexAttention's vmapped values on probe regions, else
+    'vmap'. `differs_at` is set when the direct call ran but gave other values (the
+    eager-vs-traced trap: Python `and`/`or`, in-place ops); None when it agreed or raised."""
+
+    how: str
+    differs_at: tuple | None = None
+
+
+def choose_evaluator(mod: Callable, q_len: int, kv_len: int, batch: int = 1, heads: int = 1, device="cpu",
+                     role: str = "mask", size: int = 48) -> EvaluatorChoice:
+    """The one broadcast-vs-vmap rule, for mask_mods and score_mods alike. Raises a
+    WorkbenchError naming the mistake when the mod does not run under vmap at all."""
+    b = torch.unique(torch.tensor([0, batch - 1], dtype=torch.int32)).to(device)
+    h = torch.unique(torch.tensor([0, heads - 1], dtype=torch.int32)).to(device)
+    how, differs_at = "broadcast", None
+    for q_range, kv_range in probe_regions(q_len, kv_len, size):
+        q = torch.arange(*q_range, device=device, dtype=torch.int32)
+        kv = torch.arange(*kv_range, device=device, dtype=torch.int32)
+        shape = (len(b), len(h), len(q), len(kv))
+        score = torch.randn(shape, device=device, dtype=torch.float64) if role == "score" else None
+        try:
+            with torch.no_grad():
+                ref = evaluate_mod(mod, "vmap", b, h, q, kv, score=score)
+        except Exception as exc:
+            raise explain_mod_error(exc, f"{role}_mod", mod) from exc
+        if role == "mask" and (not isinstance(ref, torch.Tensor) or ref.dtype != torch.bool):
+            got = ref.dtype if isinstance(ref, torch.Tensor) else type(ref).__name__
+            raise WorkbenchError(f"mask_mod returned {got}, FlexAttention needs a bool tensor",
+                                 "return a comparison such as `q_idx >= kv_idx` (combine with & and |)")
+        if how == "vmap":
+            continue
+        try:
+            with torch.no_grad():
+                got = evaluate_mod(mod, "broadcast", b, h, q, kv, score=score)
+        except Exception:
+            how = "vmap"
+            continue
+        if role == "mask":
+            same = got.dtype == torch.bool and tuple(got.shape) == shape and torch.equal(got, ref)
+        else:
+            same = tuple(got.shape) == tuple(ref.shape) and torch.allclose(
+                got.double(), ref.double(), rtol=1e-12, atol=1e-12, equal_nan=True)
+        if not same:
+            how, differs_at = "vmap", (q_range, kv_range)
+    return EvaluatorChoice(how, differs_at)

@@ -64,15 +64,18 @@ def _tensor_ref(tensors: dict, name: str, array: np.ndarray, inline: bool = Fals
     return {"$tensor": name}
 
 
-def _variants(mask: Mask, q_len: int, kv_len: int, batch: int | None, heads: int | None, device):
-    """Which (b, h) masks differ: (B or None, H or None) as the spec's shape."""
-    from workbench.blocks import scan_blocks
-
-    if mask.mask_mod is None:
+def _variants(scan) -> tuple[int | None, int | None]:
+    """Which (b, h) masks really differ, from an exact scan that counted the pairs where each head /
+    batch entry differs from the first: (B or None, H or None) as the spec's shape. A mod that
+    reads h but gives every head the same mask (a cross-attention mask, say) is not per-head."""
+    if scan is None:
         return None, None
-    scan = scan_blocks(mask, q_len, kv_len, heads=heads, batch=batch, device=device, progress=False)
-    b = batch if scan.depends_on_batch else None
-    h = heads if scan.depends_on_head else None
+
+    def differs(flag, pairs):
+        return flag and (pairs is None or int(pairs.sum()) > 0)
+
+    b = scan.batch if differs(scan.depends_on_batch, scan.batch_pairs_differing) else None
+    h = scan.heads if differs(scan.depends_on_head, scan.head_pairs_differing) else None
     return b, h
 
 
@@ -180,10 +183,11 @@ def _parametric(target: str, section: dict) -> dict | None:
 
 
 def _other_sizes(q_len: int, kv_len: int) -> list[tuple[int, int]]:
-    sizes = [(max(1, q_len - 37), max(1, kv_len - 37)), (q_len + 61, kv_len + 61)]
-    if q_len == kv_len:
-        sizes.append((max(1, q_len // 2 + 3), kv_len))
-    return sizes
+    """Sizes to refit a parametric form at: two with the same kv_len - q_len, and two where that
+    offset changes (a mask can fit one window at one offset and be another mask at the next)."""
+    sizes = [(max(1, q_len - 37), max(1, kv_len - 37)), (q_len + 61, kv_len + 61),
+             (max(1, q_len // 2 + 3), kv_len), (q_len, kv_len + 97)]
+    return list(dict.fromkeys(s for s in sizes if s != (q_len, kv_len)))
 
 
 def build_spec(mask: Mask, q_len: int, kv_len: int | None = None, *, heads: int | None = None,
@@ -206,10 +210,11 @@ def build_spec(mask: Mask, q_len: int, kv_len: int | None = None, *, heads: int 
                              "forms are checked at other sizes anyway", mask.name)
     mask = bind(mask, q_len, kv_len, device)
     heads = heads or mask.heads
-    B, H = _variants(mask, q_len, kv_len, batch, heads, device)
+    batch = batch or mask.batch
     tensors: dict[str, np.ndarray] = {}
     scan = scan_blocks(mask, q_len, kv_len, heads=heads, batch=batch, block_size=block_size, device=device,
                        progress=False) if mask.mask_mod is not None else None
+    B, H = _variants(scan)
     per_target: dict[str, list[list]] = {t: [] for t in ("flash_attn", "vllm_triton", "magi", "flashmask",
                                                             "row_intervals", "block_sparse")}
     reasons: dict[str, str] = {}
@@ -244,7 +249,7 @@ def build_spec(mask: Mask, q_len: int, kv_len: int | None = None, *, heads: int 
     if mask.mask_mod is None:
         reasons["block_sparse"] = "there is no mask_mod: every block is full; run dense attention"
         per_target["block_sparse"] = None
-    score, score_arrays = porting.probe_score(mask, q_len, kv_len, heads or 1, batch=batch or 1)
+    score, score_arrays = porting.probe_score(mask, q_len, kv_len, heads or 1, device=device, batch=batch or 1)
     for key, arr in score_arrays.items():
         tensors[key] = arr.astype(np.float32)
     backends: dict[str, Any] = {}
@@ -348,7 +353,8 @@ def _apply_score(backends: dict, reasons: dict, score: dict, heads: int | None) 
 
 
 def _check_generalization(mask: Mask, backends: dict, q_len: int, kv_len: int, device) -> dict:
-    """Refit the parametric forms at other sizes; say whether they hold there too."""
+    """Refit the parametric forms at other sizes (other lengths and other kv_len - q_len offsets);
+    say whether they hold there, at which sizes that was checked, and where they break."""
     out = {}
     targets = {t: _parametric(t, s) for t, s in backends.items()
                if t in ("flash_attn", "vllm_triton") and isinstance(s, dict) and "by_head" not in s
@@ -357,24 +363,32 @@ def _check_generalization(mask: Mask, backends: dict, q_len: int, kv_len: int, d
         if params is None:
             out[target] = {"parametric": False, "note": "segment/range lists are specific to these lengths"}
             continue
-        checked, failed = [], None
+        checked, failed, data_bound = [], None, None
         for lq, lk in _other_sizes(q_len, kv_len):
             try:
                 other = bind(mask, lq, lk, device)
-            except WorkbenchError:
-                continue
-            iv = porting.mask_intervals(other, lq, lk, device=device)
+                iv = porting.mask_intervals(other, lq, lk, device=device)
+            except (WorkbenchError, IndexError, RuntimeError) as exc:
+                text = exc.message if isinstance(exc, WorkbenchError) else f"{type(exc).__name__}: {exc}"
+                data_bound = (lq, lk, text.splitlines()[0][:200])
+                break
             fit = porting.fit_flash_attn if target == "flash_attn" else porting.fit_vllm_triton
             section, _ = fit(iv, lq, lk)
             if section is None or _parametric(target, section) != params:
                 failed = [lq, lk]
                 break
             checked.append([lq, lk])
-        if failed is None and not checked:
-            out[target] = {"parametric": None, "note": "the mask could not be rebuilt at other sizes to check"}
+        if data_bound is not None:
+            lq, lk, text = data_bound
+            out[target] = {"parametric": False, "checked_sizes": checked,
+                           "note": f"data-bound: the mask cannot be evaluated at {lq} x {lk} ({text}); its "
+                                   f"captured data fixes it to {q_len} x {kv_len}, so these arguments hold only there"}
             continue
+        offsets = sorted({lk - lq for lq, lk in checked} | {kv_len - q_len})
         out[target] = {"parametric": failed is None, "checked_sizes": checked,
-                       **({"differs_at": failed} if failed else {})}
+                       **({"differs_at": failed} if failed else
+                          {"holds_for": "any q_len, kv_len (checked at kv_len - q_len = "
+                                        f"{', '.join(map(str, offsets))})"})}
     return out
 
 
@@ -396,6 +410,11 @@ def add_golden(spec: PortingSpec, mask: Mask, batch: int, heads: int, head_dim: 
         if n == 1:
             inputs.q = inputs.q * 4
         ref = reference_attention(mask, inputs)
+        nan_why = ref.nan_message(mask.name)
+        if nan_why:
+            raise WorkbenchError(f"no golden vectors can be written: {nan_why}",
+                                 "fix the score_mod so that every kept pair has a finite score, then export again",
+                                 mask.name)
         for key, value in (("q", inputs.q), ("k", inputs.k), ("v", inputs.v), ("out", ref.out), ("lse", ref.lse)):
             spec.tensors[f"golden.{n}.{key}"] = value.detach().cpu().numpy()
         seeds.append(inputs.seed)
@@ -407,9 +426,21 @@ def add_golden(spec: PortingSpec, mask: Mask, batch: int, heads: int, head_dim: 
                    "lse": [batch, heads, q_len]},
         "tensors": "golden.N.q / .k / .v / .out / .lse for N = 0 .. vectors - 1",
         "fully_masked_rows": "out = 0 and lse = -inf there (FlexAttention's convention)",
+        "sha256": {name: tensor_digest(spec.tensors[name]) for name in sorted(spec.tensors)
+                   if name.startswith("golden.")},
     }
     if device.type == "cuda" and mask.mask_mod is not None:
         spec.doc["cost"].update(_flex_time(mask, shape, device))
+
+
+def tensor_digest(array: np.ndarray) -> str:
+    """sha256 of an array's dtype, shape and bytes: a golden file edited after export (zeroed,
+    NaN-filled, swapped) no longer matches the digest its spec recorded."""
+    import hashlib
+
+    h = hashlib.sha256(f"{array.dtype.str}{list(array.shape)}".encode())
+    h.update(np.ascontiguousarray(array).tobytes())
+    return h.hexdigest()
 
 
 def _flex_time(mask: Mask, shape, device) -> dict:
@@ -575,6 +606,32 @@ def check_shapes(spec: PortingSpec) -> None:
                 name = f"golden.{n}.{key}"
                 _expect(name in tensors and list(tensors[name].shape) == g["shapes"][key], f"golden/shapes/{key}",
                         f"{name} is {list(tensors[name].shape) if name in tensors else 'missing'}, want {g['shapes'][key]}")
+        check_golden(spec)
+
+
+def check_golden(spec: PortingSpec) -> None:
+    """Golden vectors are trusted only when they match the digests the spec recorded at export
+    and hold no NaN (a NaN golden would let any port pass)."""
+    g, tensors = spec.doc["golden"], spec.tensors
+    digests = g.get("sha256")
+    if not isinstance(digests, dict) or not digests:
+        raise WorkbenchError("the spec's golden vectors carry no sha256 digests, so edits to them cannot be detected",
+                             "export the spec again with this version (`python -m workbench export`)")
+    for n in range(g["vectors"]):
+        for key in ("q", "k", "v", "out", "lse"):
+            name = f"golden.{n}.{key}"
+            want = digests.get(name)
+            if want is None or tensor_digest(tensors[name]) != want:
+                raise WorkbenchError(f"golden tensor {name} in {doc_file(spec)} does not match the digest recorded at "
+                                     "export: the file was modified after it was written",
+                                     "export the spec again; never edit golden vectors by hand")
+            if np.isnan(tensors[name]).any():
+                raise WorkbenchError(f"golden tensor {name} holds NaN; NaN goldens would let any port pass",
+                                     "export the spec again from a mask whose reference is finite")
+
+
+def doc_file(spec: PortingSpec) -> str:
+    return spec.doc.get("tensor_file", "the tensor file")
 
 
 # ---------------------------------------------------------------- reading a spec back as a mask
@@ -625,6 +682,10 @@ def conformance(spec_path: str | Path, impl: Callable | str, device="cpu", dtype
     from workbench.verify import TOLERANCES, compare
 
     spec = load_spec(spec_path)
+    if not spec.doc.get("golden"):
+        raise WorkbenchError(f"{Path(spec_path).name} has no golden vectors (`golden` is null), so there is "
+                             "nothing to run an implementation against",
+                             "export the spec with golden vectors (`python -m workbench export`, the default)")
     impl_name = impl if isinstance(impl, str) else getattr(impl, "__name__", repr(impl))
     fn = load_impl(impl) if isinstance(impl, str) else impl
     resolved = _resolve(spec.doc, {k: torch.from_numpy(v.copy()) for k, v in spec.tensors.items()})

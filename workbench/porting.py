@@ -573,24 +573,56 @@ def decode_block_sparse(bsr: dict, q_len: int, kv_len: int, mask_mod_dense: Call
 SCORE_ATOL = 1e-4
 
 
+def _kept_samples(mask: Mask, q_len: int, kv_len: int, heads: int, batch: int, n: int, g: torch.Generator,
+                  device) -> tuple[torch.Tensor, ...]:
+    """About n random (b, h, q, kv) pairs the mask keeps (all pairs when it has no mask_mod), the
+    diagonal's edges among them: a score_mod only matters where the mask keeps a pair."""
+    from workbench.compat import getitem_as_index
+
+    def draw(m):
+        b = torch.randint(0, batch, (m,), generator=g, dtype=torch.int32)
+        h = torch.randint(0, heads, (m,), generator=g, dtype=torch.int32)
+        q = torch.randint(0, q_len, (m,), generator=g, dtype=torch.int32)
+        k = torch.randint(0, kv_len, (m,), generator=g, dtype=torch.int32)
+        return b, h, q, k
+
+    b, h, q, k = draw(n)
+    # edges too: first rows and the diagonal (where windows and causal masks keep pairs)
+    edge = min(64, n)
+    q[:edge] = torch.arange(edge, dtype=torch.int32) % q_len
+    k[:edge] = (q[:edge] + (kv_len - q_len)).clamp(0, kv_len - 1)
+    if mask.mask_mod is None:
+        return b, h, q, k
+    keep_fn = torch.vmap(mask.mask_mod, in_dims=(0, 0, 0, 0))
+    picked = [[], [], [], []]
+    total = 0
+    for _ in range(16):  # sparse masks keep few random pairs: draw again until n are found
+        with getitem_as_index(), torch.no_grad():
+            keep = keep_fn(*(t.to(device) for t in (b, h, q, k))).bool().cpu()
+        for acc, t in zip(picked, (b, h, q, k)):
+            acc.append(t[keep])
+        total += int(keep.sum())
+        if total >= n:
+            break
+        b, h, q, k = draw(4 * n)
+    return tuple(torch.cat(acc)[:n] for acc in picked)
+
+
 def probe_score(mask: Mask, q_len: int, kv_len: int, heads: int, device="cpu", samples: int = 4096,
                 seed: int = 0, batch: int = 1) -> tuple[dict, dict[str, np.ndarray]]:
-    """What the score_mod does, found numerically and checked on random probes over every
-    batch entry and head: none, softcap {cap}, alibi {slopes}, relative_bias {table by
-    i + D - j}, head_bias {biases}, or opaque {reason}. Returns the section and the arrays it
-    references. The forms are read at batch entry 0, so a score that varies by batch entry
-    fails the checks and comes out opaque."""
+    """What the score_mod does on the pairs the mask keeps, found numerically and checked on
+    random kept pairs over every batch entry and head: none, softcap {cap}, alibi {slopes},
+    relative_bias {table by i + D - j}, head_bias {biases}, or opaque {reason}. Returns the
+    section and the arrays it references. Pairs the mask drops are never probed (attention-gym's
+    alibi, `score + slope * (kv - q)`, is FlashAttention's `-slope * |i - j|` under a causal
+    mask). A score that varies by batch entry fails the checks and comes out opaque."""
     if mask.score_mod is None:
         return {"kind": "none"}, {}
     g = torch.Generator().manual_seed(seed)
-    n = samples
-    h = torch.randint(0, heads, (n,), generator=g, dtype=torch.int32)
-    b_all = torch.randint(0, batch, (n,), generator=g, dtype=torch.int32)
-    qi = torch.randint(0, q_len, (n,), generator=g, dtype=torch.int32)
-    kj = torch.randint(0, kv_len, (n,), generator=g, dtype=torch.int32)
-    # edges too: first/last rows and columns, the diagonal
-    qi[:64] = torch.arange(64, dtype=torch.int32) % q_len
-    kj[:64] = (torch.arange(64, dtype=torch.int32) + (kv_len - q_len)).clamp(0, kv_len - 1)
+    b_all, h, qi, kj = _kept_samples(mask, q_len, kv_len, heads, batch, samples, g, device)
+    n = len(h)
+    if n == 0:
+        return {"kind": "none", "note": "the mask keeps no pair, so the score_mod is never applied"}, {}
     s = torch.randn(n, generator=g, dtype=torch.float32) * 4
 
     def mod(score, hh=h, qq=qi, kk=kj, bb=None):
@@ -605,6 +637,8 @@ def probe_score(mask: Mask, q_len: int, kv_len: int, heads: int, device="cpu", s
         out = mod(s, bb=b_all)
     except Exception as exc:
         return {"kind": "opaque", "reason": f"score_mod failed on probes: {type(exc).__name__}: {exc}"}, {}
+    if not torch.isfinite(out).all():
+        return {"kind": "opaque", "reason": "the score_mod gives NaN or inf on kept pairs"}, {}
     if torch.allclose(out, s, atol=SCORE_ATOL, rtol=0):
         return {"kind": "none"}, {}
     big = mod(torch.full((n,), 1e4), bb=b_all)
@@ -615,22 +649,24 @@ def probe_score(mask: Mask, q_len: int, kv_len: int, heads: int, device="cpu", s
     if not torch.allclose(out, s + zero, atol=SCORE_ATOL, rtol=1e-5):
         return {"kind": "opaque", "reason": "the score_mod is neither additive (score + bias) nor a softcap"}, {}
     dist = (qi + (kv_len - q_len) - kj).to(torch.float64)
-    # head_bias: depends on h only
-    per_head = torch.zeros(heads, dtype=torch.float32)
-    hs = torch.arange(heads, dtype=torch.int32)
-    zero_heads = mod(torch.zeros(heads), hh=hs, qq=torch.zeros(heads, dtype=torch.int32),
-                     kk=torch.zeros(heads, dtype=torch.int32).clamp(max=kv_len - 1))
-    per_head[:] = zero_heads
-    if torch.allclose(zero, per_head[h.long()], atol=SCORE_ATOL, rtol=1e-5):
+    hl = h.long()
+    # head_bias: a constant per head (read as each head's median over its probes)
+    per_head = torch.zeros(heads, dtype=torch.float64)
+    for hh in range(heads):
+        sel = zero[hl == hh]
+        if len(sel):
+            per_head[hh] = float(sel.double().median())
+    if torch.allclose(zero.double(), per_head[hl], atol=SCORE_ATOL, rtol=1e-5):
         return {"kind": "head_bias", "biases": [float(x) for x in per_head]}, {}
-    # alibi: -slope[h] * |i + D - j|
-    far = mod(torch.zeros(heads), hh=hs, qq=torch.full((heads,), q_len - 1, dtype=torch.int32),
-              kk=torch.zeros(heads, dtype=torch.int32))
-    far_dist = abs(q_len - 1 + (kv_len - q_len))
-    if far_dist > 0:
-        slopes = (-far.double() / far_dist)
-        if torch.allclose(zero.double(), -slopes[h.long()] * dist.abs(), atol=SCORE_ATOL, rtol=1e-5):
-            return {"kind": "alibi", "slopes": [float(x) for x in slopes]}, {}
+    # alibi: -slope[h] * |i + D - j|, slopes by least squares per head
+    slopes = torch.zeros(heads, dtype=torch.float64)
+    for hh in range(heads):
+        sel = hl == hh
+        d = dist[sel].abs()
+        if float((d * d).sum()) > 0:
+            slopes[hh] = -float((zero[sel].double() * d).sum() / (d * d).sum())
+    if torch.allclose(zero.double(), -slopes[hl] * dist.abs(), atol=SCORE_ATOL, rtol=1e-5):
+        return {"kind": "alibi", "slopes": [float(x) for x in slopes]}, {}
     # relative_bias: a table indexed by i + D - j (same for every head)
     # d = i + D - j runs over [1 - Lq, Lk - 1]; read each d once, at i = clip(d - D, 0, Lq - 1)
     lo_d, shift = 1 - q_len, kv_len - q_len
@@ -639,10 +675,11 @@ def probe_score(mask: Mask, q_len: int, kv_len: int, heads: int, device="cpu", s
     k_for = q_for + shift - ds
     table_full = mod(torch.zeros(len(ds)), hh=torch.zeros(len(ds), dtype=torch.int32),
                      qq=q_for.to(torch.int32), kk=k_for.to(torch.int32))
-    if torch.isfinite(table_full).all():
-        predicted = table_full[(dist - lo_d).long()]
-        if torch.allclose(zero, predicted, atol=SCORE_ATOL, rtol=1e-5):
-            return ({"kind": "relative_bias", "offset": int(-lo_d), "table": {"$tensor": "relative_bias_table"},
-                     "index": "table[i + D - j + offset]"}, {"relative_bias_table": table_full.numpy()})
+    # distances the mask never keeps may read as anything: they are never used
+    table_full = torch.where(torch.isfinite(table_full), table_full, torch.zeros_like(table_full))
+    predicted = table_full[(dist - lo_d).long()]
+    if torch.allclose(zero, predicted, atol=SCORE_ATOL, rtol=1e-5):
+        return ({"kind": "relative_bias", "offset": int(-lo_d), "table": {"$tensor": "relative_bias_table"},
+                 "index": "table[i + D - j + offset]"}, {"relative_bias_table": table_full.numpy()})
     return {"kind": "opaque", "reason": "an additive bias that depends on (h, i, j) in no form listed "
             "(head_bias, alibi, relative_bias)"}, {}

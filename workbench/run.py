@@ -23,7 +23,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from workbench import compat
-from workbench.define import Mask, WorkbenchError
+from workbench.define import Mask, WorkbenchError, captured_scalars, captured_tensors
 
 DTYPES = {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "float64": torch.float64}
@@ -118,9 +118,9 @@ def make_inputs(shape: Shape, dtype: str | torch.dtype = "bfloat16", device: str
     """q, k, v ~ N(0, 1) drawn with `seed` (a fresh one when None), on `device` in `dtype`."""
     dtype, device = dtype_name(dtype), torch.device(device)
     check_device_dtype(device, dtype)
-    from workbench.blocks import _device_memory
+    from workbench.blocks import device_memory
 
-    need, free = input_bytes(shape, dtype, backward), _device_memory(device)
+    need, free = input_bytes(shape, dtype, backward), device_memory(device)
     if need > free * 0.8:
         raise WorkbenchError(f"inputs for {shape} need about {need / 2**30:.1f} GiB, "
                              f"{free / 2**30:.1f} GiB is free on {device}",
@@ -154,43 +154,15 @@ def compiled_flex_attention() -> Callable:
     return _compiled_flex
 
 
-def captured_scalars(fn: Callable | None) -> dict[str, object]:
-    """Python numbers a mod captures from its enclosing scope. Dynamo bakes them into the
-    compiled kernel, so each new value compiles a new graph."""
-    if fn is None or getattr(fn, "__closure__", None) is None:
-        return {}
-    out = {}
-    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
-        try:
-            value = cell.cell_contents
-        except ValueError:  # empty cell
-            continue
-        if isinstance(value, (bool, int, float)):
-            out[name] = value
-    return out
-
-
-def captured_tensors(mask: Mask) -> dict[str, torch.Tensor]:
-    """Tensors the mods read: `Mask.data` plus any tensor in the mods' closures."""
-    found = {k: t for k, t in mask.data.items() if isinstance(t, torch.Tensor)}
-    for fn in (mask.mask_mod, mask.score_mod):
-        for name, cell in zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
-            try:
-                value = cell.cell_contents
-            except ValueError:
-                continue
-            if isinstance(value, torch.Tensor):
-                found.setdefault(name, value)
-    return found
-
-
 def check_captured_devices(mask: Mask, device: torch.device) -> None:
     for name, tensor in captured_tensors(mask).items():
         if tensor.device.type != device.type:
             raise WorkbenchError(
-                f"captured tensor {name!r} is on {tensor.device}, the run is on {device}; a compiled kernel "
-                "cannot read it", "create the mask with device=... (make(..., device=DEVICE)) or move the "
-                "tensor before defining the mod", mask.name)
+                f"captured tensor {name!r} ({tuple(tensor.shape)}, {str(tensor.dtype).removeprefix('torch.')}) is on "
+                f"{tensor.device}, the run is on {device}; a compiled kernel cannot read it",
+                f"create {name!r} on {device} (a factory with a `device` keyword gets it filled in: "
+                f"make(..., device={str(device)!r})), or move it with .to({str(device)!r}) before defining the mod",
+                mask.name)
 
 
 def graph_key(mask: Mask, inputs: Inputs, backward: bool, block_size: tuple[int, int]) -> tuple:
@@ -232,6 +204,7 @@ class FlexRun:
     new_graph: bool = False
     graphs_in_session: int = 0
     block_mask: BlockMask | None = None
+    compile_error: str | None = None  # set when torch.compile failed and the run fell back to eager
 
 
 def learnable_tensors(mask: Mask) -> dict[str, torch.Tensor]:
@@ -272,22 +245,58 @@ def run_flex(mask: Mask, inputs: Inputs, *, block_mask: BlockMask | None = None,
         raise WorkbenchError("backward=True needs inputs made with backward=True (they carry grad_out)",
                              "call make_inputs(..., backward=True)")
     check_backward_device(backward, inputs.device, mask.name)
-    if mask.heads is not None and mask.heads != shape.q_heads:
-        raise WorkbenchError(f"the mask is defined for {mask.heads} heads, the inputs have {shape.q_heads}",
-                             f"use --heads {mask.heads} or give the mask one entry per head", mask.name)
+    check_mask_fits(mask, shape)
     check_captured_devices(mask, inputs.device)
     q_block, kv_block = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
     if block_mask is None:
         if mask.mask_mod is not None:
-            heads = shape.q_heads if mask.heads else None
-            block_mask = build_block_mask(mask, shape.q_len, shape.kv_len, heads=heads, block_size=(q_block, kv_block),
-                                          device=inputs.device)
+            # the inputs' real batch and heads: the scan finds which of them the mask depends on,
+            # and axes it does not depend on stay size 1 (broadcast)
+            block_mask = build_block_mask(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch,
+                                          block_size=(q_block, kv_block), device=inputs.device, shrink=True)
     else:
         check_block_mask(block_mask, shape, mask.name)
+    try:
+        return _run(mask, inputs, block_mask, (q_block, kv_block), backward, compile, scale)
+    except _CompileFailed as failed:
+        # a valid mod that torch.compile cannot build: the uncompiled path gives FlexAttention's
+        # answer too, if its dense scores fit
+        check_eager_memory(shape, inputs.device, backward, mask.name, failed.text)
+        run = _run(mask, inputs, block_mask, (q_block, kv_block), backward, False, scale)
+        run.compile_error = failed.text
+        return run
+
+
+class _CompileFailed(Exception):
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+
+def eager_bytes(shape: Shape, backward: bool) -> int:
+    """Rough peak of uncompiled FlexAttention: it materialises [B, Hq, Lq, Lk] float32 scores and
+    a few of their kind (mask, probabilities; more with the autograd graph)."""
+    return shape.batch * shape.q_heads * shape.q_len * shape.kv_len * 4 * (10 if backward else 4)
+
+
+def check_eager_memory(shape: Shape, device: torch.device, backward: bool, name: str, why: str) -> None:
+    from workbench.blocks import device_memory
+
+    need, free = eager_bytes(shape, backward), device_memory(device)
+    if need > free * 0.7:
+        raise WorkbenchError(f"torch.compile failed on this mask ({why}), and uncompiled FlexAttention would need "
+                             f"about {need / 2**30:.1f} GiB for {shape}, more than the {free / 2**30:.1f} GiB free",
+                             "use a shorter length or fewer heads to judge it uncompiled, or report the compile "
+                             "error to PyTorch", name)
+
+
+def _run(mask: Mask, inputs: Inputs, block_mask, block_size: tuple[int, int], backward: bool, compile: bool,
+         scale) -> FlexRun:
+    shape = inputs.shape
     flex_fn = compiled_flex_attention() if compile else flex_attention
     # compiled FlexAttention on the CPU is inference-only and cannot return the log-sum-exp
     want_lse = not (compile and inputs.device.type == "cpu")
-    key = graph_key(mask, inputs, backward, (q_block, kv_block))
+    key = graph_key(mask, inputs, backward, block_size)
     new_graph = compile and key not in _graphs
     if new_graph and len(_graphs) >= RECOMPILE_LIMIT // 2:
         forget_compiled()  # start over well before dynamo's limit
@@ -313,6 +322,8 @@ def run_flex(mask: Mask, inputs: Inputs, *, block_mask: BlockMask | None = None,
                              "use fewer heads, a smaller batch or a shorter length", mask.name) from exc
     except Exception as exc:
         text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+        if compile and _is_compile_error(exc):
+            raise _CompileFailed(text) from exc
         raise WorkbenchError(f"flex_attention failed ({'compiled' if compile else 'eager'}, {inputs.dtype} on "
                              f"{inputs.device}): {text}",
                              "check the mods with `probe(mask)`; try compile=False to see whether the "
@@ -320,6 +331,30 @@ def run_flex(mask: Mask, inputs: Inputs, *, block_mask: BlockMask | None = None,
     return FlexRun(out=out, lse=lse, grads=grads, compiled=compile,
                    compile_seconds=(_graphs[key] if new_graph else 0.0) if compile else None,
                    run_seconds=run, new_graph=new_graph, graphs_in_session=len(_graphs), block_mask=block_mask)
+
+
+def _is_compile_error(exc: BaseException) -> bool:
+    """Raised by torch.compile (dynamo, inductor, a C++/Triton build), not by the mods' own logic."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        if e is None:
+            continue
+        module = type(e).__module__ or ""
+        if module.startswith(("torch._dynamo", "torch._inductor", "torch._subclasses")) or \
+                type(e).__name__ in ("InductorError", "BackendCompilerFailed", "CppCompileError", "Unsupported",
+                                     "TorchRuntimeError", "CompilationError", "LoweringException"):
+            return True
+    return False
+
+
+def check_mask_fits(mask: Mask, shape: Shape) -> None:
+    """A mask defined for H heads (or B batch entries) runs with exactly that many."""
+    if mask.heads is not None and mask.heads != shape.q_heads:
+        raise WorkbenchError(f"the mask is defined for {mask.heads} heads, the inputs have {shape.q_heads}",
+                             f"use --heads {mask.heads} or give the mask one entry per head", mask.name)
+    if mask.batch is not None and shape.batch > mask.batch:
+        raise WorkbenchError(f"the mask is defined for {mask.batch} batch entries, the inputs have {shape.batch}",
+                             f"use --batch {mask.batch} or fewer, or give the mask one entry per batch entry",
+                             mask.name)
 
 
 def check_backward_device(backward: bool, device: torch.device, name: str | None = None) -> None:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from workbench.define import Mask
+from workbench.define import Mask, captured_tensors, trace_mod
 
 _BINARY = {
     "add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})", "div": "({a} / {b})",
@@ -57,18 +57,6 @@ def _py_mod(a, b):
 
 class Untranslatable(Exception):
     pass
-
-
-def _trace(fn: Callable, n_args: int, is_score: bool):
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from workbench.compat import getitem_as_index
-
-    args = [torch.tensor(0, dtype=torch.int32) for _ in range(4)]
-    if is_score:
-        args = [torch.tensor(0.0, dtype=torch.float32)] + args
-    with getitem_as_index():
-        return make_fx(fn)(*args)
 
 
 def _literal(value) -> str:
@@ -169,16 +157,14 @@ def _arg(a, env):
 
 def generate(mask: Mask) -> tuple[str, list[str], list[str], dict[str, torch.Tensor]]:
     """(source, mask pointer args, score pointer args, captured tensors by name)."""
-    from workbench.run import captured_tensors
-
     captured = dict(captured_tensors(mask))
     parts, mask_ptrs, score_ptrs = [HELPERS], [], []
     if mask.mask_mod is not None:
-        src, mask_ptrs = _translate(_trace(mask.mask_mod, 4, False), "mask_mod_triton", ["b", "h", "q_idx", "kv_idx"],
+        src, mask_ptrs = _translate(trace_mod(mask.mask_mod, "mask"), "mask_mod_triton", ["b", "h", "q_idx", "kv_idx"],
                                     captured)
         parts.append(src)
     if mask.score_mod is not None:
-        src, score_ptrs = _translate(_trace(mask.score_mod, 5, True), "score_mod_triton",
+        src, score_ptrs = _translate(trace_mod(mask.score_mod, "score"), "score_mod_triton",
                                      ["score", "b", "h", "q_idx", "kv_idx"], captured)
         parts.append(src)
     if mask.mask_mod is not None:

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import pandas as pd
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from workbench import compat
-from workbench.define import Mask, WorkbenchError
+from workbench.define import Mask, WorkbenchError, captured_scalars, choose_evaluator, evaluate_mod
 from workbench.run import FlexRun, Inputs, Shape, learnable_tensors, make_inputs, run_flex
 
 
@@ -74,34 +73,19 @@ class Reference:
     chunk: int
     fully_masked_rows: int
     masked_row_examples: list[tuple[int, int, int]]  # (b, h, q)
+    nan_pairs: list[tuple[int, int, int, int]] = field(default_factory=list)  # (b, h, q, kv) whose score is NaN
+    nan_outputs: int = 0  # NaN entries in out and lse
 
-
-def _mod_evaluator(mod: Callable, role: str, shape: Shape, device) -> str:
-    """'broadcast' if calling the mod on broadcast index tensors matches its vmapped value
-    (FlexAttention's semantics) on probe regions, else 'vmap'."""
-    from workbench.blocks import _probe_regions, choose_evaluator
-
-    if role == "mask":
-        return choose_evaluator(mod, shape.q_len, shape.kv_len, shape.batch, shape.q_heads, device)
-    b = torch.unique(torch.tensor([0, shape.batch - 1], dtype=torch.int32)).to(device)
-    h = torch.unique(torch.tensor([0, shape.q_heads - 1], dtype=torch.int32)).to(device)
-    for q_range, kv_range in _probe_regions(shape.q_len, shape.kv_len, size=16):
-        q = torch.arange(*q_range, device=device, dtype=torch.int32)
-        kv = torch.arange(*kv_range, device=device, dtype=torch.int32)
-        score = torch.randn(len(b), len(h), len(q), len(kv), device=device, dtype=torch.float64)
-        ref = compat.vmap_bhqkv(mod, b, h, q, kv, score=score)
-        try:
-            got = _score_broadcast(mod, score, b, h, q, kv)
-            if got.shape != ref.shape or not torch.allclose(got, ref, rtol=1e-12, atol=1e-12, equal_nan=True):
-                return "vmap"
-        except Exception:
-            return "vmap"
-    return "broadcast"
-
-
-def _score_broadcast(mod, score, b, h, q, kv):
-    out = mod(score, b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), q.view(1, 1, -1, 1), kv.view(1, 1, 1, -1))
-    return out.expand(score.shape) if out.shape != score.shape else out
+    def nan_message(self, mask_name: str) -> str | None:
+        """Where a NaN reference comes from, or None when it has none."""
+        if not self.nan_outputs and not self.nan_pairs:
+            return None
+        where = ", ".join(f"(b={b}, h={h}, q={q}, kv={k})" for b, h, q, k in self.nan_pairs[:3])
+        cause = (f"the score_mod gives NaN at kept pair(s) {where}" if self.nan_pairs else
+                 "the inputs or the mods give NaN")
+        return (f"the float64 reference of {mask_name} has {self.nan_outputs} NaN output value(s): {cause}. "
+                "NaN never passes: a kernel that returns numbers there is not checked, and one that returns "
+                "NaN is wrong. Guard the score_mod (torch.where / clamp) so every kept pair has a number")
 
 
 def reference_bytes_per_row(shape: Shape, backward: bool, itemsize: int = 8) -> int:
@@ -111,10 +95,10 @@ def reference_bytes_per_row(shape: Shape, backward: bool, itemsize: int = 8) -> 
 
 
 def default_reference_budget(device: torch.device) -> int:
-    from workbench.blocks import _device_memory
+    from workbench.blocks import device_memory
 
     cap = (16 << 30) if device.type == "cuda" else (1 << 30)
-    return int(min(cap, _device_memory(device) // 4))
+    return int(min(cap, device_memory(device) // 4))
 
 
 def reference_budget(shape: Shape, backward: bool, dtype: torch.dtype, device: torch.device,
@@ -143,8 +127,16 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
     scale = 1.0 / math.sqrt(shape.head_dim) if scale is None else scale
     group = shape.q_heads // shape.kv_heads
 
-    mask_eval = _mod_evaluator(mask.mask_mod, "mask", shape, device) if mask.mask_mod is not None else None
-    score_eval = _mod_evaluator(mask.score_mod, "score", shape, device) if mask.score_mod is not None else None
+    def how(mod, role):
+        if mod is None:
+            return None
+        try:
+            return choose_evaluator(mod, shape.q_len, shape.kv_len, shape.batch, shape.q_heads, device, role=role,
+                                    size=16 if role == "score" else 48).how
+        except WorkbenchError as exc:
+            raise exc.for_mask(mask.name)
+
+    mask_eval, score_eval = how(mask.mask_mod, "mask"), how(mask.score_mod, "score")
     b = torch.arange(shape.batch, device=device, dtype=torch.int32)
     h = torch.arange(shape.q_heads, device=device, dtype=torch.int32)
     kv = torch.arange(shape.kv_len, device=device, dtype=torch.int32)
@@ -158,7 +150,7 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
     if backward:
         grads = {"dq": torch.empty_like(out), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v)}
         grads.update({f"d{n}": torch.zeros(t.shape, dtype=dtype, device=t.device) for n, t in learn.items()})
-    masked_rows, examples = 0, []
+    masked_rows, examples, nan_pairs = 0, [], []
     show = progress if progress is not None else shape.q_len // chunk > 16
     t0 = time.perf_counter()
     for q0 in tqdm(range(0, shape.q_len, chunk), desc=f"reference {mask.name}", disable=not show, leave=False):
@@ -170,18 +162,15 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
             v_full = v.repeat_interleave(group, dim=1) if group > 1 else v
             scores = torch.matmul(qc, k_full.transpose(-1, -2)) * scale
             if mask.score_mod is not None:
-                if score_eval == "broadcast":
-                    scores = _score_broadcast(mask.score_mod, scores, b, h, q_idx, kv)
-                else:
-                    with compat.getitem_as_index():
-                        scores = compat.vmap_bhqkv(mask.score_mod, b, h, q_idx, kv, score=scores)
-                scores = scores.to(dtype)
+                scores = evaluate_mod(mask.score_mod, score_eval, b, h, q_idx, kv, score=scores).to(dtype)
             if mask.mask_mod is not None:
-                from workbench.blocks import _expand, evaluate_broadcast, evaluate_vmap
-
-                fn = evaluate_broadcast if mask_eval == "broadcast" else evaluate_vmap
-                keep = _expand(fn(mask.mask_mod, b, h, q_idx, kv), scores.shape)
+                keep = evaluate_mod(mask.mask_mod, mask_eval, b, h, q_idx, kv).to(torch.bool)
                 scores = scores.masked_fill(~keep, float("-inf"))
+            if len(nan_pairs) < 4:
+                bad = torch.isnan(scores.detach())
+                if bad.any():
+                    for bb, hh, qq, kk in bad.nonzero()[: 4 - len(nan_pairs)].tolist():
+                        nan_pairs.append((bb, hh, q0 + qq, kk))
             row_lse = torch.logsumexp(scores, dim=-1)
             dead = torch.isneginf(row_lse)
             # exp(-inf - -inf) is NaN: rows without a kept key get probability 0 (output 0)
@@ -208,7 +197,8 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
         torch.cuda.synchronize(device)
     return Reference(out=out, lse=lse, grads=grads, dtype=str(dtype).removeprefix("torch."),
                      seconds=time.perf_counter() - t0, chunk=chunk, fully_masked_rows=masked_rows,
-                     masked_row_examples=examples)
+                     masked_row_examples=examples, nan_pairs=nan_pairs,
+                     nan_outputs=int(torch.isnan(out).sum()) + int(torch.isnan(lse).sum()))
 
 
 # ---------------------------------------------------------------- comparing
@@ -240,7 +230,7 @@ class TensorCheck:
 def compare(name: str, got: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> TensorCheck:
     got = got.to(ref.device, torch.float64)
     ref = ref.to(torch.float64)
-    nan = torch.isnan(got)
+    nan = torch.isnan(got) | torch.isnan(ref)  # NaN on either side never passes
     same_inf = torch.isinf(got) & torch.isinf(ref) & (torch.sign(got) == torch.sign(ref))
     bad_inf = torch.isinf(got) & ~same_inf
     ref_inf = torch.isinf(ref) & ~same_inf  # reference says -inf (dead row) and the kernel does not
@@ -330,9 +320,6 @@ def _visited(block_mask: BlockMask, rows: int, cols: int) -> torch.Tensor:
 
 
 def mod_findings(mask: Mask, shape: Shape, device) -> list[Finding]:
-    from workbench.blocks import _expand, _probe_regions, evaluate_broadcast, evaluate_vmap
-    from workbench.run import captured_scalars
-
     found = []
     scalars = {**captured_scalars(mask.mask_mod), **captured_scalars(mask.score_mod)}
     if scalars:
@@ -342,25 +329,16 @@ def mod_findings(mask: Mask, shape: Shape, device) -> list[Finding]:
                              "kernel, so each new value compiles again (seconds each). To sweep a value without "
                              "recompiling, capture it as a 0-d tensor instead"))
     if mask.mask_mod is not None:
-        b = torch.arange(min(shape.batch, 2), device=device, dtype=torch.int32)
-        h = torch.arange(min(shape.q_heads, 2), device=device, dtype=torch.int32)
-        for q_range, kv_range in _probe_regions(shape.q_len, shape.kv_len, size=32):
-            q = torch.arange(*q_range, device=device, dtype=torch.int32)
-            kv = torch.arange(*kv_range, device=device, dtype=torch.int32)
-            traced = evaluate_vmap(mask.mask_mod, b, h, q, kv)
-            try:
-                direct = _expand(evaluate_broadcast(mask.mask_mod, b, h, q, kv), traced.shape)
-                differs = direct.dtype != torch.bool or not torch.equal(direct, traced)
-            except Exception:
-                differs = False  # the mod only works per element; nothing to compare
-            if differs:
-                found.append(Finding("eager_vs_traced", "warning",
-                                     f"called directly on broadcast index tensors the mask_mod gives other values "
-                                     f"than FlexAttention's traced (vmapped) view, e.g. in q {q_range}, kv {kv_range}. "
-                                     "FlexAttention uses the traced values, and so does this verifier; code that "
-                                     "calls the mod directly (dense masks, other kernels) will disagree. Usual "
-                                     "cause: Python `and`/`or`/`not` or in-place ops on index tensors"))
-                break
+        choice = choose_evaluator(mask.mask_mod, shape.q_len, shape.kv_len, min(shape.batch, 2),
+                                  min(shape.q_heads, 2), device, size=32)
+        if choice.differs_at is not None:
+            q_range, kv_range = choice.differs_at
+            found.append(Finding("eager_vs_traced", "warning",
+                                 f"called directly on broadcast index tensors the mask_mod gives other values "
+                                 f"than FlexAttention's traced (vmapped) view, e.g. in q {q_range}, kv {kv_range}. "
+                                 "FlexAttention uses the traced values, and so does this verifier; code that "
+                                 "calls the mod directly (dense masks, other kernels) will disagree. Usual "
+                                 "cause: Python `and`/`or`/`not` or in-place ops on index tensors"))
     return found
 
 
@@ -480,6 +458,15 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
                             compile=compile)
     ref = reference_attention(expected, inputs, backward=backward, dtype=reference_dtype,
                               memory_budget=budget, progress=progress)
+    if run.compile_error:
+        findings.append(Finding("compile_failed", "warning",
+                                f"torch.compile could not build this mask ({run.compile_error}); the mods are valid "
+                                "and ran uncompiled, so the verdict judges uncompiled FlexAttention (same "
+                                "semantics, dense memory). A serving path that compiles FlexAttention would fail "
+                                "here: report the error to PyTorch, or port the mask (workbench port)"))
+    nan_why = ref.nan_message(expected.name)
+    if nan_why:
+        findings.append(Finding("reference_nan", "error", nan_why))
     checks = [compare("out", run.out, ref.out, TOLERANCES[dtype])]
     if run.lse is not None:
         checks.append(compare("lse", run.lse, ref.lse, LSE_TOLERANCE[dtype]))

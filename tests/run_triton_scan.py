@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench import Mask, library, make  # noqa: E402
 from workbench.blocks import scan_blocks  # noqa: E402
+from workbench.define import index_reads  # noqa: E402
 
 # (q_len, kv_len, heads, batch, block): odd lengths, Lq != Lk, small / uneven / tall blocks
 CASES = [(200, 333, 4, 2, (32, 64)), (260, 300, None, None, (160, 48))]
@@ -52,8 +53,12 @@ def main(device: str) -> int:
     for base in masks:
         for q_len, kv_len, heads, batch, block in CASES:
             mask = make(base.factory, base.params, q_len=q_len, kv_len=kv_len, device=device) if base.factory else base
-            if mask.heads is not None and heads is not None:
-                heads = min(heads, mask.heads)
+            if mask.heads is not None:
+                heads = min(heads or mask.heads, mask.heads)
+            if batch is None and "b" in index_reads(mask.mask_mod):
+                batch = 2
+            if heads is None and "h" in index_reads(mask.mask_mod):
+                heads = 2
             problem = compare(mask, q_len, kv_len, heads, batch, block, device)
             if problem:
                 failures += 1

@@ -401,3 +401,18 @@ def test_bad_input_to_export_conformance_and_diff(tmp_path, capsys):
     assert not d.same and "lengths differ" in d.line and "export both at one size" in d.line
     assert main(["export", "causal", "--q-len", "64", "--device", "cpu", "-o", str(tmp_path / "a" / "causal_bottom_right.spec.json" / "x")]) == 2
     assert "cannot write the spec" in capsys.readouterr().err
+
+
+def test_triton_translation_covers_the_corpus_in_the_interpreter():
+    """Every mod of the corpus (library, user-style and attention-gym-style mods, 49 in all) is
+    translated to Triton and equals torch on every pair, head and batch entry (a fresh process
+    under TRITON_INTERPRET=1). The COVERAGE line is the report."""
+    pytest.importorskip("triton")
+    script = ROOT / "tests" / "run_triton_corpus.py"
+    out = subprocess.run([sys.executable, str(script), "cpu"], capture_output=True, text=True,
+                         env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    coverage = [line for line in out.stdout.splitlines() if line.startswith("COVERAGE")][0]
+    translated, total = (int(x) for x in coverage.split()[1].split("/"))
+    assert total >= 40 and translated == total, out.stdout
+    print(coverage)

@@ -108,8 +108,45 @@ def positional_arity(fn: Callable) -> int | None:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return None
+    if any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()):
+        return None  # def mod(*args): FlexAttention's call fits whatever it passes
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return sum(1 for p in sig.parameters.values() if p.kind in kinds and p.default is p.empty)
+
+
+_BATCH_NAMES = {"b", "batch", "b_idx", "batch_idx", "bi"}
+
+
+def returned_role(fn: Callable, name: str) -> str:
+    """Whether a function a factory returned is a mask_mod or a score_mod, by its arguments. A
+    five-argument function whose first argument is named like the batch index is a mask_mod
+    with an argument too many, not a score_mod."""
+    arity = positional_arity(fn)
+    if arity is None:
+        return "mask_mod"
+    if arity == 5:
+        first = next(iter(inspect.signature(fn).parameters))
+        if first in _BATCH_NAMES:
+            raise WorkbenchError(f"{getattr(fn, '__name__', 'the mod')!r} takes 5 arguments starting with {first!r}: "
+                                 "a mask_mod takes 4 (b, h, q_idx, kv_idx), a score_mod takes the score first",
+                                 f"define it as {_SIGNATURES['mask_mod']}, or as {_SIGNATURES['score_mod']}", name)
+        return "score_mod"
+    if arity != 4:
+        check_signature(fn, 4, "mask_mod", name)
+    return "mask_mod"
+
+
+def mod_role(fn: Callable) -> str | None:
+    """'mask_mod' / 'score_mod' when `fn` is itself a mod (all its parameters are required
+    positionals, four or five of them, as FlexAttention calls mods), else None (a factory)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if not params or any(p.kind not in positional or p.default is not p.empty for p in params):
+        return None
+    return {4: "mask_mod", 5: "score_mod"}.get(len(params))
 
 
 def check_signature(mod: Callable | None, want: int, role: str, name: str) -> None:
@@ -226,12 +263,21 @@ def make(factory: Callable | str, params: dict[str, Any] | None = None, *, q_len
     """Call a factory with user parameters plus the context keywords it declares.
 
     A factory may also return a bare mask_mod (4 arguments) or score_mod (5 arguments); it is
-    wrapped into a Mask named after the factory.
+    wrapped into a Mask named after the factory. A target that *is* a mod (four or five required
+    positional arguments, e.g. `causal.py:causal_mask`) is taken as the mask itself.
     """
     if isinstance(factory, str):
         factory = load_factory(factory)
     params = dict(params or {})
     fname = getattr(factory, "__name__", "mask")
+    role = mod_role(factory)
+    if role is not None:
+        role = returned_role(factory, fname)
+        if params:
+            raise WorkbenchError(f"{fname} is a {role} itself (it takes {_SIGNATURES[role].split('(')[1]}), so it "
+                                 f"takes no parameters, got {', '.join(params)}",
+                                 "drop --param, or point at the factory that builds the mod", fname)
+        return Mask(name=fname, description=inspect.getdoc(factory) or "", **{role: factory})
     try:
         sig = inspect.signature(factory)
     except (TypeError, ValueError):
@@ -259,10 +305,7 @@ def make(factory: Callable | str, params: dict[str, Any] | None = None, *, q_len
     if isinstance(result, Mask):
         mask = result
     elif callable(result):
-        arity = positional_arity(result)
-        role = {4: "mask_mod", 5: "score_mod"}.get(arity)
-        if role is None:
-            check_signature(result, 4, "mask_mod", fname)
+        role = returned_role(result, fname)
         mask = Mask(name=fname, params=params, description=inspect.getdoc(factory) or "",
                     **{role: result})
     else:

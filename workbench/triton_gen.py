@@ -12,13 +12,16 @@ The generated text is data in the spec. Nothing here runs it; tests compile it w
 from __future__ import annotations
 
 import operator
+import re
 from typing import Callable
 
 import torch
 
-from workbench.define import Mask, captured_tensors, trace_mod
+from workbench.define import Mask, captured_tensors, op_name, trace_mod
 
 _BINARY = {
+    "__rshift__": "({a} >> {b})", "__lshift__": "({a} << {b})", "bitwise_right_shift": "({a} >> {b})",
+    "bitwise_left_shift": "({a} << {b})", "true_divide": "({a} / {b})", "logical_xor": "({a} ^ {b})",
     "add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})", "div": "({a} / {b})",
     "ge": "({a} >= {b})", "gt": "({a} > {b})", "le": "({a} <= {b})", "lt": "({a} < {b})",
     "eq": "({a} == {b})", "ne": "({a} != {b})",
@@ -33,6 +36,9 @@ _UNARY = {
     "exp": "tl.exp({a})", "log": "tl.log({a})", "sqrt": "tl.sqrt({a})", "sigmoid": "tl.sigmoid({a})",
     "tanh": "(2.0 * tl.sigmoid(2.0 * {a}) - 1.0)",  # portable tanh
     "sin": "tl.sin({a})", "cos": "tl.cos({a})", "floor": "tl.floor({a})", "ceil": "tl.ceil({a})",
+    "exp2": "tl.exp2({a})", "log2": "tl.log2({a})", "rsqrt": "tl.rsqrt({a})", "erf": "tl.erf({a})",
+    "log1p": "tl.log(1.0 + {a})", "expm1": "(tl.exp({a}) - 1.0)", "reciprocal": "(1.0 / {a})",
+    "square": "({a} * {a})",
 }
 _IDENTITY = {"clone", "alias", "view", "expand", "lift_fresh_copy", "detach", "contiguous", "_unsafe_view",
              "reshape", "squeeze", "unsqueeze"}
@@ -61,98 +67,257 @@ class Untranslatable(Exception):
 
 def _literal(value) -> str:
     if isinstance(value, bool):
-        return "1" if value else "0"
+        return "True" if value else "False"
     if isinstance(value, float):
         return repr(value) if value == value and abs(value) != float("inf") else f"float('{value}')"
     return repr(value)
 
 
+# Reductions over a vector (a captured 1-d table, or a row of a 2-d one): how elements combine.
+_REDUCE = {"any": "({a} | {b})", "all": "({a} & {b})", "sum": "({a} + {b})", "amax": "tl.maximum({a}, {b})",
+           "amin": "tl.minimum({a}, {b})", "max": "tl.maximum({a}, {b})", "min": "tl.minimum({a}, {b})",
+           "prod": "({a} * {b})"}
+MAX_UNROLLED = 256  # entries a reduction is unrolled over (spans, documents... are far fewer)
+_K = "@K@"  # stands for the element index inside a vector's expression
+
+
+class _View:
+    """A captured tensor, or a slice of one, not yet loaded: pointer, offset, remaining shape
+    and strides (row-major, as the tensor is stored in the spec)."""
+
+    def __init__(self, ptr: str, offset: str, shape: tuple, strides: tuple):
+        self.ptr, self.offset, self.shape, self.strides = ptr, offset, tuple(shape), tuple(strides)
+
+
+class _Vec:
+    """A vector of n values per lane (e.g. `q_idx >= starts`): an expression in the element index
+    _K, written out once per element where a reduction consumes it."""
+
+    def __init__(self, n: int, expr: str):
+        self.n, self.expr = n, expr
+
+
 def _translate(gm, fn_name: str, arg_names: list[str], captured: dict[str, torch.Tensor]) -> tuple[str, list[str]]:
-    """Triton source of one traced mod; returns (source, pointer argument names in order)."""
+    """Triton source of one traced mod; returns (source, pointer argument names in order).
+
+    Scalars per lane become one line each. A captured tensor becomes a pointer argument; indexing
+    it loads. Values that carry a trailing dimension (a comparison against a whole captured table,
+    a row of a 2-d table) stay symbolic until a reduction (`.any()`, `.all()`, `.sum()`, max/min)
+    consumes them; the reduction is unrolled over the table's entries."""
     lines, env, pointers = [], {}, []
     placeholders = iter(arg_names)
     by_ptr = {(t.data_ptr(), tuple(t.shape)): n for n, t in captured.items()}
+    counter = [0]
+
+    def fresh(prefix="t"):
+        counter[0] += 1
+        return f"{prefix}{counter[0]}"
+
+    def view_of(tensor, target):
+        name = by_ptr.get((tensor.data_ptr(), tuple(tensor.shape)), target.lstrip("_"))
+        if not name.isidentifier():  # Mask.data keys such as "score.table" name a pointer argument
+            clean = re.sub(r"\W", "_", name)
+            captured[clean] = captured.pop(name, tensor)
+            name = clean
+        if name not in captured:
+            captured[name] = tensor
+            by_ptr[(tensor.data_ptr(), tuple(tensor.shape))] = name
+        ptr = f"{name}_ptr"
+        if ptr not in pointers:
+            pointers.append(ptr)
+        return _View(ptr, "0", tuple(tensor.shape), torch.empty(tensor.shape).stride())
+
+    def value(a):
+        """An argument as a scalar expression, a _Vec, or a _View."""
+        if hasattr(a, "name") and a.name in env:
+            return env[a.name]
+        if isinstance(a, (int, float, bool)):
+            return _literal(a)
+        if isinstance(a, torch.dtype):
+            return _TL_DTYPES.get(a, "tl.float32")
+        if a is None:
+            return "None"
+        raise Untranslatable(f"argument {a!r} of type {type(a).__name__}")
+
+    def as_elementwise(v):
+        """A scalar expression, or a _Vec; views are loaded (0-d) or become vectors (1-d)."""
+        if isinstance(v, _View):
+            if len(v.shape) == 0:
+                name = fresh("ld")
+                lines.append(f"    {name} = tl.load({v.ptr} + {v.offset})")
+                return name
+            if len(v.shape) == 1:
+                if v.shape[0] > MAX_UNROLLED:
+                    raise Untranslatable(f"a captured table of {v.shape[0]} entries is used whole "
+                                         f"(at most {MAX_UNROLLED} are unrolled)")
+                step = f" * {v.strides[0]}" if v.strides[0] != 1 else ""
+                return _Vec(v.shape[0], f"tl.load({v.ptr} + {v.offset} + ({_K}){step})")
+            raise Untranslatable("a captured tensor with two or more dimensions is used whole")
+        return v
+
+    def combine(template: str, *vals):
+        vals = [as_elementwise(v) for v in vals]
+        sizes = {v.n for v in vals if isinstance(v, _Vec)}
+        if len(sizes) > 1:
+            raise Untranslatable(f"vectors of different lengths {sorted(sizes)} are combined")
+        exprs = [v.expr if isinstance(v, _Vec) else v for v in vals]
+        expr = template.format(**dict(zip("abc", exprs)))
+        return _Vec(sizes.pop(), expr) if sizes else expr
+
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             env[node.name] = next(placeholders)
-        elif node.op == "get_attr":
+            continue
+        if node.op == "get_attr":
             tensor = getattr(gm, node.target)
-            if tensor.dim() == 0:
-                env[node.name] = _literal(tensor.item())
-                continue
-            name = by_ptr.get((tensor.data_ptr(), tuple(tensor.shape)), node.target.lstrip("_"))
-            if name not in captured:
-                captured[name] = tensor
-            ptr = f"{name}_ptr"
-            if ptr not in pointers:
-                pointers.append(ptr)
-            # pointers address the tensor as stored in the spec: contiguous, row-major
-            strides = torch.empty(tensor.shape).stride()
-            env[node.name] = ("ptr", ptr, strides)
-        elif node.op == "call_function":
-            target = node.target
-            if target is operator.getitem:
-                raise Untranslatable("Python indexing survived tracing")
-            op = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
-            op = op.split(".")[0]
-            if op == "index":
-                base, idx = node.args[0], node.args[1]
-                _, ptr, strides = env[base.name]
-                if len(idx) != len(strides) or any(i is None for i in idx):
-                    raise Untranslatable("a captured tensor is indexed with fewer indices than it has dimensions")
-                offset = " + ".join(f"({_arg(i, env)}) * {st}" if st != 1 else f"({_arg(i, env)})"
-                                    for i, st in zip(idx, strides))
-                expr = f"tl.load({ptr} + {offset})"
-            elif (args := [_arg(a, env) for a in node.args]) is None:
-                pass
-            elif op in _IDENTITY:
-                expr = args[0]
-            elif op in ("_to_copy", "to", "type_as", "convert_element_type"):
-                dtype = node.kwargs.get("dtype") or (node.args[1] if len(node.args) > 1 else None)
-                expr = f"({args[0]}).to({_TL_DTYPES[dtype]})" if dtype in _TL_DTYPES else args[0]
-            elif op in ("where",):
-                expr = f"tl.where({args[0]}, {args[1]}, {args[2]})"
-            elif op in ("clamp", "clip"):
-                lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
-                hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
-                expr = args[0]
-                if lo is not None:
-                    expr = f"tl.maximum({expr}, {_arg(lo, env)})"
-                if hi is not None:
-                    expr = f"tl.minimum({expr}, {_arg(hi, env)})"
-            elif op == "scalar_tensor" or op == "full":
-                expr = _literal(node.args[-1] if op == "scalar_tensor" else node.args[1])
-            elif op == "rsub":
-                expr = f"({args[1]} - {args[0]})"
-            elif op in _BINARY and len(args) >= 2:
-                expr = _BINARY[op].format(a=args[0], b=args[1])
-            elif op in _UNARY:
-                expr = _UNARY[op].format(a=args[0])
-            else:
-                raise Untranslatable(f"aten op `{op}` has no Triton translation here")
-            env[node.name] = f"v_{node.name}"
-            lines.append(f"    v_{node.name} = {expr}")
-        elif node.op == "output":
+            env[node.name] = _literal(tensor.item()) if tensor.dim() == 0 else view_of(tensor, node.target)
+            continue
+        if node.op == "output":
             out = node.args[0]
             out = out[0] if isinstance(out, (tuple, list)) else out
-            lines.append(f"    return {_arg(out, env)}")
+            result = as_elementwise(value(out))
+            if isinstance(result, _Vec):
+                raise Untranslatable("the mod returns a vector, not one value per pair")
+            lines.append(f"    return {result}")
+            continue
+        if node.op != "call_function":
+            raise Untranslatable(f"graph node {node.op}")
+        if node.target is operator.getitem:
+            raise Untranslatable("Python indexing survived tracing")
+        op = op_name(node.target)
+        kwargs = node.kwargs
+        result = _translate_op(op, node, kwargs, value, as_elementwise, combine)
+        if isinstance(result, (_View, _Vec)):
+            env[node.name] = result
+        else:
+            env[node.name] = f"v_{node.name}"
+            lines.append(f"    v_{node.name} = {result}")
     params = ", ".join(arg_names + pointers)
     return f"@triton.jit\ndef {fn_name}({params}):\n" + "\n".join(lines) + "\n", pointers
 
 
-def _arg(a, env):
-    if hasattr(a, "name") and a.name in env:
-        value = env[a.name]
-        if isinstance(value, tuple):
-            raise Untranslatable("a captured tensor is used other than by indexing")
-        return value
-    if isinstance(a, (int, float, bool)):
-        return _literal(a)
-    if isinstance(a, torch.dtype):
-        return _TL_DTYPES.get(a, "tl.float32")
-    if a is None:
-        return "None"
-    raise Untranslatable(f"argument {a!r} of type {type(a).__name__}")
+def _translate_op(op, node, kwargs, value, as_elementwise, combine):
+    """One aten op as a scalar expression, a _Vec or a _View."""
+    args = node.args
+    if op in ("index",):
+        base = value(args[0])
+        if not isinstance(base, _View):
+            raise Untranslatable("indexing something other than a captured tensor")
+        idx = list(args[1])
+        if any(i is None for i in idx):
+            raise Untranslatable("an index that skips a dimension (tensor[:, i])")
+        if len(idx) > len(base.shape):
+            raise Untranslatable("more indices than the captured tensor has dimensions")
+        parts, vec_n = [base.offset], None
+        for i, stride in zip(idx, base.strides):
+            v = as_elementwise(value(i))
+            if isinstance(v, _Vec):
+                vec_n = v.n
+                v = v.expr
+            parts.append(f"({v}) * {stride}" if stride != 1 else f"({v})")
+        rest_shape, rest_strides = base.shape[len(idx):], base.strides[len(idx):]
+        offset = " + ".join(parts)
+        if vec_n is not None:
+            if rest_shape:
+                raise Untranslatable("a vector index into a table with dimensions left over")
+            return _Vec(vec_n, f"tl.load({base.ptr} + {offset})")
+        return _View(base.ptr, offset, rest_shape, rest_strides) if rest_shape else \
+            f"tl.load({base.ptr} + {offset})"
+    if op == "select":
+        base, dim, i = value(args[0]), args[1], args[2]
+        if not isinstance(base, _View):
+            raise Untranslatable("select on a computed vector")
+        dim = dim % len(base.shape)
+        i = i % base.shape[dim] if isinstance(i, int) else i
+        shape = base.shape[:dim] + base.shape[dim + 1:]
+        strides = base.strides[:dim] + base.strides[dim + 1:]
+        offset = f"{base.offset} + {_literal(i) if isinstance(i, int) else value(i)} * {base.strides[dim]}"
+        return _View(base.ptr, offset, shape, strides)
+    if op == "slice":
+        base = value(args[0])
+        dim = args[1] if len(args) > 1 else 0
+        if not isinstance(base, _View):
+            raise Untranslatable("slice of a computed vector")
+        dim = dim % len(base.shape)
+        size = base.shape[dim]
+        start = args[2] if len(args) > 2 and args[2] is not None else 0
+        end = args[3] if len(args) > 3 and args[3] is not None else size
+        step = args[4] if len(args) > 4 else 1
+        start, end = (x + size if x < 0 else x for x in (start, min(end, size)))
+        n = max(0, -(-(end - start) // step))
+        shape = base.shape[:dim] + (n,) + base.shape[dim + 1:]
+        strides = base.strides[:dim] + (base.strides[dim] * step,) + base.strides[dim + 1:]
+        return _View(base.ptr, f"{base.offset} + {start * base.strides[dim]}", shape, strides)
+    if op in _IDENTITY:
+        v = value(args[0])
+        return v if isinstance(v, (_View, _Vec)) else v
+    if op in ("new_ones", "new_zeros", "new_full", "ones_like", "zeros_like", "full_like", "scalar_tensor", "full"):
+        dtype = kwargs.get("dtype")
+        fill = {"new_ones": 1, "ones_like": 1, "new_zeros": 0, "zeros_like": 0}.get(op)
+        if fill is None:
+            fill = args[-1] if op in ("scalar_tensor",) else args[1]
+        if dtype is torch.bool or isinstance(fill, bool):
+            return _literal(bool(fill))
+        return _literal(float(fill) if dtype is not None and dtype.is_floating_point else fill)
+    if op in ("_to_copy", "to", "type_as", "convert_element_type"):
+        dtype = kwargs.get("dtype") or (args[1] if len(args) > 1 and isinstance(args[1], torch.dtype) else None)
+        if dtype in _TL_DTYPES:
+            return combine("({a}).to(" + _TL_DTYPES[dtype] + ")", value(args[0]))
+        return as_elementwise(value(args[0]))
+    if op == "where":
+        return combine("tl.where({a}, {b}, {c})", value(args[0]), value(args[1]), value(args[2]))
+    if op in ("clamp", "clip", "clamp_min", "clamp_max"):
+        lo = args[1] if len(args) > 1 else kwargs.get("min")
+        hi = args[2] if len(args) > 2 else kwargs.get("max")
+        if op == "clamp_max":
+            lo, hi = None, lo
+        expr, vals = "{a}", [value(args[0])]
+        if lo is not None:
+            expr, vals = "tl.maximum(" + expr + ", {b})", vals + [value(lo)]
+        if hi is not None:
+            key = "c" if lo is not None else "b"
+            expr, vals = "tl.minimum(" + expr + ", {" + key + "})", vals + [value(hi)]
+        return combine(expr, *vals)
+    if op == "rsub":
+        return combine("({b} - {a})", value(args[0]), value(args[1]))
+    if op == "div" and kwargs.get("rounding_mode") == "floor":
+        return combine("_py_floordiv({a}, {b})", value(args[0]), value(args[1]))
+    if op == "div" and kwargs.get("rounding_mode") == "trunc":
+        return combine("({a} // {b})", value(args[0]), value(args[1]))
+    if op == "pow" and isinstance(args[1], int) and 0 <= args[1] <= 8:
+        if args[1] == 0:
+            return combine("({a} * 0 + 1)", value(args[0]))
+        return combine("(" + " * ".join(["{a}"] * args[1]) + ")", value(args[0]))
+    if op in ("max", "min") and len(args) == 2 and not isinstance(args[1], int):
+        return combine(_BINARY["maximum" if op == "max" else "minimum"], value(args[0]), value(args[1]))
+    if op in _REDUCE and (len(args) == 1 or (len(args) >= 2 and args[1] in (0, -1, [0], [-1]))):
+        v = as_elementwise(value(args[0]))
+        if not isinstance(v, _Vec):  # a reduction over a 0-d value is the value
+            return f"(({v}) != 0)" if op in ("any", "all") else v
+        val = node.meta.get("val")
+        src = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+        elem = v.expr
+        if op in ("any", "all") and src is not None and src.dtype != torch.bool:
+            elem = f"(({elem}) != 0)"
+        if op == "sum" and src is not None and src.dtype == torch.bool:
+            elem = f"({elem}).to(tl.int64)"
+        terms = [elem.replace(_K, str(k)) for k in range(v.n)]
+        expr = terms[0]
+        for term in terms[1:]:
+            expr = _REDUCE[op].format(a=expr, b=term)
+        if val is not None and tuple(val.shape) != ():
+            raise Untranslatable("a reduction that keeps dimensions")
+        return expr
+    if op in _BINARY and len(args) >= 2:
+        return combine(_BINARY[op], value(args[0]), value(args[1]))
+    if op in _UNARY:
+        return combine(_UNARY[op], value(args[0]))
+    if op == "gelu":
+        if kwargs.get("approximate", "none") == "tanh":
+            return combine("(0.5 * {a} * (1.0 + (2.0 * tl.sigmoid(2.0 * (0.7978845608028654 * ({a} + 0.044715 * {a} "
+                           "* {a} * {a}))) - 1.0)))", value(args[0]))
+        return combine("(0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476)))", value(args[0]))
+    raise Untranslatable(f"aten op `{op}` has no Triton translation here")
 
 
 def generate(mask: Mask) -> tuple[str, list[str], list[str], dict[str, torch.Tensor]]:

@@ -27,7 +27,7 @@ from IPython.display import display
 from workbench import look
 from workbench.analyze import mask_stats
 from workbench.blocks import scan_blocks
-from workbench.define import CONTEXT_KEYS, Mask, WorkbenchError, bind, library, make, probe
+from workbench.define import CONTEXT_KEYS, Mask, WorkbenchError, bind, library, make, prepare
 
 CUSTOM = "(your mod)"
 TABS = ["Block map", "Token zoom", "Scores", "Stats", "Verify", "Benchmark", "Export"]
@@ -152,13 +152,8 @@ class Workbench:
 
     def build(self) -> Mask:
         q_len, kv_len = self.q_len.value, self.kv_len.value
-        if self.picker.value == CUSTOM:
-            mask = bind(self.custom, q_len, kv_len, self.device)
-        else:
-            mask = make(self.picker.value, self.params(), q_len=q_len, kv_len=kv_len, device=self.device)
-            mask = bind(mask, q_len, kv_len, self.device)
-        probe(mask, device=self.device)
-        return mask
+        target = self.custom if self.picker.value == CUSTOM else self.picker.value
+        return prepare(target, self.params(), q_len, kv_len, self.device)
 
     # ------------------------------------------------------------ events
 

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from workbench import compat, kernels
-from workbench.define import (Mask, WorkbenchError, broadcast_indices, choose_evaluator, evaluate_mod,
+from workbench.define import (Mask, WorkbenchError, broadcast_indices, cdiv, choose_evaluator, evaluate_mod,
                               index_reads)
 
 DEFAULT_BLOCK = 128
@@ -80,11 +80,11 @@ class BlockScan:
 
     @property
     def block_rows(self) -> int:
-        return -(-self.q_len // self.q_block)
+        return cdiv(self.q_len, self.q_block)
 
     @property
     def block_cols(self) -> int:
-        return -(-self.kv_len // self.kv_block)
+        return cdiv(self.kv_len, self.kv_block)
 
     @property
     def block_shape(self) -> tuple[int, int]:
@@ -239,7 +239,7 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
         check_index_sizes(mask_mod, heads, batch, name)
         dep_b, dep_h = _dependence(mask_mod, batch_n, heads_n, device, evaluator)
     b_eff, h_eff = (batch_n if dep_b else 1), (heads_n if dep_h else 1)
-    n_rows, n_cols = -(-q_len // q_block), -(-kv_len // kv_block)
+    n_rows, n_cols = cdiv(q_len, q_block), cdiv(kv_len, kv_block)
 
     table_bytes = b_eff * h_eff * n_rows * n_cols * 4
     free = device_memory(device)
@@ -314,11 +314,11 @@ class _Geometry:
 
     @property
     def n_rows(self) -> int:
-        return -(-self.q_len // self.q_block)
+        return cdiv(self.q_len, self.q_block)
 
     @property
     def n_cols(self) -> int:
-        return -(-self.kv_len // self.kv_block)
+        return cdiv(self.kv_len, self.kv_block)
 
     @property
     def pairs(self) -> int:  # pairs to evaluate, over the batch entries and heads that differ

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from workbench.define import WorkbenchError, bind, library, make, parse_params, probe, with_score
+from workbench.define import WorkbenchError, library, parse_params, prepare
 
 
 def _add_target_args(p: argparse.ArgumentParser, many: bool = False):
@@ -128,14 +128,8 @@ def _block_size(args):
 
 
 def load_mask(args, q_len: int, kv_len: int, device: str, target: str | None = None):
-    target = target or args.target
-    mask = make(target, parse_params(args.param), q_len=q_len, kv_len=kv_len, device=device)
-    if args.score:
-        mask = with_score(mask, make(args.score, parse_params(args.score_param), q_len=q_len, kv_len=kv_len,
-                                     device=device))
-    mask = bind(mask, q_len, kv_len, device)
-    probe(mask, device=device)
-    return mask
+    return prepare(target or args.target, parse_params(args.param), q_len, kv_len, device, score=args.score,
+                   score_params=parse_params(args.score_param))
 
 
 def cmd_list(args) -> int:

@@ -318,6 +318,26 @@ def make(factory: Callable | str, params: dict[str, Any] | None = None, *, q_len
     return mask
 
 
+def prepare(target: Callable | str | Mask, params: dict[str, Any] | None = None, q_len: int = 1024,
+            kv_len: int | None = None, device: str | torch.device = "cpu", score: Callable | str | None = None,
+            score_params: dict[str, Any] | None = None) -> Mask:
+    """The one path from a target to a mask ready to run: make (factory + parameters, or a Mask as
+    it is), add a score target, bind to these lengths and this device, probe the mods. The CLI,
+    the report and the app all start here."""
+    kv_len = kv_len or q_len
+    mask = target if isinstance(target, Mask) else make(target, params, q_len=q_len, kv_len=kv_len, device=device)
+    if score is not None:
+        mask = with_score(mask, make(score, score_params, q_len=q_len, kv_len=kv_len, device=device))
+    mask = bind(mask, q_len, kv_len, device)
+    probe(mask, device=device)
+    return mask
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive integers: blocks of size b covering a tokens."""
+    return -(-a // b)
+
+
 def same_device(a: torch.device, b: torch.device) -> bool:
     """cuda and cuda:0 are the same device when the current device is 0."""
     if a.type != b.type:

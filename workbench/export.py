@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 
 from workbench import porting
-from workbench.define import Mask, WorkbenchError, bind
+from workbench.define import Mask, WorkbenchError, bind, cdiv
 
 SPEC_VERSION = "1.0"
 SCHEMA_PATH = Path(__file__).with_name("spec.schema.json")
@@ -592,7 +592,7 @@ def check_shapes(spec: PortingSpec) -> None:
                 _expect(arr.ndim == 2 and arr.shape[0] == kv_len and arr.shape[1] in (1, 2, 4),
                         f"{p}/startend_row_indices", f"{list(arr.shape)}, want [kv_len={kv_len}, 1|2|4]")
             elif target == "block_sparse":
-                rows = -(-q_len // s["R"])
+                rows = cdiv(q_len, s["R"])
                 _expect(len(s["indptr"]) == rows + 1, f"{p}/indptr", f"{len(s['indptr'])} entries, want {rows + 1}")
                 _expect(len(s["indices"]) == len(s["partial"]) == int(s["indptr"][-1]), f"{p}/indices",
                         "indices/partial lengths differ from indptr[-1]")

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from workbench.define import Mask
+from workbench.define import Mask, cdiv
 
 # The kernel, appended to the translated mod. `mask_mod_triton(b, h, q_idx, kv_idx, *tables)` is
 # the generated function; {ptrs} stands for its table pointers.
@@ -162,7 +162,7 @@ def forget() -> None:
 
 def _constexprs(q_block, kv_block, diff_head, diff_batch, keep_counts) -> dict:
     sub_q, sub_k = tile_shape(q_block, kv_block)
-    return dict(SUB_Q=sub_q, SUB_K=sub_k, N_SUB_Q=-(-q_block // sub_q), KEEP_COUNTS=keep_counts,
+    return dict(SUB_Q=sub_q, SUB_K=sub_k, N_SUB_Q=cdiv(q_block, sub_q), KEEP_COUNTS=keep_counts,
                 DIFF_HEAD=diff_head, DIFF_BATCH=diff_batch)
 
 
@@ -196,7 +196,7 @@ def block_scan(kernel: ScanKernel, q_len: int, kv_len: int, q_block: int, kv_blo
     """Run the kernel over every block. Returns counts [B, H, rows, cols] int32 (or None), row_kept
     [B, H, q_len] int64, head / batch differing pairs [B, H] int64, and full / empty block totals
     (None when a block spans several row slices and no counts table is kept)."""
-    n_rows, n_cols = -(-q_len // q_block), -(-kv_len // kv_block)
+    n_rows, n_cols = cdiv(q_len, q_block), cdiv(kv_len, kv_block)
     const = _constexprs(q_block, kv_block, diff_head, diff_batch, keep_counts)
     sub_q, sub_k, n_sub_q = const["SUB_Q"], const["SUB_K"], const["N_SUB_Q"]
     alloc = torch.zeros if n_sub_q > 1 else torch.empty

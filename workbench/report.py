@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from workbench import look
 from workbench.analyze import mask_stats
 from workbench.blocks import scan_blocks
-from workbench.define import Mask, WorkbenchError, bind, library, library_variants, make, probe
+from workbench.define import Mask, WorkbenchError, bind, library, library_variants, make, prepare
 
 DEFAULT_LEN = 4096
 DEFAULT_HEADS = 4
@@ -66,9 +66,7 @@ def analyze_target(target: str, params: dict, q_len: int, kv_len: int, heads: in
     result = MaskResult(target=target, params=params)
     start = time.perf_counter()
     try:
-        mask = make(factory or target, params, q_len=q_len, kv_len=kv_len, device=device)
-        mask = bind(mask, q_len, kv_len, device)
-        probe(mask, device=device)
+        mask = prepare(factory or target, params, q_len, kv_len, device)
         result.mask = mask
         n_heads = heads if mask.heads is None else min(heads or mask.heads, mask.heads)
         zoom = min(q_len, kv_len, 512)  # the last queries, against the keys they sit on

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Callable
+
 
 import torch
 
-from workbench.define import Mask, captured_tensors, op_name, trace_mod
+from workbench.define import Mask, captured_tensors, cdiv, op_name, trace_mod
 
 _BINARY = {
     "__rshift__": "({a} >> {b})", "__lshift__": "({a} << {b})", "bitwise_right_shift": "({a} >> {b})",
@@ -244,7 +244,7 @@ def _translate_op(op, node, kwargs, value, as_elementwise, combine):
         end = args[3] if len(args) > 3 and args[3] is not None else size
         step = args[4] if len(args) > 4 else 1
         start, end = (x + size if x < 0 else x for x in (start, min(end, size)))
-        n = max(0, -(-(end - start) // step))
+        n = max(0, cdiv(end - start, step))
         shape = base.shape[:dim] + (n,) + base.shape[dim + 1:]
         strides = base.strides[:dim] + (base.strides[dim] * step,) + base.strides[dim + 1:]
         return _View(base.ptr, f"{base.offset} + {start * base.strides[dim]}", shape, strides)
@@ -413,7 +413,7 @@ def run_grid(source: str, b: int, h: int, q_len: int, kv_len: int, pointers: lis
     """Evaluate the generated mask (or, given `score` [q_len, kv_len] float32, the generated
     score_mod) over [q_len, kv_len] with the generated grid kernels."""
     ns = load_source(source)
-    grid = (-(-q_len // block), -(-kv_len // block))
+    grid = (cdiv(q_len, block), cdiv(kv_len, block))
     pointers = [p.contiguous() for p in pointers]
     if score is not None:
         out = torch.empty(q_len, kv_len, dtype=torch.float32, device=device)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import pandas as pd
 import torch

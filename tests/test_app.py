@@ -85,6 +85,6 @@ def test_a_failing_action_shows_its_error(tmp_path):
     blocker.write_text("not a folder")
     app.export_dir.value = str(blocker / "specs")
     app.run_export()  # cannot create a folder under a file
-    assert "cannot write the spec" in app.message.value and "Fix:" in app.message.value
+    assert "cannot write to" in app.message.value and "Fix:" in app.message.value
     app.q_len.value = 300  # and the app keeps working
     assert app.mask is not None and app.message.value == ""

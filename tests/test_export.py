@@ -310,7 +310,8 @@ def test_cli_export_conformance_diff(tmp_path):
     assert main(["diff", str(a), str(a)]) == 0
     d = diff_specs(a, b)
     assert not d.same and d.differing_pairs == 96 - 16  # one more key for every row that reaches that far
-    assert d.examples[0] == {"b": 0, "h": 0, "q": 16, "kv": 0, "kept_by": b.name}
+    assert d.examples[0] == {"b": 0, "h": 0, "q": [16, 17], "kv": [0, 1], "kept_by": d.b}
+    assert d.b.startswith(b.name) and "window=17" in d.b
     assert main(["diff", str(a), str(b)]) == 1
 
 
@@ -398,9 +399,9 @@ def test_bad_input_to_export_conformance_and_diff(tmp_path, capsys):
     a = write_spec(build_spec(make("causal"), 64, 64, golden=True, seed=0), tmp_path / "a")[0]
     b = write_spec(build_spec(make("causal"), 96, 96, golden=True, seed=0), tmp_path / "b")[0]
     d = diff_specs(a, b)
-    assert not d.same and "lengths differ" in d.line and "export both at one size" in d.line
+    assert not d.same and "lengths differ" in d.line and "export both with the same --q-len" in d.line and d.differing_pairs is None
     assert main(["export", "causal", "--q-len", "64", "--device", "cpu", "-o", str(tmp_path / "a" / "causal_bottom_right.spec.json" / "x")]) == 2
-    assert "cannot write the spec" in capsys.readouterr().err
+    assert "cannot write to" in capsys.readouterr().err
 
 
 def test_triton_translation_covers_the_corpus_in_the_interpreter():

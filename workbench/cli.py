@@ -21,6 +21,27 @@ from pathlib import Path
 from workbench.define import WorkbenchError, library, parse_params, prepare
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (0 or a negative is an error, never a default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: give a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer (sizes are >= 1)")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: give a positive number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
 def _add_target_args(p: argparse.ArgumentParser, many: bool = False):
     if many:
         p.add_argument("targets", nargs="*", metavar="TARGET",
@@ -35,11 +56,11 @@ def _add_target_args(p: argparse.ArgumentParser, many: bool = False):
 
 
 def _add_size_args(p: argparse.ArgumentParser, required: bool):
-    p.add_argument("--q-len", type=int, required=required, help="query length")
-    p.add_argument("--kv-len", type=int, help="key/value length (default: --q-len)")
-    p.add_argument("--heads", type=int, help="number of heads (default: broadcast, or what the mask needs)")
-    p.add_argument("--batch", type=int, help="batch size (default: broadcast)")
-    p.add_argument("--block-size", type=int, nargs="+", default=[128], metavar="S",
+    p.add_argument("--q-len", type=positive_int, required=required, help="query length")
+    p.add_argument("--kv-len", type=positive_int, help="key/value length (default: --q-len)")
+    p.add_argument("--heads", type=positive_int, help="number of heads (default: broadcast, or what the mask needs)")
+    p.add_argument("--batch", type=positive_int, help="batch size (default: broadcast)")
+    p.add_argument("--block-size", type=positive_int, nargs="+", default=[128], metavar="S",
                    help="block size, or Q_BLOCK KV_BLOCK (default 128)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
 
@@ -57,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(p, many=True)
     _add_size_args(p, required=False)
     p.add_argument("-o", "--out", default="out", help="output folder (default: out)")
+    p.add_argument("--timeout", type=positive_float, default=900.0, metavar="SECONDS",
+                   help="give up on a mask after this long and go on with the others (default 900)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("blocks", help="block statistics and pictures of one mask",
@@ -74,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(and with --backward dq, dk, dv) with an eager float64 reference. Exit 1 on failure.")
     _add_target_args(p)
     _add_size_args(p, required=True)
-    p.add_argument("--kv-heads", type=int, help="key/value heads for grouped-query attention (default: --heads)")
-    p.add_argument("--head-dim", type=int, default=64, help="head dimension (default 64)")
+    p.add_argument("--kv-heads", type=positive_int, help="key/value heads for grouped-query attention (default: --heads)")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="head dimension (default 64)")
     p.add_argument("--dtype", default="bfloat16", help="float32, tf32, bfloat16, float16 (CUDA); float32, "
                                                        "float64, bfloat16, float16 (CPU). Default bfloat16")
     p.add_argument("--backward", action="store_true", help="also check dq, dk, dv (CUDA only)")
@@ -89,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "reproduces TARGET exactly, the reasons for the others, and float64 golden outputs.")
     _add_target_args(p)
     _add_size_args(p, required=True)
-    p.add_argument("--head-dim", type=int, default=64, help="head dimension of the golden vectors (default 64)")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="head dimension of the golden vectors (default 64)")
     p.add_argument("--seed", type=int, help="seed of the golden inputs (default: a fresh one, recorded)")
     p.add_argument("-o", "--out", required=True, help="output folder")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
@@ -102,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", required=True, metavar="path.py:function", help="the candidate implementation")
     p.add_argument("--device", default="cpu", help="device for q, k, v (default cpu)")
     p.add_argument("--dtype", help="judge with this dtype's tolerance (default: the dtype the function returns)")
+    p.add_argument("--timeout", type=positive_float, default=300.0, metavar="SECONDS",
+                   help="fail a vector whose call has not returned after this long (default 300)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_conformance)
 
@@ -115,9 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _device(args) -> str:
+    from workbench.define import check_device
     from workbench.report import default_device
 
-    return args.device or default_device()
+    return str(check_device(args.device or default_device()))
 
 
 def _block_size(args):
@@ -125,6 +151,12 @@ def _block_size(args):
     if len(sizes) not in (1, 2):
         raise WorkbenchError("--block-size takes one or two numbers", "e.g. --block-size 128 or --block-size 128 64")
     return sizes[0] if len(sizes) == 1 else tuple(sizes)
+
+
+def _check_score_args(args) -> None:
+    if getattr(args, "score_param", None) and not getattr(args, "score", None):
+        raise WorkbenchError("--score-param needs --score (the score target the parameters are for)",
+                             "add e.g. --score softcap, or drop --score-param")
 
 
 def load_mask(args, q_len: int, kv_len: int, device: str, target: str | None = None):
@@ -151,9 +183,10 @@ def cmd_report(args) -> int:
     targets = [(t, params) for t in args.targets] if args.targets else library_targets()
     if params and not args.targets:
         raise WorkbenchError("--param needs a TARGET", "name the mask the parameters are for")
+    _check_score_args(args)
     results = run_report(targets, args.out, q_len=args.q_len or DEFAULT_LEN, kv_len=args.kv_len,
                          heads=args.heads if args.heads else 4, batch=args.batch, block_size=_block_size(args),
-                         device=_device(args))
+                         device=_device(args), timeout=args.timeout)
     failed = [r for r in results if r.error]
     for r in failed:
         print(f"error: {r.error}", file=sys.stderr)
@@ -172,8 +205,9 @@ def cmd_blocks(args) -> int:
                        block_size=_block_size(args), device=device, engine=args.engine)
     stats = mask_stats(scan)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        from workbench.define import output_folder
+
+        out = output_folder(args.out, mask.name)
         look.block_map(scan, title=mask.name).savefig(out / "block_map.png", dpi=100)
         look.overview(mask, q_len, kv_len, device=device).savefig(out / "overview.png", dpi=100)
         n = min(q_len, kv_len, 1024)
@@ -239,7 +273,7 @@ def cmd_export(args) -> int:
 def cmd_conformance(args) -> int:
     from workbench.export import conformance
 
-    report = conformance(args.spec, args.impl, device=args.device, dtype=args.dtype)
+    report = conformance(args.spec, args.impl, device=_device(args), dtype=args.dtype, timeout=args.timeout)
     if args.json:
         print(json.dumps({"passed": report.passed, "spec": report.spec, "impl": report.impl, "vectors": report.rows}))
     else:
@@ -259,13 +293,19 @@ def cmd_diff(args) -> int:
     else:
         print(d.line)
         for ex in d.examples:
-            print(f"  b={ex['b']} h={ex['h']} q={ex['q']} kv={ex['kv']}: kept only by {ex['kept_by']}")
+            (q0, q1), (k0, k1) = ex["q"], ex["kv"]
+            rows = f"q {q0}" if q1 == q0 + 1 else f"q {q0}..{q1 - 1}"
+            keys = f"kv {k0}" if k1 == k0 + 1 else f"kv {k0}..{k1 - 1}"
+            print(f"  b={ex['b']} h={ex['h']} {rows}, {keys}: kept only by {ex['kept_by']}")
     return 0 if d.same else 1
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
     args = build_parser().parse_args(argv)
     try:
+        _check_score_args(args)
         return args.func(args)
     except WorkbenchError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
@@ -273,6 +313,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `workbench list | head`
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug of ours: say so in one line, keep the traceback on request
+        if os.environ.get("WORKBENCH_DEBUG"):
+            raise
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        print(f"error: internal error in flex-workbench: {type(exc).__name__}: {first}. Fix: this is a bug; rerun "
+              "with WORKBENCH_DEBUG=1 for the traceback and report it", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -136,17 +136,33 @@ def returned_role(fn: Callable, name: str) -> str:
     return "mask_mod"
 
 
-def mod_role(fn: Callable) -> str | None:
-    """'mask_mod' / 'score_mod' when `fn` is itself a mod (all its parameters are required
-    positionals, four or five of them, as FlexAttention calls mods), else None (a factory)."""
+def mod_role(fn: Callable, params: dict | None = None) -> str | None:
+    """'mask_mod' / 'score_mod' when a target is itself a mod rather than a factory: it takes no
+    --param, declares no Callable/Mask return, and takes only required positional arguments
+    (four or five, as FlexAttention calls mods) or *args. Otherwise None (a factory)."""
+    if params:
+        return None
     try:
-        params = list(inspect.signature(fn).parameters.values())
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if not params or any(p.kind not in positional or p.default is not p.empty for p in params):
+    ret = sig.return_annotation
+    if ret is not sig.empty and any(word in str(ret) for word in ("Callable", "Mask", "callable")):
         return None
-    return {4: "mask_mod", 5: "score_mod"}.get(len(params))
+    values = list(sig.parameters.values())
+    if any(p.kind is p.VAR_POSITIONAL for p in values):
+        return "mask_mod" if all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty
+                                 for p in values) else None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if not values or any(p.kind not in positional or p.default is not p.empty for p in values):
+        return None
+    if not {p.name for p in values} & _INDEX_NAMES:
+        return None  # a factory whose parameters are all required: it needs --param values
+    return {4: "mask_mod", 5: "score_mod"}.get(len(values), "unknown")
+
+
+_INDEX_NAMES = {"b", "h", "q", "kv", "k", "q_idx", "kv_idx", "score", "batch", "head", "token_q", "token_kv",
+                "b_idx", "h_idx", "qi", "ki", "query_idx", "key_idx", "i", "j"}
 
 
 def check_signature(mod: Callable | None, want: int, role: str, name: str) -> None:
@@ -196,8 +212,12 @@ def parse_params(items: list[str] | None) -> dict[str, Any]:
             raise WorkbenchError(f"--param {item!r} is not key=value", "write e.g. --param window=256")
         try:
             params[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            params[key.strip()] = raw
+        except json.JSONDecodeError as exc:
+            if raw.strip()[:1] in ("[", "{", '"') or re.fullmatch(r"[-+.\d eE]+", raw.strip() or "x"):
+                raise WorkbenchError(f"--param {key.strip()}={raw} is not valid JSON ({exc.msg} at character "
+                                     f"{exc.pos})", "quote it for the shell and close every bracket, e.g. "
+                                     f"--param '{key.strip()}=[1, 2]'") from exc
+            params[key.strip()] = raw  # a plain word is taken as a string
     return params
 
 
@@ -222,24 +242,78 @@ def library_variants(name: str) -> list[dict[str, Any]]:
     return [{}] + [dict(v) for v in getattr(module, "VARIANTS", [])]
 
 
+def _importable_roots(path: Path) -> list[str]:
+    """The file's folder and, when it sits inside packages (folders with __init__.py), the folder
+    above the outermost one: what `python path/to/file.py` or an installed package would see."""
+    folder = path.resolve().parent
+    roots = [folder]
+    top = folder
+    while (top / "__init__.py").exists() and top.parent != top:
+        top = top.parent
+    if top != folder:
+        roots.append(top)
+    return [str(r) for r in roots]
+
+
+def _run_user_code(what: str, target: str, fn: Callable, *args, **kwargs):
+    """Call user code; an exception or a sys.exit() becomes a WorkbenchError naming `what`."""
+    try:
+        return fn(*args, **kwargs)
+    except WorkbenchError:
+        raise
+    except SystemExit as exc:
+        raise WorkbenchError(f"{what} called sys.exit({exc.code!r}); nothing was run",
+                             "remove the sys.exit() (put script code under `if __name__ == '__main__':`)",
+                             target) from None
+    except Exception as exc:  # user code: report, do not crash the run
+        raise WorkbenchError(f"{what} failed: {type(exc).__name__}: {exc}",
+                             "fix the error in that code (run it on its own to see the traceback)", target) from exc
+
+
+def _module_from_file(path_text: str, target: str):
+    path = Path(path_text)
+    if path.is_dir():
+        raise WorkbenchError(f"{path_text!r} is a directory, not a Python file", "give path/to/file.py:factory",
+                             target)
+    if not path.is_file():
+        raise WorkbenchError(f"file {path_text!r} does not exist", "give path/to/file.py:factory", target)
+    module_name = f"_workbench_user_{path.stem}_{abs(hash(path.resolve()))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise WorkbenchError(f"{path_text!r} cannot be imported as Python", "give a .py file", target)
+    module = importlib.util.module_from_spec(spec)
+    added = [r for r in _importable_roots(path) if r not in sys.path]
+    sys.path[:0] = added
+    sys.modules[module_name] = module
+    try:
+        _run_user_code(f"importing {path_text}", target, spec.loader.exec_module, module)
+    except WorkbenchError:
+        sys.modules.pop(module_name, None)
+        raise
+    return module, module_name
+
+
+def _module_from_name(name: str, target: str):
+    try:
+        module = _run_user_code(f"importing module {name!r}", target, importlib.import_module, name)
+    except WorkbenchError as exc:
+        if isinstance(exc.__cause__, ModuleNotFoundError):
+            raise WorkbenchError(f"cannot import module {name!r} ({exc.__cause__})",
+                                 "install the package that provides it, give a file path (path/to/file.py:"
+                                 "factory), or set PYTHONPATH", target) from None
+        raise
+    return module, module.__name__
+
+
 def load_factory(target: str) -> Callable:
-    """A library name, or `path/to/file.py:function`."""
+    """A library name, `path/to/file.py:function`, or `package.module:function` (an installed
+    package, e.g. attn_gym.masks.natten:generate_natten)."""
     if ":" in target:
         path_text, _, func_name = target.rpartition(":")
-        path = Path(path_text)
-        if not path.is_file():
-            raise WorkbenchError(f"file {path_text!r} does not exist", "give path/to/file.py:factory", target)
-        module_name = f"_workbench_user_{path.stem}_{abs(hash(path.resolve()))}"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        try:
-            sys.modules[module_name] = module
-            spec.loader.exec_module(module)
-        except Exception as exc:  # user code: report, do not crash the run
-            sys.modules.pop(module_name, None)
-            raise WorkbenchError(f"importing {path_text} failed: {type(exc).__name__}: {exc}",
-                                 "fix the error in that file (run `python FILE` to see the traceback)",
-                                 target) from exc
+        is_module = not path_text.endswith(".py") and "/" not in path_text and "\\" not in path_text and \
+            not Path(path_text).exists() and all(p.isidentifier() for p in path_text.split("."))
+        module, module_name = (_module_from_name(path_text, target) if is_module
+                               else _module_from_file(path_text, target))
         factory = getattr(module, func_name, None)
         if not callable(factory):
             options = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
@@ -258,6 +332,39 @@ def load_factory(target: str) -> Callable:
     return lib[target]
 
 
+def _coerce_params(factory: Callable, sig, params: dict, context: dict) -> dict:
+    """Values from the command line (JSON) made into what the factory takes: a list becomes a
+    tensor where the parameter is annotated as a Tensor, and a string names a target (a library
+    mask, file.py:factory, module:function) where the factory takes a mod (a Callable)."""
+    if sig is None:
+        return params
+    hints = {}
+    try:
+        import typing
+
+        hints = typing.get_type_hints(factory)
+    except Exception:
+        hints = {n: p.annotation for n, p in sig.parameters.items() if p.annotation is not p.empty}
+    out = dict(params)
+    for key, value in params.items():
+        hint = hints.get(key)
+        text = str(hint)
+        if hint in (int, float) and (isinstance(value, (str, list, dict)) or value is None):
+            raise WorkbenchError(f"parameter {key} takes {hint.__name__}, got {json.dumps(value)}",
+                                 f"give a number, e.g. --param {key}=64", getattr(factory, "__name__", None))
+        if isinstance(value, (list, int, float)) and not isinstance(value, bool) and (
+                hint is torch.Tensor or "Tensor" in text and "Callable" not in text):
+            out[key] = torch.tensor(value, device=context.get("device") or "cpu")
+        elif isinstance(value, str) and ("Callable" in text or key.endswith("mod") or key.endswith("_fn")):
+            inner = make(value, q_len=context.get("q_len"), kv_len=context.get("kv_len"), device=context.get("device"))
+            mod = inner.mask_mod or inner.score_mod
+            if mod is None:
+                raise WorkbenchError(f"parameter {key}={value!r} names a target with no mod", "name a mask target",
+                                     getattr(factory, "__name__", None))
+            out[key] = mod
+    return out
+
+
 def make(factory: Callable | str, params: dict[str, Any] | None = None, *, q_len: int | None = None,
          kv_len: int | None = None, device: str | torch.device | None = None) -> Mask:
     """Call a factory with user parameters plus the context keywords it declares.
@@ -270,14 +377,14 @@ def make(factory: Callable | str, params: dict[str, Any] | None = None, *, q_len
         factory = load_factory(factory)
     params = dict(params or {})
     fname = getattr(factory, "__name__", "mask")
-    role = mod_role(factory)
+    role = mod_role(factory, params)
     if role is not None:
         role = returned_role(factory, fname)
-        if params:
-            raise WorkbenchError(f"{fname} is a {role} itself (it takes {_SIGNATURES[role].split('(')[1]}), so it "
-                                 f"takes no parameters, got {', '.join(params)}",
-                                 "drop --param, or point at the factory that builds the mod", fname)
         return Mask(name=fname, description=inspect.getdoc(factory) or "", **{role: factory})
+    if params and mod_role(factory) in ("mask_mod", "score_mod") and not any(
+            k in inspect.signature(factory).parameters for k in params):
+        raise WorkbenchError(f"{fname} is a mod itself, so it takes no parameters, got {', '.join(params)}",
+                             "drop --param, or point at the factory that builds the mod", fname)
     try:
         sig = inspect.signature(factory)
     except (TypeError, ValueError):
@@ -288,9 +395,15 @@ def make(factory: Callable | str, params: dict[str, Any] | None = None, *, q_len
             if key not in sig.parameters or key in CONTEXT_KEYS:
                 raise WorkbenchError(f"unknown parameter {key!r}",
                                      f"{fname} takes: {', '.join(known) or '(no parameters)'}", fname)
+    if sig is not None:
+        missing = [n for n, p in sig.parameters.items() if p.default is p.empty and n not in CONTEXT_KEYS
+                   and n not in params and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if missing:
+            raise WorkbenchError(f"the factory needs values for {', '.join(missing)}",
+                                 "give each with --param NAME=JSON (in Python: make(target, {...}))", fname)
     context = {"q_len": q_len, "kv_len": kv_len,
                "device": None if device is None else torch.device(device)}
-    kwargs = dict(params)
+    kwargs = _coerce_params(factory, sig, params, context)
     if sig is not None:
         for key, value in context.items():
             if key in sig.parameters and value is not None:
@@ -299,6 +412,9 @@ def make(factory: Callable | str, params: dict[str, Any] | None = None, *, q_len
         result = factory(**kwargs)
     except WorkbenchError as exc:
         raise exc.for_mask(fname)
+    except SystemExit as exc:
+        raise WorkbenchError(f"the factory called sys.exit({exc.code!r})", "return a Mask or a mod instead of "
+                             "exiting", fname) from None
     except Exception as exc:
         raise WorkbenchError(f"factory raised {type(exc).__name__}: {exc}",
                              "check the parameters against the factory's docstring", fname) from exc
@@ -325,12 +441,72 @@ def prepare(target: Callable | str | Mask, params: dict[str, Any] | None = None,
     it is), add a score target, bind to these lengths and this device, probe the mods. The CLI,
     the report and the app all start here."""
     kv_len = kv_len or q_len
+    device = check_device(device)
     mask = target if isinstance(target, Mask) else make(target, params, q_len=q_len, kv_len=kv_len, device=device)
     if score is not None:
         mask = with_score(mask, make(score, score_params, q_len=q_len, kv_len=kv_len, device=device))
     mask = bind(mask, q_len, kv_len, device)
-    probe(mask, device=device)
+    probe(mask, q_len=min(37, q_len), kv_len=min(45, kv_len), device=device)
     return mask
+
+
+def check_device(device: str | torch.device | None) -> torch.device:
+    """A device torch can run on here, or a WorkbenchError that says which ones exist."""
+    try:
+        dev = torch.device(device if device is not None else "cpu")
+    except (RuntimeError, TypeError) as exc:
+        raise WorkbenchError(f"unknown device {str(device)!r}", "use cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise WorkbenchError(f"{dev} was asked for but torch sees no GPU here",
+                                 "use --device cpu (device='cpu'), or run on a machine with a CUDA GPU")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise WorkbenchError(f"{dev} was asked for but there are {torch.cuda.device_count()} GPU(s)",
+                                 f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type not in ("cpu", "meta"):
+        raise WorkbenchError(f"device {dev} is not supported here", "use cpu or cuda")
+    return dev
+
+
+class TimedOut(Exception):
+    """User code did not return within its time limit."""
+
+
+def call_with_timeout(fn: Callable, seconds: float | None):
+    """fn() in a daemon thread, waited for at most `seconds` (None: no limit). A call still running
+    then raises TimedOut; the thread is left to finish or to die with the process (Python cannot
+    stop it), so later work can go on."""
+    if seconds is None:
+        return fn()
+    import threading
+
+    box: dict = {}
+
+    def work():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller's thread, SystemExit included
+            box["error"] = exc
+
+    thread = threading.Thread(target=work, daemon=True, name="workbench-user-code")
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimedOut(f"did not return within {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def output_folder(path: str | Path, name: str | None = None) -> Path:
+    """Create an output folder (and its parents), or a WorkbenchError naming why it cannot be."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise WorkbenchError(f"cannot write to {out}: {exc.strerror or exc}",
+                             "pass an output folder you can write to (-o DIR)", name) from exc
+    return out
 
 
 def cdiv(a: int, b: int) -> int:
@@ -411,7 +587,8 @@ def explain_mod_error(exc: BaseException, role: str, mod: Callable | None = None
                               "give the table one entry per head / batch entry / token asked for, or ask for "
                               f"fewer (at most {size}); a factory that takes q_len/kv_len/device keywords is "
                               "rebuilt for each size")
-    if "device" in text and ("same device" in text or "Expected all tensors" in text or "cuda" in text):
+    if "device" in text and ("same device" in text or "Expected all tensors" in text or "cuda" in text
+                             or "expected device" in text):
         tensors = [f"{n!r} on {t.device}" for n, t in closure.items() if isinstance(t, torch.Tensor)]
         return WorkbenchError(f"{role} mixes devices: it captures {', '.join(tensors) or 'a tensor'} ({first})",
                               "create the captured tensors on the run's device (a factory with a `device` "
@@ -424,40 +601,62 @@ def explain_mod_error(exc: BaseException, role: str, mod: Callable | None = None
                           "be indexable by every q_idx/kv_idx in range")
 
 
+def _check_result(out, shape: tuple, role: str, name: str) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise WorkbenchError(f"{role} returned {type(out).__name__}, not a tensor",
+                             "return a tensor expression of the index arguments", name)
+    if tuple(out.shape) != tuple(shape):
+        raise WorkbenchError(f"{role} returned a tensor of shape {tuple(out.shape)[len(shape):] or '()'} per pair; "
+                             "FlexAttention needs one value per (b, h, q_idx, kv_idx)",
+                             "reduce with .any() / .all() / .sum(), or index captured tables with one index per "
+                             "dimension", name)
+
+
 def probe(mask: Mask, q_len: int = 37, kv_len: int = 45, heads: int = 2, batch: int = 2,
           device: str | torch.device = "cpu") -> None:
     """Run the mods as FlexAttention would (vmapped over scalars) on a tiny problem and turn
     common mistakes into WorkbenchErrors: Python control flow or .item() on tensors, wrong
-    return types. Lengths are clipped to what the mask was built for."""
+    return types or shapes, tables too short, numpy arrays, random numbers, and mods that give
+    other values when called again (a changing global). Lengths are clipped to what the mask
+    was built for; heads / batch to what it is defined for."""
     q_len = min(q_len, mask.q_len or q_len)
     kv_len = min(kv_len, mask.kv_len or kv_len)
+    heads = min(heads, mask.heads or heads)
+    batch = min(batch, mask.batch or batch)
     idx = [torch.arange(n, device=device, dtype=torch.int32) for n in (batch, heads, q_len, kv_len)]
-    if mask.mask_mod is not None:
-        try:
-            out = compat.vmap_bhqkv(mask.mask_mod, *idx)
-        except Exception as exc:
-            raise explain_mod_error(exc, "mask_mod", mask.mask_mod).for_mask(mask.name) from exc
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
-            got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
-            raise WorkbenchError(f"mask_mod returned {got}, FlexAttention needs a bool tensor",
-                                 "return a comparison such as `q_idx >= kv_idx` (combine with & and |)",
-                                 mask.name)
-    if mask.score_mod is not None:
-        score = torch.randn(batch, heads, q_len, kv_len, device=device)
-        try:
-            out = compat.vmap_bhqkv(mask.score_mod, *idx, score=score)
-        except Exception as exc:
-            raise explain_mod_error(exc, "score_mod", mask.score_mod).for_mask(mask.name) from exc
-        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
-            got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
-            raise WorkbenchError(f"score_mod returned {got}, FlexAttention needs a float score",
+    shape = (batch, heads, q_len, kv_len)
+    for role, mod in (("mask_mod", mask.mask_mod), ("score_mod", mask.score_mod)):
+        if mod is None:
+            continue
+        score = torch.randn(shape, device=device) if role == "score_mod" else None
+        results = []
+        for _ in range(2):  # twice: a mask must not change between calls
+            try:
+                with torch.no_grad():
+                    results.append(compat.vmap_bhqkv(mod, *idx, score=score))
+            except Exception as exc:
+                raise explain_mod_error(exc, role, mod).for_mask(mask.name) from exc
+        out = results[0]
+        _check_result(out, shape, role, mask.name)
+        if role == "mask_mod" and out.dtype != torch.bool:
+            raise WorkbenchError(f"mask_mod returned {out.dtype}, FlexAttention needs a bool tensor",
+                                 "return a comparison such as `q_idx >= kv_idx` (combine with & and |)", mask.name)
+        if role == "score_mod" and not out.is_floating_point():
+            raise WorkbenchError(f"score_mod returned {out.dtype}, FlexAttention needs a float score",
                                  "return an expression of `score`, e.g. score + bias", mask.name)
+        if not torch.equal(results[0], results[1]) and not (
+                out.is_floating_point() and torch.equal(results[0].isnan(), results[1].isnan())
+                and torch.equal(results[0].nan_to_num(), results[1].nan_to_num())):
+            raise WorkbenchError(f"{role} gives different values when called twice on the same indices: it reads "
+                                 "something that changes between calls (a global counter, the clock, random numbers)",
+                                 "make it a pure function of its arguments and of tensors captured once", mask.name)
 
 
 # ---------------------------------------------------------------- what a mod captures and reads
 
 def _closure(fn: Callable | None) -> dict[str, object]:
-    """The values a function's closure cells hold, by name (empty cells left out)."""
+    """The values a function reads from outside: its closure cells, and the module globals it
+    names that hold data (tensors, arrays, numbers), by name."""
     code = getattr(fn, "__code__", None)
     out = {}
     for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
@@ -465,6 +664,11 @@ def _closure(fn: Callable | None) -> dict[str, object]:
             out[name] = cell.cell_contents
         except ValueError:  # an empty cell
             continue
+    module_globals = getattr(fn, "__globals__", {})
+    for name in getattr(code, "co_names", ()):
+        value = module_globals.get(name)
+        if isinstance(value, torch.Tensor) or (hasattr(value, "shape") and hasattr(value, "dtype")):
+            out.setdefault(name, value)
     return out
 
 
@@ -624,6 +828,7 @@ def choose_evaluator(mod: Callable, q_len: int, kv_len: int, batch: int = 1, hea
                 ref = evaluate_mod(mod, "vmap", b, h, q, kv, score=score)
         except Exception as exc:
             raise explain_mod_error(exc, f"{role}_mod", mod) from exc
+        _check_result(ref, shape, f"{role}_mod", None)
         if role == "mask" and (not isinstance(ref, torch.Tensor) or ref.dtype != torch.bool):
             got = ref.dtype if isinstance(ref, torch.Tensor) else type(ref).__name__
             raise WorkbenchError(f"mask_mod returned {got}, FlexAttention needs a bool tensor",

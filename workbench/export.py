@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 
 from workbench import porting
-from workbench.define import Mask, WorkbenchError, bind, cdiv
+from workbench.define import Mask, WorkbenchError, bind, cdiv, output_folder
 
 SPEC_VERSION = "1.0"
 SCHEMA_PATH = Path(__file__).with_name("spec.schema.json")
@@ -479,12 +479,7 @@ def validate_doc(doc: dict, where: str = "spec") -> None:
 def write_spec(spec: PortingSpec, out_dir: str | Path) -> tuple[Path, Path]:
     from safetensors.numpy import save_file
 
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise WorkbenchError(f"cannot write the spec to {out}: {exc.strerror or exc}",
-                             "pass an output folder you can write to (-o DIR)", spec.name) from exc
+    out = output_folder(out_dir, spec.name)
     base = _safe_name(spec.name)
     doc = dict(spec.doc)
     doc["tensor_file"] = f"{base}.golden.safetensors"
@@ -534,14 +529,31 @@ def load_spec(path: str | Path) -> PortingSpec:
     from safetensors.numpy import load_file
 
     path = Path(path)
+    if path.is_dir():
+        raise WorkbenchError(f"{path} is a directory, not a spec file", "pass the NAME.spec.json that `export` wrote")
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError as exc:
         raise WorkbenchError(f"no spec file at {path}", "pass the NAME.spec.json that `export` wrote") from exc
+    except UnicodeDecodeError as exc:
+        raise WorkbenchError(f"{path.name} is not UTF-8 text, so it is not a spec (nothing in it was run)",
+                             "pass the NAME.spec.json that `export` wrote") from exc
     except json.JSONDecodeError as exc:
         raise WorkbenchError(f"{path.name} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
                              "export the spec again, or repair the JSON") from exc
-    validate_doc(doc, path.name)
+    except RecursionError as exc:
+        raise WorkbenchError(f"{path.name} is nested too deeply to be a spec", "pass the NAME.spec.json that `export` "
+                             "wrote") from exc
+    except OSError as exc:
+        raise WorkbenchError(f"cannot read {path}: {exc.strerror or exc}", "pass a readable spec file") from exc
+    if not isinstance(doc, dict):
+        raise WorkbenchError(f"{path.name} holds a JSON {type(doc).__name__}, not a spec object (it fails the "
+                             "porting-spec schema)", "pass the NAME.spec.json that `export` wrote")
+    try:
+        validate_doc(doc, path.name)
+    except RecursionError as exc:
+        raise WorkbenchError(f"{path.name} is nested too deeply to be a spec", "pass the NAME.spec.json that `export` "
+                             "wrote") from exc
     st_path = path.with_name(doc["tensor_file"])
     try:
         tensors = load_file(str(st_path))
@@ -601,6 +613,12 @@ def check_shapes(spec: PortingSpec) -> None:
                         "q_ranges, k_ranges and attn_type_map differ in length")
     g = doc.get("golden")
     if g:
+        want = {"q": [q_len], "out": [q_len], "lse": [q_len], "k": [kv_len], "v": [kv_len]}
+        for key, (length,) in want.items():
+            declared = g["shapes"].get(key, [])
+            _expect(len(declared) >= 3 and declared[2] == length, f"golden/shapes/{key}",
+                    f"{key} has length {declared[2] if len(declared) >= 3 else '?'}, but shape says "
+                    f"{'q_len' if key in ('q', 'out', 'lse') else 'kv_len'} = {length}")
         for n in range(g["vectors"]):
             for key in ("q", "k", "v", "out", "lse"):
                 name = f"golden.{n}.{key}"
@@ -636,16 +654,74 @@ def doc_file(spec: PortingSpec) -> str:
 
 # ---------------------------------------------------------------- reading a spec back as a mask
 
-def spec_keep(spec: PortingSpec, b: int, h: int, rows: tuple[int, int]) -> np.ndarray:
-    """The spec's mask for (b, h), rows r0..r1-1, decoded from its row intervals."""
-    section = spec.doc["backends"]["row_intervals"]
-    if "by_batch" in section:
-        section = section["by_batch"][b]
-    if "by_head" in section:
-        section = section["by_head"][h]
-    table = _resolve(section["rows"], spec.tensors)
+DECODERS = ("flash_attn", "vllm_triton", "magi", "flashmask")  # exact sections a diff can read rows from
+MAX_DENSE_KV = 1 << 26
+
+
+def spec_rows(spec: PortingSpec, b: int, h: int) -> Callable[[int, int], list[list[tuple[int, int]]]]:
+    """The spec's kept runs [s, e) of rows r0..r1-1 for (b, h): read from `row_intervals` (no dense
+    matrix, any length), or decoded from another exact section when that one is missing."""
     kv_len = spec.doc["shape"]["kv_len"]
-    return porting.decode_row_intervals(table, kv_len)(*rows)
+    q_len = spec.doc["shape"]["q_len"]
+
+    def pick(section):
+        if "by_batch" in section:
+            section = section["by_batch"][min(b, len(section["by_batch"]) - 1)]
+        if "by_head" in section:
+            section = section["by_head"][min(h, len(section["by_head"]) - 1)]
+        return _resolve(section, spec.tensors)
+
+    backends = spec.doc["backends"]
+    if "row_intervals" in backends:
+        table = pick(backends["row_intervals"])["rows"]
+
+        def from_table(r0, r1):
+            out = []
+            for n in range(r0, r1):
+                runs = [(int(s), int(e)) for s, e in table[n] if e > s]
+                if any(s < 0 or e > kv_len for s, e in runs):
+                    raise WorkbenchError(f"row_intervals row {n} holds a run outside 0..{kv_len}",
+                                         "export the spec again")
+                out.append(runs)
+            return out
+        return from_table
+    target = next((t for t in DECODERS if t in backends), None)
+    if target is None:
+        raise WorkbenchError(f"{spec.name} has no section a diff can read rows from (row_intervals, "
+                             f"{', '.join(DECODERS)})", "export the spec again (row_intervals is always written)")
+    if kv_len > MAX_DENSE_KV:
+        raise WorkbenchError(f"{spec.name} has no row_intervals and kv_len = {kv_len:,} is too long to decode its "
+                             f"{target} section densely", "export the spec again (it writes row_intervals)")
+    section = pick(backends[target])
+    decode = {"flash_attn": lambda: porting.decode_flash_attn(section, q_len, kv_len),
+              "vllm_triton": lambda: porting.decode_vllm_triton(section, q_len, kv_len),
+              "magi": lambda: porting.decode_magi(section, q_len, kv_len),
+              "flashmask": lambda: porting.decode_flashmask(section, q_len, kv_len,
+                                                            np.asarray(section["startend_row_indices"]))}[target]()
+
+    def from_dense(r0, r1):
+        dense = torch.from_numpy(decode(r0, r1))
+        rise, fall = porting._runs(dense)
+        out = [[] for _ in range(r1 - r0)]
+        for (n, s), (_, e) in zip(rise, fall):
+            out[n].append((int(s), int(e)))
+        return out
+    return from_dense
+
+
+def _row_difference(ra: list, rb: list) -> list[tuple[int, int, bool]]:
+    """Where two rows' kept runs differ: (start, end, kept by a) pieces, in order."""
+    points = sorted({p for s, e in ra + rb for p in (s, e)})
+    out = []
+    for lo, hi in zip(points, points[1:]):
+        in_a = any(s <= lo and hi <= e for s, e in ra)
+        in_b = any(s <= lo and hi <= e for s, e in rb)
+        if in_a != in_b:
+            if out and out[-1][1] == lo and out[-1][2] == in_a:
+                out[-1] = (out[-1][0], hi, in_a)
+            else:
+                out.append((lo, hi, in_a))
+    return out
 
 
 # ---------------------------------------------------------------- conformance
@@ -675,12 +751,19 @@ def load_impl(target: str) -> Callable:
     return load_factory(target)
 
 
-def conformance(spec_path: str | Path, impl: Callable | str, device="cpu", dtype: str | None = None) -> ConformanceReport:
+def conformance(spec_path: str | Path, impl: Callable | str, device="cpu", dtype: str | None = None,
+                timeout: float | None = 300.0) -> ConformanceReport:
     """Run impl(q, k, v, spec) -> out on every golden vector and compare with the reference at
     the tolerance of impl's output dtype (or `dtype`). `spec` is the JSON dict with each
-    {"$tensor": name} replaced by a CPU torch tensor."""
+    {"$tensor": name} replaced by a CPU torch tensor. A call that raises, exits, returns
+    something other than a tensor of the right shape, or does not return within `timeout`
+    seconds fails its vector with the reason."""
+    from workbench.define import TimedOut, call_with_timeout
+    from workbench.run import dtype_name
     from workbench.verify import TOLERANCES, compare
 
+    if dtype is not None:
+        dtype = dtype_name(dtype)
     spec = load_spec(spec_path)
     if not spec.doc.get("golden"):
         raise WorkbenchError(f"{Path(spec_path).name} has no golden vectors (`golden` is null), so there is "
@@ -695,16 +778,28 @@ def conformance(spec_path: str | Path, impl: Callable | str, device="cpu", dtype
         want = torch.from_numpy(spec.tensors[f"golden.{n}.out"].copy())
         row = {"vector": n, "passed": False, "max_abs_err": None, "rel_err": None, "nan_count": None,
                "worst": "", "message": ""}
+        rows.append(row)
         try:
-            got = fn(q, k, v, resolved)
+            got = call_with_timeout(lambda: fn(q, k, v, resolved), timeout)
+        except TimedOut:
+            row["message"] = (f"did not return within {timeout:g} s; the remaining vectors were not run "
+                              "(raise --timeout if the implementation is just slow)")
+            break
+        except SystemExit as exc:
+            row["message"] = f"called sys.exit({exc.code!r}) instead of returning the output"
+            continue
         except Exception as exc:  # the candidate's failure is a result, not a crash
             row["message"] = f"raised {type(exc).__name__}: {str(exc).strip()[:300]}"
-            rows.append(row)
             continue
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             row["message"] = f"returned {shape}, want a tensor of shape {tuple(want.shape)}"
-            rows.append(row)
+            continue
+        if got.device.type == "meta":
+            row["message"] = "returned a meta tensor (a shape with no data)"
+            continue
+        if got.is_complex() or not (got.is_floating_point()):
+            row["message"] = f"returned {got.dtype}, want a floating-point output"
             continue
         out_dtype = dtype or str(got.dtype).removeprefix("torch.")
         tol = TOLERANCES.get(out_dtype, TOLERANCES["float32"])
@@ -712,8 +807,8 @@ def conformance(spec_path: str | Path, impl: Callable | str, device="cpu", dtype
         row.update(passed=check.passed, max_abs_err=check.max_abs_err, rel_err=check.rel_err,
                    nan_count=check.nan_count, worst=", ".join(f"{a}={i}" for a, i in check.worst.items()),
                    message=(f"{check.bad_count} elements outside atol {tol.atol:g} + rtol {tol.rtol:g} ({out_dtype})"
+                            + (f", {check.nan_count} NaN" if check.nan_count else "")
                             if not check.passed else "ok"))
-        rows.append(row)
     return ConformanceReport(spec=Path(spec_path).name, impl=impl_name, rows=rows)
 
 
@@ -727,50 +822,71 @@ class SpecDiff:
     shape_a: dict
     shape_b: dict
     score_same: bool
-    differing_pairs: int
-    examples: list[dict]  # first differences: b, h, q, kv and which spec keeps the pair
+    differing_pairs: int | None  # None when the specs cannot be compared pair by pair (other sizes)
+    examples: list[dict]  # first differences: b, h, rows q [q0, q1), keys kv [kv0, kv1), which spec keeps them
     notes: list[str]
 
     @property
     def line(self) -> str:
         if self.same:
             return f"SAME {self.a} and {self.b}: identical masks and scores"
-        return (f"DIFFERENT {self.a} vs {self.b}: {self.differing_pairs:,} pairs differ"
+        pairs = ("not comparable pair by pair" if self.differing_pairs is None
+                 else f"{self.differing_pairs:,} pairs differ")
+        return (f"DIFFERENT {self.a} vs {self.b}: {pairs}"
                 + ("" if self.score_same else "; scores differ") + ("; " + "; ".join(self.notes) if self.notes else ""))
 
 
 def diff_specs(path_a: str | Path, path_b: str | Path, max_examples: int = 10) -> SpecDiff:
+    """Whether two specs describe the same attention: their masks compared row by row on their
+    kept runs (no dense matrix, so any length), and their scores. Differences come back as
+    ranges: rows [q0, q1) where keys [kv0, kv1) are kept by only one of the two."""
     a, b = load_spec(path_a), load_spec(path_b)
+    name_a, name_b = _spec_label(a, path_a), _spec_label(b, path_b)
     sa, sb = a.doc["shape"], b.doc["shape"]
     notes = []
     score_same = a.doc["score"] == b.doc["score"] or _score_close(a, b)
     if (sa["q_len"], sa["kv_len"]) != (sb["q_len"], sb["kv_len"]):
-        notes.append(f"lengths differ: {sa['q_len']}x{sa['kv_len']} vs {sb['q_len']}x{sb['kv_len']}; export both at one size")
-        return SpecDiff(Path(path_a).name, Path(path_b).name, False, sa, sb, score_same, -1, [], notes)
-    B = max(sa["B"] or 1, sb["B"] or 1)
-    H = max(sa["H"] or 1, sb["H"] or 1)
+        notes.append(f"lengths differ: {name_a} is {sa['q_len']} x {sa['kv_len']} (q_len x kv_len), {name_b} is "
+                     f"{sb['q_len']} x {sb['kv_len']}; pairs can only be compared at one size: export both with the "
+                     "same --q-len / --kv-len")
+        return SpecDiff(name_a, name_b, False, sa, sb, score_same, None, [], notes)
     for key in ("B", "H"):
         if sa[key] and sb[key] and sa[key] != sb[key]:
-            notes.append(f"{key} differs: {sa[key]} vs {sb[key]}")
-            return SpecDiff(Path(path_a).name, Path(path_b).name, False, sa, sb, score_same, -1, [], notes)
+            notes.append(f"{key} differs: {sa[key]} vs {sb[key]}; export both with the same --batch / --heads")
+            return SpecDiff(name_a, name_b, False, sa, sb, score_same, None, [], notes)
+    B = max(sa["B"] or 1, sb["B"] or 1)
+    H = max(sa["H"] or 1, sb["H"] or 1)
     q_len = sa["q_len"]
-    step = max(1, porting.ROW_CHUNK_PAIRS // max(1, sa["kv_len"]))
+    step = 4096
     differing, examples = 0, []
     for bb in range(B):
         for hh in range(H):
+            rows_a, rows_b = spec_rows(a, bb, hh), spec_rows(b, bb, hh)
             for r0 in range(0, q_len, step):
                 r1 = min(q_len, r0 + step)
-                ka = spec_keep(a, min(bb, (sa["B"] or 1) - 1), min(hh, (sa["H"] or 1) - 1), (r0, r1))
-                kb = spec_keep(b, min(bb, (sb["B"] or 1) - 1), min(hh, (sb["H"] or 1) - 1), (r0, r1))
-                bad = np.argwhere(ka != kb)
-                differing += len(bad)
-                for r, c in bad[: max(0, max_examples - len(examples))]:
-                    examples.append({"b": bb, "h": hh, "q": int(r0 + r), "kv": int(c),
-                                     "kept_by": Path(path_a).name if ka[r, c] else Path(path_b).name})
+                for n, (ra, rb) in enumerate(zip(rows_a(r0, r1), rows_b(r0, r1))):
+                    if ra == rb:
+                        continue
+                    for lo, hi, in_a in _row_difference(ra, rb):
+                        differing += hi - lo
+                        q = r0 + n
+                        last = examples[-1] if examples else None
+                        if last and (last["b"], last["h"], last["q"][1], last["kv"], last["kept_by"]) == (
+                                bb, hh, q, [lo, hi], name_a if in_a else name_b):
+                            last["q"][1] = q + 1  # the same keys differ on the next row too: one range
+                        elif len(examples) < max_examples:
+                            examples.append({"b": bb, "h": hh, "q": [q, q + 1], "kv": [lo, hi],
+                                             "kept_by": name_a if in_a else name_b})
     if not score_same:
         notes.append(f"score {a.doc['score'].get('kind')} vs {b.doc['score'].get('kind')}")
-    return SpecDiff(Path(path_a).name, Path(path_b).name, differing == 0 and score_same, sa, sb, score_same,
-                    differing, examples, notes)
+    return SpecDiff(name_a, name_b, differing == 0 and score_same, sa, sb, score_same, differing, examples, notes)
+
+
+def _spec_label(spec: PortingSpec, path) -> str:
+    """The file name, with the parameters when they tell two exports apart."""
+    params = spec.doc.get("params") or {}
+    shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in params.items())
+    return f"{Path(path).name} ({shown})" if shown and len(shown) < 80 else Path(path).name
 
 
 def _score_close(a: PortingSpec, b: PortingSpec) -> bool:

@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from workbench import look
 from workbench.analyze import mask_stats
 from workbench.blocks import scan_blocks
-from workbench.define import Mask, WorkbenchError, bind, library, library_variants, make, prepare
+from workbench.define import (Mask, TimedOut, WorkbenchError, bind, call_with_timeout, index_reads, library,
+                              library_variants, make, output_folder, prepare)
 
 DEFAULT_LEN = 4096
 DEFAULT_HEADS = 4
@@ -140,7 +141,9 @@ def export_target(result: MaskResult, heads: int | None, batch: int | None, devi
     except WorkbenchError as exc:
         result.spec_note = f"no spec at {SPEC_LEN} tokens: {exc.message}"
         return
-    spec = build_spec(mask, q_len, kv_len, heads=mask.heads or (heads if mask.score_mod is not None else None),
+    # heads only where a mod reads h: golden vectors of a head-independent mask stay one head
+    reads_h = "h" in index_reads(mask.mask_mod) | index_reads(mask.score_mod, "score")
+    spec = build_spec(mask, q_len, kv_len, heads=mask.heads or (heads if reads_h else None),
                       batch=batch, head_dim=SPEC_HEAD_DIM, device=device, seed=0)
     json_path, _ = write_spec(spec, spec_dir)
     result.spec, result.spec_path = spec, str(json_path)
@@ -152,15 +155,23 @@ def library_targets() -> list[tuple[str, dict]]:
 
 def run_report(targets: list[tuple[str, dict]] | None = None, out_dir: str | Path = "out", q_len: int = DEFAULT_LEN,
                kv_len: int | None = None, heads: int | None = DEFAULT_HEADS, batch: int | None = None,
-               block_size=128, device: str | None = None, progress: bool = True) -> list[MaskResult]:
-    """Analyze each target and write out_dir/report.html, summary.json and summary.csv."""
+               block_size=128, device: str | None = None, progress: bool = True,
+               timeout: float | None = None) -> list[MaskResult]:
+    """Analyze each target and write out_dir/report.html, summary.json and summary.csv. A mask that
+    takes longer than `timeout` seconds is recorded as an error and the report goes on."""
     device = device or default_device()
     kv_len = kv_len or q_len
     targets = targets if targets is not None else library_targets()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    results = [analyze_target(t, p, q_len, kv_len, heads, batch, block_size, device, spec_dir=out / "specs")
-               for t, p in tqdm(targets, desc="report", disable=not progress)]
+    out = output_folder(out_dir)
+    results = []
+    for t, p in tqdm(targets, desc="report", disable=not progress):
+        try:
+            results.append(call_with_timeout(lambda: analyze_target(t, p, q_len, kv_len, heads, batch, block_size,
+                                                                    device, spec_dir=out / "specs"), timeout))
+        except TimedOut:
+            results.append(MaskResult(target=t, params=p, seconds=timeout,
+                                      error=f"{t}: timed out after {timeout:g} s (the factory or a stage did not "
+                                            "return). Fix: look for an endless loop in it, or raise --timeout"))
     summary = summary_frame(results)
     summary.to_csv(out / "summary.csv", index=False)
     (out / "summary.json").write_text(json.dumps(

@@ -116,7 +116,9 @@ def input_bytes(shape: Shape, dtype: str, backward: bool) -> int:
 def make_inputs(shape: Shape, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu",
                 seed: int | None = None, backward: bool = False) -> Inputs:
     """q, k, v ~ N(0, 1) drawn with `seed` (a fresh one when None), on `device` in `dtype`."""
-    dtype, device = dtype_name(dtype), torch.device(device)
+    from workbench.define import check_device
+
+    dtype, device = dtype_name(dtype), check_device(device)
     check_device_dtype(device, dtype)
     from workbench.blocks import device_memory
 

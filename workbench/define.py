@@ -731,20 +731,18 @@ def op_name(target) -> str:
     return name.split(".")[0]
 
 
-def index_reads(mod: Callable | None, role: str = "mask") -> frozenset[str]:
-    """Which of the mod's arguments (b, h, q_idx, kv_idx; score) its result depends on, read off
-    its traced graph by data flow. An argument used only for its dtype or device (torch's
-    `and_masks` calls b.new_ones) does not count. A mod that cannot be traced reads them all."""
+def _data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
+    """(arguments the result depends on, arguments that index a captured tensor), by data flow
+    over the traced graph. A mod that cannot be traced reads (and indexes with) everything."""
     names = MASK_ARGS if role == "mask" else SCORE_ARGS
-    if mod is None:
-        return frozenset()
     try:
         gm = trace_mod(mod, role)
     except Exception:
-        return frozenset(names)
+        return frozenset(names), frozenset(names)
     deps: dict[str, frozenset] = {}
     placeholders = iter(names)
     result: frozenset = frozenset()
+    indexing: frozenset = frozenset()
 
     def inputs_of(args) -> frozenset:
         out: frozenset = frozenset()
@@ -759,15 +757,29 @@ def index_reads(mod: Callable | None, role: str = "mask") -> frozenset[str]:
         if node.op == "placeholder":
             deps[node.name] = frozenset([next(placeholders, node.name)])
         elif node.op == "call_function":
-            if op_name(node.target) in _SHAPE_ONLY_OPS:
-                deps[node.name] = frozenset()
-            else:
-                deps[node.name] = inputs_of(list(node.args) + list(node.kwargs.values()))
+            op = op_name(node.target)
+            deps[node.name] = frozenset() if op in _SHAPE_ONLY_OPS else \
+                inputs_of(list(node.args) + list(node.kwargs.values()))
+            if op in ("index", "select", "slice", "gather", "index_select", "take"):
+                indexing |= inputs_of(list(node.args[1:]) + list(node.kwargs.values()))
         elif node.op == "output":
             result = inputs_of(node.args)
         else:
             deps[node.name] = frozenset()
-    return result
+    return result, indexing
+
+
+def index_reads(mod: Callable | None, role: str = "mask") -> frozenset[str]:
+    """Which of the mod's arguments (b, h, q_idx, kv_idx; score) its result depends on, read off
+    its traced graph by data flow. An argument used only for its dtype or device (torch's
+    `and_masks` calls b.new_ones) does not count. A mod that cannot be traced reads them all."""
+    return frozenset() if mod is None else _data_flow(mod, role)[0]
+
+
+def data_indices(mod: Callable | None, role: str = "mask") -> frozenset[str]:
+    """Which arguments index a captured tensor (w[h], lens[b], doc_id[q_idx]...): the mask is then
+    bound to the sizes of that data (heads, batch entries, tokens)."""
+    return frozenset() if mod is None else _data_flow(mod, role)[1]
 
 
 # ---------------------------------------------------------------- evaluating a mod on index tensors

@@ -320,8 +320,10 @@ def _translate_op(op, node, kwargs, value, as_elementwise, combine):
     raise Untranslatable(f"aten op `{op}` has no Triton translation here")
 
 
-def generate(mask: Mask) -> tuple[str, list[str], list[str], dict[str, torch.Tensor]]:
-    """(source, mask pointer args, score pointer args, captured tensors by name)."""
+def mod_functions(mask: Mask) -> tuple[list[str], list[str], list[str], dict[str, torch.Tensor]]:
+    """The helpers and the translated mods as Triton source parts (mask_mod_triton,
+    score_mod_triton: only those the mask has), their pointer arguments and the captured tensors
+    by name. Raises Untranslatable when a mod has no translation."""
     captured = dict(captured_tensors(mask))
     parts, mask_ptrs, score_ptrs = [HELPERS], [], []
     if mask.mask_mod is not None:
@@ -332,6 +334,13 @@ def generate(mask: Mask) -> tuple[str, list[str], list[str], dict[str, torch.Ten
         src, score_ptrs = _translate(trace_mod(mask.score_mod, "score"), "score_mod_triton",
                                      ["score", "b", "h", "q_idx", "kv_idx"], captured)
         parts.append(src)
+    used = {p[:-4] for p in mask_ptrs + score_ptrs}
+    return parts, mask_ptrs, score_ptrs, {k: v for k, v in captured.items() if k in used}
+
+
+def generate(mask: Mask) -> tuple[str, list[str], list[str], dict[str, torch.Tensor]]:
+    """(source, mask pointer args, score pointer args, captured tensors by name)."""
+    parts, mask_ptrs, score_ptrs, captured = mod_functions(mask)
     if mask.mask_mod is not None:
         ptr_params = "".join(f", {p}" for p in mask_ptrs)
         parts.append(f'''@triton.jit
@@ -356,9 +365,7 @@ def score_grid_kernel(score_ptr, out_ptr, b, h, Lq, Lk{ptr_params}, BLOCK_Q: tl.
     out = score_mod_triton(score, b, h, tl.minimum(q_idx, Lq - 1), tl.minimum(kv_idx, Lk - 1){ptr_params})
     tl.store(out_ptr + q_idx * Lk + kv_idx, out.to(tl.float32), mask=inside)
 ''')
-    used = {p[:-4] for p in mask_ptrs + score_ptrs}
-    return "import triton\nimport triton.language as tl\n\n\n" + "\n\n".join(parts), mask_ptrs, score_ptrs, \
-        {k: v for k, v in captured.items() if k in used}
+    return "import triton\nimport triton.language as tl\n\n\n" + "\n\n".join(parts), mask_ptrs, score_ptrs, captured
 
 
 def unsupported_reason(mask: Mask) -> str | None:

@@ -1,0 +1,226 @@
+"""The port: a standalone Triton attention kernel for any mask, generated from its mods.
+
+`generate` translates the mask_mod and score_mod to Triton (`triton_gen`) and fills them into
+`templates/attention.py`, a FlashAttention-2-style forward kernel that visits only the kv blocks
+holding kept pairs and evaluates the mask only in partial blocks. The result is one Python file
+(plus a safetensors file for captured tensors) that imports torch and triton only: no
+torch.compile, no FlexAttention. `write` puts it on disk, `load` imports it, `run` calls it on
+workbench inputs; `verify(..., backend="port")` judges it against the float64 reference.
+
+A mask that indexes captured per-token data (document ids, spans, a tree) is valid at the
+lengths of that data only; one that indexes per-head or per-sample tables, for as many heads or
+batch entries as the tables hold. The file states this and refuses other calls with a clear error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from workbench.define import Mask, WorkbenchError, data_indices, index_reads, output_folder
+
+TEMPLATE = Path(__file__).with_name("templates") / "attention.py"
+ENTRY = "attention"
+DTYPES = ("bfloat16", "float16", "float32")
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner chooses from on a GPU. BLOCK_M 16 serves
+# calls with at most 16 queries (decode); the others cover D = 64..256 on Hopper.
+CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 4), (64, 64, 4, 3),
+           (16, 64, 4, 3), (16, 128, 4, 2)]
+
+
+@dataclass
+class PortSource:
+    """A generated port: the file's text, the tensors it reads, and the sizes it is valid for."""
+
+    name: str
+    source: str
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    valid_q_len: int | None = None
+    valid_kv_len: int | None = None
+    valid_heads: int | None = None
+    valid_batch: int | None = None
+
+    @property
+    def module_name(self) -> str:
+        return f"{_identifier(self.name)}_attention"
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.module_name}.py"
+
+    @property
+    def tensor_file(self) -> str | None:
+        return f"{self.module_name}.safetensors" if self.tensors else None
+
+    def valid_for(self) -> str:
+        lengths = ("any Lq, Lk" if self.valid_q_len is None and self.valid_kv_len is None else
+                   f"Lq = {self.valid_q_len}, Lk = {self.valid_kv_len} only (the mask reads per-token data)")
+        heads = "any heads" if self.valid_heads is None else f"up to {self.valid_heads} query heads (a per-head table)"
+        batch = "any batch" if self.valid_batch is None else f"up to {self.valid_batch} batch entries (a per-sample table)"
+        return f"{lengths}; {heads}; {batch}"
+
+    def section(self) -> dict:
+        """The spec's `backends.triton_attention`."""
+        return {"file": self.file_name, "tensor_file": self.tensor_file, "entry": ENTRY, "dtypes": list(DTYPES),
+                "q_len": self.valid_q_len, "kv_len": self.valid_kv_len, "max_heads": self.valid_heads,
+                "max_batch": self.valid_batch, "valid_for": self.valid_for(),
+                "call": f"{ENTRY}(q, k, v, *, scale=None, return_lse=False): q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D]"}
+
+
+def _identifier(name: str) -> str:
+    text = re.sub(r"\W+", "_", name).strip("_") or "mask"
+    return text if not text[0].isdigit() else f"m_{text}"
+
+
+def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | None = None,
+             batch: int | None = None) -> PortSource:
+    """The port of `mask`, generated at these sizes (which decide only what a data-bound mask is
+    valid for). Raises a WorkbenchError naming the construct when a mod has no Triton translation."""
+    from workbench.triton_gen import Untranslatable, mod_functions
+
+    kv_len = kv_len or q_len
+    try:
+        parts, mask_ptrs, score_ptrs, captured = mod_functions(mask)
+    except Untranslatable as exc:
+        raise WorkbenchError(f"the mods cannot be written as Triton: {exc}",
+                             "rewrite that part with elementwise torch ops (comparisons, arithmetic, torch.where, "
+                             "indexing captured tensors, .any()/.all() over small tables)", mask.name) from exc
+    except Exception as exc:
+        raise WorkbenchError(f"the mods could not be traced for Triton: {type(exc).__name__}: {exc}",
+                             "check them with `probe(mask)`", mask.name) from exc
+    if mask.mask_mod is None:
+        parts.append("@triton.jit\ndef mask_mod_triton(b, h, q_idx, kv_idx):\n    # no mask_mod: every pair is kept\n"
+                     "    return (q_idx >= 0) & (kv_idx >= 0)\n")
+    if mask.score_mod is None:
+        parts.append("@triton.jit\ndef score_mod_triton(score, b, h, q_idx, kv_idx):\n    # no score_mod\n"
+                     "    return score\n")
+    indexed = data_indices(mask.mask_mod) | data_indices(mask.score_mod, "score")
+    per_token = bool(indexed & {"q_idx", "kv_idx"}) or mask.q_len is not None
+    reads = index_reads(mask.mask_mod)
+    port = PortSource(
+        name=mask.name, source="",
+        tensors={name: t.detach().contiguous().cpu() for name, t in captured.items()},
+        valid_q_len=q_len if per_token else None, valid_kv_len=kv_len if per_token else None,
+        valid_heads=(mask.heads or heads) if "h" in indexed else None,
+        valid_batch=(mask.batch or batch) if "b" in indexed else None)
+    mask_names = [p[: -len("_ptr")] for p in mask_ptrs]
+    all_ptrs = list(dict.fromkeys(mask_ptrs + score_ptrs))
+
+    def params(ptrs):
+        return "".join(f"{p}, " for p in ptrs)
+
+    def args(ptrs):
+        return "".join(f", {p}" for p in ptrs)
+
+    text = TEMPLATE.read_text()
+    source_comment = textwrap.indent(mask.source.strip() or "(source not available)", "    ")
+    fills = {
+        "@@TITLE@@": f"{mask.name}: attention with this mask and score as one standalone Triton kernel.",
+        "@@MODULE@@": port.module_name,
+        "@@VALID@@": port.valid_for(),
+        "@@TENSOR_FILE@@": port.tensor_file or "nothing (this mask captures no tensors)",
+        "@@SOURCE@@": source_comment.replace('"""', "'''").replace("\\", "\\\\"),
+        "@@MODS@@": "\n\n".join(p.strip() + "\n" for p in parts).rstrip(),
+        "@@NAME@@": repr(mask.name),
+        "@@VALID_Q_LEN@@": repr(port.valid_q_len), "@@VALID_KV_LEN@@": repr(port.valid_kv_len),
+        "@@VALID_HEADS@@": repr(port.valid_heads), "@@VALID_BATCH@@": repr(port.valid_batch),
+        "@@READS_B@@": repr("b" in reads), "@@READS_H@@": repr("h" in reads),
+        "@@HAS_MASK@@": repr(mask.mask_mod is not None), "@@HAS_SCORE@@": repr(mask.score_mod is not None),
+        "@@MASK_POINTERS@@": repr(mask_names),
+        "@@ALL_POINTERS@@": repr([p[: -len("_ptr")] for p in all_ptrs]),
+        "@@TENSOR_FILE_NAME@@": repr(port.tensor_file),
+        "@@MASK_PTR_PARAMS@@": params(mask_ptrs), "@@MASK_PTR_ARGS@@": args(mask_ptrs),
+        "@@SCORE_PTR_ARGS@@": args(score_ptrs),
+        "@@ALL_PTR_PARAMS@@": params(all_ptrs), "@@ALL_PTR_ARGS@@": args(all_ptrs),
+        "@@CONFIGS@@": repr(CONFIGS),
+    }
+    for key, value in fills.items():
+        text = text.replace(key, value)
+    text = re.sub(r"\n[ ]+\n", "\n", text)  # parameter lines left empty by masks without tables
+    port.source = text
+    return port
+
+
+def write(port: PortSource, out_dir: str | Path) -> Path:
+    """Write NAME_attention.py (and NAME_attention.safetensors when the mask captures tensors)."""
+    out = output_folder(out_dir, port.name)
+    path = out / port.file_name
+    path.write_text(port.source)
+    if port.tensors:
+        from safetensors.torch import save_file
+
+        save_file(port.tensors, str(out / port.tensor_file), metadata={"port": port.file_name})
+    return path
+
+
+def build(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | None = None, batch: int | None = None,
+          out_dir: str | Path | None = None) -> Path:
+    """generate + write: the port's file (in a temporary folder unless `out_dir` is given)."""
+    import tempfile
+
+    port = generate(mask, q_len, kv_len, heads, batch)
+    folder = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="workbench_port_"))
+    return write(port, folder)
+
+
+def load(path: str | Path):
+    """Import a generated port from its file, the way a user would. On a machine without a GPU,
+    Triton runs kernels only under its CPU interpreter, which must be switched on
+    (TRITON_INTERPRET=1) before triton is first imported: use `run_file` there."""
+    path = Path(path)
+    if not path.is_file():
+        raise WorkbenchError(f"no port file at {path}", "generate it with `python -m workbench port ... -o DIR`")
+    name = f"{path.stem}_{abs(hash(str(path.resolve()))) % 10**8}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def in_process(device: torch.device) -> bool:
+    """Can this process run a port's kernels on `device`? On CUDA yes; on a CPU only when Triton's
+    interpreter was on from the start (TRITON_INTERPRET=1 in the environment)."""
+    from workbench.kernels import interpreting
+
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+             timeout: float = 1800) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the port at `path` on q, k, v. In this process on a GPU; on a CPU in a fresh
+    process under Triton's interpreter (the port's files alone, as a user would run them)."""
+    if in_process(q.device):
+        module = load(path)
+        try:
+            return module.attention(q, k, v, scale=scale, return_lse=True)
+        except (ValueError, TypeError) as exc:  # the file's own checks: sizes it is not valid for
+            raise WorkbenchError(f"the port refused the call: {exc}", "generate it again for these sizes") from exc
+    import subprocess
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(tempfile.mkdtemp(prefix="workbench_port_run_"))
+    save_file({"q": q.contiguous().cpu(), "k": k.contiguous().cpu(), "v": v.contiguous().cpu()},
+              str(folder / "inputs.safetensors"))
+    cmd = [sys.executable, "-m", "workbench.port_runner", str(path), str(folder / "inputs.safetensors"),
+           str(folder / "outputs.safetensors")] + ([] if scale is None else [repr(float(scale))])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        if done.returncode == 3:
+            raise WorkbenchError(f"the port refused the call: {last}", "generate it again for these sizes")
+        raise WorkbenchError(f"the port failed under Triton's interpreter: {last[:400]}",
+                             "run the port file by hand to see the traceback (TRITON_INTERPRET=1 on a CPU)")
+    result = load_file(str(folder / "outputs.safetensors"))
+    return result["out"].to(q.device), result["lse"].to(q.device)

@@ -1,0 +1,33 @@
+"""Run a generated port on saved inputs, in a process of its own (on a CPU: under Triton's
+interpreter, which must be on before triton is imported). Used by `port.run_file`.
+
+    TRITON_INTERPRET=1 python -m workbench.port_runner PORT.py INPUTS.safetensors OUT.safetensors [SCALE]
+
+Exit 0 with OUT holding `out` and `lse`; 3 when the port refuses the call (sizes it is not valid
+for), with the reason on the last line of stderr.
+"""
+
+import importlib.util
+import sys
+
+
+def main(argv: list[str]) -> int:
+    from safetensors.torch import load_file, save_file
+
+    port_path, inputs_path, out_path = argv[:3]
+    scale = float(argv[3]) if len(argv) > 3 else None
+    spec = importlib.util.spec_from_file_location("port_under_test", port_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    inputs = load_file(inputs_path)
+    try:
+        out, lse = module.attention(inputs["q"], inputs["k"], inputs["v"], scale=scale, return_lse=True)
+    except (ValueError, TypeError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 3
+    save_file({"out": out.contiguous(), "lse": lse.contiguous()}, out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -5,6 +5,7 @@
     python -m workbench blocks TARGET [--param k=JSON ...] --q-len N --kv-len M [-o DIR] [--json] [--engine E]
     python -m workbench verify TARGET [--param k=JSON ...] [--score TARGET] --q-len N [--backward] [--json]
     python -m workbench export TARGET [--param k=JSON ...] [--score TARGET] --q-len N -o DIR
+    python -m workbench port TARGET [--param k=JSON ...] [--score TARGET] --q-len N -o DIR
     python -m workbench conformance DIR/NAME.spec.json --impl path.py:function
     python -m workbench diff A.spec.json B.spec.json
 
@@ -104,8 +105,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", action="store_true", help="also check dq, dk, dv (CUDA only)")
     p.add_argument("--seed", type=int, help="input seed (default: a fresh one, printed)")
     p.add_argument("--eager", action="store_true", help="run flex_attention without torch.compile")
+    p.add_argument("--backend", choices=["flex", "port"], default="flex",
+                   help="judge FlexAttention (default) or the generated Triton port (`workbench port`)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("port", help="generate a standalone Triton attention kernel for a mask",
+                       description="Write DIR/NAME_attention.py (and its tensors): attention under TARGET's mask and "
+                                   "score as one Triton kernel that imports only torch and triton. The port is then "
+                                   "verified against the float64 reference and, on a GPU, timed against compiled "
+                                   "FlexAttention.")
+    _add_target_args(p)
+    _add_size_args(p, required=True)
+    p.add_argument("--kv-heads", type=positive_int, help="key/value heads of the check (default: --heads)")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="head dimension of the check (default 64)")
+    p.add_argument("--dtype", help="dtype of the check (default: bfloat16 on a GPU, float32 on a CPU)")
+    p.add_argument("--seed", type=int, help="input seed of the check")
+    p.add_argument("--no-verify", action="store_true", help="only write the file")
+    p.add_argument("-o", "--out", required=True, help="output folder")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_port)
 
     p = sub.add_parser("export", help="write the porting spec and golden vectors of a mask",
                        description="Write DIR/NAME.spec.json and DIR/NAME.golden.safetensors: every backend form that "
@@ -235,7 +254,7 @@ def cmd_verify(args) -> int:
     shape = Shape(batch=args.batch or 1, q_heads=heads, kv_heads=args.kv_heads or heads, q_len=q_len,
                   kv_len=kv_len, head_dim=args.head_dim)
     verdict = verify(mask, shape, dtype=args.dtype, device=device, backward=args.backward, seed=args.seed,
-                     compile=not args.eager, block_size=_block_size(args))
+                     compile=not args.eager, block_size=_block_size(args), backend=args.backend)
     if args.json:
         print(json.dumps(verdict.to_dict()))
     else:
@@ -247,6 +266,42 @@ def cmd_verify(args) -> int:
         for f in verdict.findings:
             print(f"{f.severity}: {f.kind}: {f.message}")
     return 0 if verdict.passed else 1
+
+
+def cmd_port(args) -> int:
+    from workbench import port
+    from workbench.run import Shape
+    from workbench.verify import verify
+
+    q_len, kv_len, device = args.q_len, args.kv_len or args.q_len, _device(args)
+    mask = load_mask(args, q_len, kv_len, device)
+    heads = args.heads or mask.heads or 1
+    source = port.generate(mask, q_len, kv_len, heads=heads, batch=args.batch)
+    path = port.write(source, args.out)
+    record = {"file": str(path), "tensor_file": source.tensor_file, "valid_for": source.valid_for()}
+    lines = [f"wrote {path}" + (f" and {source.tensor_file}" if source.tensor_file else ""),
+             f"valid for: {source.valid_for()}"]
+    passed = True
+    if not args.no_verify:
+        dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+        shape = Shape(batch=args.batch or 1, q_heads=heads, kv_heads=args.kv_heads or heads, q_len=q_len,
+                      kv_len=kv_len, head_dim=args.head_dim)
+        verdict = verify(mask, shape, dtype=dtype, device=device, seed=args.seed, backend="port", port_path=path)
+        passed = verdict.passed
+        record["verify"] = verdict.to_dict()
+        lines.append(verdict.line)
+        if device.startswith("cuda") and passed:
+            from workbench.run import time_port_and_flex
+
+            timing = time_port_and_flex(mask, shape, path, dtype=dtype)
+            record["timing"] = timing
+            lines.append(f"forward {dtype}: port {timing['port_ms']:.3f} ms, compiled FlexAttention "
+                         f"{timing['flex_ms']:.3f} ms: the port runs at {timing['speed_vs_flex']:.2f}x Flex's speed")
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print("\n".join(lines))
+    return 0 if passed else 1
 
 
 def cmd_export(args) -> int:

@@ -25,7 +25,8 @@ from workbench.define import Mask, WorkbenchError, bind, cdiv, output_folder
 
 SPEC_VERSION = "1.0"
 SCHEMA_PATH = Path(__file__).with_name("spec.schema.json")
-TARGETS = ("flash_attn", "vllm_triton", "magi", "flashmask", "row_intervals", "block_sparse", "triton")
+TARGETS = ("flash_attn", "vllm_triton", "magi", "flashmask", "row_intervals", "block_sparse", "triton",
+           "triton_attention")
 INLINE_LIMIT = 4096  # integer arrays longer than this go to the safetensors file
 GOLDEN_VECTORS = 2
 
@@ -36,6 +37,7 @@ class PortingSpec:
 
     doc: dict
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    port: Any = None  # port.PortSource: the generated attention file, written next to the spec
 
     @property
     def name(self) -> str:
@@ -266,11 +268,17 @@ def build_spec(mask: Mask, q_len: int, kv_len: int | None = None, *, heads: int 
         if isinstance(section, dict) and "by_head" not in section and "by_batch" not in section:
             section["generalizes"] = note
     reasons["triton"] = reasons.get("triton") or triton_reason(mask)
+    port_source = None
     if reasons["triton"] is None:
+        from workbench import port
         from workbench.triton_gen import triton_section
 
         del reasons["triton"]
         backends["triton"] = triton_section(mask, tensors)
+        port_source = port.generate(mask, q_len, kv_len, heads=heads or H, batch=batch or B)
+        backends["triton_attention"] = port_source.section()
+    else:
+        reasons["triton_attention"] = reasons["triton"]
     doc = {
         "spec_version": SPEC_VERSION,
         "name": mask.name,
@@ -299,7 +307,7 @@ def build_spec(mask: Mask, q_len: int, kv_len: int | None = None, *, heads: int 
     else:
         doc["cost"] = {"density": 1.0, "block_density": 1.0, "head_dim": head_dim,
                        "kept_flops": 4.0 * head_dim * q_len * kv_len * (heads or 1) * (batch or 1)}
-    spec = PortingSpec(doc, tensors)
+    spec = PortingSpec(doc, tensors, port=port_source)
     if golden:
         add_golden(spec, mask, batch=batch or B or 1, heads=heads or H or 1, head_dim=head_dim, device=device, seed=seed)
     return spec
@@ -490,6 +498,10 @@ def write_spec(spec: PortingSpec, out_dir: str | Path) -> tuple[Path, Path]:
     save_file({k: np.ascontiguousarray(v) for k, v in spec.tensors.items()}, str(st_path),
               metadata={"spec": json_path.name, "spec_version": SPEC_VERSION})
     json_path.write_text(json.dumps(doc, indent=1))
+    if spec.port is not None:
+        from workbench import port
+
+        port.write(spec.port, out)
     return json_path, st_path
 
 

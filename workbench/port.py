@@ -31,8 +31,7 @@ ENTRY = "attention"
 DTYPES = ("bfloat16", "float16", "float32")
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner chooses from on a GPU. BLOCK_M 16 serves
 # calls with at most 16 queries (decode); the others cover D = 64..256 on Hopper.
-CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 4), (64, 64, 4, 3),
-           (16, 64, 4, 3), (16, 128, 4, 2)]
+CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2)]
 
 
 @dataclass

@@ -378,3 +378,26 @@ def check_block_mask(block_mask: BlockMask, shape: Shape, name: str | None = Non
         raise WorkbenchError(f"the block mask has batch={b}, heads={h}, the inputs batch={shape.batch}, "
                              f"heads={shape.q_heads}; they do not broadcast",
                              "build it with heads/batch None (broadcast) or equal to the inputs'", name)
+
+
+# ---------------------------------------------------------------- the port beside FlexAttention
+
+def time_port_and_flex(mask: Mask, shape: Shape, port_path, dtype: str = "bfloat16", device="cuda",
+                       warmup: int = 25, rep: int = 100) -> dict:
+    """Forward times of the generated port and of compiled FlexAttention on the same inputs, side by
+    side (triton.testing.do_bench medians, ms; block lists, autotuning and compiles done first)."""
+    from triton.testing import do_bench
+
+    from workbench import port
+
+    inputs = make_inputs(shape, dtype, device, seed=0)
+    module = port.load(port_path)
+    module.attention(inputs.q, inputs.k, inputs.v)  # block lists and autotuning, outside the timing
+    port_ms = do_bench(lambda: module.attention(inputs.q, inputs.k, inputs.v), warmup=warmup, rep=rep)
+    flex = run_flex(mask, inputs)  # builds the block mask and compiles, outside the timing
+    flex_fn = compiled_flex_attention()
+    with torch.no_grad():
+        flex_ms = do_bench(lambda: flex_fn(inputs.q, inputs.k, inputs.v, score_mod=mask.score_mod,
+                                           block_mask=flex.block_mask, enable_gqa=shape.gqa), warmup=warmup, rep=rep)
+    return {"port_ms": port_ms, "flex_ms": flex_ms, "speed_vs_flex": flex_ms / port_ms, "dtype": dtype,
+            "device": torch.cuda.get_device_name(inputs.device), "torch": torch.__version__}

@@ -216,7 +216,7 @@ def _translate_op(op, node, kwargs, value, as_elementwise, combine):
                 v = v.expr
             parts.append(f"({v}) * {stride}" if stride != 1 else f"({v})")
         rest_shape, rest_strides = base.shape[len(idx):], base.strides[len(idx):]
-        offset = " + ".join(parts)
+        offset = " + ".join(p for p in parts if p != "0") or "0"
         if vec_n is not None:
             if rest_shape:
                 raise Untranslatable("a vector index into a table with dimensions left over")

@@ -362,6 +362,7 @@ class Verdict:
     reference_seconds: float
     reference_dtype: str
     torch_version: str = torch.__version__
+    backend: str = "flex"
 
     @property
     def passed(self) -> bool:
@@ -401,7 +402,7 @@ class Verdict:
 
     def to_dict(self) -> dict:
         out = {"name": self.name, "passed": self.passed, "dtype": self.dtype, "device": self.device,
-               "seed": self.seed, "compiled": self.compiled, **asdict(self.shape),
+               "seed": self.seed, "compiled": self.compiled, "backend": self.backend, **asdict(self.shape),
                "max_abs_err": max(c.max_abs_err for c in self.checks),
                "rel_err": max(c.rel_err for c in self.checks),
                "nan_count": sum(c.nan_count for c in self.checks),
@@ -429,9 +430,12 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
            backward: bool = False, seed: int | None = None, compile: bool = True,
            block_mask: BlockMask | None = None, block_size: int | tuple[int, int] = 128,
            expected: Mask | None = None, reference_dtype: torch.dtype | None = None,
-           memory_budget: int | None = None, progress: bool | None = None) -> Verdict:
-    """Run `mask` through FlexAttention and compare with the eager reference of `expected`
-    (default: the same mask) on fresh random inputs.
+           memory_budget: int | None = None, progress: bool | None = None, backend: str = "flex",
+           port_path=None) -> Verdict:
+    """Run `mask` through FlexAttention (backend="flex") or through its generated Triton port
+    (backend="port": `workbench.port`, written to a temporary folder unless `port_path` names the
+    file) and compare with the eager reference of `expected` (default: the same mask) on fresh
+    random inputs.
 
     `block_mask`: use this block mask instead of building one (it is checked against the mask).
     `expected`: the attention the run should equal -- e.g. the intended mask when `mask` is a
@@ -453,8 +457,12 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
 
         check_block_mask(block_mask, shape, mask.name)
         findings += block_mask_findings(mask, block_mask, shape)
-    run: FlexRun = run_flex(mask, inputs, block_mask=block_mask, block_size=block_size, backward=backward,
-                            compile=compile)
+    if backend == "port":
+        run = _run_port(mask, inputs, backward, port_path)
+    elif backend == "flex":
+        run = run_flex(mask, inputs, block_mask=block_mask, block_size=block_size, backward=backward, compile=compile)
+    else:
+        raise WorkbenchError(f"unknown backend {backend!r}", "use backend='flex' or 'port'", mask.name)
     ref = reference_attention(expected, inputs, backward=backward, dtype=reference_dtype,
                               memory_budget=budget, progress=progress)
     if run.compile_error:
@@ -483,11 +491,31 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
                                 f"{ref.fully_masked_rows} query row(s) keep no key, e.g. {ex}. FlexAttention returns 0 "
                                 "there with lse = -inf; a softmax kernel (SDPA, FA with a dense mask) gives NaN or "
                                 "uniform weights instead. Any port must special-case these rows"))
-    return Verdict(name=mask.name if expected is mask else f"{mask.name} vs {expected.name}", shape=shape, dtype=dtype,
-                   device=str(device), seed=inputs.seed, compiled=compile, checks=checks, findings=findings,
+    name = mask.name if expected is mask else f"{mask.name} vs {expected.name}"
+    return Verdict(name=name + (" (Triton port)" if backend == "port" else ""), shape=shape, dtype=dtype,
+                   device=str(device), seed=inputs.seed, compiled=run.compiled, checks=checks, findings=findings,
                    fully_masked_rows=ref.fully_masked_rows, masked_row_examples=ref.masked_row_examples,
                    compile_seconds=run.compile_seconds, run_seconds=run.run_seconds, reference_seconds=ref.seconds,
-                   reference_dtype=ref.dtype)
+                   reference_dtype=ref.dtype, backend=backend)
+
+
+def _run_port(mask: Mask, inputs: Inputs, backward: bool, port_path=None) -> FlexRun:
+    """The generated Triton port on `inputs`, timed (forward only)."""
+    import time as _time
+
+    from workbench import port
+
+    if backward:
+        raise WorkbenchError("the Triton port is forward only", "drop --backward, or verify FlexAttention's backward "
+                             "(--backend flex)", mask.name)
+    shape = inputs.shape
+    path = port_path or port.build(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch)
+    start = _time.perf_counter()
+    out, lse = port.run_file(path, inputs.q, inputs.k, inputs.v)
+    if inputs.device.type == "cuda":
+        torch.cuda.synchronize(inputs.device)
+    return FlexRun(out=out, lse=lse, compiled=False, compile_seconds=None,
+                   run_seconds=_time.perf_counter() - start)
 
 
 def _grad_tolerance(dtype: str, name: str, ref: torch.Tensor) -> Tolerance:

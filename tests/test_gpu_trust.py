@@ -1,0 +1,52 @@
+"""Trust at length on the GPU: mods drawn from the trust grammar at 32K tokens, judged compiled in
+bf16, with block masks equal to torch's (compiled create_block_mask). Run with `pytest -m gpu`."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from run_port_corpus import random_mod  # noqa: E402
+from test_trust import same_block_mask  # noqa: E402
+from workbench.blocks import build_block_mask  # noqa: E402
+from workbench.run import Shape  # noqa: E402
+from workbench.verify import verify  # noqa: E402
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(4))
+def test_drawn_mods_at_32k(cuda, seed):
+    rng = random.Random(100 + seed)
+    q_len = 32768 - rng.randint(0, 300)
+    kv_len = q_len + rng.randint(0, 300)
+    batch, heads = rng.randint(1, 2), rng.randint(1, 4)
+    mask = random_mod(rng, q_len, kv_len, batch, heads)
+    mask = mask.replace(mask_mod=_on_cuda(mask.mask_mod))
+    ours = build_block_mask(mask, q_len, kv_len, heads=heads, batch=batch, device=cuda)
+    ref = torch.compile(create_block_mask)(mask.mask_mod, batch, heads, q_len, kv_len, device=cuda)
+    same_block_mask(ours, ref)
+    verdict = verify(mask, Shape(batch=batch, q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=64),
+                     dtype="bfloat16", device=cuda, seed=seed)
+    assert verdict.passed, verdict.line
+
+
+def _on_cuda(mod):
+    """The drawn mod with its captured tensors moved to the GPU (closures are rebuilt by value)."""
+    import types
+
+    cells = []
+    for cell in mod.__closure__ or ():
+        value = cell.cell_contents
+        if isinstance(value, torch.Tensor):
+            value = value.cuda()
+        elif callable(value) and getattr(value, "__closure__", None):
+            value = _on_cuda(value)
+        elif isinstance(value, tuple):
+            value = tuple(_on_cuda(v) if callable(v) and getattr(v, "__closure__", None) else v for v in value)
+        cells.append(types.CellType(value))
+    return types.FunctionType(mod.__code__, mod.__globals__, mod.__name__, mod.__defaults__, tuple(cells) or None)

@@ -1,0 +1,129 @@
+"""The generated Triton port: a standalone file that imports torch and triton only, run from its
+files alone (a fresh process; Triton's CPU interpreter here, the GPU in test_gpu_port.py) and
+judged against the float64 reference and the spec's golden vectors."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from workbench import Mask, make
+from workbench.cli import main
+from workbench.define import WorkbenchError
+from workbench.run import Shape, make_inputs
+from workbench.verify import verify
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ports_of_the_corpus_and_random_mods_match_the_reference_and_goldens():
+    """49 corpus mods (library, user-style, attention-gym-style), 10 random grammar mods and 8
+    library specs' golden vectors through `conformance`: every port matches (fp32, interpreter)."""
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "run_port_corpus.py"), "cpu", "10", "float32",
+                          "conformance"], capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"),
+                         timeout=900)
+    summary = [line for line in out.stdout.splitlines() if line.startswith("SUMMARY")]
+    assert out.returncode == 0 and summary, out.stdout[-4000:] + out.stderr[-3000:]
+    passed, total = (int(x) for x in summary[0].split()[1].split("/"))
+    assert passed == total >= 67, summary
+
+
+def test_generated_file_imports_only_torch_and_triton(tmp_path):
+    from workbench import port
+
+    path = port.build(make("image_spans", q_len=300, kv_len=300), 300, 300, out_dir=tmp_path)
+    tree = ast.parse(path.read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in node.names} | {node.module.split(".")[0] for node in ast.walk(tree)
+                                           if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported <= {"json", "math", "os", "struct", "torch", "triton"}, imported
+    names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {
+        n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert "compile" not in names and not any("flex" in n.lower() for n in names), names
+    assert (tmp_path / path.name.replace(".py", ".safetensors")).exists()  # the spans table
+
+
+@pytest.mark.parametrize("q_len", [1, 7, 16])
+def test_decode_shapes(q_len):
+    """A few queries against many keys (decode, chunked prefill) take the port's 16-row configs."""
+    mask = make("causal_sliding_window", {"window": 100}, q_len=q_len, kv_len=300)
+    verdict = verify(mask, Shape(q_heads=2, q_len=q_len, kv_len=300, head_dim=32), dtype="float32", backend="port",
+                     seed=0)
+    assert verdict.passed, verdict.line
+
+
+def test_rows_that_keep_nothing_give_zero_and_minus_inf():
+    from workbench import port
+
+    def late_keys(b, h, q_idx, kv_idx):  # rows 0..9 keep nothing
+        return (kv_idx <= q_idx) & (kv_idx >= 10)
+
+    mask = Mask("late_keys", mask_mod=late_keys)
+    inputs = make_inputs(Shape(q_len=40, head_dim=16), "float32", seed=0)
+    path = port.build(mask, 40, 40)
+    out, lse = port.run_file(path, inputs.q, inputs.k, inputs.v)
+    assert torch.equal(out[0, 0, :10], torch.zeros(10, 16)) and torch.isneginf(lse[0, 0, :10]).all()
+    assert torch.isfinite(lse[0, 0, 10:]).all() and not torch.isnan(out).any()
+    verdict = verify(mask, Shape(q_len=40, head_dim=16), dtype="float32", backend="port", port_path=path, seed=0)
+    assert verdict.passed and verdict.fully_masked_rows == 10, verdict.line
+
+
+def test_a_data_bound_port_refuses_other_lengths(tmp_path):
+    from workbench import port
+
+    path = port.build(make("document", {"doc_lengths": [50, 50]}, q_len=100, kv_len=100), 100, 100, out_dir=tmp_path)
+    inputs = make_inputs(Shape(q_len=120, head_dim=16), "float32", seed=0)
+    with pytest.raises(WorkbenchError, match=r"refused the call.*reads data sized for Lq = 100"):
+        port.run_file(path, inputs.q, inputs.k, inputs.v)
+
+
+def test_a_parametric_port_runs_at_any_length(tmp_path):
+    from workbench import port
+
+    mask = make("causal_sliding_window", {"window": 50})
+    path = port.build(mask, 128, 128, out_dir=tmp_path)
+    for n in (77, 301):
+        verdict = verify(mask, Shape(q_len=n, head_dim=16), dtype="float32", backend="port", port_path=path, seed=1)
+        assert verdict.passed, verdict.line
+
+
+def test_port_command_writes_verifies_and_reports(capsys, tmp_path):
+    rc = main(["port", "per_head_window", "--param", "windows=[8,32,64,128]", "--score", "softcap", "--q-len", "150",
+               "--kv-len", "200", "--device", "cpu", "--head-dim", "16", "-o", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "PASS" in out and "(Triton port)" in out, out
+    assert "up to 4 query heads" in out
+    assert list(tmp_path.glob("*_attention.py")) and list(tmp_path.glob("*_attention.safetensors"))
+
+
+def test_verify_backend_port_fails_a_wrong_port(tmp_path):
+    """The check can fail: a port generated for one mask, judged as another, FAILs."""
+    from workbench import port
+
+    path = port.build(make("causal_sliding_window", {"window": 16}), 64, 64, out_dir=tmp_path)
+    verdict = verify(make("causal_sliding_window", {"window": 17}), Shape(q_len=64, head_dim=16), dtype="float32",
+                     backend="port", port_path=path, seed=0)
+    assert not verdict.passed
+
+
+def test_untranslatable_mods_get_a_clear_error(capsys, tmp_path):
+    target = tmp_path / "signed.py"
+    target.write_text("def signed(b, h, q_idx, kv_idx):\n    return (q_idx - kv_idx).sign() >= 0\n")
+    rc = main(["port", f"{target}:signed", "--q-len", "64", "--device", "cpu", "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot be written as Triton" in err and "sign" in err and "Traceback" not in err
+
+
+def test_export_lists_and_writes_the_port(tmp_path):
+    from workbench.export import build_spec, load_spec, write_spec
+
+    spec = build_spec(make("prefix_lm", {"prefix_len": 40}), 128, 128, golden=False)
+    json_path, _ = write_spec(spec, tmp_path)
+    section = load_spec(json_path).doc["backends"]["triton_attention"]
+    assert section["entry"] == "attention" and section["q_len"] is None and "any Lq, Lk" in section["valid_for"]
+    assert (tmp_path / section["file"]).exists()

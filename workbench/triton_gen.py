@@ -164,13 +164,29 @@ def _translate(gm, fn_name: str, arg_names: list[str], captured: dict[str, torch
         expr = template.format(**dict(zip("abc", exprs)))
         return _Vec(sizes.pop(), expr) if sizes else expr
 
+    # Values known to be >= 0 (index arguments, sums and products of such, tables whose entries are
+    # all >= 0): Python's floor division and modulo then equal Triton's plain // and %, which
+    # saves the sign fix-ups in the hot loop (a 2-D neighbourhood divides every pair).
+    nonneg: set[str] = set()
+
+    def is_nonneg(a) -> bool:
+        if isinstance(a, bool):
+            return True
+        if isinstance(a, (int, float)):
+            return a >= 0
+        return hasattr(a, "name") and a.name in nonneg
+
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             env[node.name] = next(placeholders)
+            if env[node.name] != "score":
+                nonneg.add(node.name)
             continue
         if node.op == "get_attr":
             tensor = getattr(gm, node.target)
             env[node.name] = _literal(tensor.item()) if tensor.dim() == 0 else view_of(tensor, node.target)
+            if tensor.numel() and not tensor.is_floating_point() and not tensor.is_complex() and int(tensor.min()) >= 0:
+                nonneg.add(node.name)
             continue
         if node.op == "output":
             out = node.args[0]
@@ -186,7 +202,18 @@ def _translate(gm, fn_name: str, arg_names: list[str], captured: dict[str, torch
             raise Untranslatable("Python indexing survived tracing")
         op = op_name(node.target)
         kwargs = node.kwargs
-        result = _translate_op(op, node, kwargs, value, as_elementwise, combine)
+        args_nonneg = all(is_nonneg(a) for a in node.args if not isinstance(a, (list, tuple, torch.dtype)))
+        if op in ("floor_divide", "remainder") and args_nonneg and not (
+                isinstance(node.args[1], (int, float)) and node.args[1] == 0):
+            result = combine("({a} // {b})" if op == "floor_divide" else "({a} % {b})", value(node.args[0]),
+                             value(node.args[1]))
+        else:
+            result = _translate_op(op, node, kwargs, value, as_elementwise, combine)
+        if (op in ("add", "mul", "floor_divide", "abs", "bitwise_and", "clone", "alias", "view", "expand",
+                   "lift_fresh_copy", "detach", "_to_copy", "to", "index", "select", "maximum", "minimum")
+                and args_nonneg) or op in ("abs",) or (op == "remainder" and is_nonneg(node.args[1])) or (
+                op in ("clamp", "clamp_min") and is_nonneg(node.args[1] if len(node.args) > 1 else node.kwargs.get("min"))):
+            nonneg.add(node.name)
         if isinstance(result, (_View, _Vec)):
             env[node.name] = result
         else:

@@ -170,28 +170,40 @@ def block_lists(batch: int, heads: int, q_len: int, kv_len: int, device) -> tupl
 def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, start_n, offs_m, offs_d, b, h,
                   Lq, Lk, D, sm_scale, qk_scale,
                   @@ALL_PTR_PARAMS@@
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr):
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr,
+                  EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr):
     # one block of keys: scores, the score_mod, the mask (partial blocks only), then the online
-    # softmax update of (acc, l_i, m_i), all in base 2 (exp2 of log2(e)-scaled scores)
+    # softmax update of (acc, l_i, m_i), all in base 2 (exp2 of log2(e)-scaled scores).
+    # EVEN_*: the lengths / head dim fill whole blocks, so no bounds checks are compiled in.
     offs_n = start_n + tl.arange(0, BLOCK_N)
     d_ok = offs_d < D
-    if MASKED:  # a partial block may run past the last key
-        k = tl.load(K_block + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd,
-                    mask=d_ok[:, None] & (offs_n < Lk)[None, :], other=0.0)
+    n_ok = offs_n < Lk
+    k_ptrs = K_block + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd
+    v_ptrs = V_block + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
+    if MASKED and not EVEN_N:  # a partial block may run past the last key
+        k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
     else:
-        k = tl.load(K_block + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd, mask=d_ok[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
     if IEEE:
         qk = tl.dot(q, k, input_precision="ieee")
     else:
         qk = tl.dot(q, k)
-    q_safe = tl.minimum(offs_m, Lq - 1)[:, None]
-    kv_safe = tl.minimum(offs_n, Lk - 1)[None, :]
+    # indices past the end are clamped so captured tables are read in bounds (those pairs are dropped)
+    q_idx = offs_m[:, None] if EVEN_M else tl.minimum(offs_m, Lq - 1)[:, None]
+    kv_idx = offs_n[None, :] if EVEN_N else tl.minimum(offs_n, Lk - 1)[None, :]
     if HAS_SCORE:
-        s = score_mod_triton(qk * sm_scale, b, h, q_safe, kv_safe@@SCORE_PTR_ARGS@@) * 1.4426950408889634
+        s = score_mod_triton(qk * sm_scale, b, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
     else:
         s = qk * qk_scale
     if MASKED:
-        keep = (mask_mod_triton(b, h, q_safe, kv_safe@@MASK_PTR_ARGS@@) != 0) & (offs_n < Lk)[None, :]
+        keep = mask_mod_triton(b, h, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0
+        if not EVEN_N:
+            keep = keep & n_ok[None, :]
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # rows with nothing kept yet stay at -inf; shift them by 0 so exp2 gives 0, not NaN
@@ -199,15 +211,11 @@ def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, st
     alpha = tl.math.exp2(m_i - m_safe)
     p = tl.math.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(V_block + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd,
-                    mask=(offs_n < Lk)[:, None] & d_ok[None, :], other=0.0)
-    else:
-        v = tl.load(V_block + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=d_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None]
     if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = tl.dot(p, v, acc, input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
 
 
@@ -240,7 +248,8 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
                       s_tb, s_th, n_cols, Hq, group, Lq, Lk, D, sm_scale, Lq_bucket, Lk_bucket,
                       @@ALL_PTR_PARAMS@@
                       D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, RETURN_LSE: tl.constexpr,
-                      INTERPRET: tl.constexpr, TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      INTERPRET: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                      TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hq
@@ -249,8 +258,11 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    q = tl.load(Q + b.to(tl.int64) * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd,
-                mask=(offs_m < Lq)[:, None] & d_ok[None, :], other=0.0)
+    q_ptrs = Q + b.to(tl.int64) * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd
+    if EVEN_M and EVEN_D:
+        q = tl.load(q_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=(offs_m < Lq)[:, None] & d_ok[None, :], other=0.0)
     K_block = K + b.to(tl.int64) * s_kb + kv_h * s_kh
     V_block = V + b.to(tl.int64) * s_vb + kv_h * s_vh
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): the softmax runs in base 2
@@ -275,7 +287,8 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
                     acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
                                                   c * TABLE_N + sub * BLOCK_N, offs_m, offs_d, b, h, Lq, Lk, D,
                                                   sm_scale, qk_scale@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
-                                                  MASKED=kind == 1, HAS_SCORE=HAS_SCORE, IEEE=IEEE)
+                                                  MASKED=kind == 1, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
+                                                  EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D)
                 j += 1
         else:
             for j in range(0, n_blocks):
@@ -284,7 +297,8 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
                     acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
                                                   c * TABLE_N + sub * BLOCK_N, offs_m, offs_d, b, h, Lq, Lk, D,
                                                   sm_scale, qk_scale@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
-                                                  MASKED=kind == 1, HAS_SCORE=HAS_SCORE, IEEE=IEEE)
+                                                  MASKED=kind == 1, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
+                                                  EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D)
     # rows that kept nothing: out 0 and lse -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -350,5 +364,6 @@ def attention(q, k, v, *, scale=None, return_lse=False):
         *q.stride(), *k.stride(), *v.stride(), s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale,
         _bucket(Lq), _bucket(Lk), *[tables[n] for n in ALL_POINTERS],
         D_PAD=max(16, triton.next_power_of_2(D)), HAS_SCORE=HAS_SCORE, IEEE=q.dtype == torch.float32,
-        RETURN_LSE=return_lse, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", TABLE_M=TABLE_M, TABLE_N=TABLE_N)
+        RETURN_LSE=return_lse, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", EVEN_M=Lq % TABLE_M == 0,
+        EVEN_N=Lk % TABLE_N == 0, EVEN_D=D == max(16, triton.next_power_of_2(D)), TABLE_M=TABLE_M, TABLE_N=TABLE_N)
     return (out, lse) if return_lse else out

@@ -27,9 +27,16 @@ def test_drawn_mods_at_32k(cuda, seed):
     batch, heads = rng.randint(1, 2), rng.randint(1, 4)
     mask = random_mod(rng, q_len, kv_len, batch, heads)
     mask = mask.replace(mask_mod=_on_cuda(mask.mask_mod))
-    ours = build_block_mask(mask, q_len, kv_len, heads=heads, batch=batch, device=cuda)
     ref = torch.compile(create_block_mask)(mask.mask_mod, batch, heads, q_len, kv_len, device=cuda)
-    same_block_mask(ours, ref)
+    problems = []
+    for engine in ("eager", None):  # the exact tiles, and whatever the default picks (the fused kernel)
+        ours = build_block_mask(mask, q_len, kv_len, heads=heads, batch=batch, device=cuda, engine=engine)
+        try:
+            same_block_mask(ours, ref)
+        except AssertionError as exc:
+            diff = (ours.kv_num_blocks != ref.kv_num_blocks).nonzero()[:3].tolist()
+            problems.append(f"engine {engine}: {exc} first at (b, h, row) {diff}")
+    assert not problems, problems
     verdict = verify(mask, Shape(batch=batch, q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=64),
                      dtype="bfloat16", device=cuda, seed=seed)
     assert verdict.passed, verdict.line

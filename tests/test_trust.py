@@ -344,3 +344,21 @@ def test_property_drawn_mods_verify_match_torch_and_export_truthfully(case):
                                           BLOCK_SIZE=32, mask_mod=mask.mask_mod, seq_lengths=(q_len, kv_len))
         bad = verify(mask, shape, dtype="float32", compile=False, seed=0, block_mask=broken)
         assert not bad.passed and any(f.kind == "block_mask_drops_pairs" for f in bad.findings)
+
+
+def test_a_reducing_mod_is_never_evaluated_on_broadcast_tiles():
+    """`(... spans ...).any()` called once on broadcast index tensors reduces over the whole tile;
+    when no probe region touched a span, the scan once took that path and marked whole tiles kept
+    (seen at 32K on the GPU, rows 44+ of a drawn mod)."""
+    from workbench.blocks import scan_blocks
+    from workbench.define import elementwise
+
+    s, e = torch.tensor([1000, 4100]), torch.tensor([1010, 4150])
+
+    def spans(b, h, q, kv):
+        return ((q >= s) & (q <= e) & (kv >= s) & (kv <= e)).any()
+
+    mod = or_masks(spans, lambda b, h, q, kv: kv <= q - 3000)
+    assert not elementwise(mod) and elementwise(lambda b, h, q, kv: kv <= q)
+    assert scan_blocks(mod, 6000, 6000).evaluator == "vmap"
+    same_block_mask(build_block_mask(mod, 6000, 6000), create_block_mask(mod, None, None, 6000, 6000, device="cpu"))

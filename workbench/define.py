@@ -823,13 +823,32 @@ class EvaluatorChoice:
     differs_at: tuple | None = None
 
 
+def elementwise(mod: Callable, role: str = "mask") -> bool:
+    """Does every value in the mod's traced graph stay one value per pair? A mod that builds a
+    vector per pair (`q_idx >= starts` against a captured table) and reduces it (`.any()`) means
+    something else when called once on broadcast index tensors: the reduction would run over the
+    whole tile. Such mods are evaluated under vmap, whatever a probe region shows."""
+    try:
+        gm = trace_mod(mod, role)
+    except Exception:
+        return False
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() > 0:
+            return False
+    return True
+
+
 def choose_evaluator(mod: Callable, q_len: int, kv_len: int, batch: int = 1, heads: int = 1, device="cpu",
                      role: str = "mask", size: int = 48) -> EvaluatorChoice:
-    """The one broadcast-vs-vmap rule, for mask_mods and score_mods alike. Raises a
-    WorkbenchError naming the mistake when the mod does not run under vmap at all."""
+    """The one broadcast-vs-vmap rule, for mask_mods and score_mods alike: broadcast only for
+    mods whose traced graph is elementwise and whose broadcast call matches vmap on probe
+    regions. Raises a WorkbenchError naming the mistake when the mod does not run under vmap."""
     b = torch.unique(torch.tensor([0, batch - 1], dtype=torch.int32)).to(device)
     h = torch.unique(torch.tensor([0, heads - 1], dtype=torch.int32)).to(device)
-    how, differs_at = "broadcast", None
+    how, differs_at = ("broadcast" if elementwise(mod, role) else "vmap"), None
     for q_range, kv_range in probe_regions(q_len, kv_len, size):
         q = torch.arange(*q_range, device=device, dtype=torch.int32)
         kv = torch.arange(*kv_range, device=device, dtype=torch.int32)

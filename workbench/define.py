@@ -713,16 +713,36 @@ _SHAPE_ONLY_OPS = {"new_ones", "new_zeros", "new_full", "new_empty", "empty_like
                    "full_like", "sym_size", "size", "new_empty_strided"}
 
 
+_traces: "weakref.WeakKeyDictionary" = None  # mod -> {role: graph or the exception tracing raised}
+
+
 def trace_mod(fn: Callable, role: str = "mask"):
     """The mod traced with make_fx on 0-d int32 index tensors (float32 score), the way
-    FlexAttention's tracer sees it: an aten graph (tensor[idx] becomes aten.index)."""
+    FlexAttention's tracer sees it: an aten graph (tensor[idx] becomes aten.index). Traced once
+    per mod object (the stages ask for it often); a mod that cannot be traced raises each time."""
+    global _traces
+    import weakref
+
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    args = [torch.tensor(0, dtype=torch.int32) for _ in range(4)]
-    if role == "score":
-        args = [torch.tensor(0.0, dtype=torch.float32)] + args
-    with compat.getitem_as_index():
-        return make_fx(fn)(*args)
+    if _traces is None:
+        _traces = weakref.WeakKeyDictionary()
+    try:
+        cached = _traces.setdefault(fn, {})
+    except TypeError:  # not weak-referenceable (a builtin): trace every time
+        cached = {}
+    if role not in cached:
+        args = [torch.tensor(0, dtype=torch.int32) for _ in range(4)]
+        if role == "score":
+            args = [torch.tensor(0.0, dtype=torch.float32)] + args
+        try:
+            with compat.getitem_as_index():
+                cached[role] = make_fx(fn)(*args)
+        except Exception as exc:
+            cached[role] = exc
+    if isinstance(cached[role], Exception):
+        raise cached[role]
+    return cached[role]
 
 
 def op_name(target) -> str:

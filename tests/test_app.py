@@ -88,3 +88,12 @@ def test_a_failing_action_shows_its_error(tmp_path):
     assert "cannot write to" in app.message.value and "Fix:" in app.message.value
     app.q_len.value = 300  # and the app keeps working
     assert app.mask is not None and app.message.value == ""
+
+
+def test_export_tab_shows_the_port_and_verifies_it(tmp_path):
+    app = Workbench("causal_sliding_window", q_len=256)
+    app.export_dir.value = str(tmp_path)
+    app.run_export()
+    assert app.last_port is not None and app.last_port.exists() and app.message.value == ""
+    app.run_port_verify()  # Triton's interpreter in a fresh process on a CPU
+    assert app.last_verdict.passed and "(Triton port)" in app.shown["Port"], app.message.value

@@ -227,7 +227,11 @@ class Workbench:
             self.export_dir = w.Text(value="out/specs", description="folder")
             self.export_button = w.Button(description="Export spec", icon="download")
             self.export_button.on_click(lambda _: self.run_export())
-            return w.VBox([w.HBox([self.export_dir, self.export_button]), out])
+            self.port_verify_button = w.Button(description="Verify port", icon="check",
+                                               tooltip="the generated Triton attention file against the float64 "
+                                                       "reference (on a GPU also timed against FlexAttention)")
+            self.port_verify_button.on_click(lambda _: self.run_port_verify())
+            return w.VBox([w.HBox([self.export_dir, self.export_button, self.port_verify_button]), out])
         return out
 
     def _draw_tab(self, name):
@@ -338,6 +342,41 @@ class Workbench:
             display(w.HTML(f"wrote <code>{_esc(str(path))}</code>; pattern <b>{_esc(spec.doc['pattern']['kind'])}"
                            f"</b>, score <b>{_esc(spec.doc['score']['kind'])}</b>"))
             display(spec.backends_frame())
+            self.last_port = None
+            if spec.port is not None:
+                self.last_port = path.with_name(spec.port.file_name)
+                display(w.HTML(f"<b>Triton port</b> <code>{_esc(str(self.last_port))}</code> (valid for "
+                               f"{_esc(spec.port.valid_for())}): attention(q, k, v) with torch and triton only"))
+                source = w.Textarea(value=spec.port.source, layout=w.Layout(width="100%", height="260px"))
+                display(w.Accordion(children=[source], titles=("port source",)))
+
+    def run_port_verify(self):
+        """The exported port (exported now if it was not) against the float64 reference at the
+        verify length; on a GPU also timed beside compiled FlexAttention."""
+        from workbench import port
+        from workbench.run import Shape, time_port_and_flex
+        from workbench.verify import verify
+
+        with self._action("Export"):
+            if self.mask is None:
+                return
+            n = max(1, min(self.q_len.value, 2048 if self.device.startswith("cuda") else 256))
+            mask = bind(self.mask, n, n, self.device) if (self.q_len.value, self.kv_len.value) != (n, n) else self.mask
+            heads = self.mask.heads or self.heads.value
+            path = port.build(mask, n, n, heads=heads, batch=self.batch.value)
+            on_gpu = self.device.startswith("cuda")
+            shape = Shape(batch=1, q_heads=heads, q_len=n, kv_len=n, head_dim=64 if on_gpu else 32)
+            verdict = verify(mask, shape, dtype="bfloat16" if on_gpu else "float32", device=self.device,
+                             backend="port", port_path=path, seed=0)
+            self.last_verdict = verdict
+            colour = "#1e6b34" if verdict.passed else "#a4161a"
+            self.shown["Port"] = verdict.line
+            display(w.HTML(f"<b style='color:{colour}'>{_esc(verdict.line)}</b>"))
+            if on_gpu and verdict.passed:
+                timing = time_port_and_flex(mask, shape, path, device=self.device)
+                self.shown["Port"] += (f"; port {timing['port_ms']:.3f} ms vs FlexAttention {timing['flex_ms']:.3f} ms "
+                                       f"({timing['speed_vs_flex']:.2f}x)")
+                display(w.HTML(_esc(self.shown["Port"].split("; ")[-1])))
 
     def _ipython_display_(self):
         display(self.widget)

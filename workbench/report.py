@@ -31,6 +31,9 @@ CPU_VERIFY_LEN = 512
 # that 23 specs with golden vectors stay a few MB each (export larger ones with `export`).
 SPEC_LEN = 1024
 SPEC_HEAD_DIM = 32
+# The generated Triton port is verified at the report's length on a GPU; on a CPU it runs under
+# Triton's interpreter, in a fresh process, at this length.
+PORT_CPU_LEN = 256
 
 
 @dataclass
@@ -49,6 +52,9 @@ class MaskResult:
     spec: object = None     # export.PortingSpec
     spec_path: str = ""
     spec_note: str = ""
+    port_verdict: object = None  # verify.Verdict of the generated Triton port
+    port_timing: dict | None = None  # on a GPU: port vs compiled FlexAttention
+    port_note: str = ""
 
 
 def default_device() -> str:
@@ -86,6 +92,7 @@ def analyze_target(target: str, params: dict, q_len: int, kv_len: int, heads: in
         verify_target(result, n_heads or 1, device)
         if spec_dir is not None:
             export_target(result, n_heads, batch, device, spec_dir)
+            port_target(result, n_heads or 1, device, spec_dir.parent / "ports")
     except WorkbenchError as exc:
         result.error = exc.message
     except Exception as exc:  # user code can fail in any way; keep going with the others
@@ -130,6 +137,29 @@ def verify_target(result: MaskResult, heads: int, device: str) -> None:
     shape = Shape(batch=1, q_heads=mask.heads or heads, q_len=q_len, kv_len=kv_len, head_dim=64 if on_gpu else 32)
     result.verdict = verify(mask, shape, dtype="bfloat16" if on_gpu else "float32", device=device,
                             compile=on_gpu, progress=False)
+
+
+def port_target(result: MaskResult, heads: int, device: str, port_dir: Path) -> None:
+    """The generated Triton port of this mask, verified against the float64 reference (and on a
+    GPU timed beside compiled FlexAttention)."""
+    from workbench import port
+    from workbench.run import Shape, time_port_and_flex
+    from workbench.verify import verify
+
+    on_gpu = device.startswith("cuda")
+    try:
+        mask, q_len, kv_len = _at_most(result, None if on_gpu else PORT_CPU_LEN, device)
+        heads = mask.heads or heads
+        path = port.build(mask, q_len, kv_len, heads=heads, out_dir=port_dir)
+    except WorkbenchError as exc:
+        result.port_note = f"no port: {exc.message}"
+        return
+    shape = Shape(batch=1, q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=64 if on_gpu else 32)
+    result.port_verdict = verify(mask, shape, dtype="bfloat16" if on_gpu else "float32", device=device,
+                                 backend="port", port_path=path, seed=0, progress=False)
+    result.port_note = str(path)
+    if on_gpu and result.port_verdict.passed:
+        result.port_timing = time_port_and_flex(mask, shape, path, device=device)
 
 
 def export_target(result: MaskResult, heads: int | None, batch: int | None, device: str, spec_dir: Path) -> None:
@@ -197,6 +227,10 @@ def _result_record(r: MaskResult) -> dict:
                           "unsupported": r.spec.unsupported}
     elif r.spec_note:
         rec["porting"] = {"note": r.spec_note}
+    if r.port_verdict is not None:
+        rec["triton_port"] = {"file": r.port_note, "verify": r.port_verdict.to_dict(), "timing": r.port_timing}
+    elif r.port_note:
+        rec["triton_port"] = {"note": r.port_note}
     return rec
 
 
@@ -215,6 +249,9 @@ def summary_frame(results: list[MaskResult]) -> pd.DataFrame:
             verified=None if r.verdict is None else r.verdict.passed,
             verify_rel_err=None if r.verdict is None else max(c.rel_err for c in r.verdict.checks),
             exact_backends=None if r.spec is None else " ".join(r.spec.supported),
+            port_verified=None if r.port_verdict is None else r.port_verdict.passed,
+            port_rel_err=None if r.port_verdict is None else max(c.rel_err for c in r.port_verdict.checks),
+            port_speed_vs_flex=None if not r.port_timing else r.port_timing["speed_vs_flex"],
             seconds=round(r.seconds, 3)))
     return pd.DataFrame(rows)
 
@@ -231,6 +268,19 @@ def _verdict_html(r: MaskResult) -> str:
             f"{'pass' if v.passed else 'FAIL'}</span> {esc(v.line)}</p>"
             f"<p class='na'>FlexAttention {compiled} vs an eager {v.reference_dtype} reference on random inputs.</p>"
             f"{table}{'<ul>' + notes + '</ul>' if notes else ''}")
+
+
+def _port_html(r: MaskResult) -> str:
+    esc = html.escape
+    v = r.port_verdict
+    if v is None:
+        return f"<h3>Triton port</h3><p class='na'>{esc(r.port_note or 'not generated')}</p>"
+    timing = ("" if not r.port_timing else
+              f"<p>forward {r.port_timing['dtype']}: port {r.port_timing['port_ms']:.3f} ms, compiled FlexAttention "
+              f"{r.port_timing['flex_ms']:.3f} ms ({r.port_timing['speed_vs_flex']:.2f}x Flex's speed)</p>")
+    return (f"<h3>Triton port</h3><p><code>{esc(r.port_note)}</code>: one file, torch and triton only.</p>"
+            f"<p><span class='pill {'ok' if v.passed else 'bad'}'>{'pass' if v.passed else 'FAIL'}</span> "
+            f"{esc(v.line)}</p>{timing}")
 
 
 def _porting_html(r: MaskResult) -> str:
@@ -282,7 +332,8 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
              f"{' · ' + str(n_err) + ' failed' if n_err else ''}</p></header><main>"]
     parts.append("<h2>Overview</h2><table><tr><th>mask</th><th>density</th><th>block sparsity</th>"
                  "<th>full / partial / empty</th><th>wasted in partial blocks</th><th>fully masked rows</th>"
-                 "<th>varies by head</th><th>verified</th><th>exact backends</th><th>status</th></tr>")
+                 "<th>varies by head</th><th>verified</th><th>exact backends</th><th>Triton port: verified, speed vs "
+                 "Flex</th><th>status</th></tr>")
     for i, r in enumerate(results):
         s = r.stats
         name = r.mask.name if r.mask else r.target
@@ -298,8 +349,12 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
                     f"{'pass' if v.passed else 'FAIL'}</span> {max(c.rel_err for c in v.checks):.1e}")
         backends = "—" if r.spec is None else esc(", ".join(t for t in r.spec.supported
                                                         if t not in ("row_intervals", "block_sparse")) or "only generic forms")
+        pv = r.port_verdict
+        ported = ("—" if pv is None else f"<span class='pill {'ok' if pv.passed else 'bad'}'>"
+                  f"{'pass' if pv.passed else 'FAIL'}</span> {max(c.rel_err for c in pv.checks):.1e}"
+                  + (f", {r.port_timing['speed_vs_flex']:.2f}x" if r.port_timing else ", speed: GPU only"))
         parts.append(f"<tr><td><a href='#m{i}'>{esc(name)}</a></td>{cells}<td>{verified}</td><td>{backends}</td>"
-                     f"<td>{status}</td></tr>")
+                     f"<td>{ported}</td><td>{status}</td></tr>")
     parts.append("</table>")
     for i, r in enumerate(results):
         name = r.mask.name if r.mask else r.target
@@ -321,6 +376,7 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
             parts.append("<h3>Statistics</h3>" + r.stats.to_frame().to_html(escape=True, header=False))
         parts.append(_verdict_html(r))
         parts.append(_porting_html(r))
+        parts.append(_port_html(r))
         parts.append(f"<details><summary>source</summary><pre>{esc(r.mask.source)}</pre></details></section>")
     parts.append("</main></body></html>")
     return "".join(parts)

@@ -33,12 +33,17 @@ GYM_MASKS = [
     ("attn_gym.masks.svg:generate_spatial_head_mask_mod", ["prompt_length=8", "num_frames=4", "token_per_frame=16"],
      72, 72),
     ("attn_gym.masks.vsa:generate_vsa_padding_mask_mod", ["variable_block_sizes=[4,4,2]", "tile_numel=4"], 12, 12),
+    ("attn_gym.masks.jetspec:generate_jetspec_tree_causal_mask_mod",
+     ["prefix_length=4", "ancestor_matrix=[[1,0,0],[1,1,0],[1,0,1]]"], 3, 7),
 ]
 GYM_SCORES = [
     ("attn_gym.mods.alibi:generate_alibi_bias", ["H=4"], 4),
     ("attn_gym.mods.softcapping:generate_tanh_softcap", ["soft_cap=20"], 1),
     ("attn_gym.mods.sandwich:generate_sandwich_bias", ["H=4", "max_seq_len=64"], 4),
     ("attn_gym.mods.activation:generate_activation_score_mod", [], 1),
+    # per-head bias table by shortest-path distance of one graph (a per-sample table, batch 1)
+    ("attn_gym.mods.graphormer:generate_graphormer_spatial_bias",
+     ["spatial_bias=[[0.1,0.2,0.3],[0.4,0.5,0.6]]", "distances=[[[0,1,2],[1,0,1],[2,1,0]]]"], 2),
 ]
 
 
@@ -67,7 +72,8 @@ def test_attn_gym_mask_through_blocks_verify_export(capsys, tmp_path, target, it
 
 @pytest.mark.parametrize("target,items,heads", GYM_SCORES, ids=[t.split(":")[1] for t, *_ in GYM_SCORES])
 def test_attn_gym_score_mods_verify_and_export(capsys, tmp_path, target, items, heads):
-    base = ["causal", "--score", target, *params(items, "--score-param"), "--q-len", 64, "--heads", heads,
+    q_len = 3 if "graphormer" in target else 64  # the graph has 3 nodes
+    base = ["causal", "--score", target, *params(items, "--score-param"), "--q-len", q_len, "--heads", heads,
             "--device", "cpu"]
     rc, text = run(capsys, "verify", *base, "--eager", "--dtype", "float32", "--head-dim", 16)
     assert rc == 0 and text.startswith("PASS"), text

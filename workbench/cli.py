@@ -180,7 +180,8 @@ def _check_score_args(args) -> None:
 
 def load_mask(args, q_len: int, kv_len: int, device: str, target: str | None = None):
     return prepare(target or args.target, parse_params(args.param), q_len, kv_len, device, score=args.score,
-                   score_params=parse_params(args.score_param))
+                   score_params=parse_params(args.score_param), heads=getattr(args, "heads", None),
+                   batch=getattr(args, "batch", None))
 
 
 def cmd_list(args) -> int:

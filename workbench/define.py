@@ -436,7 +436,7 @@ def make(factory: Callable | str, params: dict[str, Any] | None = None, *, q_len
 
 def prepare(target: Callable | str | Mask, params: dict[str, Any] | None = None, q_len: int = 1024,
             kv_len: int | None = None, device: str | torch.device = "cpu", score: Callable | str | None = None,
-            score_params: dict[str, Any] | None = None) -> Mask:
+            score_params: dict[str, Any] | None = None, heads: int | None = None, batch: int | None = None) -> Mask:
     """The one path from a target to a mask ready to run: make (factory + parameters, or a Mask as
     it is), add a score target, bind to these lengths and this device, probe the mods. The CLI,
     the report and the app all start here."""
@@ -446,7 +446,9 @@ def prepare(target: Callable | str | Mask, params: dict[str, Any] | None = None,
     if score is not None:
         mask = with_score(mask, make(score, score_params, q_len=q_len, kv_len=kv_len, device=device))
     mask = bind(mask, q_len, kv_len, device)
-    probe(mask, q_len=min(37, q_len), kv_len=min(45, kv_len), device=device)
+    # probe at most the heads and batch entries the run has (a per-sample table may hold one entry)
+    probe(mask, q_len=min(37, q_len), kv_len=min(45, kv_len), heads=min(2, heads or 2), batch=min(2, batch or 1),
+          device=device)
     return mask
 
 

@@ -18,6 +18,7 @@ import pkgutil
 import re
 import sys
 import textwrap
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -715,20 +716,15 @@ _SHAPE_ONLY_OPS = {"new_ones", "new_zeros", "new_full", "new_empty", "empty_like
                    "full_like", "sym_size", "size", "new_empty_strided"}
 
 
-_traces: "weakref.WeakKeyDictionary" = None  # mod -> {role: graph or the exception tracing raised}
+_traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mod -> {role: graph, or the exception tracing raised}
 
 
 def trace_mod(fn: Callable, role: str = "mask"):
     """The mod traced with make_fx on 0-d int32 index tensors (float32 score), the way
     FlexAttention's tracer sees it: an aten graph (tensor[idx] becomes aten.index). Traced once
     per mod object (the stages ask for it often); a mod that cannot be traced raises each time."""
-    global _traces
-    import weakref
-
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    if _traces is None:
-        _traces = weakref.WeakKeyDictionary()
     try:
         cached = _traces.setdefault(fn, {})
     except TypeError:  # not weak-referenceable (a builtin): trace every time

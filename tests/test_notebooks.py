@@ -25,12 +25,17 @@ def test_there_are_four_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    monkeypatch.setenv("MPLBACKEND", "Agg")  # no inline backend: figures must show by themselves
     book = run_notebook(path, tmp_path)
     errors = [o for c in book.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
     text = "\n".join(str(o.get("text", "")) + str(o.get("data", {}).get("text/plain", ""))
                      for c in book.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    # every figure a notebook makes shows as a picture, not as "<Figure size ... with 1 Axes>"
+    images = sum("image/png" in o.get("data", {}) for c in book.cells if c.cell_type == "code"
+                 for o in c.get("outputs", []))
+    assert "<Figure size" not in text
+    assert images >= {"01_tour": 2, "02_gallery": 16, "03_porting_gemma3_spans": 0, "04_debugging": 2}[path.stem], images
     if path.stem == "01_tour":
         assert "PASS window_with_globals" in text
         assert book.metadata.get("widgets"), "the app's widget state is recorded"

@@ -17,6 +17,19 @@ from matplotlib.ticker import MaxNLocator, NullLocator
 from workbench.blocks import EMPTY, FULL, PARTIAL, BlockScan, block_classes, dense_mask, scan_blocks
 from workbench.define import Mask, WorkbenchError
 
+class ShownFigure(Figure):
+    """A matplotlib Figure that shows itself as a PNG wherever a notebook displays it (JupyterLab,
+    VS Code, nbclient), with or without `%matplotlib inline`: a bare Figure would print as
+    `<Figure size 480x450 with 1 Axes>`."""
+
+    def _repr_png_(self) -> bytes:
+        import io
+
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=100)
+        return buf.getvalue()
+
+
 # Block classes and their colours: empty (skipped), partial (mask_mod applied), full (no mask).
 BLOCK_COLOURS = {EMPTY: "#f2f2f2", PARTIAL: "#f4a259", FULL: "#2a6f97"}
 BLOCK_LABELS = {EMPTY: "empty (skipped)", PARTIAL: "partial (mask applied)", FULL: "full (no mask)"}
@@ -52,7 +65,7 @@ def block_map(scan: BlockScan, title: str | None = None, max_panels: int = 16) -
     aspect = scan.q_len / scan.kv_len
     # the constrained layout solver doubles the drawing time of a grid of heads: place those by hand
     many = len(panels) > 1
-    fig = Figure(figsize=(3.6 * ncols + 1.2, 3.6 * nrows * min(max(aspect, 0.4), 2.5) + 0.9),
+    fig = ShownFigure(figsize=(3.6 * ncols + 1.2, 3.6 * nrows * min(max(aspect, 0.4), 2.5) + 0.9),
                  layout=None if many else "constrained")
     # Every panel has the same extent, so only the outer panels get ticks: tick objects are most
     # of the drawing time of a grid of heads.
@@ -107,7 +120,7 @@ def token_view(mask: Mask | Callable, q_range: tuple[int, int], kv_range: tuple[
     m = dense_mask(mask, q_range, kv_range, batch=[b], heads=[h], device=device)[0, 0].cpu().numpy()
     nq, nk = m.shape
     side = 6.0
-    fig = Figure(figsize=(side * min(1.0, nk / max(nq, nk)) + 1.0, side * min(1.0, nq / max(nq, nk)) + 0.8),
+    fig = ShownFigure(figsize=(side * min(1.0, nk / max(nq, nk)) + 1.0, side * min(1.0, nq / max(nq, nk)) + 0.8),
                  layout="constrained")
     ax = fig.subplots()
     ax.imshow(m.astype(np.uint8), cmap=ListedColormap(["#f2f2f2", "#1d3557"]), vmin=0, vmax=1,
@@ -154,7 +167,7 @@ def overview(mask: Mask | Callable, q_len: int, kv_len: int, pixels: int = 512, 
              device="cpu", title: str | None = None, **scan_kwargs) -> Figure:
     """The whole mask at any length: each pixel is the exact fraction of kept pairs in its cell."""
     frac, cell_q, cell_kv = overview_fractions(mask, q_len, kv_len, pixels, b, h, device, **scan_kwargs)
-    fig = Figure(figsize=(6.4, 5.4), layout="constrained")
+    fig = ShownFigure(figsize=(6.4, 5.4), layout="constrained")
     ax = fig.subplots()
     im = ax.imshow(frac.numpy(), cmap="Blues", vmin=0, vmax=1, interpolation="nearest", aspect="auto",
                    extent=(0, kv_len, q_len, 0))
@@ -186,7 +199,7 @@ def score_values(mask: Mask, q_range, kv_range, b: int = 0, h: int = 0, device="
 def score_view(mask: Mask, q_range, kv_range, b: int = 0, h: int = 0, device="cpu", title: str | None = None) -> Figure:
     """Score after score_mod on the zero probe, diverging colours around 0, masked cells blank."""
     values = score_values(mask, q_range, kv_range, b, h, device).numpy()
-    fig = Figure(figsize=(6.6, 5.4), layout="constrained")
+    fig = ShownFigure(figsize=(6.6, 5.4), layout="constrained")
     ax = fig.subplots()
     finite = values[np.isfinite(values)]
     spread = float(np.abs(finite).max()) if finite.size and np.abs(finite).max() > 0 else 1.0
@@ -224,7 +237,7 @@ def diff_view(mask_a, mask_b, q_range, kv_range, b: int = 0, h: int = 0, device=
     la = labels[0] if labels else getattr(mask_a, "name", "A")
     lb = labels[1] if labels else getattr(mask_b, "name", "B")
     n_a, n_b = int((codes == ONLY_A).sum()), int((codes == ONLY_B).sum())
-    fig = Figure(figsize=(6.6, 6.0), layout="constrained")
+    fig = ShownFigure(figsize=(6.6, 6.0), layout="constrained")
     ax = fig.subplots()
     ax.imshow(codes.numpy(), cmap=ListedColormap(DIFF_COLOURS), vmin=0, vmax=3, interpolation="nearest", aspect="auto",
               extent=(kv_range[0], kv_range[1], q_range[1], q_range[0]))

@@ -60,6 +60,8 @@ SIZE_CASES = [
     ("report", "causal", "--heads", "0"),
     ("export", "causal", "--q-len", "0", "-o", "unused"),
     ("export", "causal", "--q-len", "64", "--batch", "0", "-o", "unused"),
+    ("port", "causal", "--q-len", "0", "-o", "unused"),
+    ("port", "causal", "--q-len", "64", "--head-dim", "-3", "-o", "unused"),
 ]
 
 
@@ -85,6 +87,12 @@ def test_zero_or_negative_sizes_are_errors_not_defaults(capsys, argv):
     (("blocks", "causal", "--q-len", "64", "--engine", "triton", "--device", "cpu"), "runs on CUDA"),
     (("export", "causal", "--q-len", "20000", "-o", "unused"), "would list"),
     (("report", "--param", "window=3"), "--param needs a TARGET"),
+    (("verify", "causal", "--q-len", "64", "--backend", "nosuch"), "invalid choice"),
+    (("verify", "causal", "--q-len", "64", "--backend", "port", "--backward", "--device", "cpu"), "no backward"),
+    (("port", "causal", "--q-len", "64", "--device", "foo", "-o", "unused"), "unknown device 'foo'"),
+    (("port", "causal", "--q-len", "64", "--dtype", "nosuch", "--device", "cpu", "-o", "unused"), "unknown dtype"),
+    (("port", "per_head_window", "--q-len", "64", "--heads", "9", "--device", "cpu", "-o", "unused"),
+     "defined for 8 heads"),
 ], ids=lambda a: " ".join(a) if isinstance(a, tuple) else "")
 def test_bad_flags(capsys, argv, match):
     bad(capsys, *argv, match=match)
@@ -127,9 +135,9 @@ def test_bad_targets(capsys, argv, match):
     ("five_arg_mask", "5 arguments starting with 'b'"),
     ("three_arg_mask", "takes 3 positional arguments"),
 ])
-@pytest.mark.parametrize("command", ["verify", "blocks", "export"])
+@pytest.mark.parametrize("command", ["verify", "blocks", "export", "port"])
 def test_broken_mods_are_named_on_every_command(capsys, tmp_path, mod, match, command):
-    extra = ["-o", tmp_path] if command == "export" else []
+    extra = ["-o", tmp_path] if command in ("export", "port") else []
     bad(capsys, command, target(mod), "--q-len", "64", "--device", "cpu", *extra, match=match)
 
 

@@ -271,12 +271,17 @@ def cmd_verify(args) -> int:
 
 def cmd_port(args) -> int:
     from workbench import port
-    from workbench.run import Shape
+    from workbench.run import Shape, check_mask_fits, dtype_name
     from workbench.verify import verify
 
+    if args.dtype:
+        dtype_name(args.dtype)  # an unknown dtype is an error before any work
     q_len, kv_len, device = args.q_len, args.kv_len or args.q_len, _device(args)
     mask = load_mask(args, q_len, kv_len, device)
     heads = args.heads or mask.heads or 1
+    shape = Shape(batch=args.batch or 1, q_heads=heads, kv_heads=args.kv_heads or heads, q_len=q_len, kv_len=kv_len,
+                  head_dim=args.head_dim)
+    check_mask_fits(mask, shape)  # before anything is written
     source = port.generate(mask, q_len, kv_len, heads=heads, batch=args.batch)
     path = port.write(source, args.out)
     record = {"file": str(path), "tensor_file": source.tensor_file, "valid_for": source.valid_for()}
@@ -285,8 +290,6 @@ def cmd_port(args) -> int:
     passed = True
     if not args.no_verify:
         dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-        shape = Shape(batch=args.batch or 1, q_heads=heads, kv_heads=args.kv_heads or heads, q_len=q_len,
-                      kv_len=kv_len, head_dim=args.head_dim)
         verdict = verify(mask, shape, dtype=dtype, device=device, seed=args.seed, backend="port", port_path=path)
         passed = verdict.passed
         record["verify"] = verdict.to_dict()

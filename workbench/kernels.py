@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from workbench.define import Mask, cdiv
+from workbench.define import Mask, cdiv, same_device
 
 # The kernel, appended to the translated mod. `mask_mod_triton(b, h, q_idx, kv_idx, *tables)` is
 # the generated function; {ptrs} stands for its table pointers.
@@ -126,7 +126,7 @@ def scan_kernel(mask_mod: Callable, device: torch.device) -> ScanKernel:
     tables = []
     for ptr in mask_ptrs:
         table = captured[ptr[: -len("_ptr")]]
-        if not _same_device(table.device, device):
+        if not same_device(table.device, device):
             raise Untranslatable(f"table {ptr[:-4]!r} is on {table.device}, not {device}")
         tables.append(table.contiguous())
     ptr_text = "".join(f", {p}" for p in mask_ptrs)
@@ -141,13 +141,6 @@ def scan_kernel(mask_mod: Callable, device: torch.device) -> ScanKernel:
     if source not in _namespaces:
         _namespaces[source] = load_source(source)
     return ScanKernel(_namespaces[source]["block_scan_kernel"], tables, source)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    if a.type != b.type:
-        return False
-    current = torch.cuda.current_device() if a.type == "cuda" else 0
-    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
 
 
 def forget() -> None:

@@ -501,8 +501,6 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
 
 def _run_port(mask: Mask, inputs: Inputs, backward: bool, port_path=None) -> FlexRun:
     """The generated Triton port on `inputs`, timed (forward only)."""
-    import time as _time
-
     from workbench import port
 
     if backward:
@@ -510,12 +508,12 @@ def _run_port(mask: Mask, inputs: Inputs, backward: bool, port_path=None) -> Fle
                              "(--backend flex)", mask.name)
     shape = inputs.shape
     path = port_path or port.build(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch)
-    start = _time.perf_counter()
+    start = time.perf_counter()
     out, lse = port.run_file(path, inputs.q, inputs.k, inputs.v)
     if inputs.device.type == "cuda":
         torch.cuda.synchronize(inputs.device)
     return FlexRun(out=out, lse=lse, compiled=False, compile_seconds=None,
-                   run_seconds=_time.perf_counter() - start)
+                   run_seconds=time.perf_counter() - start)
 
 
 def _grad_tolerance(dtype: str, name: str, ref: torch.Tensor) -> Tolerance:

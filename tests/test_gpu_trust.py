@@ -26,7 +26,8 @@ def test_drawn_mods_at_32k(cuda, seed):
     kv_len = q_len + rng.randint(0, 300)
     batch, heads = rng.randint(1, 2), rng.randint(1, 4)
     mask = random_mod(rng, q_len, kv_len, batch, heads)
-    mask = mask.replace(mask_mod=_on_cuda(mask.mask_mod))
+    mask = mask.replace(mask_mod=_on_cuda(mask.mask_mod),
+                        score_mod=_on_cuda(mask.score_mod) if mask.score_mod is not None else None)
     ref = torch.compile(create_block_mask)(mask.mask_mod, batch, heads, q_len, kv_len, device=cuda)
     problems = []
     for engine in ("eager", None):  # the exact tiles, and whatever the default picks (the fused kernel)

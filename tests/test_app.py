@@ -8,9 +8,10 @@ from workbench.define import WorkbenchError
 
 
 def image_bytes(app):
-    png = app.shown["Block map"]
-    assert png[:4] == b"\x89PNG"
-    return png
+    """What the interactive block map draws: its class grid."""
+    grid = app.shown["Block map"]
+    assert app.block_widget.classes == grid.classes.tobytes() and len(app.block_widget.classes) > 0
+    return app.block_widget.classes
 
 
 def test_changing_a_parameter_redraws_within_budget():
@@ -97,3 +98,38 @@ def test_export_tab_shows_the_port_and_verifies_it(tmp_path):
     assert app.last_port is not None and app.last_port.exists() and app.message.value == ""
     app.run_port_verify()  # Triton's interpreter in a fresh process on a CPU
     assert app.last_verdict.passed and "(Triton port)" in app.shown["Port"], app.message.value
+
+
+def test_clicking_a_block_opens_token_zoom_on_it():
+    app = Workbench("document", q_len=2048)
+    app.block_widget.clicked = {"q_block": 12, "kv_block": 9, "n": 1}  # what the canvas sends on a click
+    assert TABS[app.tabs.selected_index] == "Token zoom"
+    size = app.zoom_size.value
+    assert app.zoom_q.value <= 12 * 128 + 64 < app.zoom_q.value + size  # the clicked block is in view
+    assert app.zoom_kv.value <= 9 * 128 + 64 < app.zoom_kv.value + size
+    assert "clicked" in app.zoom_why.value and app.shown["Token zoom"][:4] == b"\x89PNG"
+
+
+def test_token_zoom_starts_where_the_structure_is():
+    # a 15-token tree at the end of 4,096 tokens: the zoom starts on it, not at token 0, and says why
+    app = Workbench("tree", q_len=4096)
+    assert app.zoom_q.value >= 4096 - 256 and app.zoom_kv.value >= 4096 - 256
+    assert "differs from plain causal" in app.zoom_why.value
+    window = Workbench("causal_sliding_window", {"window": 512}, q_len=4096)
+    assert window.mask.name == "causal_sliding_window_512"  # the params given are the ones used
+    assert window.zoom_q.value > 0  # the window's lower edge, not the causal-looking corner
+
+
+def test_unknown_params_are_named():
+    with pytest.raises(WorkbenchError, match="has no parameter windw"):
+        Workbench("causal_sliding_window", {"windw": 3})
+
+
+def test_fields_show_the_masks_real_heads_and_parameters():
+    app = Workbench("per_head_window", q_len=1024)
+    assert app.heads.value == 8 and app.heads.disabled  # the mask is defined for 8 heads
+    assert app.param_widgets["windows"].placeholder == "[32, 64, 128, 256, 512, 1024, 2048, 4096]"
+    assert "8 heads differ" in app.status.value and "broadcast" not in app.status.value
+    assert app.shown["Block map (all panels)"][:4] == b"\x89PNG"  # every head, side by side
+    app.picker.value = "causal"
+    assert not app.heads.disabled and "same for every head" in app.status.value

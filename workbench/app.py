@@ -25,6 +25,7 @@ import torch
 from IPython.display import display
 
 from workbench import look
+from workbench.widgets import BlockMapWidget
 from workbench.analyze import mask_stats
 from workbench.blocks import scan_blocks
 from workbench.define import CONTEXT_KEYS, Mask, WorkbenchError, bind, library, make, prepare
@@ -50,13 +51,16 @@ def _param_widget(name: str, default: Any) -> w.Widget:
         return w.IntText(value=default, description=name, style=style, layout=w.Layout(width="180px"))
     if isinstance(default, float):
         return w.FloatText(value=default, description=name, style=style, layout=w.Layout(width="180px"))
-    # lists, None and strings are edited as JSON
-    return w.Text(value=json.dumps(default), description=name, style=style, continuous_update=False,
-                  layout=w.Layout(width="360px"))
+    # lists and strings are edited as JSON; a None default stays empty and shows the value the
+    # factory picks (set after each build), so it keeps following the lengths
+    return w.Text(value="" if default is None else json.dumps(default), description=name, style=style,
+                  continuous_update=False, layout=w.Layout(width="360px"))
 
 
 def _param_value(widget: w.Widget):
     if isinstance(widget, w.Text):
+        if not widget.value.strip():
+            return None
         try:
             return json.loads(widget.value)
         except json.JSONDecodeError:
@@ -88,6 +92,9 @@ class Workbench:
         self.last_redraw_seconds = 0.0
         self.redraws = 0
         self.shown: dict[str, object] = {}  # tab -> what it shows now (PNG bytes, DataFrame, text)
+        self._quiet = False  # set while the app itself writes to its fields
+        self.block_widget = BlockMapWidget()
+        self.block_widget.observe(self._on_block_click, names="clicked")
         names = list(library())
         start = "causal"
         if isinstance(mask, str) and mask in names:
@@ -121,13 +128,14 @@ class Workbench:
         self.picker.observe(self._on_pick, names="value")
         for widget in (self.q_len, self.kv_len, self.block, self.heads, self.head, self.batch):
             widget.observe(self._on_change, names="value")
+        self.heads_default = self.heads.value
         self._stale: set[str] = set()
         self.tabs.observe(self._on_tab, names="selected_index")
         self.widget = w.VBox([
             w.HBox([self.picker, self.q_len, self.kv_len, self.block, self.heads, self.head, self.batch],
                    layout=w.Layout(flex_flow="row wrap")),
             self.params_box, self.message, self.status, self.tabs])
-        self._build_params()
+        self._build_params(params)
         self.refresh()
 
     # ------------------------------------------------------------ building the mask
@@ -138,11 +146,22 @@ class Workbench:
             return mask
         return make(mask, q_len=q_len, kv_len=kv_len)
 
-    def _build_params(self):
+    def _build_params(self, given: dict | None = None):
         self.param_widgets = {}
+        if given and self.picker.value == CUSTOM:
+            raise WorkbenchError("params are for library masks; your own mod takes none here",
+                                 "pass a Mask built with its parameters, or a library name")
         if self.picker.value != CUSTOM:
-            for name, default in factory_defaults(library()[self.picker.value]).items():
+            defaults = factory_defaults(library()[self.picker.value])
+            unknown = sorted(set(given or {}) - set(defaults))
+            if unknown:
+                raise WorkbenchError(f"{self.picker.value} has no parameter {', '.join(unknown)}",
+                                     f"its parameters are {', '.join(defaults) or 'none'}")
+            for name, default in defaults.items():
                 widget = _param_widget(name, default)
+                if given and name in given:
+                    widget.value = _param_widget(name, given[name]).value if isinstance(widget, w.Text) \
+                        else given[name]
                 widget.observe(self._on_change, names="value")
                 self.param_widgets[name] = widget
         self.params_box.children = list(self.param_widgets.values())
@@ -162,7 +181,39 @@ class Workbench:
         self.refresh()
 
     def _on_change(self, change):
-        self.refresh()
+        if not self._quiet:
+            self.refresh()
+
+    def _on_block_click(self, change):
+        """A block clicked in the map: Token zoom opens on it."""
+        clicked = change["new"]
+        if self.scan is None or "q_block" not in clicked:
+            return
+        r, c = clicked["q_block"], clicked["kv_block"]
+        n = self.zoom_size.value
+        q_centre = min(r * self.scan.q_block + self.scan.q_block // 2, self.q_len.value - 1)
+        kv_centre = min(c * self.scan.kv_block + self.scan.kv_block // 2, self.kv_len.value - 1)
+        self._set_quietly(self.zoom_q, max(0, min(q_centre - n // 2, self.q_len.value - n)))
+        self._set_quietly(self.zoom_kv, max(0, min(kv_centre - n // 2, self.kv_len.value - n)))
+        self.zoom_why.value = f"<span style='color:#5a6776;font-size:12px'>where: block (q {r}, kv {c}) clicked in the block map</span>"
+        self._stale.add("Token zoom")
+        self.tabs.selected_index = TABS.index("Token zoom")  # draws it (see _on_tab)
+        if "Token zoom" in self._stale:
+            self._draw_tab("Token zoom")
+
+    def _on_zoom_field(self, change):
+        if self._quiet:
+            return
+        if change["owner"] is not self.zoom_size:
+            self.zoom_why.value = "<span style='color:#5a6776;font-size:12px'>where: as you set it</span>"
+        self._draw_tab("Token zoom")
+
+    def _set_quietly(self, widget, value):
+        self._quiet = True
+        try:
+            widget.value = value
+        finally:
+            self._quiet = False
 
     def _on_tab(self, change):
         name = TABS[change["new"]]
@@ -179,10 +230,12 @@ class Workbench:
         start = time.perf_counter()
         try:
             self.mask = self.build()
+            self._show_mask_fields()
             heads = self.mask.heads or self.heads.value  # a per-head mask shows all its heads
             self.scan = scan_blocks(self.mask, self.q_len.value, self.kv_len.value, heads=heads,
                                     batch=self.batch.value, block_size=self.block.value, device=self.device)
             self.message.value = ""
+            self._focus_zoom()
         except Exception as exc:  # user code: show it, keep the app alive
             self.mask, self.scan = None, None
             self._show_error(exc)
@@ -192,22 +245,53 @@ class Workbench:
         self.last_redraw_seconds = time.perf_counter() - start
         self.redraws += 1
         if self.mask is not None:
+            s = self.scan
+            varies = [f"{n} {what} differ" for n, what, flag in ((s.heads, "heads", s.depends_on_head),
+                                                                 (s.batch, "batch entries", s.depends_on_batch)) if flag]
             self.status.value = (f"<span style='color:#5a6776;font-size:12px'>{_esc(self.mask.name)} · "
-                                 f"{self.scan.engine} {self.scan.evaluator} · redrawn in {self.last_redraw_seconds:.2f} s on {self.device}"
-                                 f"</span>")
+                                 f"{', '.join(varies) or 'same for every head and batch entry'} · block scan "
+                                 f"{s.engine} · redrawn in {self.last_redraw_seconds:.2f} s on {self.device}</span>")
+
+    def _show_mask_fields(self):
+        """The fields say what the mask really is: a mask defined for N heads shows N (and fixes
+        it), a parameter left to its default shows the value the factory picked."""
+        if self.mask.heads:
+            self._set_quietly(self.heads, self.mask.heads)
+            self.heads.disabled = True
+            self.heads.description_tooltip = "set by the mask"
+        elif self.heads.disabled:
+            self.heads.disabled = False
+            self._set_quietly(self.heads, self.heads_default)
+        for name, widget in self.param_widgets.items():
+            if isinstance(widget, w.Text) and not widget.value.strip() and name in self.mask.params:
+                widget.placeholder = json.dumps(self.mask.params[name])
+
+    def _focus_zoom(self):
+        """Token zoom and Scores look where the mask's structure is (look.focus), and say why."""
+        where = look.focus(self.scan, self.zoom_size.value, h=self._head(), mask=self.mask, device=self.device)
+        n = max(where.q_range[1] - where.q_range[0], where.kv_range[1] - where.kv_range[0])
+        if n < self.zoom_size.value:  # a closer view (a few differing tokens): the size follows
+            self._set_quietly(self.zoom_size, min(o for o in self.zoom_size.options if o >= n))
+        self._set_quietly(self.zoom_q, where.q_range[0])
+        self._set_quietly(self.zoom_kv, where.kv_range[0])
+        self.focus = where
+        self.zoom_why.value = f"<span style='color:#5a6776;font-size:12px'>where: {_esc(where.reason)}</span>"
 
     # ------------------------------------------------------------ tabs
 
     def _tab_body(self, name):
         out = self.outputs[name]
+        if name == "Block map":
+            return w.VBox([self.block_widget, out])
         if name == "Token zoom":
             self.zoom_q = w.IntText(value=0, description="q from", layout=w.Layout(width="160px"))
             self.zoom_kv = w.IntText(value=0, description="kv from", layout=w.Layout(width="160px"))
             self.zoom_size = w.Dropdown(options=[64, 128, 256, 512, 1024, 2048], value=256, description="size",
                                         layout=w.Layout(width="160px"))
+            self.zoom_why = w.HTML()
             for widget in (self.zoom_q, self.zoom_kv, self.zoom_size):
-                widget.observe(lambda change: self._draw_tab("Token zoom"), names="value")
-            return w.VBox([w.HBox([self.zoom_q, self.zoom_kv, self.zoom_size]), out])
+                widget.observe(self._on_zoom_field, names="value")
+            return w.VBox([w.HBox([self.zoom_q, self.zoom_kv, self.zoom_size]), self.zoom_why, out])
         if name == "Verify":
             self.verify_dtype = w.Dropdown(options=["float32", "bfloat16", "float16"] +
                                            (["tf32"] if torch.cuda.is_available() else ["float64"]),
@@ -245,7 +329,11 @@ class Workbench:
         with out:
             try:
                 if name == "Block map":
-                    self.shown[name] = _show_png(look.block_map(self.scan, title=self.mask.name))
+                    grid = look.block_grid(self.scan, b=0, h=self._head())
+                    self.block_widget.show(grid, self.scan, title=self.mask.name)
+                    self.shown[name] = grid
+                    if self.scan.depends_on_head or self.scan.depends_on_batch:  # every panel, side by side
+                        self.shown["Block map (all panels)"] = _show_png(look.block_map(self.scan, title=self.mask.name))
                 elif name == "Stats":
                     self.shown[name] = mask_stats(self.scan).to_frame()
                     display(self.shown[name])
@@ -261,10 +349,9 @@ class Workbench:
                         self.shown[name] = "No score_mod: scores are unchanged."
                         display(w.HTML(f"<i>{self.shown[name]}</i>"))
                     else:
-                        n = min(256, self.q_len.value, self.kv_len.value)
-                        self.shown[name] = _show_png(look.score_view(self.mask, (self.q_len.value - n, self.q_len.value),
-                                                  (self.kv_len.value - n, self.kv_len.value), h=self._head(),
-                                                  device=self.device))
+                        where = look.focus(self.scan, 256, h=self._head(), mask=self.mask, device=self.device)
+                        self.shown[name] = _show_png(look.score_view(self.mask, where.q_range, where.kv_range,
+                                                                     h=self._head(), device=self.device))
             except Exception as exc:
                 self._show_error(exc)
 

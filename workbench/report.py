@@ -45,6 +45,7 @@ class MaskResult:
     mask: Mask | None = None
     stats: object = None
     figures: dict = field(default_factory=dict)   # title -> PNG bytes
+    captions: dict = field(default_factory=dict)  # title -> what it shows, at which length, and why there
     error: str | None = None
     seconds: float = 0.0
     verdict: object = None  # verify.Verdict
@@ -75,20 +76,28 @@ def analyze_target(target: str, params: dict, q_len: int, kv_len: int, heads: in
     try:
         mask = prepare(factory or target, params, q_len, kv_len, device)
         result.mask = mask
-        n_heads = heads if mask.heads is None else min(heads or mask.heads, mask.heads)
-        zoom = min(q_len, kv_len, 512)  # the last queries, against the keys they sit on
-        q_zoom = (0, zoom) if q_len == kv_len else (q_len - min(q_len, zoom), q_len)
-        kv_zoom = (0, zoom) if q_len == kv_len else (kv_len - min(kv_len, zoom), kv_len)
+        n_heads = mask.heads or heads  # a mask defined per head is shown with all its heads
+        at = f"Lq={q_len:,} Lk={kv_len:,}"
         if mask.mask_mod is not None:
             scan = scan_blocks(mask, q_len, kv_len, heads=n_heads, batch=batch, block_size=block_size, device=device)
             result.stats = mask_stats(scan)
             result.figures["block map"] = _png(look.block_map(scan, title=mask.name))
-            result.figures["token view"] = _png(look.token_view(mask, q_zoom, kv_zoom, device=device))
+            result.captions["block map"] = f"block map at {at}, {scan.batch} x {scan.heads} (batch x heads)"
+            where = look.focus(scan, 512, mask=mask, device=device)
+            result.figures["token view"] = _png(look.token_view(mask, where.q_range, where.kv_range, device=device,
+                                                                why=where.reason))
+            result.captions["token view"] = f"token view at {at}; where: {where.reason}"
         if mask.score_mod is not None:
             h = 1 if (mask.heads or n_heads or 1) > 1 else 0
-            result.figures["score view"] = _png(look.score_view(mask, q_zoom if zoom <= 256 else (q_zoom[0], q_zoom[0] + 256),
-                                                                kv_zoom if zoom <= 256 else (kv_zoom[0], kv_zoom[0] + 256),
-                                                                h=h, device=device))
+            if mask.mask_mod is not None:
+                where = look.focus(scan, 256, h=h, mask=mask, device=device)
+                q_zoom, kv_zoom, why = where.q_range, where.kv_range, where.reason
+            else:  # a score_mod alone: the start of the diagonal
+                n = min(q_len, kv_len, 256)
+                q_zoom, kv_zoom = (0, n), (kv_len - q_len, kv_len - q_len + n) if kv_len > q_len else (0, n)
+                why = "the start of the diagonal"
+            result.figures["score view"] = _png(look.score_view(mask, q_zoom, kv_zoom, h=h, device=device))
+            result.captions["score view"] = f"score view at {at}, head {h}; where: {why}"
         verify_target(result, n_heads or 1, device)
         if spec_dir is not None:
             export_target(result, n_heads, batch, device, spec_dir)
@@ -213,8 +222,8 @@ def run_report(targets: list[tuple[str, dict]] | None = None, out_dir: str | Pat
 
 
 def _result_record(r: MaskResult) -> dict:
-    rec = dict(target=r.target, params=r.params, name=r.mask.name if r.mask else None, error=r.error,
-               seconds=round(r.seconds, 3))
+    rec = dict(target=r.target, params=_params(r), given_params=r.params, name=r.mask.name if r.mask else None,
+               status=status(r), error=r.error, seconds=round(r.seconds, 3))
     if r.stats is not None:
         rec["stats"] = r.stats.to_dict()
     if r.verdict is not None:
@@ -239,7 +248,7 @@ def summary_frame(results: list[MaskResult]) -> pd.DataFrame:
     for r in results:
         s = r.stats
         rows.append(dict(
-            name=r.mask.name if r.mask else r.target, target=r.target, params=json.dumps(r.params),
+            name=r.mask.name if r.mask else r.target, target=r.target, params=json.dumps(_params(r)),
             ok=r.error is None, error=r.error or "",
             density=getattr(s, "density", None), block_sparsity=getattr(s, "block_sparsity", None),
             full_blocks=getattr(s, "full_blocks", None), partial_blocks=getattr(s, "partial_blocks", None),
@@ -252,8 +261,44 @@ def summary_frame(results: list[MaskResult]) -> pd.DataFrame:
             port_verified=None if r.port_verdict is None else r.port_verdict.passed,
             port_rel_err=None if r.port_verdict is None else max(c.rel_err for c in r.port_verdict.checks),
             port_speed_vs_flex=None if not r.port_timing else r.port_timing["speed_vs_flex"],
-            seconds=round(r.seconds, 3)))
-    return pd.DataFrame(rows)
+            status=status(r), seconds=round(r.seconds, 3)))
+    frame = pd.DataFrame(rows)
+    # counts stay integers where some masks have none (pandas would make the column float)
+    for col in ("full_blocks", "partial_blocks", "empty_blocks", "kept_pairs", "fully_masked_rows"):
+        frame[col] = frame[col].astype("Int64")
+    return frame
+
+
+def _params(r: MaskResult) -> dict:
+    """The parameters the mask was built with, defaults included (what the user gave otherwise)."""
+    return r.mask.params if r.mask is not None and r.mask.params else r.params
+
+
+def status(r: MaskResult) -> str:
+    """One word per mask for the overview: the worst of what happened to it."""
+    if r.error is not None:
+        return "error"
+    if r.verdict is not None and not r.verdict.passed:
+        return "verify failed"
+    if r.port_verdict is not None and not r.port_verdict.passed:
+        return "port failed"
+    if r.verdict is None:
+        return "not verified"
+    return "ok"
+
+
+SHARED_FINDINGS = ("captured_scalars",)  # said once above the sections, with the masks they concern
+
+
+def _at(v) -> str:
+    return f"at Lq={v.shape.q_len:,} Lk={v.shape.kv_len:,}, {v.shape.batch} x {v.shape.q_heads} (batch x heads)"
+
+
+def _plain_table(frame: pd.DataFrame) -> str:
+    """A table with one header row (pandas adds an empty one for a named index)."""
+    frame = frame.copy()
+    frame.index.name = None
+    return frame.to_html(escape=True, header=len(frame.columns) > 1)
 
 
 def _verdict_html(r: MaskResult) -> str:
@@ -261,13 +306,49 @@ def _verdict_html(r: MaskResult) -> str:
     v = r.verdict
     if v is None:
         return f"<h3>Verification</h3><p class='na'>{esc(r.verify_note or 'not run')}</p>"
-    table = v.to_frame()[["max_abs_err", "rel_err", "worst", "bad_count", "nan_count", "passed"]].to_html(escape=True)
-    notes = "".join(f"<li><b>{esc(f.kind)}</b> ({f.severity}): {esc(f.message)}</li>" for f in v.findings)
+    table = _plain_table(v.to_frame()[["max_abs_err", "rel_err", "worst", "bad_count", "nan_count", "passed"]]
+                         .rename_axis(None).reset_index().rename(columns={"index": "tensor"}).set_index("tensor"))
+    notes = "".join(f"<li><b>{esc(f.kind)}</b> ({f.severity}): {esc(f.message)}</li>" for f in v.findings
+                    if f.kind not in SHARED_FINDINGS)
     compiled = "compiled" if v.compiled else "uncompiled (CPU)"
-    return (f"<h3>Verification</h3><p><span class='pill {'ok' if v.passed else 'bad'}'>"
+    return (f"<h3>Verification {_at(v)}</h3><p><span class='pill {'ok' if v.passed else 'bad'}'>"
             f"{'pass' if v.passed else 'FAIL'}</span> {esc(v.line)}</p>"
             f"<p class='na'>FlexAttention {compiled} vs an eager {v.reference_dtype} reference on random inputs.</p>"
             f"{table}{'<ul>' + notes + '</ul>' if notes else ''}")
+
+
+def _lengths_html(results: list[MaskResult], settings: dict) -> str:
+    """Which length each part of a section is at: the report's, and the shorter ones verification,
+    specs and ports use (read from the results, not assumed)."""
+    esc = html.escape
+
+    def lengths(items):
+        return ", ".join(sorted({f"{q:,} x {k:,}" for q, k in items})) or "—"
+
+    verify = [(r.verdict.shape.q_len, r.verdict.shape.kv_len) for r in results if r.verdict is not None]
+    specs = [(r.spec.doc["shape"]["q_len"], r.spec.doc["shape"]["kv_len"]) for r in results if r.spec is not None]
+    ports = [(r.port_verdict.shape.q_len, r.port_verdict.shape.kv_len) for r in results if r.port_verdict is not None]
+    return (f"<p class='na'>Lengths (Lq x Lk): statistics and pictures {settings['q_len']:,} x {settings['kv_len']:,}; "
+            f"verification {esc(lengths(verify))}; porting specs {esc(lengths(specs))}; Triton ports "
+            f"{esc(lengths(ports))}. Each section heading names its own.</p>")
+
+
+def _shared_findings_html(results: list[MaskResult]) -> str:
+    """Findings that say the same thing of many masks, stated once with the masks they concern."""
+    esc = html.escape
+    by_kind: dict[str, list[tuple[str, str]]] = {}
+    for r in results:
+        for f in (r.verdict.findings if r.verdict is not None else []):
+            if f.kind in SHARED_FINDINGS:
+                by_kind.setdefault(f.kind, []).append((r.mask.name, f.message))
+    items = []
+    for kind, hits in by_kind.items():
+        message = hits[0][1]
+        general = message.split("; ", 1)[1] if "; " in message else message
+        names = ", ".join(name for name, _ in hits)
+        items.append(f"<li><b>{esc(kind)}</b> (info, {len(hits)} masks: {esc(names)}): {esc(general)}. Each "
+                     f"mask's values are in its parameters.</li>")
+    return f"<h3>Notes that apply to several masks</h3><ul>{''.join(items)}</ul>" if items else ""
 
 
 def _port_html(r: MaskResult) -> str:
@@ -278,7 +359,7 @@ def _port_html(r: MaskResult) -> str:
     timing = ("" if not r.port_timing else
               f"<p>forward {r.port_timing['dtype']}: port {r.port_timing['port_ms']:.3f} ms, compiled FlexAttention "
               f"{r.port_timing['flex_ms']:.3f} ms ({r.port_timing['speed_vs_flex']:.2f}x Flex's speed)</p>")
-    return (f"<h3>Triton port</h3><p><code>{esc(r.port_note)}</code>: one file, torch and triton only.</p>"
+    return (f"<h3>Triton port {_at(v)}</h3><p><code>{esc(r.port_note)}</code>: one file, torch and triton only.</p>"
             f"<p><span class='pill {'ok' if v.passed else 'bad'}'>{'pass' if v.passed else 'FAIL'}</span> "
             f"{esc(v.line)}</p>{timing}")
 
@@ -298,7 +379,7 @@ def _porting_html(r: MaskResult) -> str:
             shown = text if len(text) <= 220 else text[:217] + "..."
         mark = "<span class='pill ok'>exact</span>" if row["exact"] else "<span class='pill bad'>no</span>"
         rows.append(f"<tr><td>{esc(target)}</td><td>{mark}</td><td><code>{esc(shown)}</code>{esc(row['reason'])}</td></tr>")
-    return (f"<h3>Porting</h3><p>Pattern <b>{esc(spec.doc['pattern']['kind'])}</b> "
+    return (f"<h3>Porting spec at Lq={shape['q_len']:,} Lk={shape['kv_len']:,}</h3><p>Pattern <b>{esc(spec.doc['pattern']['kind'])}</b> "
             f"<code>{esc(json.dumps(spec.doc['pattern']['params'])[:200])}</code>, score <b>{esc(spec.doc['score']['kind'])}</b>; "
             f"spec at Lq={shape['q_len']} Lk={shape['kv_len']}: <code>{esc(Path(r.spec_path).name)}</code> "
             f"(+ golden vectors)</p><table><tr><th>backend</th><th>exact</th><th>section / why not</th></tr>"
@@ -314,11 +395,12 @@ th{background:#eef2f6}section{background:#fff;border:1px solid #e3e7ec;border-ra
 section h2{margin:0 0 6px;font-size:18px}.desc{white-space:pre-wrap;font-size:13px;color:#3a4756}
 .err{background:#fdecea;border-left:4px solid #d62828;padding:8px 12px;font-size:13px;white-space:pre-wrap}
 .figs{display:flex;flex-wrap:wrap;gap:12px;align-items:flex-start}.figs figure{margin:0}
-.figs img{max-width:640px;border:1px solid #e3e7ec}figcaption{font-size:12px;color:#5a6776}
+.figs img{max-width:640px;border:1px solid #e3e7ec}figcaption{font-size:12px;color:#5a6776;max-width:640px}
 details pre{background:#f4f6f8;padding:10px;font-size:12px;overflow:auto}
 .pill{display:inline-block;padding:1px 8px;border-radius:10px;font-size:12px;margin-left:6px}
 .ok{background:#e6f4ea;color:#1e6b34}.bad{background:#fdecea;color:#a4161a}
-.na{color:#8a96a3;font-size:13px}a{color:#1d70b8}
+.na{color:#8a96a3;font-size:13px}a{color:#1d70b8}.nw{white-space:nowrap}
+.figs img.wide{max-width:100%}
 """
 
 
@@ -331,13 +413,15 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
              f"block {settings['block_size']} · device {esc(str(settings['device']))} · torch {esc(torch.__version__)}"
              f"{' · ' + str(n_err) + ' failed' if n_err else ''}</p></header><main>"]
     parts.append("<h2>Overview</h2><table><tr><th>mask</th><th>density</th><th>block sparsity</th>"
-                 "<th>full / partial / empty</th><th>wasted in partial blocks</th><th>fully masked rows</th>"
-                 "<th>varies by head</th><th>verified</th><th>exact backends</th><th>Triton port: verified, speed vs "
-                 "Flex</th><th>status</th></tr>")
+                 "<th>full / partial / empty blocks</th><th>wasted in partial blocks</th><th>fully masked rows</th>"
+                 "<th>varies by head</th><th>verified (largest relative error)</th><th>exact backends</th>"
+                 "<th>Triton port: verified, speed vs Flex</th><th>status</th></tr>")
     for i, r in enumerate(results):
         s = r.stats
         name = r.mask.name if r.mask else r.target
-        status = "<span class='pill ok'>ok</span>" if r.error is None else "<span class='pill bad'>error</span>"
+        word = status(r)
+        pill = "<span class='pill {}'>{}</span>".format("ok" if word == "ok" else "na" if word == "not verified"
+                                                       else "bad", esc(word))
         if s is None:
             cells = "<td colspan=6 class='na'>" + ("score_mod only: see its score view" if r.error is None else "—") + "</td>"
         else:
@@ -346,16 +430,17 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
                      f"<td>{s.fully_masked_rows:,}</td><td>{'yes' if s.differs_across_heads else 'no'}</td>")
         v = r.verdict
         verified = ("—" if v is None else f"<span class='pill {'ok' if v.passed else 'bad'}'>"
-                    f"{'pass' if v.passed else 'FAIL'}</span> {max(c.rel_err for c in v.checks):.1e}")
-        backends = "—" if r.spec is None else esc(", ".join(t for t in r.spec.supported
-                                                        if t not in ("row_intervals", "block_sparse")) or "only generic forms")
+                    f"{'pass' if v.passed else 'FAIL'}</span> rel err {max(c.rel_err for c in v.checks):.1e}")
+        backends = "—" if r.spec is None else esc(", ".join(r.spec.supported) or "none")
         pv = r.port_verdict
         ported = ("—" if pv is None else f"<span class='pill {'ok' if pv.passed else 'bad'}'>"
-                  f"{'pass' if pv.passed else 'FAIL'}</span> {max(c.rel_err for c in pv.checks):.1e}"
+                  f"{'pass' if pv.passed else 'FAIL'}</span> rel err {max(c.rel_err for c in pv.checks):.1e}"
                   + (f", {r.port_timing['speed_vs_flex']:.2f}x" if r.port_timing else ", speed: GPU only"))
-        parts.append(f"<tr><td><a href='#m{i}'>{esc(name)}</a></td>{cells}<td>{verified}</td><td>{backends}</td>"
-                     f"<td>{ported}</td><td>{status}</td></tr>")
+        parts.append(f"<tr><td><a href='#m{i}'>{esc(name)}</a></td>{cells}<td class='nw'>{verified}</td>"
+                     f"<td>{backends}</td><td class='nw'>{ported}</td><td>{pill}</td></tr>")
     parts.append("</table>")
+    parts.append(_lengths_html(results, settings))
+    parts.append(_shared_findings_html(results))
     for i, r in enumerate(results):
         name = r.mask.name if r.mask else r.target
         parts.append(f"<section id='m{i}'><h2>{esc(name)}</h2>")
@@ -369,11 +454,14 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
             parts.append("<div class='figs'>")
             for title, png in r.figures.items():
                 data = base64.b64encode(png).decode()
-                parts.append(f"<figure><img alt='{esc(title)}' src='data:image/png;base64,{data}'>"
-                             f"<figcaption>{esc(title)}</figcaption></figure>")
+                wide = " class='wide'" if title == "block map" and r.stats is not None and r.stats.heads > 4 else ""
+                parts.append(f"<figure><img{wide} alt='{esc(title)}' src='data:image/png;base64,{data}'>"
+                             f"<figcaption>{esc(r.captions.get(title, title))}</figcaption></figure>")
             parts.append("</div>")
         if r.stats is not None:
-            parts.append("<h3>Statistics</h3>" + r.stats.to_frame().to_html(escape=True, header=False))
+            st = r.stats
+            parts.append(f"<h3>Statistics at Lq={st.q_len:,} Lk={st.kv_len:,}, {st.batch} x {st.heads} (batch x heads)</h3>"
+                         + _plain_table(st.to_frame()))
         parts.append(_verdict_html(r))
         parts.append(_porting_html(r))
         parts.append(_port_html(r))

@@ -230,8 +230,9 @@ def cmd_blocks(args) -> int:
         out = output_folder(args.out, mask.name)
         look.block_map(scan, title=mask.name).savefig(out / "block_map.png", dpi=100)
         look.overview(mask, q_len, kv_len, device=device).savefig(out / "overview.png", dpi=100)
-        n = min(q_len, kv_len, 1024)
-        look.token_view(mask, (q_len - n, q_len), (kv_len - n, kv_len), device=device).savefig(out / "token_view.png", dpi=100)
+        where = look.focus(scan, 1024, mask=mask, device=device)
+        look.token_view(mask, where.q_range, where.kv_range, device=device, why=where.reason).savefig(
+            out / "token_view.png", dpi=100)
     if args.json:
         record = stats.to_dict()
         record.update(name=mask.name, block_size=stats.block_size, seconds=round(scan.seconds, 4), device=device,

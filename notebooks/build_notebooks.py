@@ -42,7 +42,10 @@ from workbench.analyze import mask_stats
 scan = scan_blocks(mask, N, N, device=DEVICE)
 look.block_map(scan, title=mask.name)""",
 """mask_stats(scan).to_frame()""",
-"""look.token_view(mask, (N - 512, N), (0, 512), device=DEVICE)""",
+"""# where to look: the first block that differs from plain causal attention (the same rule as the
+# report's and the app's token views); the picture says why it looks there
+where = look.focus(scan, 512, mask=mask, device=DEVICE)
+look.token_view(mask, where.q_range, where.kv_range, device=DEVICE, why=where.reason)""",
 "md:## 3. Verify\n\nFlexAttention (compiled on a GPU, uncompiled on the CPU) against a chunked float64 reference on fresh random inputs.",
 """from workbench.run import Shape
 from workbench.verify import verify
@@ -57,7 +60,7 @@ verdict.to_frame()[["max_abs_err", "rel_err", "worst", "passed"]]""",
 spec = build_spec(mask, 512, 512, seed=0)
 path, _ = write_spec(spec, "out/tour")
 print(path, spec.doc["pattern"])
-spec.backends_frame()""",
+spec.backends_view()   # each exact backend's arguments, each reason in full""",
 "md:## 5. The app\n\nChange the mask, its parameters, the lengths or the block size; every tab follows. Errors in your code show up as a short message and the app keeps working.",
 """from workbench import Workbench
 

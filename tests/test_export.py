@@ -304,8 +304,8 @@ def test_cli_export_conformance_diff(tmp_path):
     for window in (16, 17):
         assert main(["export", "causal_sliding_window", "--param", f"window={window}", "--q-len", "96",
                      "--device", "cpu", "-o", str(tmp_path / f"w{window}")]) == 0
-    a = tmp_path / "w16" / "causal_sliding_window_16.spec.json"
-    b = tmp_path / "w17" / "causal_sliding_window_17.spec.json"
+    a = next((tmp_path / "w16").glob("causal_sliding_window_16-*.spec.json"))
+    b = next((tmp_path / "w17").glob("causal_sliding_window_17-*.spec.json"))
     assert main(["conformance", str(a), "--impl", f"{port}:port"]) == 0
     assert main(["conformance", str(b), "--impl", f"{port}:port"]) == 0
     assert main(["diff", str(a), str(a)]) == 0
@@ -399,9 +399,10 @@ def test_bad_input_to_export_conformance_and_diff(tmp_path, capsys):
     assert "no spec file" in capsys.readouterr().err
     a = write_spec(build_spec(make("causal"), 64, 64, golden=True, seed=0), tmp_path / "a")[0]
     b = write_spec(build_spec(make("causal"), 96, 96, golden=True, seed=0), tmp_path / "b")[0]
+    assert a.name != b.name and a.name.startswith("causal_bottom_right-")  # other lengths, other files
     d = diff_specs(a, b)
     assert not d.same and "lengths differ" in d.line and "export both with the same --q-len" in d.line and d.differing_pairs is None
-    assert main(["export", "causal", "--q-len", "64", "--device", "cpu", "-o", str(tmp_path / "a" / "causal_bottom_right.spec.json" / "x")]) == 2
+    assert main(["export", "causal", "--q-len", "64", "--device", "cpu", "-o", str(a / "x")]) == 2
     assert "cannot write to" in capsys.readouterr().err
 
 

@@ -61,7 +61,59 @@ def test_score_view_blank_where_masked_and_centered():
     assert values[10, 0] == -2.0 ** -2 * 10
     fig = look.score_view(mask, (0, 20), (0, 20))
     im = fig.axes[0].images[0]
-    assert im.norm.vcenter == 0 and np.ma.is_masked(im.get_array()[0, 5])
+    # ALiBi only lowers scores: a one-sided scale from the lowest value to 0, masked cells blank
+    assert (im.norm.vmin, im.norm.vmax) == (float(np.nanmin(values.numpy())), 0.0)
+    assert im.cmap.name.startswith("Blues_r") and np.ma.is_masked(im.get_array()[0, 5])
+
+
+def test_score_view_of_both_signs_diverges_around_zero():
+    from workbench import Mask
+
+    def tilt(score, b, h, q_idx, kv_idx):  # raises near keys, lowers far ones
+        return score + (kv_idx - q_idx + 5).float()
+
+    fig = look.score_view(Mask("tilt", mask_mod=make("causal").mask_mod, score_mod=tilt), (0, 20), (0, 20))
+    norm = fig.axes[0].images[0].norm
+    assert norm.vcenter == 0 and norm.halfrange == 14
+
+
+def test_focus_finds_the_structure_and_says_why():
+    tree = make("tree", q_len=4096, kv_len=4096)
+    where = look.focus(scan_blocks(tree, 4096, 4096), 512, mask=tree)
+    assert where.q_range[0] >= 4096 - 64 and where.kv_range[0] >= 4096 - 64  # the 15 tree tokens, close up
+    assert "differs from plain causal" in where.reason and "closer view" in where.reason
+    window = make("causal_sliding_window", {"window": 256})
+    where = look.focus(scan_blocks(window, 4096, 4096), 512, mask=window)
+    assert where.block == (2, 0) and where.q_range == (64, 576)  # the window's lower edge, in view
+    causal = make("causal", q_len=100, kv_len=3000)
+    where = look.focus(scan_blocks(causal, 100, 3000), 512)
+    assert where.kv_range == (2488, 3000) and "start of the diagonal" in where.reason
+    # per head: each head's own structure
+    heads = make("per_head_window", q_len=4096, kv_len=4096)
+    scan = scan_blocks(heads, 4096, 4096, heads=8)
+    assert look.focus(scan, 512, h=3).block == (2, 0) and look.focus(scan, 512, h=4).block == (4, 0)
+    assert "diagonal" in look.focus(scan, 512, h=7).reason  # window 4,096: plain causal at this length
+
+
+def test_block_map_of_16_heads_is_legible():
+    import matplotlib.text
+
+    mask = make("per_head_window", {"windows": [16 * i + 8 for i in range(16)]}, q_len=1024, kv_len=1024)
+    fig = look.block_map(scan_blocks(mask, 1024, 1024, heads=16), title=mask.name)
+    texts = [t for t in fig.findobj(matplotlib.text.Text) if t.get_text() and t.get_visible()]
+    labels = [t.get_text() for t in texts]
+    assert all(f"h={h}" in labels for h in range(16))  # every head has its panel
+    assert min(t.get_fontsize() for t in texts) >= 9 and fig.get_figwidth() <= 12
+    png = fig._repr_png_()
+    assert png[:4] == b"\x89PNG"
+
+
+def test_block_grid_pools_and_keeps_counts():
+    mask = make("causal")
+    scan = scan_blocks(mask, 4096, 4096, block_size=16)  # 256 x 256 blocks
+    grid = look.block_grid(scan, max_cells=64)
+    assert grid.classes.shape == (64, 64) and (grid.pool_q, grid.pool_kv) == (4, 4)
+    assert grid.kept.sum() == scan.kept_pairs and grid.kept[0, 0] == 64 * 65 // 2
 
 
 def test_diff_view_counts_the_off_by_one():

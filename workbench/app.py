@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import io
 import json
 import shlex
@@ -28,7 +27,7 @@ from workbench import look
 from workbench.widgets import BlockMapWidget
 from workbench.analyze import mask_stats
 from workbench.blocks import scan_blocks
-from workbench.define import CONTEXT_KEYS, Mask, WorkbenchError, bind, library, make, prepare
+from workbench.define import Mask, WorkbenchError, bind, factory_params, library, make, prepare
 
 CUSTOM = "(your mod)"
 TABS = ["Block map", "Token zoom", "Scores", "Stats", "Verify", "Benchmark", "Export"]
@@ -66,16 +65,6 @@ def _param_value(widget: w.Widget):
         except json.JSONDecodeError:
             return widget.value
     return widget.value
-
-
-def factory_defaults(factory: Callable) -> dict[str, Any]:
-    """A factory's parameters and defaults, without the context keywords the workbench fills in."""
-    out = {}
-    for name, p in inspect.signature(factory).parameters.items():
-        if name in CONTEXT_KEYS or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        out[name] = None if p.default is p.empty else p.default
-    return out
 
 
 class Workbench:
@@ -152,7 +141,7 @@ class Workbench:
             raise WorkbenchError("params are for library masks; your own mod takes none here",
                                  "pass a Mask built with its parameters, or a library name")
         if self.picker.value != CUSTOM:
-            defaults = factory_defaults(library()[self.picker.value])
+            defaults = factory_params(library()[self.picker.value])
             unknown = sorted(set(given or {}) - set(defaults))
             if unknown:
                 raise WorkbenchError(f"{self.picker.value} has no parameter {', '.join(unknown)}",
@@ -428,7 +417,7 @@ class Workbench:
             self.last_spec = spec
             display(w.HTML(f"wrote <code>{_esc(str(path))}</code>; pattern <b>{_esc(spec.doc['pattern']['kind'])}"
                            f"</b>, score <b>{_esc(spec.doc['score']['kind'])}</b>"))
-            display(spec.backends_frame())
+            display(spec.backends_view())
             self.last_port = None
             if spec.port is not None:
                 self.last_port = path.with_name(spec.port.file_name)

@@ -185,14 +185,17 @@ def load_mask(args, q_len: int, kv_len: int, device: str, target: str | None = N
 
 
 def cmd_list(args) -> int:
-    from workbench.define import make as make_mask
+    from workbench.define import factory_params, make as make_mask
 
     for name, factory in library().items():
         try:
             summary = make_mask(factory).summary
         except WorkbenchError as exc:
             summary = f"(fails with defaults: {exc.message})"
-        print(f"{name:24s} {summary}")
+        params = factory_params(factory)
+        shown = ", ".join(f"{k}={json.dumps(v)}" + (" (picked from the lengths)" if v is None else "")
+                          for k, v in params.items()) or "no parameters"
+        print(f"{name:24s} {summary}\n{'':24s} parameters: {shown}")
     return 0
 
 

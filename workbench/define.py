@@ -222,6 +222,17 @@ def parse_params(items: list[str] | None) -> dict[str, Any]:
     return params
 
 
+def factory_params(factory: Callable) -> dict[str, Any]:
+    """A factory's own parameters and their defaults (None where it has none), without the
+    context keywords (q_len, kv_len, device) the workbench fills in."""
+    out = {}
+    for name, p in inspect.signature(factory).parameters.items():
+        if name in CONTEXT_KEYS or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        out[name] = None if p.default is p.empty else p.default
+    return out
+
+
 def library() -> dict[str, Callable]:
     """The built-in library: module `masks/NAME.py` holds factory `NAME`."""
     import masks

@@ -52,9 +52,30 @@ class PortingSpec:
         return dict(self.doc["unsupported"])
 
     def backends_frame(self) -> pd.DataFrame:
-        rows = [dict(backend=t, exact=t in self.doc["backends"], reason=self.doc["unsupported"].get(t, ""))
-                for t in TARGETS]
+        """One row per backend: exact or not, the arguments of an exact one (its spec section as
+        compact JSON; arrays appear as {"$tensor": name} references) and, if not, the reason."""
+        rows = [dict(backend=t, exact=t in self.doc["backends"],
+                     arguments=_compact(self.doc["backends"][t]) if t in self.doc["backends"] else "",
+                     reason=self.doc["unsupported"].get(t, "")) for t in TARGETS]
         return pd.DataFrame(rows).set_index("backend")
+
+    def backends_view(self):
+        """`backends_frame` for a notebook: every argument and reason in full, wrapped (a bare
+        DataFrame cuts cells at 50 characters)."""
+        return (self.backends_frame().style
+                .set_properties(**{"white-space": "pre-wrap", "text-align": "left", "font-size": "12px"})
+                .set_properties(subset=["arguments"], **{"font-family": "monospace", "max-width": "640px"})
+                .set_table_styles([{"selector": "th", "props": [("text-align", "left")]}]))
+
+
+ARGUMENTS_SHOWN = 4000  # characters of a section shown in a table; the spec file has all of it
+
+
+def _compact(section) -> str:
+    text = json.dumps(section, separators=(", ", ": "))
+    if len(text) <= ARGUMENTS_SHOWN:
+        return text
+    return text[:ARGUMENTS_SHOWN] + f" ... ({len(text):,} characters; all of it in the spec file)"
 
 
 # ---------------------------------------------------------------- building
@@ -465,6 +486,16 @@ def _flex_time(mask: Mask, shape, device) -> dict:
 
 # ---------------------------------------------------------------- files
 
+def spec_stem(doc: dict) -> str:
+    """NAME-DIGEST: the mask's name and 8 hex digits of its parameters, score parameters and shape,
+    so specs of one factory at other parameters or lengths get their own files."""
+    import hashlib
+
+    key = json.dumps({"params": doc.get("params"), "score": (doc.get("score") or {}).get("params"),
+                      "shape": doc.get("shape")}, sort_keys=True, default=str)
+    return f"{_safe_name(doc['name'])}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
 def _safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.+" else "_" for c in name)
 
@@ -488,7 +519,7 @@ def write_spec(spec: PortingSpec, out_dir: str | Path) -> tuple[Path, Path]:
     from safetensors.numpy import save_file
 
     out = output_folder(out_dir, spec.name)
-    base = _safe_name(spec.name)
+    base = spec_stem(spec.doc)
     doc = dict(spec.doc)
     doc["tensor_file"] = f"{base}.golden.safetensors"
     doc["tensors"] = {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in sorted(spec.tensors.items())}

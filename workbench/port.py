@@ -46,9 +46,13 @@ class PortSource:
     valid_heads: int | None = None
     valid_batch: int | None = None
 
+    key: str = ""  # 6 hex digits of what makes this port differ from another port of the mask
+
     @property
     def module_name(self) -> str:
-        return f"{_identifier(self.name)}_attention"
+        """NAME_KEY_attention: ports of one mask at other parameters or lengths (other tables) never
+        overwrite each other."""
+        return f"{_identifier(self.name)}_{self.key}_attention" if self.key else f"{_identifier(self.name)}_attention"
 
     @property
     def file_name(self) -> str:
@@ -76,6 +80,18 @@ class PortSource:
 def _identifier(name: str) -> str:
     text = re.sub(r"\W+", "_", name).strip("_") or "mask"
     return text if not text[0].isdigit() else f"m_{text}"
+
+
+def _port_key(port: PortSource, parts: list[str]) -> str:
+    """6 hex digits of the translated mods, the sizes the port is valid for and its tables."""
+    import hashlib
+
+    digest = hashlib.sha256("\n".join(parts).encode())
+    digest.update(repr((port.valid_q_len, port.valid_kv_len, port.valid_heads, port.valid_batch)).encode())
+    for name in sorted(port.tensors):
+        digest.update(name.encode())
+        digest.update(port.tensors[name].reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:6]
 
 
 def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | None = None,
@@ -109,6 +125,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         valid_q_len=q_len if per_token else None, valid_kv_len=kv_len if per_token else None,
         valid_heads=(mask.heads or heads) if "h" in indexed else None,
         valid_batch=(mask.batch or batch) if "b" in indexed else None)
+    port.key = _port_key(port, parts)
     mask_names = [p[: -len("_ptr")] for p in mask_ptrs]
     all_ptrs = list(dict.fromkeys(mask_ptrs + score_ptrs))
 

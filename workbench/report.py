@@ -372,17 +372,18 @@ def _porting_html(r: MaskResult) -> str:
     shape = spec.doc["shape"]
     rows = []
     for target, row in spec.backends_frame().iterrows():
-        section = spec.doc["backends"].get(target)
-        shown = ""
-        if section is not None and target in ("flash_attn", "vllm_triton", "magi"):
-            text = json.dumps(section)
-            shown = text if len(text) <= 220 else text[:217] + "..."
+        args = row["arguments"]
+        if len(args) > 240:  # long sections fold; every argument is still there
+            args_html = (f"<details><summary><code>{esc(args[:120])} ...</code></summary>"
+                         f"<code class='args'>{esc(args)}</code></details>")
+        else:
+            args_html = f"<code class='args'>{esc(args)}</code>"
         mark = "<span class='pill ok'>exact</span>" if row["exact"] else "<span class='pill bad'>no</span>"
-        rows.append(f"<tr><td>{esc(target)}</td><td>{mark}</td><td><code>{esc(shown)}</code>{esc(row['reason'])}</td></tr>")
+        rows.append(f"<tr><td>{esc(target)}</td><td>{mark}</td><td>{args_html}{esc(row['reason'])}</td></tr>")
     return (f"<h3>Porting spec at Lq={shape['q_len']:,} Lk={shape['kv_len']:,}</h3><p>Pattern <b>{esc(spec.doc['pattern']['kind'])}</b> "
             f"<code>{esc(json.dumps(spec.doc['pattern']['params'])[:200])}</code>, score <b>{esc(spec.doc['score']['kind'])}</b>; "
             f"spec at Lq={shape['q_len']} Lk={shape['kv_len']}: <code>{esc(Path(r.spec_path).name)}</code> "
-            f"(+ golden vectors)</p><table><tr><th>backend</th><th>exact</th><th>section / why not</th></tr>"
+            f"(+ golden vectors)</p><table><tr><th>backend</th><th>exact</th><th>arguments / why not</th></tr>"
             + "".join(rows) + "</table>")
 
 
@@ -400,7 +401,7 @@ details pre{background:#f4f6f8;padding:10px;font-size:12px;overflow:auto}
 .pill{display:inline-block;padding:1px 8px;border-radius:10px;font-size:12px;margin-left:6px}
 .ok{background:#e6f4ea;color:#1e6b34}.bad{background:#fdecea;color:#a4161a}
 .na{color:#8a96a3;font-size:13px}a{color:#1d70b8}.nw{white-space:nowrap}
-.figs img.wide{max-width:100%}
+.figs img.wide{max-width:100%}code.args{white-space:pre-wrap;word-break:break-all}
 """
 
 

@@ -78,7 +78,7 @@ def lab(tmp_path_factory):
         server.kill()
 
 
-def test_tour_runs_in_jupyterlab_and_the_app_redraws(lab):
+def test_tour_runs_in_jupyterlab_and_the_block_map_answers_the_mouse(lab):
     from playwright.sync_api import sync_playwright
 
     base, token = lab
@@ -91,27 +91,65 @@ def test_tour_runs_in_jupyterlab_and_the_app_redraws(lab):
         page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=90_000)
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_text("Run All Cells", exact=True).click()
-        # the app's block map is the last widget image; its Stats/Block map follow every change
-        app_image = page.locator(".jp-OutputArea .widget-tab .widget-image").first
-        app_image.wait_for(timeout=240_000)
+        canvas = page.locator(".wb-blockmap canvas").first
+        canvas.wait_for(timeout=240_000)
         page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=240_000)
-        assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").count() == 0 \
-            or page.locator("text=Traceback").count() == 0
+        assert page.locator("text=Traceback").count() == 0
         assert page.locator("text=PASS window_with_globals").count() >= 1
-        before = app_image.get_attribute("src")
+        # the notebook's own figures render as images (not "<Figure size ...>" text)
+        assert page.locator(".jp-OutputArea-output img").count() >= 2  # block map and token view
+        assert page.locator("text=<Figure size").count() == 0
+        caption = page.locator(".wb-blockmap-caption").first
+        first_caption = caption.inner_text()
         status = page.locator("text=redrawn in").last
         first_status = status.inner_text()
-        # change one widget: the query length
+
+        # change one widget, the query length: the map redraws
         lq = page.locator(".widget-inline-hbox", has=page.locator("label", has_text="Lq")).locator("input").first
         lq.fill("600")
         lq.press("Tab")  # the text box commits its value when it loses focus
-        # each redraw displays a new image element: query it afresh
         page.wait_for_function(
-            "(old) => { const img = document.querySelector('.jp-OutputArea .widget-tab .widget-image');"
-            " return img !== null && img.getAttribute('src') !== old; }", arg=before, timeout=60_000)
-        page.wait_for_timeout(500)
-        app_image.scroll_into_view_if_needed()
-        page.screenshot(path=str(shots / "tour.png"))
-        assert app_image.get_attribute("src") != before
+            "(old) => { const c = document.querySelector('.wb-blockmap-caption');"
+            " return c !== null && c.textContent !== old; }", arg=first_caption, timeout=60_000)
+        assert "q 0..599" in caption.inner_text() and "5 x 8 blocks" in caption.inner_text()
         assert page.locator("text=redrawn in").last.inner_text() != first_status
+
+        # hover a block: its numbers
+        canvas.scroll_into_view_if_needed()
+        box = canvas.bounding_box()
+        cell_w, cell_h = box["width"] / 8, box["height"] / 5
+
+        def at(r, c):
+            return box["x"] + (c + 0.5) * cell_w, box["y"] + (r + 0.5) * cell_h
+
+        page.mouse.move(*at(3, 2))
+        tip = page.locator(".wb-blockmap-tip").first
+        tip.wait_for(state="visible", timeout=10_000)
+        assert "q block 3, kv block 2" in tip.inner_text() and "pairs kept" in tip.inner_text()
+        page.screenshot(path=str(shots / "tour_hover.png"))
+
+        # drag a box: the map zooms into it
+        page.mouse.move(*at(0, 0))
+        page.mouse.down()
+        page.mouse.move(*at(1, 1), steps=5)
+        page.mouse.move(*at(2, 3), steps=5)
+        page.mouse.up()
+        page.wait_for_function("() => document.querySelector('.wb-blockmap-caption').textContent.includes('(zoomed)')",
+                               timeout=10_000)
+        assert "q 0..383, kv 0..511" in caption.inner_text()
+        page.mouse.dblclick(*at(2, 2))  # back to the whole map
+        page.wait_for_function("() => !document.querySelector('.wb-blockmap-caption').textContent.includes('(zoomed)')",
+                               timeout=10_000)
+
+        # click a block: Token zoom opens on it
+        page.mouse.click(*at(4, 6))
+        page.get_by_text("clicked in the block map").wait_for(timeout=60_000)
+        assert "block (q 4, kv 6)" in page.locator("text=clicked in the block map").first.inner_text()
+        current = page.locator(".widget-tab .lm-TabBar-tab.lm-mod-current").first.inner_text()
+        assert current.strip() == "Token zoom"
+        q_from = page.locator(".widget-inline-hbox", has=page.locator("label", has_text="q from")).locator("input").first
+        size = 256
+        assert int(q_from.input_value()) == max(0, min(4 * 128 + 64 - size // 2, 600 - size))
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(shots / "tour.png"))
         browser.close()

@@ -46,6 +46,7 @@ function render({ model, el }) {
   let grid = null;  // {rows, cols, classes, kept}
   let view = null;  // [r0, r1, c0, c1) in cells
   let drag = null;
+  let pending = null;  // a click waiting to see whether a second one makes it a double-click
 
   function load() {
     const rows = model.get("rows"), cols = model.get("cols");
@@ -141,15 +142,21 @@ function render({ model, el }) {
                          clientY: d.y0 * canvas.getBoundingClientRect().height / canvas.height + canvas.getBoundingClientRect().top });
       view = [Math.min(a.r, end.r), Math.max(a.r, end.r) + 1, Math.min(a.c, end.c), Math.max(a.c, end.c) + 1];
       model.set("zoom", view.slice()); model.save_changes();
-    } else {  // a click: tell Python which block
-      const n = (model.get("clicked").n || 0) + 1;
-      model.set("clicked", { cell_q: end.r, cell_kv: end.c, q_block: end.r * model.get("pool_q"),
-                             kv_block: end.c * model.get("pool_kv"), n });
-      model.save_changes();
+    } else {  // a click: tell Python which block, unless it turns out to be half of a double-click
+      clearTimeout(pending);
+      pending = setTimeout(() => {
+        const n = (model.get("clicked").n || 0) + 1;
+        model.set("clicked", { cell_q: end.r, cell_kv: end.c, q_block: end.r * model.get("pool_q"),
+                               kv_block: end.c * model.get("pool_kv"), n });
+        model.save_changes();
+      }, 300);
     }
     draw();
   });
-  canvas.addEventListener("dblclick", () => { view = [0, grid.rows, 0, grid.cols]; model.set("zoom", []); model.save_changes(); draw(); });
+  canvas.addEventListener("dblclick", () => {
+    clearTimeout(pending);
+    view = [0, grid.rows, 0, grid.cols]; model.set("zoom", []); model.save_changes(); draw();
+  });
   for (const name of ["classes", "kept", "rows", "cols", "side", "title", "panel"]) model.on(`change:${name}`, load);
   model.on("change:clicked", draw);
   load();

@@ -133,3 +133,14 @@ def test_fields_show_the_masks_real_heads_and_parameters():
     assert app.shown["Block map (all panels)"][:4] == b"\x89PNG"  # every head, side by side
     app.picker.value = "causal"
     assert not app.heads.disabled and "same for every head" in app.status.value
+
+
+def test_invariance_tab_checks_the_request_under_layouts():
+    app = Workbench("causal_sliding_window", q_len=512)
+    app.inv_len.value = 96
+    app.run_invariance()
+    result = app.last_invariance
+    assert app.message.value == "" and result.name == "causal_sliding_window_256"
+    assert {r.key for r in result.layouts} == {"run", "batch", "packed_aligned", "packed_unaligned", "padded",
+                                              "chunked_aligned", "chunked_unaligned", "decode"}
+    assert all(r.max_abs_diff < 1e-5 for r in result.layouts) and app.shown["Invariance"] == result.line

@@ -30,7 +30,7 @@ from workbench.blocks import scan_blocks
 from workbench.define import Mask, WorkbenchError, bind, factory_params, library, make, prepare
 
 CUSTOM = "(your mod)"
-TABS = ["Block map", "Token zoom", "Scores", "Stats", "Verify", "Benchmark", "Export"]
+TABS = ["Block map", "Token zoom", "Scores", "Stats", "Verify", "Invariance", "Benchmark", "Export"]
 
 
 def _png(fig) -> bytes:
@@ -291,6 +291,17 @@ class Workbench:
             self.verify_button = w.Button(description="Verify", button_style="primary", icon="check")
             self.verify_button.on_click(lambda _: self.run_verify())
             return w.VBox([w.HBox([self.verify_dtype, self.verify_len, self.verify_button]), out])
+        if name == "Invariance":
+            on_gpu = torch.cuda.is_available()
+            self.inv_backend = w.Dropdown(options=["flex", "eager", "port"], value="flex", description="backend",
+                                          layout=w.Layout(width="180px"))
+            self.inv_len = w.IntText(value=3000 if on_gpu else 256, description="request tokens",
+                                     style={"description_width": "initial"}, layout=w.Layout(width="200px"))
+            self.inv_button = w.Button(description="Check layouts", icon="clone",
+                                       tooltip="the request alone vs batched, packed, padded, chunked, decoded and "
+                                               "run again, bit for bit")
+            self.inv_button.on_click(lambda _: self.run_invariance())
+            return w.VBox([w.HBox([self.inv_backend, self.inv_len, self.inv_button]), out])
         if name == "Benchmark":
             self.bench_button = w.Button(description="Benchmark", icon="tachometer",
                                          disabled=not torch.cuda.is_available())
@@ -309,7 +320,7 @@ class Workbench:
 
     def _draw_tab(self, name):
         out = self.outputs[name]
-        if name in ("Verify", "Benchmark", "Export"):
+        if name in ("Verify", "Invariance", "Benchmark", "Export"):
             return
         self._stale.discard(name)
         out.clear_output(wait=True)
@@ -381,6 +392,27 @@ class Workbench:
             for f in verdict.findings:
                 display(w.HTML(f"<div style='font-size:12px'><b>{_esc(f.kind)}</b> ({f.severity}): "
                                f"{_esc(f.message)}</div>"))
+
+    def run_invariance(self):
+        """The mask as one request under other layouts (workbench.invariance), bit for bit."""
+        from workbench import invariance
+
+        with self._action("Invariance"):
+            if self.mask is None:
+                return
+            on_gpu = self.device.startswith("cuda")
+            n = max(4, self.inv_len.value)
+            target = self.custom if self.picker.value == CUSTOM else self.picker.value
+            result = invariance.check(target, self.params() if self.picker.value != CUSTOM else None, q_len=n,
+                                      heads=self.mask.heads or (8 if on_gpu else 2), head_dim=128 if on_gpu else 32,
+                                      dtype="bfloat16" if on_gpu else "float32", device=self.device,
+                                      backend=self.inv_backend.value, batch=8 if on_gpu else 3, progress=True)
+            self.last_invariance = result
+            self.shown["Invariance"] = result.line
+            colour = "#1e6b34" if result.passed else "#a4161a"
+            display(w.HTML(f"<b style='color:{colour}'>{_esc(result.line)}</b>"))
+            display(result.to_frame()[["bitwise", "max_abs_diff", "max_ulp", "first_diff", "why"]].style
+                    .set_properties(**{"white-space": "pre-wrap", "text-align": "left", "font-size": "12px"}))
 
     def run_benchmark(self):
         from workbench.run import Shape, make_inputs, run_flex

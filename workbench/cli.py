@@ -6,6 +6,7 @@
     python -m workbench verify TARGET [--param k=JSON ...] [--score TARGET] --q-len N [--backward] [--json]
     python -m workbench export TARGET [--param k=JSON ...] [--score TARGET] --q-len N -o DIR
     python -m workbench port TARGET [--param k=JSON ...] [--score TARGET] --q-len N -o DIR
+    python -m workbench invariance TARGET [--param k=JSON ...] --q-len N [--backend flex|port|eager] [--hold L ...]
     python -m workbench conformance DIR/NAME.spec.json --impl path.py:function
     python -m workbench diff A.spec.json B.spec.json
 
@@ -125,6 +126,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", required=True, help="output folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_port)
+
+    from workbench.invariance import BACKENDS, LAYOUT_KEYS
+
+    p = sub.add_parser("invariance", help="does one request get the same bits alone, batched, packed, chunked?",
+                       description="Compute one request of --q-len tokens alone and under other layouts (batch "
+                                   "positions, packed after another request at block-aligned and unaligned offsets, "
+                                   "kv padding, chunked prefill, decode of its last rows, run to run) and compare its "
+                                   "rows bit for bit. Exit 1 if a layout named by --hold (default: all) differs.")
+    _add_target_args(p)
+    p.add_argument("--q-len", type=positive_int, required=True, help="the request's length")
+    p.add_argument("--heads", type=positive_int, default=8, help="query heads (default 8)")
+    p.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: --heads)")
+    p.add_argument("--head-dim", type=positive_int, default=128, help="head dimension (default 128)")
+    p.add_argument("--batch", type=positive_int, default=8, help="batch size of the batched layouts (default 8)")
+    p.add_argument("--block-size", type=positive_int, default=128, help="FlexAttention's block size (default 128)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--backend", choices=list(BACKENDS), default="flex",
+                   help="flex (compiled on a GPU), eager (FlexAttention uncompiled) or port (the generated Triton "
+                        "kernel)")
+    p.add_argument("--hold", nargs="+", choices=list(LAYOUT_KEYS), metavar="LAYOUT",
+                   help=f"layouts that must be bitwise (default: all): {', '.join(LAYOUT_KEYS)}")
+    p.add_argument("--layouts", nargs="+", choices=list(LAYOUT_KEYS), metavar="LAYOUT",
+                   help="run only these layouts (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_invariance)
 
     p = sub.add_parser("export", help="write the porting spec and golden vectors of a mask",
                        description="Write DIR/NAME.spec.json and DIR/NAME.golden.safetensors: every backend form that "
@@ -271,6 +299,26 @@ def cmd_verify(args) -> int:
         for f in verdict.findings:
             print(f"{f.severity}: {f.kind}: {f.message}")
     return 0 if verdict.passed else 1
+
+
+def cmd_invariance(args) -> int:
+    from workbench import invariance
+
+    _check_score_args(args)
+    result = invariance.check(args.target, parse_params(args.param), q_len=args.q_len, heads=args.heads,
+                              kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, device=_device(args),
+                              backend=args.backend, hold=args.hold, block_size=args.block_size, batch=args.batch,
+                              seed=args.seed, score=args.score, score_params=parse_params(args.score_param),
+                              layouts=args.layouts, progress=not args.json)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        import pandas as pd
+
+        with pd.option_context("display.max_colwidth", 90, "display.width", 250):
+            print(result.to_frame()[["bitwise", "max_abs_diff", "max_ulp", "why"]].to_string())
+        print(result.line)
+    return 0 if result.passed else 1
 
 
 def cmd_port(args) -> int:

@@ -34,6 +34,10 @@ SPEC_HEAD_DIM = 32
 # The generated Triton port is verified at the report's length on a GPU; on a CPU it runs under
 # Triton's interpreter, in a fresh process, at this length.
 PORT_CPU_LEN = 256
+# Layout invariance in the report: the request alone vs run again, batched and packed at a
+# block-aligned and an unaligned offset (the full set: `python -m workbench invariance`).
+INVARIANCE_LAYOUTS = ["run", "batch", "packed_aligned", "packed_unaligned"]
+INVARIANCE_LEN = {"cpu": 200, "cuda": 1000}
 
 
 @dataclass
@@ -56,6 +60,8 @@ class MaskResult:
     port_verdict: object = None  # verify.Verdict of the generated Triton port
     port_timing: dict | None = None  # on a GPU: port vs compiled FlexAttention
     port_note: str = ""
+    invariance: object = None  # invariance.InvarianceResult
+    invariance_note: str = ""
 
 
 def default_device() -> str:
@@ -99,6 +105,7 @@ def analyze_target(target: str, params: dict, q_len: int, kv_len: int, heads: in
             result.figures["score view"] = _png(look.score_view(mask, q_zoom, kv_zoom, h=h, device=device))
             result.captions["score view"] = f"score view at {at}, head {h}; where: {why}"
         verify_target(result, n_heads or 1, device)
+        invariance_target(result, device)
         if spec_dir is not None:
             export_target(result, n_heads, batch, device, spec_dir)
             port_target(result, n_heads or 1, device, spec_dir.parent / "ports")
@@ -146,6 +153,31 @@ def verify_target(result: MaskResult, heads: int, device: str) -> None:
     shape = Shape(batch=1, q_heads=mask.heads or heads, q_len=q_len, kv_len=kv_len, head_dim=64 if on_gpu else 32)
     result.verdict = verify(mask, shape, dtype="bfloat16" if on_gpu else "float32", device=device,
                             compile=on_gpu, progress=False)
+
+
+def invariance_target(result: MaskResult, device: str) -> None:
+    """Does the mask's request get the same bits batched and packed? A short check (see
+    INVARIANCE_LAYOUTS); FlexAttention compiled on a GPU, uncompiled on the CPU."""
+    from workbench import invariance
+
+    on_gpu = device.startswith("cuda")
+    n = INVARIANCE_LEN["cuda" if on_gpu else "cpu"]
+    try:
+        mask = _at_length(result, n, n, device)
+        result.invariance = invariance.check(mask, q_len=n, heads=mask.heads or 4, head_dim=64 if on_gpu else 32,
+                                             dtype="bfloat16" if on_gpu else "float32", device=device,
+                                             batch=4, layouts=INVARIANCE_LAYOUTS)
+    except WorkbenchError as exc:
+        result.invariance_note = f"not checked at {n} tokens: {exc.message}"
+
+
+def _invariance_cell(r: MaskResult) -> str:
+    inv = r.invariance
+    if inv is None:
+        return "—"
+    held = sorted({x.layout.split(" (")[0] for x in inv.layouts if x.bitwise})
+    broken = sorted({x.layout.split(" (")[0] for x in inv.layouts if not x.bitwise})
+    return ("bitwise: " + "; ".join(held) if held else "") + (" · differs: " + "; ".join(broken) if broken else "")
 
 
 def port_target(result: MaskResult, heads: int, device: str, port_dir: Path) -> None:
@@ -236,6 +268,10 @@ def _result_record(r: MaskResult) -> dict:
                           "unsupported": r.spec.unsupported}
     elif r.spec_note:
         rec["porting"] = {"note": r.spec_note}
+    if r.invariance is not None:
+        rec["invariance"] = r.invariance.to_dict()
+    elif r.invariance_note:
+        rec["invariance"] = {"note": r.invariance_note}
     if r.port_verdict is not None:
         rec["triton_port"] = {"file": r.port_note, "verify": r.port_verdict.to_dict(), "timing": r.port_timing}
     elif r.port_note:
@@ -261,6 +297,8 @@ def summary_frame(results: list[MaskResult]) -> pd.DataFrame:
             port_verified=None if r.port_verdict is None else r.port_verdict.passed,
             port_rel_err=None if r.port_verdict is None else max(c.rel_err for c in r.port_verdict.checks),
             port_speed_vs_flex=None if not r.port_timing else r.port_timing["speed_vs_flex"],
+            invariant=None if r.invariance is None else r.invariance.passed,
+            invariance=_invariance_cell(r) if r.invariance is not None else r.invariance_note,
             status=status(r), seconds=round(r.seconds, 3)))
     frame = pd.DataFrame(rows)
     # counts stay integers where some masks have none (pandas would make the column float)
@@ -351,6 +389,17 @@ def _shared_findings_html(results: list[MaskResult]) -> str:
     return f"<h3>Notes that apply to several masks</h3><ul>{''.join(items)}</ul>" if items else ""
 
 
+def _invariance_html(r: MaskResult) -> str:
+    esc = html.escape
+    inv = r.invariance
+    if inv is None:
+        return f"<h3>Layout invariance</h3><p class='na'>{esc(r.invariance_note or 'not checked')}</p>"
+    table = _plain_table(inv.to_frame()[["bitwise", "max_abs_diff", "max_ulp", "why"]])
+    return (f"<h3>Layout invariance at L={inv.shape.q_len:,}, {inv.shape.q_heads} heads, {inv.dtype}</h3>"
+            f"<p>{esc(inv.line)}</p>{table}<p class='na'>All layouts: <code>python -m workbench invariance "
+            f"{esc(r.target)} --q-len N</code></p>")
+
+
 def _port_html(r: MaskResult) -> str:
     esc = html.escape
     v = r.port_verdict
@@ -416,7 +465,7 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
     parts.append("<h2>Overview</h2><table><tr><th>mask</th><th>density</th><th>block sparsity</th>"
                  "<th>full / partial / empty blocks</th><th>wasted in partial blocks</th><th>fully masked rows</th>"
                  "<th>varies by head</th><th>verified (largest relative error)</th><th>exact backends</th>"
-                 "<th>Triton port: verified, speed vs Flex</th><th>status</th></tr>")
+                 "<th>Triton port: verified, speed vs Flex</th><th>same bits batched / packed</th><th>status</th></tr>")
     for i, r in enumerate(results):
         s = r.stats
         name = r.mask.name if r.mask else r.target
@@ -438,7 +487,7 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
                   f"{'pass' if pv.passed else 'FAIL'}</span> rel err {max(c.rel_err for c in pv.checks):.1e}"
                   + (f", {r.port_timing['speed_vs_flex']:.2f}x" if r.port_timing else ", speed: GPU only"))
         parts.append(f"<tr><td><a href='#m{i}'>{esc(name)}</a></td>{cells}<td class='nw'>{verified}</td>"
-                     f"<td>{backends}</td><td class='nw'>{ported}</td><td>{pill}</td></tr>")
+                     f"<td>{backends}</td><td class='nw'>{ported}</td><td>{esc(_invariance_cell(r))}</td><td>{pill}</td></tr>")
     parts.append("</table>")
     parts.append(_lengths_html(results, settings))
     parts.append(_shared_findings_html(results))
@@ -464,6 +513,7 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
             parts.append(f"<h3>Statistics at Lq={st.q_len:,} Lk={st.kv_len:,}, {st.batch} x {st.heads} (batch x heads)</h3>"
                          + _plain_table(st.to_frame()))
         parts.append(_verdict_html(r))
+        parts.append(_invariance_html(r))
         parts.append(_porting_html(r))
         parts.append(_port_html(r))
         parts.append(f"<details><summary>source</summary><pre>{esc(r.mask.source)}</pre></details></section>")

@@ -1,0 +1,316 @@
+"""Stage: invariance -- does one request get the same bits alone, batched, packed, padded, chunked?
+
+A request is one sequence of L tokens with its mask (and score). `check` computes it alone, then
+under other layouts a serving engine or an RL trainer uses -- other positions in a batch, packed
+after another request (a document mask), kv padding, chunked prefill, decode of its last rows, and
+simply again -- and compares the request's rows bit for bit. Each layout says why it can differ:
+which tiling changed relative to the request.
+
+    from workbench import invariance
+    result = invariance.check("causal", q_len=3000, heads=8, head_dim=128, dtype="bfloat16", device="cuda")
+    result.to_frame()
+
+This module composes run (FlexAttention, eager) and port (the generated Triton kernel); it holds no
+kernel of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import pandas as pd
+import torch
+
+from workbench.define import Mask, WorkbenchError, prepare
+from workbench.run import Inputs, Shape, check_device_dtype, dtype_name, run_flex
+
+BACKENDS = ("flex", "eager", "port")
+LAYOUT_KEYS = ("run", "batch", "packed_aligned", "packed_unaligned", "padded", "chunked_aligned",
+               "chunked_unaligned", "decode")
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class LayoutResult:
+    """One layout of the request against the request alone."""
+
+    key: str      # one of LAYOUT_KEYS (what --hold names)
+    layout: str   # what was run, in words
+    bitwise: bool
+    max_abs_diff: float
+    max_ulp: int
+    first_diff: dict | None  # {"h", "q", "d", "alone", "here"} of the first differing element
+    why: str
+    held: bool = True  # the user asked this layout to hold
+
+
+@dataclass
+class InvarianceResult:
+    name: str
+    backend: str
+    dtype: str
+    device: str
+    shape: Shape
+    block_size: tuple[int, int]
+    layouts: list[LayoutResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.bitwise for r in self.layouts if r.held)
+
+    @property
+    def line(self) -> str:
+        held = [r for r in self.layouts if r.held]
+        broken = [r.key for r in held if not r.bitwise]
+        verdict = "INVARIANT" if not broken else "NOT INVARIANT"
+        return (f"{verdict} {self.name} ({self.backend}, {self.dtype} on {self.device}, L={self.shape.q_len} "
+                f"H={self.shape.q_heads} D={self.shape.head_dim}): {len(held) - len(broken)}/{len(held)} layouts "
+                f"bitwise" + (f"; differs under {', '.join(broken)}" if broken else ""))
+
+    def to_frame(self) -> pd.DataFrame:
+        rows = [{k: v for k, v in asdict(r).items()} for r in self.layouts]
+        return pd.DataFrame(rows).set_index("layout")
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "name": self.name, "backend": self.backend, "dtype": self.dtype,
+                "device": self.device, "q_len": self.shape.q_len, "heads": self.shape.q_heads,
+                "kv_heads": self.shape.kv_heads, "head_dim": self.shape.head_dim,
+                "block_size": list(self.block_size), "layouts": [asdict(r) for r in self.layouts]}
+
+
+# ---------------------------------------------------------------- the request under other layouts
+
+def _shifted(mod: Callable | None, dq: int, dk: int, score: bool = False) -> Callable | None:
+    """The mod seen from a layout whose query / key indices are the request's plus dq / dk."""
+    if mod is None:
+        return None
+    if score:
+        def shifted_score(s, b, h, q_idx, kv_idx):
+            return mod(s, b, h, q_idx + dq, kv_idx + dk)
+        return shifted_score
+
+    def shifted_mask(b, h, q_idx, kv_idx):
+        return mod(b, h, q_idx + dq, kv_idx + dk)
+    return shifted_mask
+
+
+def _request_only(mod: Callable | None, score: bool = False) -> Callable | None:
+    """Every batch entry sees the request's own mask (b = 0): a mask that reads b stays the request's."""
+    if mod is None:
+        return None
+    if score:
+        def score_of_request(s, b, h, q_idx, kv_idx):
+            return mod(s, b * 0, h, q_idx, kv_idx)
+        return score_of_request
+
+    def mask_of_request(b, h, q_idx, kv_idx):
+        return mod(b * 0, h, q_idx, kv_idx)
+    return mask_of_request
+
+
+def _packed(mask: Mask, start: int) -> Mask:
+    """Another request of `start` tokens (causal), then this one, in one sequence: a document mask.
+    The request's mods see their own positions (index - start)."""
+    mod, score = mask.mask_mod, mask.score_mod
+
+    def packed_mask(b, h, q_idx, kv_idx):
+        mine_q, mine_kv = q_idx >= start, kv_idx >= start
+        own = (q_idx - start).clamp(min=0), (kv_idx - start).clamp(min=0)
+        request = mine_kv & (mod(b, h, own[0], own[1]) if mod is not None else mine_kv)
+        other = (~mine_kv) & (kv_idx <= q_idx)
+        return torch.where(mine_q, request, other)
+
+    def packed_score(s, b, h, q_idx, kv_idx):
+        own = (q_idx - start).clamp(min=0), (kv_idx - start).clamp(min=0)
+        return torch.where(q_idx >= start, score(s, b, h, own[0], own[1]), s)
+    return Mask(f"{mask.name}_packed_after_{start}", mask_mod=packed_mask,
+                score_mod=packed_score if score is not None else None, heads=mask.heads)
+
+
+def _padded(mask: Mask, kv_len: int) -> Mask:
+    mod = mask.mask_mod
+
+    def padded_mask(b, h, q_idx, kv_idx):
+        inside = kv_idx < kv_len
+        return inside & mod(b, h, q_idx, kv_idx) if mod is not None else inside
+    return Mask(f"{mask.name}_padded", mask_mod=padded_mask, score_mod=mask.score_mod, heads=mask.heads)
+
+
+@dataclass
+class _Plan:
+    """One layout: the calls it makes (mask, q, k, v) and how to read the request's rows back."""
+
+    key: str
+    layout: str
+    calls: list[tuple[Mask, torch.Tensor, torch.Tensor, torch.Tensor]]
+    rows: Callable[[list[torch.Tensor]], torch.Tensor]  # outputs of the calls -> [Hq, rows, D]
+    q_rows: tuple[int, int]  # which of the request's rows the layout computes
+    same: str   # why it can hold
+    differs: str  # why it may not
+
+
+def _plans(mask: Mask, q, k, v, others, block: tuple[int, int], batch: int, chunks: tuple[int, int],
+           packs: tuple[int, int], padded_len: int, decode_rows: int) -> list[_Plan]:
+    L = q.shape[2]
+    qb, kb = block
+    plans = [_Plan("run", "run again", [(mask, q, k, v)], lambda o: o[0][0], (0, L),
+                   "the same call", "the kernel is not deterministic run to run (atomics or a split reduction)")]
+    position = batch // 2 + 1 if batch > 1 else 0
+    mine = Mask(mask.name, mask_mod=_request_only(mask.mask_mod), score_mod=_request_only(mask.score_mod, True),
+                heads=mask.heads)
+    for pos in sorted({0, min(position, batch - 1)}):
+        def put(t, other, pos=pos):
+            parts = [other[i:i + 1, :, :L] for i in range(batch - 1)]
+            return torch.cat(parts[:pos] + [t] + parts[pos:], dim=0)
+        plans.append(_Plan("batch", f"position {pos} of a batch of {batch}",
+                           [(mine, put(q, others["q"]), put(k, others["k"]), put(v, others["v"]))],
+                           lambda o, pos=pos: o[0][pos], (0, L),
+                           "each (batch, head) is its own set of tiles; a bigger batch only adds programs",
+                           "the kernel splits work by the batch size (e.g. a split-KV choice that depends on it)"))
+    for start, key in zip(packs, ("packed_aligned", "packed_unaligned")):
+        aligned = start % kb == 0
+        pq = torch.cat([others["q"][:1, :, :start], q], dim=2)
+        pk = torch.cat([others["k"][:1, :, :start], k], dim=2)
+        pv = torch.cat([others["v"][:1, :, :start], v], dim=2)
+        plans.append(_Plan(key, f"packed after a {start:,}-token request (document mask)",
+                           [(_packed(mask, start), pq, pk, pv)], lambda o, s=start: o[0][0, :, s:], (0, L),
+                           f"offset {start} is a multiple of the kv block {kb}: the request's keys fall into tiles of "
+                           "the same composition as alone" if aligned else
+                           f"offset {start} is not a multiple of the kv block {kb}, yet the sums agree",
+                           f"kv tiles are cut at absolute positions: at offset {start} (not a multiple of the kv block "
+                           f"{kb}) the request's keys are grouped into other tiles, so the online softmax adds them in "
+                           "another order" if not aligned else
+                           "the other request's empty tiles change the order of the request's own (unexpected)"))
+    pad = padded_len - L
+    plans.append(_Plan("padded", f"kv padded from {L:,} to {padded_len:,}, the tail masked",
+                       [(_padded(mask, L), q, torch.cat([k, others["k"][:1, :, :pad]], 2),
+                         torch.cat([v, others["v"][:1, :, :pad]], 2))], lambda o: o[0][0], (0, L),
+                       "the request's keys keep their tiles; the padded tail only adds masked (skipped or "
+                       "partial) tiles after them",
+                       "the masked tail changes the tiles the request's keys are reduced in, or the kernel's "
+                       "split of the keys"))
+    for size, key in zip(chunks, ("chunked_aligned", "chunked_unaligned")):
+        starts = list(range(0, L, size))
+        calls = [(Mask(mask.name, mask_mod=_shifted(mask.mask_mod, s, 0), score_mod=_shifted(mask.score_mod, s, 0, True),
+                       heads=mask.heads), q[:, :, s:s + size], k[:, :, :s + size], v[:, :, :s + size]) for s in starts]
+        plans.append(_Plan(key, f"chunked prefill, chunks of {size:,} queries against the kv so far",
+                           calls, lambda o: torch.cat([x[0] for x in o], dim=1), (0, L),
+                           "a query row's keys are tiled from key 0 in every chunk, as alone; only the query tiles "
+                           "move" + ("" if size % qb == 0 else f" (chunks of {size} are not a multiple of the q block {qb})"),
+                           "the kernel picks its tiling or key split by the query count or the kv length of each call"))
+    first = L - decode_rows
+    calls = [(Mask(mask.name, mask_mod=_shifted(mask.mask_mod, t, 0), score_mod=_shifted(mask.score_mod, t, 0, True),
+                   heads=mask.heads), q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1]) for t in range(first, L)]
+    plans.append(_Plan("decode", f"decode of the last {decode_rows} rows, one query per call", calls,
+                       lambda o: torch.cat([x[0] for x in o], dim=1), (first, L),
+                       "one query against the same keys, tiled from key 0",
+                       "one query per call takes a decode path that splits the keys (split-KV) and adds the parts "
+                       "in another order"))
+    return plans
+
+
+# ---------------------------------------------------------------- comparing bits
+
+def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
+    """Float bits as integers in the floats' order, so a difference counts units in the last place."""
+    width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    bits = t.contiguous().view(width).to(torch.int64)
+    magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
+    return torch.where(bits < 0, -magnitude, magnitude)
+
+
+def compare(alone: torch.Tensor, here: torch.Tensor, q_offset: int = 0) -> tuple[bool, float, int, dict | None]:
+    """(bitwise, max abs diff, max ulp, first differing element) of two [H, rows, D] outputs. NaN
+    anywhere is never bitwise."""
+    nan = torch.isnan(alone) | torch.isnan(here)
+    same = (alone.contiguous().view(torch.uint8) == here.contiguous().view(torch.uint8)).view(
+        *alone.shape, alone.element_size()).all(-1) & ~nan
+    if bool(same.all()):
+        return True, 0.0, 0, None
+    diff = (alone.double() - here.double()).abs()
+    ulp = (_ordered_bits(alone) - _ordered_bits(here)).abs()
+    h, q, d = (int(i) for i in (~same).nonzero()[0])
+    first = {"h": h, "q": q + q_offset, "d": d, "alone": float(alone[h, q, d]), "here": float(here[h, q, d])}
+    return (False, float("nan") if bool(nan.any()) else float(diff.max()), int(ulp.max()), first)
+
+
+# ---------------------------------------------------------------- the check
+
+def _runner(backend: str, compile: bool, device: torch.device):
+    if backend in ("flex", "eager"):
+        def run(mask, q, k, v):
+            shape = Shape(batch=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], q_len=q.shape[2],
+                          kv_len=k.shape[2], head_dim=q.shape[3])
+            inputs = Inputs(q=q, k=k, v=v, shape=shape, dtype=dtype_name(q.dtype), seed=0)
+            return run_flex(mask, inputs, compile=compile and backend == "flex").out
+        return run
+    from workbench import port
+
+    def run_port(mask, q, k, v):
+        path = port.build(mask, q.shape[2], k.shape[2], heads=q.shape[1], batch=q.shape[0])
+        return port.run_file(path, q, k, v)[0]
+    return run_port
+
+
+def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: int, heads: int = 8,
+          kv_heads: int | None = None, head_dim: int = 128, dtype: str = "bfloat16", device: str | None = None,
+          backend: str = "flex", hold: list[str] | None = None, block_size: int = 128, batch: int = 8,
+          seed: int = 0, compile: bool | None = None, score=None, score_params: dict | None = None,
+          layouts: list[str] | None = None, progress: bool = False) -> InvarianceResult:
+    """The request (L = q_len tokens, the mask's own positions) alone and under every layout of
+    LAYOUT_KEYS (or only those in `layouts`); `hold` names the layouts that must be bitwise
+    (default: all). FlexAttention is
+    compiled on a GPU and runs uncompiled on a CPU unless `compile` says otherwise."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if backend not in BACKENDS:
+        raise WorkbenchError(f"unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
+    if dtype not in TORCH_DTYPES:
+        raise WorkbenchError(f"invariance compares {dtype!r} bits, which it cannot",
+                             f"use one of {', '.join(TORCH_DTYPES)}")
+    unknown = sorted((set(hold or []) | set(layouts or [])) - set(LAYOUT_KEYS))
+    if unknown:
+        raise WorkbenchError(f"unknown layout {', '.join(unknown)}", f"name some of {', '.join(LAYOUT_KEYS)}")
+    if q_len < 4:
+        raise WorkbenchError(f"q_len = {q_len} is too short to chunk or pack", "use q_len >= 4")
+    check_device_dtype(device, dtype)
+    kv_heads = kv_heads or heads
+    shape = Shape(batch=1, q_heads=heads, kv_heads=kv_heads, q_len=q_len, head_dim=head_dim)
+    mask = prepare(target, params, q_len, q_len, device, score=score, score_params=score_params, heads=heads)
+    compile = device.type == "cuda" if compile is None else compile
+    qb = kb = block_size
+    torch.manual_seed(seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    tdt = TORCH_DTYPES[dtype]
+
+    def rand(*size):
+        return torch.randn(*size, generator=gen).to(device=device, dtype=tdt)
+
+    q, k, v = rand(1, heads, q_len, head_dim), rand(1, kv_heads, q_len, head_dim), rand(1, kv_heads, q_len, head_dim)
+    aligned = kb * max(1, round(q_len / 3 / kb))
+    packs = (aligned, max(1, aligned - 24))
+    padded_len = math.ceil((q_len + 1) / 1024) * 1024
+    longest = max(batch - 1, 1)
+    span = max(packs[0], padded_len - q_len, q_len)
+    # the other requests of a batch, the request packed before this one and the padding's keys
+    others = {"q": rand(longest, heads, span, head_dim), "k": rand(longest, kv_heads, span, head_dim),
+              "v": rand(longest, kv_heads, span, head_dim)}
+    chunk_aligned = qb * max(1, q_len // (6 * qb)) if q_len > qb else max(1, q_len // 3)
+    chunks = (chunk_aligned, max(1, chunk_aligned - 12 if chunk_aligned > 12 else chunk_aligned // 2 + 1))
+    run = _runner(backend, compile, device)
+    alone = run(mask, q, k, v)[0]
+    result = InvarianceResult(mask.name, backend, dtype, str(device), shape, (qb, kb))
+    plans = _plans(mask, q, k, v, others, (qb, kb), batch, chunks, packs, padded_len, min(4, q_len))
+    plans = [p for p in plans if layouts is None or p.key in layouts]
+    from tqdm.auto import tqdm
+
+    for plan in tqdm(plans, desc="layouts", disable=not progress):
+        outs = [run(m, a, b, c) for m, a, b, c in plan.calls]
+        here = plan.rows(outs)
+        mine = alone[:, plan.q_rows[0]:plan.q_rows[1]]
+        bitwise, max_abs, max_ulp, first = compare(mine, here, plan.q_rows[0])
+        result.layouts.append(LayoutResult(plan.key, plan.layout, bitwise, max_abs, max_ulp, first,
+                                           plan.same if bitwise else plan.differs,
+                                           held=hold is None or plan.key in hold))
+    return result

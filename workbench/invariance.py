@@ -16,7 +16,6 @@ kernel of its own.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -290,7 +289,7 @@ def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: i
     q, k, v = rand(1, heads, q_len, head_dim), rand(1, kv_heads, q_len, head_dim), rand(1, kv_heads, q_len, head_dim)
     aligned = kb * max(1, round(q_len / 3 / kb))
     packs = (aligned, max(1, aligned - 24))
-    padded_len = math.ceil((q_len + 1) / 1024) * 1024
+    padded_len = 1 << q_len.bit_length()  # the next power of two above L (3,000 -> 4,096), as a cache would
     longest = max(batch - 1, 1)
     span = max(packs[0], padded_len - q_len, q_len)
     # the other requests of a batch, the request packed before this one and the padding's keys

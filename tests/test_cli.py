@@ -73,3 +73,9 @@ def test_report_on_user_file_with_one_broken_mask(tmp_path):
 def test_unknown_param_exits_non_zero():
     out = run("blocks", "causal", "--param", "nope=1", "--q-len", "64", "--device", "cpu")
     assert out.returncode == 2 and "unknown parameter 'nope'" in out.stderr and "Fix:" in out.stderr
+
+
+def test_list_shows_parameters_and_defaults():
+    out = run("list")
+    assert out.returncode == 0
+    assert "parameters: window=256" in out.stdout and "doc_lengths=null (picked from the lengths)" in out.stdout

@@ -419,3 +419,12 @@ def test_triton_translation_covers_the_corpus_in_the_interpreter():
     translated, total = (int(x) for x in coverage.split()[1].split("/"))
     assert total >= 40 and translated == total, out.stdout
     print(coverage)
+
+
+def test_backends_table_shows_arguments_and_whole_reasons():
+    spec = build_spec(make("causal_sliding_window", {"window": 100}), 256, 256, golden=False, generalize=False)
+    frame = spec.backends_frame()
+    assert '"window_size": [99, 0]' in frame.loc["flash_attn", "arguments"]
+    tree = build_spec(make("tree", q_len=256, kv_len=256), 256, 256, golden=False, generalize=False)
+    reason = tree.backends_frame().loc["flash_attn", "reason"]
+    assert len(reason) > 50 and reason in tree.backends_view().to_html()  # in full, not cut at 50

@@ -205,7 +205,7 @@ stats.fully_masked_rows, stats.fully_masked_row_examples[:3]""",
                  compile=DEVICE == "cuda")
 print(verdict.line)
 for f in verdict.findings:
-    print(f.kind, "-", f.message[:160])""",
+    print(f.kind, "-", f.message)""",
 """from workbench.export import build_spec, write_spec, conformance
 import torch.nn.functional as F
 

@@ -37,7 +37,7 @@ def _png(fig) -> bytes:
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
+    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight", pad_inches=0.08)
     plt.close(fig)
     return buf.getvalue()
 

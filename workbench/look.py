@@ -27,7 +27,7 @@ class ShownFigure(Figure):
         import io
 
         buf = io.BytesIO()
-        self.savefig(buf, format="png", dpi=100)
+        self.savefig(buf, format="png", dpi=100, bbox_inches="tight", pad_inches=0.08)
         return buf.getvalue()
 
 

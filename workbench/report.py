@@ -70,7 +70,7 @@ def default_device() -> str:
 
 def _png(fig) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
+    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight", pad_inches=0.08)
     return buf.getvalue()
 
 

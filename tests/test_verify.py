@@ -240,3 +240,64 @@ def test_cli_verify_eager_table_and_bad_input(capsys):
     assert text.startswith("PASS prefix_lm") and "not compiled" in text and "rel_err" in text
     assert main(["verify", "causal", "--q-len", "64", "--heads", "6", "--kv-heads", "4", "--device", "cpu"]) == 2
     assert "multiple of kv_heads" in capsys.readouterr().err
+
+
+def _sparse_vs_dense(mask, shape, budget, backward=False, seed=0):
+    inputs = make_inputs(shape, "float32", seed=seed, backward=backward)
+    sparse = reference_attention(mask, inputs, memory_budget=budget, backward=backward)
+    dense = reference_attention(mask, inputs, memory_budget=budget, backward=backward, sparse=False)
+    assert dense.computed_fraction == 1.0
+    torch.testing.assert_close(sparse.out, dense.out, rtol=1e-12, atol=1e-13)
+    assert torch.equal(torch.isneginf(sparse.lse), torch.isneginf(dense.lse))
+    finite = torch.isfinite(dense.lse)
+    torch.testing.assert_close(sparse.lse[finite], dense.lse[finite], rtol=1e-12, atol=1e-13)
+    for name in dense.grads:
+        torch.testing.assert_close(sparse.grads[name], dense.grads[name], rtol=1e-11, atol=1e-12)
+    assert sparse.fully_masked_rows == dense.fully_masked_rows
+    return sparse
+
+
+@pytest.mark.parametrize("name", ["causal", "causal_sliding_window", "document", "tree", "image_spans", "per_head_window",
+                                  "dilated_window", "chunked_local", "sinks_window", "neighborhood_2d"])
+def test_sparse_reference_equals_dense_on_the_library(name):
+    from workbench import make
+
+    mask = make(name, q_len=333, kv_len=401)
+    heads = mask.heads or 2
+    ref = _sparse_vs_dense(mask, Shape(batch=1, q_heads=heads, q_len=333, kv_len=401, head_dim=8),
+                           budget=heads * 401 * 8 * 8 * 40)  # chunks of 40 rows
+    assert ref.computed_fraction < 1.0  # every one of these skips keys somewhere
+
+
+def test_sparse_reference_equals_dense_on_user_mods_with_gradients():
+    # an undeclared per-head table, a per-sample length with rows that keep nothing, a score
+    widths = torch.tensor([3, 17, 60])
+    lens = torch.tensor([0, 29])  # batch entry 0 keeps nothing at all
+
+    def per_head_and_sample(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + 6) & (q_idx + 6 - kv_idx < widths[h]) & (kv_idx < lens[b])
+
+    def tilt(score, b, h, q_idx, kv_idx):
+        return score + 0.03 * (kv_idx - q_idx).float()
+
+    mask = Mask("user", mask_mod=per_head_and_sample, score_mod=tilt)
+    shape = Shape(batch=2, q_heads=3, q_len=41, kv_len=47, head_dim=8)
+    ref = _sparse_vs_dense(mask, shape, budget=2 * 3 * 47 * 8 * 20 * 9, backward=True, seed=5)
+    assert ref.fully_masked_rows >= 41 * 3 and ref.computed_fraction < 0.6
+
+
+def test_a_dropped_block_still_fails_with_the_sparse_reference(monkeypatch):
+    # the reference takes its keys from the mask_mod, never from the block mask under test
+    from workbench import make
+    from workbench import verify as verify_module
+
+    monkeypatch.setattr(verify_module, "default_reference_budget", lambda device: 2 * 1024 * 8 * 8 * 64)
+    mask = make("causal_sliding_window", {"window": 150})
+    good = build_block_mask(mask, 1024, 1024, block_size=64)
+    assert int(good.full_kv_num_blocks[0, 0, 10]) == 1  # q block 10: kv block 9 is full
+    broken = _drop_one_full_block(good, 10, 1024, 1024)
+    verdict = verify(mask, Shape(q_heads=2, q_len=1024, head_dim=16), dtype="float32", block_mask=broken,
+                     compile=False, seed=0)
+    assert not verdict.passed and verdict.reference_fraction < 0.5  # chunks of 64 rows: a few hundred keys each
+    assert verify(mask, Shape(q_heads=2, q_len=1024, head_dim=16), dtype="float32", block_mask=good,
+                  compile=False, seed=0).passed

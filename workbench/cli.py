@@ -295,7 +295,8 @@ def cmd_verify(args) -> int:
         print(verdict.to_frame()[["max_abs_err", "rel_err", "worst", "bad_count", "nan_count", "passed"]].to_string())
         compile_s = "not compiled" if verdict.compile_seconds is None else f"compile {verdict.compile_seconds:.2f} s"
         print(f"{compile_s}, run {verdict.run_seconds * 1e3:.1f} ms, reference {verdict.reference_seconds:.2f} s "
-              f"({verdict.reference_dtype})")
+              f"({verdict.reference_dtype}, scores of {verdict.reference_fraction:.1%} of the pairs: the keys the mask "
+              "keeps, chunk by chunk)")
         for f in verdict.findings:
             print(f"{f.severity}: {f.kind}: {f.message}")
     return 0 if verdict.passed else 1

@@ -74,6 +74,7 @@ class Reference:
     masked_row_examples: list[tuple[int, int, int]]  # (b, h, q)
     nan_pairs: list[tuple[int, int, int, int]] = field(default_factory=list)  # (b, h, q, kv) whose score is NaN
     nan_outputs: int = 0  # NaN entries in out and lse
+    computed_fraction: float = 1.0  # pairs whose score the reference computed, over Lq x Lk
 
     def nan_message(self, mask_name: str) -> str | None:
         """Where a NaN reference comes from, or None when it has none."""
@@ -115,8 +116,11 @@ def reference_budget(shape: Shape, backward: bool, dtype: torch.dtype, device: t
 
 def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, dtype: torch.dtype = torch.float64,
                         scale: float | None = None, device: str | torch.device | None = None,
-                        memory_budget: int | None = None, progress: bool | None = None) -> Reference:
-    """Eager attention of `inputs` under `mask`, in `dtype`, a chunk of query rows at a time."""
+                        memory_budget: int | None = None, progress: bool | None = None,
+                        sparse: bool = True) -> Reference:
+    """Eager attention of `inputs` under `mask`, in `dtype`, a chunk of query rows at a time.
+    `sparse`: per chunk, scores only for the keys the mask_mod keeps for some row of the chunk
+    (what FlexAttention computes too); `computed_fraction` says how many pairs that was."""
     from tqdm.auto import tqdm
 
     shape = inputs.shape
@@ -149,32 +153,50 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
     if backward:
         grads = {"dq": torch.empty_like(out), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v)}
         grads.update({f"d{n}": torch.zeros(t.shape, dtype=dtype, device=t.device) for n, t in learn.items()})
-    masked_rows, examples, nan_pairs = 0, [], []
+    masked_rows, examples, nan_pairs, pairs_computed = 0, [], [], 0
     show = progress if progress is not None else shape.q_len // chunk > 16
     t0 = time.perf_counter()
-    for q0 in tqdm(range(0, shape.q_len, chunk), desc=f"reference {mask.name}", disable=not show, leave=False):
-        q1 = min(shape.q_len, q0 + chunk)
+    # With a sparse reference the chunk adapts: as many rows as the keys they keep leave room for
+    # (scores are rows x kept keys), at most what evaluating the mask over all keys allows.
+    score_bytes_per_key = per_row // shape.kv_len  # per row and key: scores, probabilities, ...
+    mask_rows = max(1, budget // (shape.batch * shape.q_heads * shape.kv_len * 12))  # bool + index temporaries
+    bar = tqdm(total=shape.q_len, desc=f"reference {mask.name}", disable=not show, leave=False, unit="row")
+    q0, rows = 0, chunk
+    while q0 < shape.q_len:
+        q1 = min(shape.q_len, q0 + rows)
         q_idx = torch.arange(q0, q1, device=device, dtype=torch.int32)
         qc = inputs.q[:, :, q0:q1].detach().to(device, dtype).requires_grad_(backward)
         with torch.set_grad_enabled(backward):
             k_full = k.repeat_interleave(group, dim=1) if group > 1 else k
             v_full = v.repeat_interleave(group, dim=1) if group > 1 else v
-            scores = torch.matmul(qc, k_full.transpose(-1, -2)) * scale
-            if mask.score_mod is not None:
-                scores = evaluate_mod(mask.score_mod, score_eval, b, h, q_idx, kv, score=scores).to(dtype)
+            keep, cols = None, kv
             if mask.mask_mod is not None:
+                # the mask_mod itself says which keys this chunk keeps (never the block mask under
+                # test); scores are computed for those keys only -- a dropped key adds exactly 0
                 keep = evaluate_mod(mask.mask_mod, mask_eval, b, h, q_idx, kv).to(torch.bool)
+                if sparse:
+                    cols, keep = _kept_columns(keep, kv)
+                    fit = max(1, budget // (score_bytes_per_key * max(1, len(cols))))
+                    if q1 - q0 > fit:  # these rows keep more keys than the last ones: fewer rows
+                        rows = fit
+                        continue
+            k_use, v_use = _columns(k_full, cols, shape.kv_len), _columns(v_full, cols, shape.kv_len)
+            pairs_computed += (q1 - q0) * len(cols)
+            scores = torch.matmul(qc, k_use.transpose(-1, -2)) * scale
+            if mask.score_mod is not None and len(cols):
+                scores = evaluate_mod(mask.score_mod, score_eval, b, h, q_idx, cols, score=scores).to(dtype)
+            if keep is not None:
                 scores = scores.masked_fill(~keep, float("-inf"))
             if len(nan_pairs) < 4:
                 bad = torch.isnan(scores.detach())
                 if bad.any():
                     for bb, hh, qq, kk in bad.nonzero()[: 4 - len(nan_pairs)].tolist():
-                        nan_pairs.append((bb, hh, q0 + qq, kk))
+                        nan_pairs.append((bb, hh, q0 + qq, int(cols[kk])))
             row_lse = torch.logsumexp(scores, dim=-1)
             dead = torch.isneginf(row_lse)
             # exp(-inf - -inf) is NaN: rows without a kept key get probability 0 (output 0)
             probs = torch.exp(scores - torch.where(dead, 0.0, row_lse).unsqueeze(-1))
-            out_c = torch.matmul(probs, v_full)
+            out_c = torch.matmul(probs, v_use)
         if backward:
             targets = [qc, k, v, *learn.values()]
             got = torch.autograd.grad(out_c, targets, inputs.grad_out[:, :, q0:q1].to(device, dtype), allow_unused=True)
@@ -192,12 +214,40 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
             if len(examples) < 8:
                 for bb, hh, qq in dead.nonzero()[: 8 - len(examples)].tolist():
                     examples.append((bb, hh, q0 + qq))
+        bar.update(q1 - q0)
+        if sparse and mask.mask_mod is not None:
+            rows = max(1, min(mask_rows, budget // (score_bytes_per_key * max(1, len(cols)))))
+        q0 = q1
+    bar.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return Reference(out=out, lse=lse, grads=grads, dtype=str(dtype).removeprefix("torch."),
                      seconds=time.perf_counter() - t0, chunk=chunk, fully_masked_rows=masked_rows,
                      masked_row_examples=examples, nan_pairs=nan_pairs,
-                     nan_outputs=int(torch.isnan(out).sum()) + int(torch.isnan(lse).sum()))
+                     nan_outputs=int(torch.isnan(out).sum()) + int(torch.isnan(lse).sum()),
+                     computed_fraction=pairs_computed / (shape.q_len * shape.kv_len))
+
+
+def _kept_columns(keep: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys any row of the chunk keeps (for any b, h), and `keep` cut to them. A contiguous
+    run stays a range, so its keys are a view rather than a copy."""
+    any_kept = keep.reshape(-1, keep.shape[-1]).any(0)
+    cols = any_kept.nonzero().squeeze(-1)
+    if len(cols) == len(kv):
+        return kv, keep
+    if len(cols) and int(cols[-1]) - int(cols[0]) + 1 == len(cols):
+        start, stop = int(cols[0]), int(cols[-1]) + 1
+        return kv[start:stop], keep[..., start:stop]
+    return kv[cols], keep[..., cols]
+
+
+def _columns(t: torch.Tensor, cols: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """t[:, :, cols] as a view when cols is a range of keys."""
+    if len(cols) == kv_len:
+        return t
+    if len(cols) and int(cols[-1]) - int(cols[0]) + 1 == len(cols):
+        return t[:, :, int(cols[0]):int(cols[-1]) + 1]
+    return t.index_select(2, cols.long())
 
 
 # ---------------------------------------------------------------- comparing
@@ -363,6 +413,7 @@ class Verdict:
     reference_dtype: str
     torch_version: str = torch.__version__
     backend: str = "flex"
+    reference_fraction: float = 1.0  # the share of the Lq x Lk pairs whose scores the reference computed
 
     @property
     def passed(self) -> bool:
@@ -409,6 +460,7 @@ class Verdict:
                "fully_masked_rows": self.fully_masked_rows,
                "masked_row_examples": [list(x) for x in self.masked_row_examples],
                "compile_seconds": self.compile_seconds, "run_seconds": self.run_seconds,
+               "reference_fraction": self.reference_fraction,
                "reference_seconds": self.reference_seconds, "reference_dtype": self.reference_dtype,
                "torch": self.torch_version,
                "checks": {c.name: {k: v for k, v in asdict(c).items() if k != "name"} for c in self.checks},
@@ -496,7 +548,7 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
                    device=str(device), seed=inputs.seed, compiled=run.compiled, checks=checks, findings=findings,
                    fully_masked_rows=ref.fully_masked_rows, masked_row_examples=ref.masked_row_examples,
                    compile_seconds=run.compile_seconds, run_seconds=run.run_seconds, reference_seconds=ref.seconds,
-                   reference_dtype=ref.dtype, backend=backend)
+                   reference_dtype=ref.dtype, backend=backend, reference_fraction=ref.computed_fraction)
 
 
 def _run_port(mask: Mask, inputs: Inputs, backward: bool, port_path=None) -> FlexRun:

@@ -7,6 +7,7 @@
     python -m workbench export TARGET [--param k=JSON ...] [--score TARGET] --q-len N -o DIR
     python -m workbench port TARGET [--param k=JSON ...] [--score TARGET] --q-len N -o DIR
     python -m workbench invariance TARGET [--param k=JSON ...] --q-len N [--backend flex|port|eager] [--hold L ...]
+    python -m workbench sweep SWEEP.toml [-o DIR] [--address ADDR] [--resume] [--cpus N]
     python -m workbench conformance DIR/NAME.spec.json --impl path.py:function
     python -m workbench diff A.spec.json B.spec.json
 
@@ -154,6 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_invariance)
 
+    p = sub.add_parser("sweep", help="a grid of masks x lengths x dtypes x tasks on Ray",
+                       description="Run every case of a sweep file (TOML; see examples/sweep_small.toml) as one Ray "
+                                   "task and write DIR/results.parquet, results.csv and summary.html. A local Ray "
+                                   "starts unless --address names a cluster. Exit 1 if a case failed.")
+    p.add_argument("sweep", help="the sweep file (.toml)")
+    p.add_argument("-o", "--out", default="out/sweep", help="output folder (default: out/sweep)")
+    p.add_argument("--address", help="join this Ray cluster (default: start a local one)")
+    p.add_argument("--resume", action="store_true", help="skip the cases already in DIR (nothing runs twice)")
+    p.add_argument("--cpus", type=positive_int, help="CPUs of the local Ray (default: all)")
+    p.set_defaults(func=cmd_sweep)
+
     p = sub.add_parser("export", help="write the porting spec and golden vectors of a mask",
                        description="Write DIR/NAME.spec.json and DIR/NAME.golden.safetensors: every backend form that "
                                    "reproduces TARGET exactly, the reasons for the others, and float64 golden outputs.")
@@ -300,6 +312,22 @@ def cmd_verify(args) -> int:
         for f in verdict.findings:
             print(f"{f.severity}: {f.kind}: {f.message}")
     return 0 if verdict.passed else 1
+
+
+def cmd_sweep(args) -> int:
+    from workbench import sweep
+
+    frame = sweep.run(args.sweep, args.out, address=args.address, resume=args.resume, num_cpus=args.cpus)
+    ok = frame["ok"].fillna(False).astype(bool)
+    passed = frame["passed"].fillna(False).astype(bool) if "passed" in frame else ok
+    failed = frame[~(ok & passed)]
+    for _, row in failed.iterrows():
+        name = row["name"] if isinstance(row.get("name"), str) else row["target"]
+        why = row["error"] or (row["line"] if isinstance(row.get("line"), str) else "a check failed")
+        print(f"failed: {name} {row['task']} q_len={row['q_len']}: {why}", file=sys.stderr)
+    print(f"{len(frame)} cases ({frame.attrs['ran']} run now, {frame.attrs['skipped']} from before), "
+          f"{len(failed)} failed; results in {args.out}/results.parquet, summary in {args.out}/summary.html")
+    return 1 if len(failed) else 0
 
 
 def cmd_invariance(args) -> int:

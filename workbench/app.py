@@ -237,8 +237,8 @@ class Workbench:
             s = self.scan
             varies = [f"{n} {what} differ" for n, what, flag in ((s.heads, "heads", s.depends_on_head),
                                                                  (s.batch, "batch entries", s.depends_on_batch)) if flag]
-            self.status.value = (f"<span style='color:#5a6776;font-size:12px'>{_esc(self.mask.name)} · "
-                                 f"{', '.join(varies) or 'same for every head and batch entry'} · block scan "
+            self.status.value = (f"<span style='color:#5a6776;font-size:12px'>{_esc(self.mask.name)} · Lq {s.q_len:,} x "
+                                 f"Lk {s.kv_len:,} · {', '.join(varies) or 'same for every head and batch entry'} · block scan "
                                  f"{s.engine} · redrawn in {self.last_redraw_seconds:.2f} s on {self.device}</span>")
 
     def _show_mask_fields(self):

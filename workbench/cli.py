@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true", help="run flex_attention without torch.compile")
     p.add_argument("--backend", choices=["flex", "port"], default="flex",
                    help="judge FlexAttention (default) or the generated Triton port (`workbench port`)")
+    p.add_argument("--workers", type=positive_int, help="split the float64 reference by query rows across this many "
+                                                        "Ray workers (one GPU each on a GPU machine)")
+    p.add_argument("--address", help="with --workers: join this Ray cluster (default: a local Ray)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_verify)
 
@@ -299,7 +302,8 @@ def cmd_verify(args) -> int:
     shape = Shape(batch=args.batch or 1, q_heads=heads, kv_heads=args.kv_heads or heads, q_len=q_len,
                   kv_len=kv_len, head_dim=args.head_dim)
     verdict = verify(mask, shape, dtype=args.dtype, device=device, backward=args.backward, seed=args.seed,
-                     compile=not args.eager, block_size=_block_size(args), backend=args.backend)
+                     compile=not args.eager, block_size=_block_size(args), backend=args.backend,
+                     workers=args.workers, address=args.address)
     if args.json:
         print(json.dumps(verdict.to_dict()))
     else:

@@ -117,10 +117,12 @@ def reference_budget(shape: Shape, backward: bool, dtype: torch.dtype, device: t
 def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, dtype: torch.dtype = torch.float64,
                         scale: float | None = None, device: str | torch.device | None = None,
                         memory_budget: int | None = None, progress: bool | None = None,
-                        sparse: bool = True) -> Reference:
+                        sparse: bool = True, rows: tuple[int, int] | None = None) -> Reference:
     """Eager attention of `inputs` under `mask`, in `dtype`, a chunk of query rows at a time.
     `sparse`: per chunk, scores only for the keys the mask_mod keeps for some row of the chunk
-    (what FlexAttention computes too); `computed_fraction` says how many pairs that was."""
+    (what FlexAttention computes too); `computed_fraction` says how many pairs that was.
+    `rows`: only the query rows [start, stop) (out, lse and dq hold those rows; dk, dv their part of
+    the sum) -- what one worker of a split reference computes (`workbench.distribute`)."""
     from tqdm.auto import tqdm
 
     shape = inputs.shape
@@ -147,8 +149,12 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
     learn = learnable_tensors(mask) if backward else {}
     k = inputs.k.detach().to(device, dtype).requires_grad_(backward)
     v = inputs.v.detach().to(device, dtype).requires_grad_(backward)
-    out = torch.empty(shape.batch, shape.q_heads, shape.q_len, shape.head_dim, dtype=dtype, device=device)
-    lse = torch.empty(shape.batch, shape.q_heads, shape.q_len, dtype=dtype, device=device)
+    first, stop = rows or (0, shape.q_len)
+    if not 0 <= first < stop <= shape.q_len:
+        raise WorkbenchError(f"rows {rows} are not a range of the {shape.q_len} query rows", "pass (start, stop)",
+                             mask.name)
+    out = torch.empty(shape.batch, shape.q_heads, stop - first, shape.head_dim, dtype=dtype, device=device)
+    lse = torch.empty(shape.batch, shape.q_heads, stop - first, dtype=dtype, device=device)
     grads = {}
     if backward:
         grads = {"dq": torch.empty_like(out), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v)}
@@ -160,10 +166,10 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
     # (scores are rows x kept keys), at most what evaluating the mask over all keys allows.
     score_bytes_per_key = per_row // shape.kv_len  # per row and key: scores, probabilities, ...
     mask_rows = max(1, budget // (shape.batch * shape.q_heads * shape.kv_len * 12))  # bool + index temporaries
-    bar = tqdm(total=shape.q_len, desc=f"reference {mask.name}", disable=not show, leave=False, unit="row")
-    q0, rows = 0, chunk
-    while q0 < shape.q_len:
-        q1 = min(shape.q_len, q0 + rows)
+    bar = tqdm(total=stop - first, desc=f"reference {mask.name}", disable=not show, leave=False, unit="row")
+    q0, step = first, chunk
+    while q0 < stop:
+        q1 = min(stop, q0 + step)
         q_idx = torch.arange(q0, q1, device=device, dtype=torch.int32)
         qc = inputs.q[:, :, q0:q1].detach().to(device, dtype).requires_grad_(backward)
         with torch.set_grad_enabled(backward):
@@ -178,7 +184,7 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
                     cols, keep = _kept_columns(keep, kv)
                     fit = max(1, budget // (score_bytes_per_key * max(1, len(cols))))
                     if q1 - q0 > fit:  # these rows keep more keys than the last ones: fewer rows
-                        rows = fit
+                        step = fit
                         continue
             k_use, v_use = _columns(k_full, cols, shape.kv_len), _columns(v_full, cols, shape.kv_len)
             pairs_computed += (q1 - q0) * len(cols)
@@ -200,14 +206,14 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
         if backward:
             targets = [qc, k, v, *learn.values()]
             got = torch.autograd.grad(out_c, targets, inputs.grad_out[:, :, q0:q1].to(device, dtype), allow_unused=True)
-            grads["dq"][:, :, q0:q1] = got[0]
+            grads["dq"][:, :, q0 - first:q1 - first] = got[0]
             grads["dk"] += got[1]
             grads["dv"] += got[2]
             for name, g in zip(learn, got[3:]):
                 if g is not None:
                     grads[f"d{name}"] += g.to(dtype)
-        out[:, :, q0:q1] = out_c.detach()
-        lse[:, :, q0:q1] = row_lse.detach()
+        out[:, :, q0 - first:q1 - first] = out_c.detach()
+        lse[:, :, q0 - first:q1 - first] = row_lse.detach()
         n_dead = int(dead.sum())
         if n_dead:
             masked_rows += n_dead
@@ -216,7 +222,7 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
                     examples.append((bb, hh, q0 + qq))
         bar.update(q1 - q0)
         if sparse and mask.mask_mod is not None:
-            rows = max(1, min(mask_rows, budget // (score_bytes_per_key * max(1, len(cols)))))
+            step = max(1, min(mask_rows, budget // (score_bytes_per_key * max(1, len(cols)))))
         q0 = q1
     bar.close()
     if device.type == "cuda":
@@ -225,7 +231,7 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
                      seconds=time.perf_counter() - t0, chunk=chunk, fully_masked_rows=masked_rows,
                      masked_row_examples=examples, nan_pairs=nan_pairs,
                      nan_outputs=int(torch.isnan(out).sum()) + int(torch.isnan(lse).sum()),
-                     computed_fraction=pairs_computed / (shape.q_len * shape.kv_len))
+                     computed_fraction=pairs_computed / ((stop - first) * shape.kv_len))
 
 
 def _kept_columns(keep: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -483,7 +489,7 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
            block_mask: BlockMask | None = None, block_size: int | tuple[int, int] = 128,
            expected: Mask | None = None, reference_dtype: torch.dtype | None = None,
            memory_budget: int | None = None, progress: bool | None = None, backend: str = "flex",
-           port_path=None) -> Verdict:
+           port_path=None, workers: int | None = None, address: str | None = None) -> Verdict:
     """Run `mask` through FlexAttention (backend="flex") or through its generated Triton port
     (backend="port": `workbench.port`, written to a temporary folder unless `port_path` names the
     file) and compare with the eager reference of `expected` (default: the same mask) on fresh
@@ -491,7 +497,8 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
 
     `block_mask`: use this block mask instead of building one (it is checked against the mask).
     `expected`: the attention the run should equal -- e.g. the intended mask when `mask` is a
-    port or a draft. reference_dtype: float64 by default."""
+    port or a draft. reference_dtype: float64 by default. `workers`: split the reference by query
+    rows across that many Ray workers (one GPU each on a GPU; `address` joins a Ray cluster)."""
     from workbench.run import check_backward_device, check_device_dtype, dtype_name
 
     device = torch.device(device)
@@ -515,8 +522,14 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
         run = run_flex(mask, inputs, block_mask=block_mask, block_size=block_size, backward=backward, compile=compile)
     else:
         raise WorkbenchError(f"unknown backend {backend!r}", "use backend='flex' or 'port'", mask.name)
-    ref = reference_attention(expected, inputs, backward=backward, dtype=reference_dtype,
-                              memory_budget=budget, progress=progress)
+    if workers:
+        from workbench.distribute import reference_on_ray
+
+        ref = reference_on_ray(expected, inputs, workers, backward=backward, dtype=reference_dtype,
+                               memory_budget=budget, address=address, progress=progress is not False)
+    else:
+        ref = reference_attention(expected, inputs, backward=backward, dtype=reference_dtype,
+                                  memory_budget=budget, progress=progress)
     if run.compile_error:
         findings.append(Finding("compile_failed", "warning",
                                 f"torch.compile could not build this mask ({run.compile_error}); the mods are valid "

@@ -1,0 +1,63 @@
+"""The reference split by query rows across Ray workers (2 CPUs here; GPUs on a GPU machine)
+equals the reference computed in one piece, and still fails a wrong block mask."""
+
+import json
+
+import torch
+
+from workbench.cli import main
+from workbench.define import prepare
+from workbench.distribute import reference_on_ray, row_ranges
+from workbench.run import Shape, make_inputs
+from workbench.verify import reference_attention, verify
+
+USER_FILE = '''import torch
+
+def windows_and_lengths(q_len=None, kv_len=None):
+    widths = torch.tensor([5, 40])   # per head, undeclared
+    lens = torch.tensor([0, 90])     # per batch entry: entry 0 keeps nothing
+
+    def user_mask(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + 34) & (q_idx + 34 - kv_idx < widths[h]) & (kv_idx < lens[b])
+    return user_mask
+'''
+
+
+def test_row_ranges_cover_every_row_once():
+    for q_len, pieces in [(1, 8), (97, 8), (1000, 3)]:
+        ranges = row_ranges(q_len, pieces)
+        assert ranges[0][0] == 0 and ranges[-1][1] == q_len
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and len(ranges) == min(q_len, pieces)
+
+
+def test_two_workers_give_the_one_piece_reference_with_gradients(tmp_path):
+    path = tmp_path / "user_masks.py"
+    path.write_text(USER_FILE)  # a user's file: its mods travel to the workers by value
+    mask = prepare(f"{path}:windows_and_lengths", None, 97, 131, "cpu", heads=2, batch=2)
+    shape = Shape(batch=2, q_heads=2, q_len=97, kv_len=131, head_dim=8)
+    inputs = make_inputs(shape, "float32", seed=1, backward=True)
+    one = reference_attention(mask, inputs, backward=True)
+    split = reference_on_ray(mask, inputs, 2, backward=True, progress=False)
+    torch.testing.assert_close(split.out, one.out, rtol=1e-12, atol=1e-13)
+    assert torch.equal(torch.isneginf(split.lse), torch.isneginf(one.lse))
+    for name in ("dq", "dk", "dv"):
+        torch.testing.assert_close(split.grads[name], one.grads[name], rtol=1e-11, atol=1e-12)
+    assert split.fully_masked_rows == one.fully_masked_rows >= 97 * 2
+    assert 0 < split.computed_fraction < 1
+
+
+def test_verify_with_workers_passes_and_still_fails_a_dropped_block(capsys):
+    from test_verify import _drop_one_full_block
+    from workbench import make
+    from workbench.blocks import build_block_mask
+
+    assert main(["verify", "causal_sliding_window", "--param", "window=150", "--q-len", "700", "--heads", "2",
+                 "--head-dim", "16", "--dtype", "float32", "--device", "cpu", "--eager", "--workers", "2",
+                 "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["passed"] and record["q_len"] == 700 and record["reference_fraction"] < 1
+    mask = make("causal_sliding_window", {"window": 150})
+    broken = _drop_one_full_block(build_block_mask(mask, 1024, 1024, block_size=64), 10, 1024, 1024)
+    verdict = verify(mask, Shape(q_heads=2, q_len=1024, head_dim=16), dtype="float32", block_mask=broken,
+                     compile=False, seed=0, workers=2)
+    assert not verdict.passed

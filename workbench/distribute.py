@@ -1,0 +1,121 @@
+"""The float64 reference split by query rows across Ray workers (one GPU each on a GPU machine).
+
+    verify(mask, shape, dtype="bfloat16", device="cuda", workers=2)     # through verify
+    reference_on_ray(mask, inputs, workers=2)                          # the Reference itself
+
+The kernel under test runs once, where `verify` runs; the reference's rows go out as ranges (more
+ranges than workers, so a causal mask's heavier last rows balance out), each worker computes its
+rows exactly as `reference_attention` does, and the pieces are joined into one Reference: out, lse
+and dq by rows, dk, dv (and gradients of captured tensors) summed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from workbench.define import Mask, WorkbenchError
+from workbench.run import Inputs
+from workbench.verify import Reference, reference_attention
+
+RANGES_PER_WORKER = 4
+
+
+def row_ranges(q_len: int, pieces: int) -> list[tuple[int, int]]:
+    """`pieces` contiguous ranges of [0, q_len) (fewer when there are fewer rows)."""
+    pieces = max(1, min(pieces, q_len))
+    bounds = [round(i * q_len / pieces) for i in range(pieces + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _send_by_value(mask: Mask) -> None:
+    """Mods defined in a user's file live in a module the workers cannot import: pickle them by
+    value (library masks and installed packages go by reference, as usual)."""
+    from ray import cloudpickle
+
+    for fn in (mask.mask_mod, mask.score_mod, mask.factory):
+        module = sys.modules.get(getattr(fn, "__module__", None) or "")
+        name = getattr(module, "__name__", "")
+        if module is None or name.split(".")[0] in ("torch", "workbench", "masks", "builtins"):
+            continue
+        # the workbench loads a target file as `_workbench_user_...` (see define._module_from_file)
+        if name.startswith("_workbench_user_") or name == "__main__" or getattr(module, "__spec__", None) is None:
+            try:
+                cloudpickle.register_pickle_by_value(module)
+            except ValueError:  # already registered, or not a module cloudpickle can take by value
+                pass
+
+
+def _rows_on_worker(mask: Mask, inputs: Inputs, rows: tuple[int, int], backward: bool, dtype, memory_budget,
+                    device: str) -> Reference:
+    moved = Inputs(q=inputs.q.to(device), k=inputs.k.to(device), v=inputs.v.to(device), shape=inputs.shape,
+                   dtype=inputs.dtype, seed=inputs.seed,
+                   grad_out=None if inputs.grad_out is None else inputs.grad_out.to(device))
+    if device != "cpu":
+        from workbench.define import bind
+
+        mask = bind(mask, inputs.shape.q_len, inputs.shape.kv_len, device)  # captured tables on this GPU
+    ref = reference_attention(mask, moved, backward=backward, dtype=dtype, memory_budget=memory_budget,
+                              progress=False, rows=rows)
+    ref.out, ref.lse = ref.out.cpu(), ref.lse.cpu()
+    ref.grads = {k: v.cpu() for k, v in ref.grads.items()}
+    return ref
+
+
+def reference_on_ray(mask: Mask, inputs: Inputs, workers: int, *, backward: bool = False,
+                     dtype: torch.dtype = torch.float64, memory_budget: int | None = None, address: str | None = None,
+                     progress: bool = True) -> Reference:
+    """`reference_attention` over `workers` Ray workers; the result lands on the inputs' device."""
+    try:
+        import ray
+    except ModuleNotFoundError:
+        raise WorkbenchError("splitting the reference across workers needs Ray", "pip install 'ray>=2.9'") from None
+    from tqdm.auto import tqdm
+
+    if workers < 1:
+        raise WorkbenchError(f"workers = {workers} must be at least 1", "pass workers >= 1")
+    gpu = inputs.device.type == "cuda"
+    if gpu and torch.cuda.device_count() < workers and address is None:
+        raise WorkbenchError(f"{workers} workers need {workers} GPUs, this machine has {torch.cuda.device_count()}",
+                             "pass fewer workers, or --address of a Ray cluster with more GPUs")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, num_cpus=None if gpu else workers, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    t0 = time.perf_counter()
+    try:
+        _send_by_value(mask)
+        on_cpu = Inputs(q=inputs.q.cpu(), k=inputs.k.cpu(), v=inputs.v.cpu(), shape=inputs.shape, dtype=inputs.dtype,
+                        seed=inputs.seed, grad_out=None if inputs.grad_out is None else inputs.grad_out.cpu())
+        shared_inputs, shared_mask = ray.put(on_cpu), ray.put(mask)
+        task = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1, max_retries=1)(_rows_on_worker)
+        ranges = row_ranges(inputs.shape.q_len, workers * RANGES_PER_WORKER)
+        futures = {task.remote(shared_mask, shared_inputs, r, backward, dtype, memory_budget,
+                               "cuda" if gpu else "cpu"): i for i, r in enumerate(ranges)}
+        pieces: list[Reference | None] = [None] * len(ranges)
+        with tqdm(total=inputs.shape.q_len, desc=f"reference {mask.name} on {workers} workers", disable=not progress,
+                  unit="row", leave=False) as bar:
+            pending = list(futures)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                i = futures[ready[0]]
+                pieces[i] = ray.get(ready[0])
+                bar.update(ranges[i][1] - ranges[i][0])
+    finally:
+        if started:
+            ray.shutdown()
+    device = inputs.device
+    grads = {}
+    for name in pieces[0].grads:
+        parts = [p.grads[name] for p in pieces]
+        grads[name] = (torch.cat(parts, dim=2) if name == "dq" else torch.stack(parts).sum(0)).to(device)
+    rows = [r[1] - r[0] for r in ranges]
+    return Reference(
+        out=torch.cat([p.out for p in pieces], dim=2).to(device), lse=torch.cat([p.lse for p in pieces], dim=2).to(device),
+        grads=grads, dtype=pieces[0].dtype, seconds=time.perf_counter() - t0, chunk=min(p.chunk for p in pieces),
+        fully_masked_rows=sum(p.fully_masked_rows for p in pieces),
+        masked_row_examples=[e for p in pieces for e in p.masked_row_examples][:8],
+        nan_pairs=[e for p in pieces for e in p.nan_pairs][:4], nan_outputs=sum(p.nan_outputs for p in pieces),
+        computed_fraction=sum(p.computed_fraction * n for p, n in zip(pieces, rows)) / inputs.shape.q_len)

@@ -286,3 +286,32 @@ def test_auto_engine_compiles_only_where_it_pays_off(monkeypatch):
     assert scan_blocks(mask, 600, 600).engine == "triton"     # past the cold threshold
     assert launches == [300, 600]
     kernels.forget()
+
+
+def test_turning_a_knob_reuses_one_scan_kernel():
+    # the Python numbers a mod captures become kernel arguments: every window shares one source
+    # (so one compile on a GPU), with the values passed as 0-d tables
+    from workbench import kernels
+
+    cpu = torch.device("cpu")
+    built = [kernels.scan_kernel(make("causal_sliding_window", {"window": w}, q_len=4096, kv_len=4096).mask_mod, cpu)
+             for w in (64, 100, 1000)]
+    assert len({k.source for k in built}) == 1
+    assert [[int(t) for t in k.tables if t.dim() == 0] for k in built] == [[0, 64], [0, 100], [0, 1000]]
+    chunks = {kernels.scan_kernel(make("chunked_local", {"chunk": c}).mask_mod, cpu).source for c in (128, 300)}
+    assert len(chunks) == 1
+
+
+def test_a_number_that_steers_python_stays_a_constant():
+    from workbench.define import lift_scalars
+
+    def factory(width):
+        def steered(b, h, q_idx, kv_idx):
+            if width > 10:  # Python control flow on the captured number
+                return kv_idx <= q_idx
+            return (q_idx - kv_idx).abs() < width
+        return steered
+
+    assert lift_scalars(factory(20), "cpu") == (None, {})
+    twin, lifted = lift_scalars(make("causal_sliding_window", {"window": 7}).mask_mod, "cpu")
+    assert set(lifted) == {"window", "offset"} and int(lifted["window"]) == 7

@@ -692,6 +692,49 @@ def captured_scalars(fn: Callable | None) -> dict[str, object]:
     return {k: v for k, v in _closure(fn).items() if isinstance(v, (bool, int, float))}
 
 
+def lift_scalars(fn: Callable | None, device) -> tuple[Callable | None, dict[str, torch.Tensor]]:
+    """The mod with the Python numbers its closure holds (ints and floats, not bools) replaced by
+    0-d tensors on `device`, so a generated kernel can take them as arguments and every value of
+    a parameter shares one compile. (None, {}) when there is nothing to lift, and when the lifted
+    mod does not give the same values as the mod on probe regions (a number used in Python
+    control flow, say)."""
+    import types
+
+    code = getattr(fn, "__code__", None)
+    if code is None or not getattr(fn, "__closure__", None):
+        return None, {}
+    cells, lifted = [], {}
+    for name, cell in zip(code.co_freevars, fn.__closure__):
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            cells.append(cell)
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 2 ** 31:
+            lifted[name] = torch.tensor(value, dtype=torch.int32 if isinstance(value, int) else torch.float32,
+                                        device=device)
+            cells.append(types.CellType(lifted[name]))
+        else:
+            cells.append(cell)
+    if not lifted:
+        return None, {}
+    twin = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells))
+    twin.__kwdefaults__ = getattr(fn, "__kwdefaults__", None)
+    try:
+        one = torch.zeros(1, dtype=torch.int32, device=device)
+        for q_range, kv_range in probe_regions(300, 300, size=24):
+            q = torch.arange(*q_range, dtype=torch.int32, device=device)
+            kv = torch.arange(*kv_range, dtype=torch.int32, device=device)
+            with torch.no_grad():
+                if not torch.equal(evaluate_mod(fn, "broadcast", one, one, q, kv),
+                                   evaluate_mod(twin, "broadcast", one, one, q, kv)):
+                    return None, {}
+        trace_mod(twin, "mask")  # traced as FlexAttention traces it: a number in an `if` fails here
+    except Exception:  # the number steers Python code: it stays a constant
+        return None, {}
+    return twin, lifted
+
+
 def captured_tensors(mask: Mask) -> dict[str, torch.Tensor]:
     """Tensors the mods read: `Mask.data` plus any tensor in the mods' closures, and in the
     closures of mods they wrap (torch's and_masks / or_masks, attention-gym's factories)."""

@@ -120,9 +120,18 @@ class ScanKernel:
 def scan_kernel(mask_mod: Callable, device: torch.device) -> ScanKernel:
     """Translate `mask_mod` and build the kernel. Raises `triton_gen.Untranslatable` (or a
     tracing error) when the mod cannot be written as Triton; the caller then scans eagerly."""
+    from workbench.define import lift_scalars
     from workbench.triton_gen import Untranslatable, generate, load_source
 
-    source, mask_ptrs, _, captured = generate(Mask("scan", mask_mod=mask_mod))
+    # the Python numbers it captures (a window, a chunk, an offset) become kernel arguments, so
+    # turning a knob reuses the compiled kernel; if that cannot be done they stay constants
+    twin, lifted = lift_scalars(mask_mod, device)
+    try:
+        if twin is None:
+            raise Untranslatable("nothing to lift")
+        source, mask_ptrs, _, captured = generate(Mask("scan", mask_mod=twin), frozenset(lifted))
+    except Exception:
+        source, mask_ptrs, _, captured = generate(Mask("scan", mask_mod=mask_mod))
     tables = []
     for ptr in mask_ptrs:
         table = captured[ptr[: -len("_ptr")]]

@@ -97,7 +97,8 @@ class _Vec:
         self.n, self.expr = n, expr
 
 
-def _translate(gm, fn_name: str, arg_names: list[str], captured: dict[str, torch.Tensor]) -> tuple[str, list[str]]:
+def _translate(gm, fn_name: str, arg_names: list[str], captured: dict[str, torch.Tensor],
+               lifted: frozenset = frozenset()) -> tuple[str, list[str]]:
     """Triton source of one traced mod; returns (source, pointer argument names in order).
 
     Scalars per lane become one line each. A captured tensor becomes a pointer argument; indexing
@@ -184,6 +185,11 @@ def _translate(gm, fn_name: str, arg_names: list[str], captured: dict[str, torch
             continue
         if node.op == "get_attr":
             tensor = getattr(gm, node.target)
+            if tensor.dim() == 0 and by_ptr.get((tensor.data_ptr(), ())) in lifted:
+                # a lifted parameter: a kernel argument, so its value never enters the source (and
+                # nothing is assumed of its sign)
+                env[node.name] = view_of(tensor, node.target)
+                continue
             env[node.name] = _literal(tensor.item()) if tensor.dim() == 0 else view_of(tensor, node.target)
             if tensor.numel() and not tensor.is_floating_point() and not tensor.is_complex() and int(tensor.min()) >= 0:
                 nonneg.add(node.name)
@@ -347,7 +353,8 @@ def _translate_op(op, node, kwargs, value, as_elementwise, combine):
     raise Untranslatable(f"aten op `{op}` has no Triton translation here")
 
 
-def mod_functions(mask: Mask) -> tuple[list[str], list[str], list[str], dict[str, torch.Tensor]]:
+def mod_functions(mask: Mask, lifted: frozenset = frozenset()) -> tuple[list[str], list[str], list[str],
+                                                                       dict[str, torch.Tensor]]:
     """The helpers and the translated mods as Triton source parts (mask_mod_triton,
     score_mod_triton: only those the mask has), their pointer arguments and the captured tensors
     by name. Raises Untranslatable when a mod has no translation."""
@@ -355,7 +362,7 @@ def mod_functions(mask: Mask) -> tuple[list[str], list[str], list[str], dict[str
     parts, mask_ptrs, score_ptrs = [HELPERS], [], []
     if mask.mask_mod is not None:
         src, mask_ptrs = _translate(trace_mod(mask.mask_mod, "mask"), "mask_mod_triton", ["b", "h", "q_idx", "kv_idx"],
-                                    captured)
+                                    captured, lifted)
         parts.append(src)
     if mask.score_mod is not None:
         src, score_ptrs = _translate(trace_mod(mask.score_mod, "score"), "score_mod_triton",
@@ -365,9 +372,10 @@ def mod_functions(mask: Mask) -> tuple[list[str], list[str], list[str], dict[str
     return parts, mask_ptrs, score_ptrs, {k: v for k, v in captured.items() if k in used}
 
 
-def generate(mask: Mask) -> tuple[str, list[str], list[str], dict[str, torch.Tensor]]:
-    """(source, mask pointer args, score pointer args, captured tensors by name)."""
-    parts, mask_ptrs, score_ptrs, captured = mod_functions(mask)
+def generate(mask: Mask, lifted: frozenset = frozenset()) -> tuple[str, list[str], list[str], dict[str, torch.Tensor]]:
+    """(source, mask pointer args, score pointer args, captured tensors by name). `lifted` names
+    captured 0-d tensors (see define.lift_scalars) read as kernel arguments, not written in."""
+    parts, mask_ptrs, score_ptrs, captured = mod_functions(mask, lifted)
     if mask.mask_mod is not None:
         ptr_params = "".join(f", {p}" for p in mask_ptrs)
         parts.append(f'''@triton.jit

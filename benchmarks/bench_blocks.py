@@ -12,7 +12,10 @@ the next) and peak GPU memory above what was allocated before the call, of
   - torch compiled:  torch.compile(create_block_mask)
 and whether our BlockMask equals torch's, tensor for tensor; also our forward-only BlockMask's peak
 (no q-side tables). Then statistics alone (no BlockMask kept) at 4,194,304 tokens, and the exact
-overview picture's data (512 x 512 cells) at --overview-length tokens.
+overview picture's data (512 x 512 cells) at --overview-length tokens. With --knob: turning a knob,
+i.e. the scan of a window / chunk / prefix mask at --knob-length tokens for a first value and then
+each new value (a new mask_mod every time, as the app makes one per change; the values are kernel
+arguments, so only the first value compiles).
 """
 
 from __future__ import annotations
@@ -92,7 +95,12 @@ def main():
     ap.add_argument("--masks", nargs="+", help="only masks whose name starts with one of these")
     ap.add_argument("--overview-length", type=int, default=1048576)
     ap.add_argument("--json", help="write the rows here too")
+    ap.add_argument("--knob", action="store_true", help="only the knob-turning case")
+    ap.add_argument("--knob-length", type=int, default=131072)
     args = ap.parse_args()
+    if args.knob:
+        knob_turning(args.knob_length)
+        return
     device = "cuda"
     raise_recompile_limit()
     compiled_cbm = torch.compile(create_block_mask)
@@ -178,6 +186,30 @@ def main():
               f"peak {peak:.2f} GiB {err or ''}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+KNOBS = {"causal_sliding_window": ("window", [256, 512, 1000, 2048, 4096]),
+         "chunked_local": ("chunk", [256, 512, 1000, 2048, 4096]),
+         "prefix_lm": ("prefix", [256, 512, 1000, 2048, 4096])}
+
+
+def knob_turning(n: int, device: str = "cuda") -> None:
+    """Scan time of each new parameter value (first value: compile included)."""
+    print(f"# knob turning at {n:,} tokens, torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print("| mask | parameter | first value s | each new value s (median) | slowest new value s | kernels compiled |")
+    print("|---|---|---|---|---|---|")
+    for name, (param, values) in KNOBS.items():
+        forget_compiled_kernels()
+        times = []
+        for value in values:
+            mask = make(name, {param: value}, q_len=n, kv_len=n, device=device)
+            _, secs, _, err = measure(lambda: scan_blocks(mask, n, n, device=device, progress=False,
+                                                          engine="triton"), device)
+            assert err is None, err
+            times.append(secs)
+        later = sorted(times[1:])
+        print(f"| {name} | {param} | {times[0]:.3f} | {later[len(later) // 2]:.3f} | {later[-1]:.3f} | "
+              f"{len(kernels._namespaces)} |", flush=True)
 
 
 if __name__ == "__main__":

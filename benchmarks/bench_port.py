@@ -9,7 +9,9 @@ its autotuning done; FlexAttention is compiled with this workbench's block mask 
 create_block_mask's). Every output is checked against the other before timing ("agrees": max abs
 difference within bf16 tolerance). Times are triton.testing.do_bench medians (ms); TFLOP/s count
 the kept pairs only (4 * B * H * D flops per pair). `speed` = Flex time / port time (> 1: the port
-is faster). --decode adds Lq = 1 against each length.
+is faster). --decode adds Lq = 1 against each length. --segments times the port on document masks
+(8 and 64 documents, uneven lengths) with its default tiling and with cu_seqlens (tiles from each
+document's start: packing-invariant), and checks that both give the same attention.
 """
 
 from __future__ import annotations
@@ -95,7 +97,10 @@ def main(argv=None) -> int:
     p.add_argument("--masks", nargs="*")
     p.add_argument("--decode", action="store_true", help="also Lq = 1 against each length")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--segments", action="store_true", help="only the cu_seqlens cost on document masks")
     args = p.parse_args(argv)
+    if args.segments:
+        return segments_cost(args)
     rows = []
     folder = Path(tempfile.mkdtemp(prefix="bench_port_"))
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={args.batch} H={args.heads} "
@@ -137,6 +142,32 @@ def main(argv=None) -> int:
     if ratios:
         print(f"\nspeed vs Flex: min {min(ratios):.2f}x, geomean {math.exp(sum(map(math.log, ratios)) / len(ratios)):.2f}x,"
               f" faster on {sum(r > 1 for r in ratios)}/{len(ratios)}")
+    return 0
+
+
+def segments_cost(args) -> int:
+    """The price of packing invariance: default tiling vs cu_seqlens on document masks."""
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={args.heads} D={args.head_dim}")
+    print("| documents | tokens | default ms | cu_seqlens ms | cost | max abs diff |\n|---|---|---|---|---|---|")
+    folder = Path(tempfile.mkdtemp(prefix="bench_port_segments_"))
+    for seq in args.lengths:
+        for docs in (8, 64):
+            cuts = sorted({round(seq * (i / docs) ** 1.3) for i in range(1, docs)})  # uneven lengths
+            bounds = [0] + [c for c in cuts if 0 < c < seq] + [seq]
+            lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+            mask = make("document", {"doc_lengths": lengths}, q_len=seq, kv_len=seq, device="cuda")
+            shape = Shape(batch=1, q_heads=args.heads, q_len=seq, head_dim=args.head_dim)
+            inputs = make_inputs(shape, "bfloat16", "cuda", seed=0)
+            path = port.build(mask, seq, seq, heads=args.heads, out_dir=folder / f"{seq}_{docs}")
+            module = port.load(path)
+            cu = torch.tensor(bounds, device="cuda")
+            plain = module.attention(inputs.q, inputs.k, inputs.v)
+            packed = module.attention(inputs.q, inputs.k, inputs.v, cu_seqlens=cu)
+            diff = float((plain.float() - packed.float()).abs().max())
+            plain_ms = timed(lambda: module.attention(inputs.q, inputs.k, inputs.v))
+            packed_ms = timed(lambda: module.attention(inputs.q, inputs.k, inputs.v, cu_seqlens=cu))
+            print(f"| {len(lengths)} | {seq:,} | {plain_ms:.3f} | {packed_ms:.3f} | {packed_ms / plain_ms - 1:+.1%} | "
+                  f"{diff:.2e} |", flush=True)
     return 0
 
 

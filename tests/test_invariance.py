@@ -95,3 +95,14 @@ def test_bad_input_is_named(kwargs, match):
     args.update(kwargs)
     with pytest.raises(WorkbenchError, match=match):
         invariance.check("causal", **args)
+
+
+def test_segment_relative_tiles_make_the_port_invariant_to_packing():
+    # with cu_seqlens the port starts each request's tiles at its own start: packed at an
+    # unaligned offset, the request's bits are the ones it gets alone
+    result = invariance.check("causal", q_len=300, heads=2, head_dim=32, dtype="float32", device="cpu",
+                              backend="port", layouts=["packed_aligned", "packed_unaligned"], segments=True)
+    assert result.passed, [(r.key, r.max_abs_diff) for r in result.layouts]
+    assert all("cu_seqlens" in r.layout and "each request's start" in r.why for r in result.layouts)
+    with pytest.raises(WorkbenchError, match="tiling of the generated port"):
+        invariance.check("causal", q_len=64, heads=1, head_dim=8, dtype="float32", device="cpu", segments=True)

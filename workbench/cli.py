@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"layouts that must be bitwise (default: all): {', '.join(LAYOUT_KEYS)}")
     p.add_argument("--layouts", nargs="+", choices=list(LAYOUT_KEYS), metavar="LAYOUT",
                    help="run only these layouts (default: all)")
+    p.add_argument("--segments", action="store_true",
+                   help="with --backend port: run packed layouts with cu_seqlens (tiles from each request's start)")
     p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_invariance)
@@ -342,7 +344,7 @@ def cmd_invariance(args) -> int:
                               kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, device=_device(args),
                               backend=args.backend, hold=args.hold, block_size=args.block_size, batch=args.batch,
                               seed=args.seed, score=args.score, score_params=parse_params(args.score_param),
-                              layouts=args.layouts, progress=not args.json)
+                              layouts=args.layouts, segments=args.segments, progress=not args.json)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

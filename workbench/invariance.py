@@ -143,7 +143,7 @@ class _Plan:
 
     key: str
     layout: str
-    calls: list[tuple[Mask, torch.Tensor, torch.Tensor, torch.Tensor]]
+    calls: list[tuple]  # (mask, q, k, v) or (mask, q, k, v, segment starts)
     rows: Callable[[list[torch.Tensor]], torch.Tensor]  # outputs of the calls -> [Hq, rows, D]
     q_rows: tuple[int, int]  # which of the request's rows the layout computes
     same: str   # why it can hold
@@ -174,7 +174,8 @@ def _plans(mask: Mask, q, k, v, others, block: tuple[int, int], batch: int, chun
         pk = torch.cat([others["k"][:1, :, :start], k], dim=2)
         pv = torch.cat([others["v"][:1, :, :start], v], dim=2)
         plans.append(_Plan(key, f"packed after a {start:,}-token request (document mask)",
-                           [(_packed(mask, start), pq, pk, pv)], lambda o, s=start: o[0][0, :, s:], (0, L),
+                           [(_packed(mask, start), pq, pk, pv, [0, start, start + L])],
+                           lambda o, s=start: o[0][0, :, s:], (0, L),
                            f"offset {start} is a multiple of the kv block {kb}: the request's keys fall into tiles of "
                            "the same composition as alone" if aligned else
                            f"offset {start} is not a multiple of the kv block {kb}, yet the sums agree",
@@ -237,9 +238,11 @@ def compare(alone: torch.Tensor, here: torch.Tensor, q_offset: int = 0) -> tuple
 
 # ---------------------------------------------------------------- the check
 
-def _runner(backend: str, compile: bool, device: torch.device):
+def _runner(backend: str, compile: bool, device: torch.device, segments: bool = False):
+    """call(mask, q, k, v, bounds=None) -> out. `bounds`: where packed requests start and end; only
+    the port with `segments` uses them (FlexAttention has no such argument)."""
     if backend in ("flex", "eager"):
-        def run(mask, q, k, v):
+        def run(mask, q, k, v, bounds=None):
             shape = Shape(batch=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], q_len=q.shape[2],
                           kv_len=k.shape[2], head_dim=q.shape[3])
             inputs = Inputs(q=q, k=k, v=v, shape=shape, dtype=dtype_name(q.dtype), seed=0)
@@ -247,9 +250,10 @@ def _runner(backend: str, compile: bool, device: torch.device):
         return run
     from workbench import port
 
-    def run_port(mask, q, k, v):
+    def run_port(mask, q, k, v, bounds=None):
         path = port.build(mask, q.shape[2], k.shape[2], heads=q.shape[1], batch=q.shape[0])
-        return port.run_file(path, q, k, v)[0]
+        cu = torch.tensor(bounds) if (segments and bounds is not None) else None
+        return port.run_file(path, q, k, v, cu_seqlens=cu)[0]
     return run_port
 
 
@@ -257,10 +261,11 @@ def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: i
           kv_heads: int | None = None, head_dim: int = 128, dtype: str = "bfloat16", device: str | None = None,
           backend: str = "flex", hold: list[str] | None = None, block_size: int = 128, batch: int = 8,
           seed: int = 0, compile: bool | None = None, score=None, score_params: dict | None = None,
-          layouts: list[str] | None = None, progress: bool = False) -> InvarianceResult:
+          layouts: list[str] | None = None, segments: bool = False, progress: bool = False) -> InvarianceResult:
     """The request (L = q_len tokens, the mask's own positions) alone and under every layout of
     LAYOUT_KEYS (or only those in `layouts`); `hold` names the layouts that must be bitwise
-    (default: all). FlexAttention is
+    (default: all). `segments`: the port runs packed layouts with `cu_seqlens`, its tiles starting
+    at each request's start. FlexAttention is
     compiled on a GPU and runs uncompiled on a CPU unless `compile` says otherwise."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if backend not in BACKENDS:
@@ -297,7 +302,9 @@ def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: i
               "v": rand(longest, kv_heads, span, head_dim)}
     chunk_aligned = qb * max(1, q_len // (6 * qb)) if q_len > qb else max(1, q_len // 3)
     chunks = (chunk_aligned, max(1, chunk_aligned - 12 if chunk_aligned > 12 else chunk_aligned // 2 + 1))
-    run = _runner(backend, compile, device)
+    if segments and backend != "port":
+        raise WorkbenchError("segments=True is a tiling of the generated port", "use backend='port' with segments")
+    run = _runner(backend, compile, device, segments)
     alone = run(mask, q, k, v)[0]
     result = InvarianceResult(mask.name, backend, dtype, str(device), shape, (qb, kb))
     plans = _plans(mask, q, k, v, others, (qb, kb), batch, chunks, packs, padded_len, min(4, q_len))
@@ -305,11 +312,15 @@ def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: i
     from tqdm.auto import tqdm
 
     for plan in tqdm(plans, desc="layouts", disable=not progress):
-        outs = [run(m, a, b, c) for m, a, b, c in plan.calls]
+        outs = [run(*call) for call in plan.calls]
         here = plan.rows(outs)
         mine = alone[:, plan.q_rows[0]:plan.q_rows[1]]
         bitwise, max_abs, max_ulp, first = compare(mine, here, plan.q_rows[0])
-        result.layouts.append(LayoutResult(plan.key, plan.layout, bitwise, max_abs, max_ulp, first,
-                                           plan.same if bitwise else plan.differs,
+        layout, why = plan.layout, plan.same if bitwise else plan.differs
+        if segments and plan.key.startswith("packed"):
+            layout += ", cu_seqlens"
+            why = ("kv tiles start at each request's start (cu_seqlens), so the request's keys fall into the same "
+                   "tiles as alone" if bitwise else "the segment-relative tiles still changed the order (unexpected)")
+        result.layouts.append(LayoutResult(plan.key, layout, bitwise, max_abs, max_ulp, first, why,
                                            held=hold is None or plan.key in hold))
     return result

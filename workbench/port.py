@@ -74,7 +74,9 @@ class PortSource:
         return {"file": self.file_name, "tensor_file": self.tensor_file, "entry": ENTRY, "dtypes": list(DTYPES),
                 "q_len": self.valid_q_len, "kv_len": self.valid_kv_len, "max_heads": self.valid_heads,
                 "max_batch": self.valid_batch, "valid_for": self.valid_for(),
-                "call": f"{ENTRY}(q, k, v, *, scale=None, return_lse=False): q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D]"}
+                "call": f"{ENTRY}(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None): q [B, Hq, Lq, D], "
+                        "k/v [B, Hkv, Lk, D]; cu_seqlens [0, end_1, ..., L] runs packed sequences with tiles from "
+                        "each one's start (bitwise the same wherever a sequence is packed)"}
 
 
 def _identifier(name: str) -> str:
@@ -210,13 +212,15 @@ def in_process(device: torch.device) -> bool:
 
 
 def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-             timeout: float = 1800) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of the port at `path` on q, k, v. In this process on a GPU; on a CPU in a fresh
-    process under Triton's interpreter (the port's files alone, as a user would run them)."""
+             timeout: float = 1800, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the port at `path` on q, k, v (packed sequences: `cu_seqlens`). In this
+    process on a GPU; on a CPU in a fresh process under Triton's interpreter (the port's files
+    alone, as a user would run them)."""
+    extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     if in_process(q.device):
         module = load(path)
         try:
-            return module.attention(q, k, v, scale=scale, return_lse=True)
+            return module.attention(q, k, v, scale=scale, return_lse=True, **extra)
         except (ValueError, TypeError) as exc:  # the file's own checks: sizes it is not valid for
             raise WorkbenchError(f"the port refused the call: {exc}", "generate it again for these sizes") from exc
     import subprocess
@@ -225,8 +229,10 @@ def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     from safetensors.torch import load_file, save_file
 
     folder = Path(tempfile.mkdtemp(prefix="workbench_port_run_"))
-    save_file({"q": q.contiguous().cpu(), "k": k.contiguous().cpu(), "v": v.contiguous().cpu()},
-              str(folder / "inputs.safetensors"))
+    tensors = {"q": q.contiguous().cpu(), "k": k.contiguous().cpu(), "v": v.contiguous().cpu()}
+    if cu_seqlens is not None:
+        tensors["cu_seqlens"] = torch.as_tensor(cu_seqlens, dtype=torch.int64).cpu()
+    save_file(tensors, str(folder / "inputs.safetensors"))
     cmd = [sys.executable, "-m", "workbench.port_runner", str(path), str(folder / "inputs.safetensors"),
            str(folder / "outputs.safetensors")] + ([] if scale is None else [repr(float(scale))])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(

@@ -21,7 +21,8 @@ def main(argv: list[str]) -> int:
     spec.loader.exec_module(module)
     inputs = load_file(inputs_path)
     try:
-        out, lse = module.attention(inputs["q"], inputs["k"], inputs["v"], scale=scale, return_lse=True)
+        extra = {"cu_seqlens": inputs["cu_seqlens"]} if "cu_seqlens" in inputs else {}
+        out, lse = module.attention(inputs["q"], inputs["k"], inputs["v"], scale=scale, return_lse=True, **extra)
     except (ValueError, TypeError) as exc:
         print(str(exc), file=sys.stderr)
         return 3

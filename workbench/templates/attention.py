@@ -5,6 +5,7 @@ Call it like FlexAttention, without FlexAttention:
     from @@MODULE@@ import attention
     out = attention(q, k, v)                          # q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D]
     out, lse = attention(q, k, v, return_lse=True)    # lse [B, Hq, Lq], float32, natural log
+    out = attention(q, k, v, cu_seqlens=cu)           # packed requests: cu = [0, end_1, ..., L]
 
 What it computes (FlexAttention's semantics): score = (q . k) * scale, with scale = 1 / sqrt(D)
 unless given; the score_mod below is applied to every score; pairs the mask_mod drops get -inf;
@@ -21,6 +22,10 @@ How it runs: a first call at a new length scans the mask once (`_block_class_ker
 of the kv blocks of 128 x 128 pairs that hold kept pairs, split into *full* blocks (every pair
 kept: the mask is not evaluated there) and *partial* ones (the mask is applied pair by pair);
 empty blocks are never visited. The lists are kept for later calls at the same sizes.
+With `cu_seqlens` (packed sequences whose mask never crosses a boundary, e.g. a document mask),
+each segment runs on its own, its query blocks and kv tiles starting at the segment's start, so a
+request's output is bit for bit the same wherever it is packed; the mods still see the packed
+positions.
 The attention kernel is FlashAttention-2's forward: one program per block of queries and
 (batch, head), an online softmax in base 2 over the listed kv blocks, fp32 accumulators.
 
@@ -101,7 +106,7 @@ def _captured(device) -> dict:
 # ---------------------------------------------------------------- block lists
 
 @triton.jit
-def _block_class_kernel(classes, Lq, Lk, n_cols, n_heads_tab,
+def _block_class_kernel(classes, Lq, Lk, n_cols, n_heads_tab, q_off, kv_off,
                         @@MASK_PTR_PARAMS@@
                         TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, SUB_M: tl.constexpr):
     # one program = one row of 128 x 128 blocks for one (b, h) of the lists; it counts the kept
@@ -114,13 +119,13 @@ def _block_class_kernel(classes, Lq, Lk, n_cols, n_heads_tab,
     while c < n_cols:  # a while loop: Triton's CPU interpreter cannot run `range` to a runtime bound
         kv_idx = c * TABLE_N + tl.arange(0, TABLE_N)
         kv_ok = kv_idx < Lk
-        kv_safe = tl.minimum(kv_idx, Lk - 1)[None, :]
+        kv_safe = tl.minimum(kv_idx, Lk - 1)[None, :] + kv_off  # the mods see packed positions
         kept = tl.zeros([SUB_M, TABLE_N], tl.int32)
         for s in range(0, TABLE_M // SUB_M):
             q_idx = r * TABLE_M + s * SUB_M + tl.arange(0, SUB_M)
             inside = (q_idx < Lq)[:, None] & kv_ok[None, :]
             # indices past the end are clamped so table reads stay in bounds, then dropped
-            keep = mask_mod_triton(b, h, tl.minimum(q_idx, Lq - 1)[:, None], kv_safe@@MASK_PTR_ARGS@@)
+            keep = mask_mod_triton(b, h, tl.minimum(q_idx, Lq - 1)[:, None] + q_off, kv_safe@@MASK_PTR_ARGS@@)
             kept += ((keep != 0) & inside).to(tl.int32)
         total = tl.sum(tl.sum(kept, axis=1), axis=0)
         # a block cut short by the sequence end is never full (the missing pairs count as masked)
@@ -132,19 +137,20 @@ def _block_class_kernel(classes, Lq, Lk, n_cols, n_heads_tab,
 _block_lists: dict = {}
 
 
-def block_lists(batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple:
+def block_lists(batch: int, heads: int, q_len: int, kv_len: int, device, q_off: int = 0, kv_off: int = 0) -> tuple:
     """(partial_num, partial_idx, full_num, full_idx), each [B', H', rows, cols] int32 (B', H' are 1
     where the mask does not depend on the batch entry / head): per row of blocks, how many kv blocks
-    of each kind it visits and which, ascending. Computed once per sizes and device."""
+    of each kind it visits and which, ascending. Computed once per sizes, offsets and device (the
+    offsets: where a packed segment starts; the mods see q_idx + q_off, kv_idx + kv_off)."""
     b_tab = batch if MASK_READS_BATCH else 1
     h_tab = heads if MASK_READS_HEAD else 1
-    key = (b_tab, h_tab, q_len, kv_len, str(device))
+    key = (b_tab, h_tab, q_len, kv_len, q_off, kv_off, str(device))
     if key not in _block_lists:
         n_rows, n_cols = triton.cdiv(q_len, TABLE_M), triton.cdiv(kv_len, TABLE_N)
         if HAS_MASK:
             classes = torch.empty(b_tab, h_tab, n_rows, n_cols, dtype=torch.int8, device=device)
             tables = _captured(device)
-            _block_class_kernel[(n_rows, b_tab * h_tab)](classes, q_len, kv_len, n_cols, h_tab,
+            _block_class_kernel[(n_rows, b_tab * h_tab)](classes, q_len, kv_len, n_cols, h_tab, q_off, kv_off,
                                                           *[tables[n] for n in MASK_POINTERS],
                                                           TABLE_M=TABLE_M, TABLE_N=TABLE_N, SUB_M=32, num_warps=4)
         else:  # no mask_mod: every block is full, except those cut short by the sequence end
@@ -168,7 +174,7 @@ def block_lists(batch: int, heads: int, q_len: int, kv_len: int, device) -> tupl
 
 @triton.jit
 def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, start_n, offs_m, offs_d, b, h,
-                  Lq, Lk, D, sm_scale, qk_scale,
+                  Lq, Lk, D, sm_scale, qk_scale, q_off, kv_off,
                   @@ALL_PTR_PARAMS@@
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr,
                   EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr):
@@ -194,8 +200,8 @@ def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, st
     else:
         qk = tl.dot(q, k)
     # indices past the end are clamped so captured tables are read in bounds (those pairs are dropped)
-    q_idx = offs_m[:, None] if EVEN_M else tl.minimum(offs_m, Lq - 1)[:, None]
-    kv_idx = offs_n[None, :] if EVEN_N else tl.minimum(offs_n, Lk - 1)[None, :]
+    q_idx = (offs_m[:, None] if EVEN_M else tl.minimum(offs_m, Lq - 1)[:, None]) + q_off
+    kv_idx = (offs_n[None, :] if EVEN_N else tl.minimum(offs_n, Lk - 1)[None, :]) + kv_off
     if HAS_SCORE:
         s = score_mod_triton(qk * sm_scale, b, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
     else:
@@ -245,7 +251,7 @@ def _prune(configs, named_args, **kwargs):
 @triton.jit
 def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, full_idx,
                       s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-                      s_tb, s_th, n_cols, Hq, group, Lq, Lk, D, sm_scale, Lq_bucket, Lk_bucket,
+                      s_tb, s_th, n_cols, Hq, group, Lq, Lk, D, sm_scale, Lq_bucket, Lk_bucket, q_off, kv_off,
                       @@ALL_PTR_PARAMS@@
                       D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, RETURN_LSE: tl.constexpr,
                       INTERPRET: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
@@ -286,7 +292,7 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
                 for sub in tl.static_range(TABLE_N // BLOCK_N):
                     acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
                                                   c * TABLE_N + sub * BLOCK_N, offs_m, offs_d, b, h, Lq, Lk, D,
-                                                  sm_scale, qk_scale@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
+                                                  sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
                                                   MASKED=kind == 1, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
                                                   EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D)
                 j += 1
@@ -296,7 +302,7 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
                 for sub in tl.static_range(TABLE_N // BLOCK_N):
                     acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
                                                   c * TABLE_N + sub * BLOCK_N, offs_m, offs_d, b, h, Lq, Lk, D,
-                                                  sm_scale, qk_scale@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
+                                                  sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
                                                   MASKED=kind == 1, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
                                                   EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D)
     # rows that kept nothing: out 0 and lse -inf
@@ -345,13 +351,41 @@ def _check(q, k, v):
     return B, Hq, Lq, D, Hkv, Lk
 
 
-def attention(q, k, v, *, scale=None, return_lse=False):
+def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None):
     """Attention of q [B, Hq, Lq, D] over k, v [B, Hkv, Lk, D] under this file's mask and score.
-    Returns out [B, Hq, Lq, D] in q's dtype, and with return_lse=True also lse [B, Hq, Lq] float32."""
+    Returns out [B, Hq, Lq, D] in q's dtype, and with return_lse=True also lse [B, Hq, Lq] float32.
+    cu_seqlens: optional 1-d integer boundaries [0, end_1, ..., L] of packed sequences (Lq = Lk = L)
+    whose mask keeps no pair across a boundary; each runs with tiles from its own start."""
     B, Hq, Lq, D, Hkv, Lk = _check(q, k, v)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if cu_seqlens is None:
+        return _attention(q, k, v, scale, return_lse, 0)
+    bounds = _segments(cu_seqlens, Lq, Lk)
+    out = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
+    for start, stop in zip(bounds, bounds[1:]):
+        if stop == start:
+            continue
+        part = _attention(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], scale, True, start)
+        out[:, :, start:stop], lse[:, :, start:stop] = part
+    return (out, lse) if return_lse else out
+
+
+def _segments(cu_seqlens, Lq, Lk):
+    bounds = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    if Lq != Lk:
+        raise ValueError(f"cu_seqlens packs sequences of queries and keys together: Lq ({Lq}) must equal Lk ({Lk})")
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != Lq or any(b > a for a, b in zip(bounds[1:], bounds)):
+        raise ValueError(f"cu_seqlens must rise from 0 to L = {Lq}; got {bounds[:8]}{' ...' if len(bounds) > 8 else ''}")
+    return bounds
+
+
+def _attention(q, k, v, scale, return_lse, offset):
+    """One launch over q, k, v (a whole sequence, or one packed segment starting at `offset`)."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
     tables = _captured(q.device)
-    partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device)
+    partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device, offset, offset)
     out = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device) if return_lse else out
     n_rows, n_cols = triton.cdiv(Lq, TABLE_M), triton.cdiv(Lk, TABLE_N)
@@ -362,7 +396,7 @@ def attention(q, k, v, *, scale=None, return_lse=False):
     _attention_kernel[grid](
         q, k, v, out, lse, partial_num, partial_idx, full_num, full_idx,
         *q.stride(), *k.stride(), *v.stride(), s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale,
-        _bucket(Lq), _bucket(Lk), *[tables[n] for n in ALL_POINTERS],
+        _bucket(Lq), _bucket(Lk), offset, offset, *[tables[n] for n in ALL_POINTERS],
         D_PAD=max(16, triton.next_power_of_2(D)), HAS_SCORE=HAS_SCORE, IEEE=q.dtype == torch.float32,
         RETURN_LSE=return_lse, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", EVEN_M=Lq % TABLE_M == 0,
         EVEN_N=Lk % TABLE_N == 0, EVEN_D=D == max(16, triton.next_power_of_2(D)), TABLE_M=TABLE_M, TABLE_N=TABLE_N)

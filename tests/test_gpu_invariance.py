@@ -27,3 +27,11 @@ def test_measured_pattern_on_the_h200(cuda, backend):
         assert all(r.bitwise for r in by_key[key]), (key, [r.max_abs_diff for r in by_key[key]])
     unaligned = by_key["packed_unaligned"][0]
     assert not unaligned.bitwise and 0 < unaligned.max_abs_diff < 0.05  # a few bf16 ulps, never a wrong answer
+
+
+@pytest.mark.gpu
+def test_segment_relative_port_is_invariant_to_packing(cuda):
+    result = invariance.check("causal", q_len=3000, heads=8, head_dim=128, dtype="bfloat16", device=cuda,
+                              backend="port", segments=True, layouts=["run", "packed_aligned", "packed_unaligned"])
+    print(f"\n{result.line}")
+    assert result.passed, [(r.key, r.max_abs_diff) for r in result.layouts]

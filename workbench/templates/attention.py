@@ -23,9 +23,9 @@ of the kv blocks of 128 x 128 pairs that hold kept pairs, split into *full* bloc
 kept: the mask is not evaluated there) and *partial* ones (the mask is applied pair by pair);
 empty blocks are never visited. The lists are kept for later calls at the same sizes.
 With `cu_seqlens` (packed sequences whose mask never crosses a boundary, e.g. a document mask),
-each segment runs on its own, its query blocks and kv tiles starting at the segment's start, so a
-request's output is bit for bit the same wherever it is packed; the mods still see the packed
-positions.
+one launch runs every segment with its query blocks and kv tiles starting at the segment's start
+(its block lists scanned from there), so a request's output is bit for bit the same wherever it is
+packed; the mods still see the packed positions.
 The attention kernel is FlashAttention-2's forward: one program per block of queries and
 (batch, head), an online softmax in base 2 over the listed kv blocks, fp32 accumulators.
 
@@ -241,7 +241,7 @@ def _prune(configs, named_args, **kwargs):
     # decode-like calls (a few queries) take the 16-row configs, long ones the others
     if len(configs) == 1:
         return configs
-    short = named_args["Lq"] <= 16
+    short = named_args["Lq_bucket"] <= 16  # the longest sequence (of a packed call: segment)
     kept = [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == short]
     return kept or configs
 
@@ -251,8 +251,9 @@ def _prune(configs, named_args, **kwargs):
 @triton.jit
 def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, full_idx,
                       s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-                      s_tb, s_th, n_cols, Hq, group, Lq, Lk, D, sm_scale, Lq_bucket, Lk_bucket, q_off, kv_off,
+                      s_tb, s_th, n_cols, Hq, group, Lq, Lk, D, sm_scale, Lq_bucket, Lk_bucket, segments,
                       @@ALL_PTR_PARAMS@@
+                      SEGMENTED: tl.constexpr,
                       D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, RETURN_LSE: tl.constexpr,
                       INTERPRET: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                       TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -261,23 +262,40 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
     b = bh // Hq
     h = bh % Hq
     kv_h = h // group  # grouped-query attention
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    L_out = Lq  # rows of Out / Lse
+    if SEGMENTED:
+        # packed sequences: this program's rows of 128 queries belong to one segment, and its
+        # queries and keys are counted from the segment's start (`segments`: start, length and
+        # row of blocks within the segment, per row of the block lists)
+        per_row = TABLE_M // BLOCK_M
+        t_row = pid_m // per_row
+        start = tl.load(segments + t_row * 3)
+        Lq = tl.load(segments + t_row * 3 + 1)
+        Lk = Lq
+        offs_m = tl.load(segments + t_row * 3 + 2) * TABLE_M + (pid_m % per_row) * BLOCK_M + tl.arange(0, BLOCK_M)
+        list_row = t_row
+    else:
+        start = 0
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        list_row = (pid_m * BLOCK_M) // TABLE_M
+    q_off = start
+    kv_off = start
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    q_ptrs = Q + b.to(tl.int64) * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd
+    q_ptrs = Q + b.to(tl.int64) * s_qb + h * s_qh + (start + offs_m)[:, None] * s_qm + offs_d[None, :] * s_qd
     if EVEN_M and EVEN_D:
         q = tl.load(q_ptrs)
     else:
         q = tl.load(q_ptrs, mask=(offs_m < Lq)[:, None] & d_ok[None, :], other=0.0)
-    K_block = K + b.to(tl.int64) * s_kb + kv_h * s_kh
-    V_block = V + b.to(tl.int64) * s_vb + kv_h * s_vh
+    K_block = K + b.to(tl.int64) * s_kb + kv_h * s_kh + start * s_kn
+    V_block = V + b.to(tl.int64) * s_vb + kv_h * s_vh + start * s_vn
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): the softmax runs in base 2
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     # this block of queries sits in row `r` of the block lists of its batch entry / head (the
     # strides are 0 along axes the mask does not depend on: one list serves them all)
-    row = b * s_tb + h * s_th + (pid_m * BLOCK_M) // TABLE_M
+    row = b * s_tb + h * s_th + list_row
     # full blocks (every pair kept: the mask is not evaluated), then partial blocks (the mask is
     # applied pair by pair). On a GPU, `for` loops let Triton pipeline the loads; Triton's CPU
     # interpreter cannot run `range` to a runtime bound, so there the same steps run in `while`.
@@ -309,12 +327,12 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     row_ok = offs_m < Lq
-    # out is a fresh contiguous [B, Hq, Lq, D] tensor
-    tl.store(Out + bh.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    # out is a fresh contiguous [B, Hq, L, D] tensor
+    tl.store(Out + bh.to(tl.int64) * L_out * D + (start + offs_m)[:, None] * D + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if RETURN_LSE:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-        tl.store(Lse + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
+        tl.store(Lse + bh.to(tl.int64) * L_out + start + offs_m, lse, mask=row_ok)
 
 
 def _bucket(n: int) -> int:
@@ -355,20 +373,11 @@ def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None):
     """Attention of q [B, Hq, Lq, D] over k, v [B, Hkv, Lk, D] under this file's mask and score.
     Returns out [B, Hq, Lq, D] in q's dtype, and with return_lse=True also lse [B, Hq, Lq] float32.
     cu_seqlens: optional 1-d integer boundaries [0, end_1, ..., L] of packed sequences (Lq = Lk = L)
-    whose mask keeps no pair across a boundary; each runs with tiles from its own start."""
+    whose mask keeps no pair across a boundary; one launch runs them all, each tiled from its start."""
     B, Hq, Lq, D, Hkv, Lk = _check(q, k, v)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if cu_seqlens is None:
-        return _attention(q, k, v, scale, return_lse, 0)
-    bounds = _segments(cu_seqlens, Lq, Lk)
-    out = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
-    for start, stop in zip(bounds, bounds[1:]):
-        if stop == start:
-            continue
-        part = _attention(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], scale, True, start)
-        out[:, :, start:stop], lse[:, :, start:stop] = part
-    return (out, lse) if return_lse else out
+    bounds = None if cu_seqlens is None else _segments(cu_seqlens, Lq, Lk)
+    return _attention(q, k, v, scale, return_lse, bounds)
 
 
 def _segments(cu_seqlens, Lq, Lk):
@@ -377,27 +386,64 @@ def _segments(cu_seqlens, Lq, Lk):
         raise ValueError(f"cu_seqlens packs sequences of queries and keys together: Lq ({Lq}) must equal Lk ({Lk})")
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != Lq or any(b > a for a, b in zip(bounds[1:], bounds)):
         raise ValueError(f"cu_seqlens must rise from 0 to L = {Lq}; got {bounds[:8]}{' ...' if len(bounds) > 8 else ''}")
-    return bounds
+    return tuple(bounds)
 
 
-def _attention(q, k, v, scale, return_lse, offset):
-    """One launch over q, k, v (a whole sequence, or one packed segment starting at `offset`)."""
+_segment_lists: dict = {}
+
+
+def segment_lists(batch: int, heads: int, bounds: tuple, device) -> tuple:
+    """The block lists of every segment (each scanned from its own start), stacked row after row,
+    and `segments` [rows, 3] int32: each row's segment start, segment length and row within it."""
+    key = (batch, heads, bounds, str(device))
+    if key not in _segment_lists:
+        parts, info = [], []
+        for start, stop in zip(bounds, bounds[1:]):
+            if stop > start:
+                parts.append(block_lists(batch, heads, stop - start, stop - start, device, start, start))
+                info += [(start, stop - start, r) for r in range(triton.cdiv(stop - start, TABLE_M))]
+        n_cols = max(p[1].shape[-1] for p in parts)
+        stacked = []
+        for i in range(4):
+            pieces = [p[i] for p in parts]
+            if i % 2:  # index lists: pad every segment's to the widest
+                pieces = [torch.nn.functional.pad(t, (0, n_cols - t.shape[-1])) for t in pieces]
+            stacked.append(torch.cat(pieces, dim=2).contiguous())
+        _segment_lists[key] = (*stacked, torch.tensor(info, dtype=torch.int32, device=device).contiguous())
+    return _segment_lists[key]
+
+
+def _attention(q, k, v, scale, return_lse, bounds):
+    """One launch: over the whole sequence, or (bounds) over packed segments, each tiled from its start."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     tables = _captured(q.device)
-    partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device, offset, offset)
+    if bounds is None:
+        partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device)
+        segments = partial_num  # not read
+        n_rows = triton.cdiv(Lq, TABLE_M)
+    else:
+        partial_num, partial_idx, full_num, full_idx, segments = segment_lists(B, Hq, bounds, q.device)
+        n_rows = segments.shape[0]
+    n_cols = partial_idx.shape[-1]
     out = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device) if return_lse else out
-    n_rows, n_cols = triton.cdiv(Lq, TABLE_M), triton.cdiv(Lk, TABLE_N)
     # list rows per batch entry / head; 0 along axes the mask does not depend on
     s_th = n_rows if MASK_READS_HEAD else 0
     s_tb = (Hq if MASK_READS_HEAD else 1) * n_rows if MASK_READS_BATCH else 0
-    grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
+    if bounds is None:
+        grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
+        longest = Lq
+    else:
+        grid = lambda meta: (n_rows * (TABLE_M // meta["BLOCK_M"]), B * Hq)  # noqa: E731
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
     _attention_kernel[grid](
         q, k, v, out, lse, partial_num, partial_idx, full_num, full_idx,
         *q.stride(), *k.stride(), *v.stride(), s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale,
-        _bucket(Lq), _bucket(Lk), offset, offset, *[tables[n] for n in ALL_POINTERS],
+        _bucket(longest), _bucket(longest), segments, *[tables[n] for n in ALL_POINTERS],
+        SEGMENTED=bounds is not None,
         D_PAD=max(16, triton.next_power_of_2(D)), HAS_SCORE=HAS_SCORE, IEEE=q.dtype == torch.float32,
-        RETURN_LSE=return_lse, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", EVEN_M=Lq % TABLE_M == 0,
-        EVEN_N=Lk % TABLE_N == 0, EVEN_D=D == max(16, triton.next_power_of_2(D)), TABLE_M=TABLE_M, TABLE_N=TABLE_N)
+        RETURN_LSE=return_lse, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        EVEN_M=bounds is None and Lq % TABLE_M == 0, EVEN_N=bounds is None and Lk % TABLE_N == 0,
+        EVEN_D=D == max(16, triton.next_power_of_2(D)), TABLE_M=TABLE_M, TABLE_N=TABLE_N)
     return (out, lse) if return_lse else out

@@ -172,12 +172,13 @@ def invariance_target(result: MaskResult, device: str) -> None:
 
 
 def _invariance_cell(r: MaskResult) -> str:
+    """E.g. "2/4 bitwise; differs: packed_aligned, packed_unaligned" (layout keys; the section has the details)."""
     inv = r.invariance
     if inv is None:
         return "—"
-    held = sorted({x.layout.split(" (")[0] for x in inv.layouts if x.bitwise})
-    broken = sorted({x.layout.split(" (")[0] for x in inv.layouts if not x.bitwise})
-    return ("bitwise: " + "; ".join(held) if held else "") + (" · differs: " + "; ".join(broken) if broken else "")
+    broken = list(dict.fromkeys(x.key for x in inv.layouts if not x.bitwise))
+    same = sum(x.bitwise for x in inv.layouts)
+    return f"{same}/{len(inv.layouts)} bitwise" + (f"; differs: {', '.join(broken)}" if broken else "")
 
 
 def port_target(result: MaskResult, heads: int, device: str, port_dir: Path) -> None:

@@ -367,9 +367,10 @@ def _lengths_html(results: list[MaskResult], settings: dict) -> str:
     verify = [(r.verdict.shape.q_len, r.verdict.shape.kv_len) for r in results if r.verdict is not None]
     specs = [(r.spec.doc["shape"]["q_len"], r.spec.doc["shape"]["kv_len"]) for r in results if r.spec is not None]
     ports = [(r.port_verdict.shape.q_len, r.port_verdict.shape.kv_len) for r in results if r.port_verdict is not None]
+    invariance = [(r.invariance.shape.q_len, r.invariance.shape.q_len) for r in results if r.invariance is not None]
     return (f"<p class='na'>Lengths (Lq x Lk): statistics and pictures {settings['q_len']:,} x {settings['kv_len']:,}; "
             f"verification {esc(lengths(verify))}; porting specs {esc(lengths(specs))}; Triton ports "
-            f"{esc(lengths(ports))}. Each section heading names its own.</p>")
+            f"{esc(lengths(ports))}; layout invariance {esc(lengths(invariance))}. Each section heading names its own.</p>")
 
 
 def _shared_findings_html(results: list[MaskResult]) -> str:

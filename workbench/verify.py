@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from workbench.define import Mask, WorkbenchError, captured_scalars, choose_evaluator, evaluate_mod
+from workbench.define import Mask, WorkbenchError, captured_scalars, choose_evaluator, evaluate_mod, index_reads
 from workbench.run import FlexRun, Inputs, Shape, learnable_tensors, make_inputs, run_flex
 
 
@@ -165,7 +165,10 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
     # With a sparse reference the chunk adapts: as many rows as the keys they keep leave room for
     # (scores are rows x kept keys), at most what evaluating the mask over all keys allows.
     score_bytes_per_key = per_row // shape.kv_len  # per row and key: scores, probabilities, ...
-    mask_rows = max(1, budget // (shape.batch * shape.q_heads * shape.kv_len * 12))  # bool + index temporaries
+    # the mask's own values are per (b, h) only where it reads them (else one broadcast copy)
+    reads = index_reads(mask.mask_mod) if mask.mask_mod is not None else set()
+    mask_entries = (shape.batch if "b" in reads else 1) * (shape.q_heads if "h" in reads else 1)
+    mask_rows = max(1, budget // (mask_entries * shape.kv_len * 12))  # bool + index temporaries
     bar = tqdm(total=stop - first, desc=f"reference {mask.name}", disable=not show, leave=False, unit="row")
     q0, step = first, chunk
     while q0 < stop:
@@ -237,7 +240,11 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
 def _kept_columns(keep: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys any row of the chunk keeps (for any b, h), and `keep` cut to them. A contiguous
     run stays a range, so its keys are a view rather than a copy."""
-    any_kept = keep.reshape(-1, keep.shape[-1]).any(0)
+    base = keep
+    for dim in (0, 1):  # a mask that ignores b or h comes expanded along it: look at one entry only
+        if base.stride(dim) == 0:
+            base = base.narrow(dim, 0, 1)
+    any_kept = base.reshape(-1, base.shape[-1]).any(0)
     cols = any_kept.nonzero().squeeze(-1)
     if len(cols) == len(kv):
         return kv, keep

@@ -184,7 +184,8 @@ class Workbench:
         kv_centre = min(c * self.scan.kv_block + self.scan.kv_block // 2, self.kv_len.value - 1)
         self._set_quietly(self.zoom_q, max(0, min(q_centre - n // 2, self.q_len.value - n)))
         self._set_quietly(self.zoom_kv, max(0, min(kv_centre - n // 2, self.kv_len.value - n)))
-        self.zoom_why.value = f"<span style='color:#5a6776;font-size:12px'>where: block (q {r}, kv {c}) clicked in the block map</span>"
+        self.zoom_why.value = (f"<span style='color:#5a6776;font-size:12px'>where: block (q {r}, kv {c}) clicked in "
+                               "the block map</span>")
         self._stale.add("Token zoom")
         self.tabs.selected_index = TABS.index("Token zoom")  # draws it (see _on_tab)
         if "Token zoom" in self._stale:

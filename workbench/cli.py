@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("port", help="generate a standalone Triton attention kernel for a mask",
-                       description="Write DIR/NAME_attention.py (and its tensors): attention under TARGET's mask and "
+                       description="Write DIR/NAME_KEY_attention.py (and its tensors): attention under TARGET's mask and "
                                    "score as one Triton kernel that imports only torch and triton. The port is then "
                                    "verified against the float64 reference and, on a GPU, timed against compiled "
                                    "FlexAttention.")
@@ -172,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("export", help="write the porting spec and golden vectors of a mask",
-                       description="Write DIR/NAME.spec.json and DIR/NAME.golden.safetensors: every backend form that "
-                                   "reproduces TARGET exactly, the reasons for the others, and float64 golden outputs.")
+                       description="Write DIR/NAME-DIGEST.spec.json and DIR/NAME-DIGEST.golden.safetensors: every "
+                                   "backend form that reproduces TARGET exactly, the reasons for the others, and "
+                                   "float64 golden outputs.")
     _add_target_args(p)
     _add_size_args(p, required=True)
     p.add_argument("--head-dim", type=positive_int, default=64, help="head dimension of the golden vectors (default 64)")

@@ -2,7 +2,7 @@
 
 `build_spec` fits each target form (workbench.porting) for every distinct (batch, head) mask,
 keeps only forms that reproduce the mask exactly, probes the score_mod, and computes golden
-outputs with the float64 reference. `write_spec` writes NAME.spec.json + NAME.golden.safetensors
+outputs with the float64 reference. `write_spec` writes NAME-DIGEST.spec.json + .golden.safetensors
 (validated against spec.schema.json); `load_spec` reads them back without executing anything.
 `conformance` runs a candidate implementation on the golden vectors; `diff_specs` says whether
 two specs describe the same attention.

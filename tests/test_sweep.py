@@ -26,6 +26,11 @@ def test_the_file_expands_into_cases():
     assert len(broken) == 1 and Path(broken[0]["target"].split(":")[0]).is_absolute()
 
 
+def test_a_missing_sweep_file_is_named(tmp_path):
+    with pytest.raises(WorkbenchError, match="no sweep file at .*Fix: pass the path of a .toml"):
+        sweep.load_sweep(tmp_path / "nope.toml")
+
+
 @pytest.mark.parametrize("text,match", [
     ("[defaults]\nq_len = 128\n", "no \\[\\[case\\]\\] entries"),
     ("[[case]]\nq_len = 128\n", "has no target"),

@@ -301,3 +301,23 @@ def test_a_dropped_block_still_fails_with_the_sparse_reference(monkeypatch):
     assert not verdict.passed and verdict.reference_fraction < 0.5  # chunks of 64 rows: a few hundred keys each
     assert verify(mask, Shape(q_heads=2, q_len=1024, head_dim=16), dtype="float32", block_mask=good,
                   compile=False, seed=0).passed
+
+
+def test_sparse_reference_equals_dense_on_combined_masks_and_spans():
+    # torch's and_masks / or_masks and a vLLM-style spans mod with .any(), as users write them
+    from torch.nn.attention.flex_attention import and_masks, or_masks
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def near(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 24
+
+    starts, ends = torch.tensor([40, 150]), torch.tensor([79, 201])
+
+    def in_span(b, h, q_idx, kv_idx):
+        return ((q_idx >= starts) & (q_idx <= ends) & (kv_idx >= starts) & (kv_idx <= ends)).any()
+
+    mask = Mask("spans", mask_mod=or_masks(and_masks(causal, near), in_span))
+    ref = _sparse_vs_dense(mask, Shape(q_heads=2, q_len=233, head_dim=8), budget=2 * 233 * 8 * 8 * 30)
+    assert ref.computed_fraction < 0.6

@@ -284,7 +284,6 @@ def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: i
     mask = prepare(target, params, q_len, q_len, device, score=score, score_params=score_params, heads=heads)
     compile = device.type == "cuda" if compile is None else compile
     qb = kb = block_size
-    torch.manual_seed(seed)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     tdt = TORCH_DTYPES[dtype]
 

@@ -178,18 +178,21 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
         with torch.set_grad_enabled(backward):
             k_full = k.repeat_interleave(group, dim=1) if group > 1 else k
             v_full = v.repeat_interleave(group, dim=1) if group > 1 else v
-            keep, cols = None, kv
+            keep, sel = None, slice(0, shape.kv_len)
             if mask.mask_mod is not None:
                 # the mask_mod itself says which keys this chunk keeps (never the block mask under
                 # test); scores are computed for those keys only -- a dropped key adds exactly 0
                 keep = evaluate_mod(mask.mask_mod, mask_eval, b, h, q_idx, kv).to(torch.bool)
                 if sparse:
-                    cols, keep = _kept_columns(keep, kv)
-                    fit = max(1, budget // (score_bytes_per_key * max(1, len(cols))))
+                    sel = _kept_columns(keep)
+                    n_sel = len(range(shape.kv_len)[sel]) if isinstance(sel, slice) else len(sel)
+                    fit = max(1, budget // (score_bytes_per_key * max(1, n_sel)))
                     if q1 - q0 > fit:  # these rows keep more keys than the last ones: fewer rows
                         step = fit
                         continue
-            k_use, v_use = _columns(k_full, cols, shape.kv_len), _columns(v_full, cols, shape.kv_len)
+                    keep = _take(keep, sel, -1)
+            cols = _take(kv, sel, 0)
+            k_use, v_use = _take(k_full, sel, 2), _take(v_full, sel, 2)
             pairs_computed += (q1 - q0) * len(cols)
             scores = torch.matmul(qc, k_use.transpose(-1, -2)) * scale
             if mask.score_mod is not None and len(cols):
@@ -237,30 +240,25 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
                      computed_fraction=pairs_computed / ((stop - first) * shape.kv_len))
 
 
-def _kept_columns(keep: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys any row of the chunk keeps (for any b, h), and `keep` cut to them. A contiguous
-    run stays a range, so its keys are a view rather than a copy."""
+def _kept_columns(keep: torch.Tensor) -> slice | torch.Tensor:
+    """The keys any row of the chunk keeps (for any b, h): a slice when they are one run (so keys,
+    values and `keep` are cut as views), else their indices."""
     base = keep
     for dim in (0, 1):  # a mask that ignores b or h comes expanded along it: look at one entry only
         if base.stride(dim) == 0:
             base = base.narrow(dim, 0, 1)
-    any_kept = base.reshape(-1, base.shape[-1]).any(0)
-    cols = any_kept.nonzero().squeeze(-1)
-    if len(cols) == len(kv):
-        return kv, keep
-    if len(cols) and int(cols[-1]) - int(cols[0]) + 1 == len(cols):
-        start, stop = int(cols[0]), int(cols[-1]) + 1
-        return kv[start:stop], keep[..., start:stop]
-    return kv[cols], keep[..., cols]
+    cols = base.reshape(-1, base.shape[-1]).any(0).nonzero().squeeze(-1)
+    if len(cols) == 0:
+        return slice(0, 0)
+    start, stop = int(cols[0]), int(cols[-1]) + 1
+    return slice(start, stop) if stop - start == len(cols) else cols
 
 
-def _columns(t: torch.Tensor, cols: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """t[:, :, cols] as a view when cols is a range of keys."""
-    if len(cols) == kv_len:
-        return t
-    if len(cols) and int(cols[-1]) - int(cols[0]) + 1 == len(cols):
-        return t[:, :, int(cols[0]):int(cols[-1]) + 1]
-    return t.index_select(2, cols.long())
+def _take(t: torch.Tensor, sel: slice | torch.Tensor, dim: int) -> torch.Tensor:
+    """t's keys (along `dim`) chosen by _kept_columns."""
+    if isinstance(sel, slice):
+        return t.narrow(dim % t.dim(), sel.start, sel.stop - sel.start)
+    return t.index_select(dim, sel)
 
 
 # ---------------------------------------------------------------- comparing

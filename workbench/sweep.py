@@ -192,15 +192,9 @@ def _task(case: dict) -> dict[str, Any]:
     if task == "verify":
         from workbench.verify import verify
 
-        port_path = None
-        if case["backend"] == "port":
-            from workbench import port
-
-            port_path = port.build(mask, q_len, kv_len, heads=heads, batch=case["batch"])
         verdict = verify(mask, shape, dtype=case["dtype"], device=device, seed=case["seed"],
-                         backend="port" if case["backend"] == "port" else "flex",
-                         compile=case["backend"] != "eager" and device.startswith("cuda"), port_path=port_path,
-                         progress=False)
+                         backend="port" if case["backend"] == "port" else "flex",  # verify builds the port
+                         compile=case["backend"] != "eager" and device.startswith("cuda"), progress=False)
         out.update(passed=verdict.passed, rel_err=max(c.rel_err for c in verdict.checks),
                    max_abs_err=max(c.max_abs_err for c in verdict.checks), reference_seconds=verdict.reference_seconds,
                    reference_fraction=verdict.reference_fraction, line=verdict.line)

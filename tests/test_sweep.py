@@ -79,3 +79,10 @@ def test_a_dying_worker_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert by_target["causal"]["ok"] and by_target["causal"]["name"] == "causal_bottom_right"
     saved = json.loads(next(p for p in (tmp_path / "cases").iterdir()).read_text())
     assert "key" in saved
+
+
+def test_a_port_case_verifies_the_generated_kernel():
+    case = {**sweep.DEFAULTS, "target": "causal_sliding_window", "params": {"window": 20}, "q_len": 64, "heads": 1,
+            "head_dim": 16, "dtype": "float32", "device": "cpu", "backend": "port", "task": "verify"}
+    record = sweep.run_case(case)
+    assert record["ok"] and record["passed"] and "(Triton port)" in record["line"]

@@ -97,9 +97,14 @@ def main():
     ap.add_argument("--json", help="write the rows here too")
     ap.add_argument("--knob", action="store_true", help="only the knob-turning case")
     ap.add_argument("--knob-length", type=int, default=131072)
+    ap.add_argument("--tune", action="store_true",
+                    help="only our warm scan at --lengths under each kernel setting (interior path, warps, tile)")
     args = ap.parse_args()
     if args.knob:
         knob_turning(args.knob_length)
+        return
+    if args.tune:
+        tune(args.lengths, args.masks)
         return
     device = "cuda"
     raise_recompile_limit()
@@ -210,6 +215,38 @@ def knob_turning(n: int, device: str = "cuda") -> None:
         later = sorted(times[1:])
         print(f"| {name} | {param} | {times[0]:.3f} | {later[len(later) // 2]:.3f} | {later[-1]:.3f} | "
               f"{len(kernels._namespaces)} |", flush=True)
+
+
+SETTINGS = [dict(SCAN_INTERIOR=False, SCAN_WARPS=8, TILE_ELEMENTS=4096),
+            dict(SCAN_INTERIOR=True, SCAN_WARPS=8, TILE_ELEMENTS=4096),
+            dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=4096),
+            dict(SCAN_INTERIOR=True, SCAN_WARPS=8, TILE_ELEMENTS=8192),
+            dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=2048)]
+
+
+def tune(lengths, only, device: str = "cuda") -> None:
+    """Our warm BlockMask build (median of 3) under each kernel setting, one table per length."""
+    print(f"# scan kernel settings, torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print("| mask | tokens | " + " | ".join(f"interior {s['SCAN_INTERIOR']}, warps {s['SCAN_WARPS']}, "
+                                           f"tile {s['TILE_ELEMENTS']}" for s in SETTINGS) + " |")
+    print("|---|---|" + "---|" * len(SETTINGS))
+    warm_up_process(device)
+    for length in lengths:
+        for name, (mask, heads) in masks_at(length, device).items():
+            if only and not any(name.startswith(m) for m in only):
+                continue
+            cells = []
+            for setting in SETTINGS:
+                for key, value in setting.items():
+                    setattr(kernels, key, value)
+                build = lambda: build_block_mask(mask, length, length, heads=heads, device=device,  # noqa: E731
+                                                 progress=False, engine="triton")
+                measure(build, device)  # compiles
+                times = sorted(measure(build, device)[1] for _ in range(3))
+                cells.append(f"{times[1]:.3f}")
+            print(f"| {name} | {length:,} | " + " | ".join(cells) + " |", flush=True)
+    for key, value in SETTINGS[1].items():
+        setattr(kernels, key, value)
 
 
 if __name__ == "__main__":

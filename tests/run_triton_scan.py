@@ -17,7 +17,7 @@ from workbench.blocks import scan_blocks  # noqa: E402
 from workbench.define import index_reads  # noqa: E402
 
 # (q_len, kv_len, heads, batch, block): odd lengths, Lq != Lk, small / uneven / tall blocks
-CASES = [(200, 333, 4, 2, (32, 64)), (260, 300, None, None, (160, 48))]
+CASES = [(200, 333, 4, 2, (32, 64)), (260, 300, None, None, (160, 48)), (300, 330, 2, None, (128, 128))]
 
 
 def same(a, b) -> bool:

@@ -130,9 +130,13 @@ def test_fields_show_the_masks_real_heads_and_parameters():
     assert app.heads.value == 8 and app.heads.disabled  # the mask is defined for 8 heads
     assert app.param_widgets["windows"].placeholder == "[32, 64, 128, 256, 512, 1024, 2048, 4096]"
     assert "8 heads differ" in app.status.value and "broadcast" not in app.status.value
+    app.wait()  # drawn on a background thread
     assert app.shown["Block map (all panels)"][:4] == b"\x89PNG"  # every head, side by side
+    assert app.panels_image.value[:4] == b"\x89PNG" and app.panels_image.layout.display == ""
     app.picker.value = "causal"
     assert not app.heads.disabled and "same for every head" in app.status.value
+    app.wait()
+    assert app.panels_image.layout.display == "none"  # one panel: no grid under the map
 
 
 def test_invariance_tab_checks_the_request_under_layouts():

@@ -96,3 +96,31 @@ def test_flex_attention_accepts_our_block_mask(cuda):
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=dense)
     assert not torch.isnan(out).any()
     assert (out.double() - ref).abs().max() < 2e-3
+
+
+def test_app_never_waits_for_a_scan_compile(cuda):
+    """A new mod in the app: the first redraw scans without the fused kernel while it compiles
+    on the side; once compiled, redraws use it, and every redraw's counts equal eager tiles'."""
+    import contextlib
+    import io
+
+    from workbench import Mask, kernels
+    from workbench.app import Workbench
+
+    salt = torch.randint(1, 10**6, ()).item()  # a mod this process (and Triton's cache) never saw
+
+    def striped(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & ((q_idx + kv_idx + salt) % 5 != 0)
+
+    n = 32768
+    with contextlib.redirect_stdout(io.StringIO()):
+        app = Workbench(Mask("striped", mask_mod=striped), q_len=n, device=cuda)
+    assert app.scan.engine != "triton" and kernels.compiling(), "the compile should run on the side"
+    for future in kernels.compiling():
+        future.result(timeout=120)
+    with contextlib.redirect_stdout(io.StringIO()):
+        app.q_len.value = n - 1
+    assert app.scan.engine == "triton", app.scan.engine
+    eager = scan_blocks(striped, n - 1, n, device=cuda, engine="eager")
+    assert torch.equal(app.scan.counts, eager.counts) and torch.equal(app.scan.row_kept, eager.row_kept)
+    assert app.last_redraw_seconds < 0.25, app.timings

@@ -11,6 +11,7 @@ defines `mask_mod(b, h, q_idx, kv_idx)` (and optionally `score_mod(score, b, h, 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import io
 import json
@@ -79,7 +80,13 @@ class Workbench:
         self.mask: Mask | None = None
         self.scan = None
         self.last_redraw_seconds = 0.0
+        self.timings: dict[str, float] = {}  # seconds of the last redraw's steps
         self.redraws = 0
+        # the static picture of every head / batch panel is drawn off the redraw's path
+        self.panels_image = w.Image(format="png", layout=w.Layout(display="none", max_width="100%"))
+        self._painter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="panels")
+        self.panels_done: concurrent.futures.Future | None = None
+        self._generation = 0  # counts refreshes, so late background work knows it is stale
         self.shown: dict[str, object] = {}  # tab -> what it shows now (PNG bytes, DataFrame, text)
         self._quiet = False  # set while the app itself writes to its fields
         self.block_widget = BlockMapWidget()
@@ -218,20 +225,29 @@ class Workbench:
     def refresh(self):
         """Rebuild the mask and redraw what depends on it (the visible tab and the block map)."""
         start = time.perf_counter()
+        self._generation += 1
+        steps = {}
         try:
             self.mask = self.build()
             self._show_mask_fields()
+            steps["build"] = time.perf_counter() - start
             heads = self.mask.heads or self.heads.value  # a per-head mask shows all its heads
+            # a new mod's fused kernel compiles on the side: this scan does not wait for it
             self.scan = scan_blocks(self.mask, self.q_len.value, self.kv_len.value, heads=heads,
-                                    batch=self.batch.value, block_size=self.block.value, device=self.device)
+                                    batch=self.batch.value, block_size=self.block.value, device=self.device,
+                                    background_compile=True)
+            steps["scan"] = time.perf_counter() - start - sum(steps.values())
             self.message.value = ""
             self._focus_zoom()
+            steps["focus"] = time.perf_counter() - start - sum(steps.values())
         except Exception as exc:  # user code: show it, keep the app alive
             self.mask, self.scan = None, None
             self._show_error(exc)
         # draw the tab on screen now; the others when they are opened
         self._stale = {"Block map", "Stats", "Token zoom", "Scores"}
         self._draw_tab(TABS[self.tabs.selected_index or 0])
+        steps["draw"] = time.perf_counter() - start - sum(steps.values())
+        self.timings = steps
         self.last_redraw_seconds = time.perf_counter() - start
         self.redraws += 1
         if self.mask is not None:
@@ -272,7 +288,7 @@ class Workbench:
     def _tab_body(self, name):
         out = self.outputs[name]
         if name == "Block map":
-            return w.VBox([self.block_widget, out])
+            return w.VBox([self.block_widget, self.panels_image, out])
         if name == "Token zoom":
             self.zoom_q = w.IntText(value=0, description="q from", layout=w.Layout(width="160px"))
             self.zoom_kv = w.IntText(value=0, description="kv from", layout=w.Layout(width="160px"))
@@ -333,8 +349,7 @@ class Workbench:
                     grid = look.block_grid(self.scan, b=0, h=self._head())
                     self.block_widget.show(grid, self.scan, title=self.mask.name)
                     self.shown[name] = grid
-                    if self.scan.depends_on_head or self.scan.depends_on_batch:  # every panel, side by side
-                        self.shown["Block map (all panels)"] = _show_png(look.block_map(self.scan, title=self.mask.name))
+                    self._paint_panels()
                 elif name == "Stats":
                     self.shown[name] = mask_stats(self.scan).to_frame()
                     display(self.shown[name])
@@ -355,6 +370,31 @@ class Workbench:
                                                                      h=self._head(), device=self.device))
             except Exception as exc:
                 self._show_error(exc)
+
+    def _paint_panels(self):
+        """A mask that differs per head or batch entry also gets every panel side by side, drawn
+        on a background thread so the map above answers at once; a newer redraw supersedes it."""
+        self.shown.pop("Block map (all panels)", None)
+        if not (self.scan.depends_on_head or self.scan.depends_on_batch):
+            self.panels_image.layout.display = "none"
+            self.panels_done = None
+            return
+        scan, title, generation = self.scan, self.mask.name, self._generation
+
+        def paint():
+            png = _png(look.block_map(scan, title=title))
+            if self._generation == generation:  # still the mask on screen
+                self.panels_image.value = png
+                self.panels_image.layout.display = ""
+                self.shown["Block map (all panels)"] = png
+            return png
+
+        self.panels_done = self._painter.submit(paint)
+
+    def wait(self, timeout: float = 60) -> None:
+        """Wait for the work the last redraw left on the side (the all-panels picture)."""
+        if self.panels_done is not None:
+            self.panels_done.result(timeout)
 
     def _head(self) -> int:
         limit = self.mask.heads or self.heads.value

@@ -42,6 +42,8 @@ COMPILE_ABOVE_PAIRS = 2 ** 36
 # is scanned again (a notebook redrawing it).
 TRITON_ABOVE_PAIRS = 2 ** 33
 TRITON_COLD_ABOVE_PAIRS = 2 ** 35
+# A kernel compiled already runs from this size on: its launch and spot check cost a few ms.
+TRITON_WARM_ABOVE_PAIRS = 2 ** 24
 
 
 @dataclass
@@ -195,7 +197,8 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
                 batch: int | None = None, block_size: int | tuple[int, int] = DEFAULT_BLOCK,
                 device: str | torch.device = "cpu", memory_budget: int | None = None,
                 keep_counts: bool = True, differences: bool = True, engine: str | None = None,
-                compile: bool | None = None, progress: bool | None = None) -> BlockScan:
+                compile: bool | None = None, progress: bool | None = None,
+                background_compile: bool = False) -> BlockScan:
     """Count kept pairs block by block.
 
     heads / batch: None means broadcast (size 1), as in create_block_mask. keep_counts=False keeps
@@ -206,6 +209,9 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
     tiles), "eager" (tiles that fit `memory_budget` bytes: any device), or None to pick:
     triton on CUDA past ~8K x 8K pairs when the mod translates, else eager (compiled above
     2^36 pairs). `compile=True/False` is the older spelling of engine="compiled"/"eager".
+    background_compile=True (the notebook app): a mod whose fused kernel is not compiled yet is
+    scanned by the other engines now while its kernel compiles on a background thread, so no scan
+    waits for a compile unless the problem is too large for eager tiles.
     """
     mask_mod = mask.mask_mod if isinstance(mask, Mask) else mask
     name = mask.name if isinstance(mask, Mask) else getattr(mask, "__name__", "mask_mod")
@@ -264,9 +270,13 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
                 raise WorkbenchError(f"the Triton block scan is not usable for this mod: {exc}",
                                      "use engine='eager' or 'compiled'", name) from exc
             fallback = f"{type(exc).__name__}: {exc}"
-    ready = kernel is not None and (kernels.times_requested(kernel) >= 2 or kernels.is_compiled(
-        kernel, q_block, kv_block, geometry.diff_h, geometry.diff_b, keep_counts))
-    chosen = pick_engine(engine, device.type, geometry.pairs, q_len * kv_len, evaluator, kernel is not None, ready)
+    settings = (q_block, kv_block, geometry.diff_h, geometry.diff_b, keep_counts)
+    compiled = kernel is not None and kernels.is_compiled(kernel, *settings)
+    asked_again = kernel is not None and not background_compile and kernels.times_requested(kernel) >= 2
+    chosen = pick_engine(engine, device.type, geometry.pairs, q_len * kv_len, evaluator, kernel is not None,
+                         compiled, asked_again)
+    if background_compile and kernel is not None and chosen != "triton" and not compiled:
+        kernels.compile_in_background(kernel, *settings, device)
     if mask_mod is None:
         chosen = "eager"
     result = None
@@ -330,17 +340,19 @@ class _Geometry:
 
 
 def pick_engine(requested: str | None, device_type: str, pairs: int, pairs_per_bh: int, evaluator: str,
-                translated: bool, kernel_ready: bool) -> str:
+                translated: bool, compiled: bool, asked_again: bool = False) -> str:
     """'triton', 'compiled' or 'eager' for one scan (a pure function of what it is given).
 
     pairs: pairs to evaluate over the batch entries and heads that differ; pairs_per_bh: per
-    (b, h). translated: the mod has a fused-kernel translation; kernel_ready: that kernel is
-    compiled already, or this mod was asked for before (a notebook redrawing it)."""
+    (b, h). translated: the mod has a fused-kernel translation; compiled: that kernel is compiled
+    already; asked_again: this mod was scanned before (a notebook redrawing it), so compiling now
+    is likely to pay off."""
     if requested == "compiled":
         return "compiled" if evaluator == "broadcast" else "eager"
     if requested is not None:
         return requested
-    if translated and pairs >= TRITON_ABOVE_PAIRS and (pairs > TRITON_COLD_ABOVE_PAIRS or kernel_ready):
+    if translated and ((compiled and pairs >= TRITON_WARM_ABOVE_PAIRS) or pairs > TRITON_COLD_ABOVE_PAIRS
+                       or (asked_again and pairs >= TRITON_ABOVE_PAIRS)):
         return "triton"
     if device_type == "cuda" and pairs_per_bh > COMPILE_ABOVE_PAIRS and evaluator == "broadcast":
         return "compiled"

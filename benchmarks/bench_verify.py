@@ -1,0 +1,72 @@
+"""Verification at length: `verify(...)` wall time, reference time, pairs computed, peak memory.
+
+    python benchmarks/bench_verify.py [--lengths 262144 1048576] [--masks causal window]
+                                      [--workers N] [--reference-dtype float64|float32]
+
+B = 1, 4 heads, D = 128, bf16, compiled FlexAttention against the float64 reference (the shapes
+of the verification-at-length table). With --workers N the reference is split by query rows
+across N Ray workers (one GPU each) and the same cases run on one GPU first, so the speed-up
+comes from one run. Peak = torch.cuda.max_memory_allocated of this process (the workers report
+their own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workbench import make  # noqa: E402
+from workbench.compat import raise_recompile_limit  # noqa: E402
+from workbench.run import Shape  # noqa: E402
+from workbench.verify import verify  # noqa: E402
+
+MASKS = {"causal": ("causal", {}), "window": ("causal_sliding_window", {"window": 1024})}
+
+
+def one(name, length, workers, reference_dtype):
+    target, params = MASKS[name]
+    mask = make(target, params, q_len=length, kv_len=length, device="cuda")
+    shape = Shape(batch=1, q_heads=4, kv_heads=4, q_len=length, kv_len=length, head_dim=128)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    verdict = verify(mask, shape, dtype="bfloat16", device="cuda", seed=0, progress=False, workers=workers,
+                     reference_dtype=reference_dtype)
+    wall = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30
+    return dict(mask=mask.name, tokens=length, workers=workers or 1, wall_s=wall, reference_s=verdict.reference_seconds,
+                fraction=verdict.reference_fraction, peak_gib=peak, passed=verdict.passed, rel_err=max(c.rel_err for c in verdict.checks),
+                compile_s=verdict.compile_seconds)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[262144, 1048576])
+    ap.add_argument("--masks", nargs="+", default=list(MASKS), choices=list(MASKS))
+    ap.add_argument("--workers", type=int, help="also split the reference across this many Ray workers")
+    ap.add_argument("--reference-dtype", default="float64", choices=["float64", "float32"])
+    args = ap.parse_args()
+    raise_recompile_limit()
+    reference_dtype = getattr(torch, args.reference_dtype)
+    print(f"# torch {torch.__version__}, {torch.cuda.device_count()} x {torch.cuda.get_device_name()}, "
+          f"reference {args.reference_dtype}")
+    print("| mask | tokens | workers | verify wall s | reference s | pairs computed | peak GiB | verdict | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for length in args.lengths:
+        for name in args.masks:
+            for workers in [None] + ([args.workers] if args.workers else []):
+                r = one(name, length, workers, reference_dtype)
+                print(f"| {r['mask']} | {length:,} | {r['workers']} | {r['wall_s']:.1f} | {r['reference_s']:.1f} | "
+                      f"{r['fraction']:.4f} | {r['peak_gib']:.1f} | {'PASS' if r['passed'] else 'FAIL'} | "
+                      f"{r['rel_err']:.2e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,7 @@
     python -m workbench export TARGET [--param k=JSON ...] [--score TARGET] --q-len N -o DIR
     python -m workbench port TARGET [--param k=JSON ...] [--score TARGET] --q-len N -o DIR
     python -m workbench invariance TARGET [--param k=JSON ...] --q-len N [--backend flex|port|eager] [--hold L ...]
-    python -m workbench sweep SWEEP.toml [-o DIR] [--address ADDR] [--resume] [--cpus N]
+    python -m workbench sweep SWEEP.toml [-o DIR] [--address ADDR] [--resume] [--cpus N] [--gpus N]
     python -m workbench conformance DIR/NAME.spec.json --impl path.py:function
     python -m workbench diff A.spec.json B.spec.json
 
@@ -32,6 +32,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid value {text!r}: give a positive integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer (sizes are >= 1)")
+    return value
+
+
+def count(text: str) -> int:
+    """argparse type: a whole number >= 0 (a GPU count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: give a whole number >= 0") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative: give a whole number >= 0")
     return value
 
 
@@ -169,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="join this Ray cluster (default: start a local one)")
     p.add_argument("--resume", action="store_true", help="skip the cases already in DIR (nothing runs twice)")
     p.add_argument("--cpus", type=positive_int, help="CPUs of the local Ray (default: all)")
+    p.add_argument("--gpus", type=count, help="GPUs of the local Ray (default: all)")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("export", help="write the porting spec and golden vectors of a mask",
@@ -324,7 +336,8 @@ def cmd_verify(args) -> int:
 def cmd_sweep(args) -> int:
     from workbench import sweep
 
-    frame = sweep.run(args.sweep, args.out, address=args.address, resume=args.resume, num_cpus=args.cpus)
+    frame = sweep.run(args.sweep, args.out, address=args.address, resume=args.resume, num_cpus=args.cpus,
+                       num_gpus=args.gpus)
     ok = frame["ok"].fillna(False).astype(bool)
     passed = frame["passed"].fillna(False).astype(bool) if "passed" in frame else ok
     failed = frame[~(ok & passed)]

@@ -230,9 +230,11 @@ def _task(case: dict) -> dict[str, Any]:
 # ---------------------------------------------------------------- the sweep
 
 def run(sweep: str | Path | list[dict], out_dir: str | Path = "out/sweep", *, address: str | None = None,
-        resume: bool = False, num_cpus: int | None = None, progress: bool = True) -> pd.DataFrame:
+        resume: bool = False, num_cpus: int | None = None, num_gpus: int | None = None,
+        progress: bool = True) -> pd.DataFrame:
     """Run every case of `sweep` (a file, or cases as load_sweep gives them) on Ray and return
-    one row per case (also written to out_dir)."""
+    one row per case (also written to out_dir). num_cpus / num_gpus: what the local Ray may use
+    (default: all the machine has)."""
     import ray
     from tqdm.auto import tqdm
 
@@ -245,8 +247,8 @@ def run(sweep: str | Path | list[dict], out_dir: str | Path = "out/sweep", *, ad
     skipped = len(keyed) - len(todo)
     started_here = bool(todo) and not ray.is_initialized()
     if started_here:
-        ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        ray.init(address=address, num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
     try:
         remote = ray.remote(max_retries=1, retry_exceptions=False)(run_case) if todo else None
         pending = {}

@@ -321,3 +321,26 @@ def test_sparse_reference_equals_dense_on_combined_masks_and_spans():
     mask = Mask("spans", mask_mod=or_masks(and_masks(causal, near), in_span))
     ref = _sparse_vs_dense(mask, Shape(q_heads=2, q_len=233, head_dim=8), budget=2 * 233 * 8 * 8 * 30)
     assert ref.computed_fraction < 0.6
+
+
+def test_in_place_forward_softmax_equals_the_plain_one():
+    """The forward reference masks and normalises its chunk in place; it must equal the plain
+    masked softmax, with rows that keep nothing giving 0 and lse -inf (never NaN)."""
+    from workbench.verify import _mask_in_place, _softmax_times_v
+
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(2, 3, 9, 40, dtype=torch.float64, generator=g)
+    v = torch.randn(2, 3, 40, 8, dtype=torch.float64, generator=g)
+    q = torch.arange(9)[:, None] + 20
+    kv = torch.arange(40)[None, :]
+    keep = ((kv <= q) & (kv > q - 12)).expand(2, 3, 9, 40).clone()
+    keep[1, 2, 4] = False  # a row that keeps nothing
+    plain = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(plain, -1)
+    expected = torch.nan_to_num(torch.softmax(plain, -1), nan=0.0) @ v
+    work = scores.clone()
+    _mask_in_place(work, keep)
+    out, got_lse, dead = _softmax_times_v(work, v)
+    assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(dead, torch.isneginf(lse)) and bool(dead[1, 2, 4]) and int(dead.sum()) == 1
+    assert torch.allclose(got_lse[~dead], lse[~dead], rtol=1e-12) and not torch.isnan(out).any()

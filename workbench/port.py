@@ -203,6 +203,21 @@ def load(path: str | Path):
     return module
 
 
+def _load_pinned(path, config: int | None):
+    """load(path), with the file's autotuner replaced by one configuration when `config` is given."""
+    if config is None:
+        return load(path)
+    before = os.environ.get("PORT_CONFIG")
+    os.environ["PORT_CONFIG"] = str(config)  # read once, when the file defines its kernel
+    try:
+        return load(path)
+    finally:
+        if before is None:
+            os.environ.pop("PORT_CONFIG", None)
+        else:
+            os.environ["PORT_CONFIG"] = before
+
+
 def in_process(device: torch.device) -> bool:
     """Can this process run a port's kernels on `device`? On CUDA yes; on a CPU only when Triton's
     interpreter was on from the start (TRITON_INTERPRET=1 in the environment)."""
@@ -212,13 +227,15 @@ def in_process(device: torch.device) -> bool:
 
 
 def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-             timeout: float = 1800, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             timeout: float = 1800, cu_seqlens: torch.Tensor | None = None,
+             config: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the port at `path` on q, k, v (packed sequences: `cu_seqlens`). In this
     process on a GPU; on a CPU in a fresh process under Triton's interpreter (the port's files
-    alone, as a user would run them)."""
+    alone, as a user would run them). `config`: pin the kernel to CONFIGS[config] instead of
+    autotuning (the file's PORT_CONFIG switch), as an engine that needs fixed tiles would."""
     extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     if in_process(q.device):
-        module = load(path)
+        module = _load_pinned(path, config)
         try:
             return module.attention(q, k, v, scale=scale, return_lse=True, **extra)
         except (ValueError, TypeError) as exc:  # the file's own checks: sizes it is not valid for

@@ -89,9 +89,9 @@ class Reference:
 
 
 def reference_bytes_per_row(shape: Shape, backward: bool, itemsize: int = 8) -> int:
-    """Temporaries per query row: scores, modded scores, mask, probabilities... (x3 with the
-    autograd graph of a backward chunk)."""
-    return shape.batch * shape.q_heads * shape.kv_len * itemsize * (8 if not backward else 20)
+    """Temporaries per query row: the scores and a score_mod's copy, worked on in place (forward),
+    or scores, mask, probabilities... kept for the autograd graph of a backward chunk."""
+    return shape.batch * shape.q_heads * shape.kv_len * itemsize * (3 if not backward else 20)
 
 
 def default_reference_budget(device: torch.device) -> int:
@@ -198,17 +198,23 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
             if mask.score_mod is not None and len(cols):
                 scores = evaluate_mod(mask.score_mod, score_eval, b, h, q_idx, cols, score=scores).to(dtype)
             if keep is not None:
-                scores = scores.masked_fill(~keep, float("-inf"))
-            if len(nan_pairs) < 4:
+                if backward:
+                    scores = scores.masked_fill(~keep, float("-inf"))
+                else:
+                    _mask_in_place(scores, keep)
+            if len(nan_pairs) < 4 and mask.score_mod is not None:  # from finite inputs only a score_mod makes NaN
                 bad = torch.isnan(scores.detach())
                 if bad.any():
                     for bb, hh, qq, kk in bad.nonzero()[: 4 - len(nan_pairs)].tolist():
                         nan_pairs.append((bb, hh, q0 + qq, int(cols[kk])))
-            row_lse = torch.logsumexp(scores, dim=-1)
-            dead = torch.isneginf(row_lse)
-            # exp(-inf - -inf) is NaN: rows without a kept key get probability 0 (output 0)
-            probs = torch.exp(scores - torch.where(dead, 0.0, row_lse).unsqueeze(-1))
-            out_c = torch.matmul(probs, v_use)
+            if backward:
+                row_lse = torch.logsumexp(scores, dim=-1)
+                dead = torch.isneginf(row_lse)
+                # exp(-inf - -inf) is NaN: rows without a kept key get probability 0 (output 0)
+                probs = torch.exp(scores - torch.where(dead, 0.0, row_lse).unsqueeze(-1))
+                out_c = torch.matmul(probs, v_use)
+            else:
+                out_c, row_lse, dead = _softmax_times_v(scores, v_use)
         if backward:
             targets = [qc, k, v, *learn.values()]
             got = torch.autograd.grad(out_c, targets, inputs.grad_out[:, :, q0:q1].to(device, dtype), allow_unused=True)
@@ -240,13 +246,44 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
                      computed_fraction=pairs_computed / ((stop - first) * shape.kv_len))
 
 
+def _mask_in_place(scores: torch.Tensor, keep: torch.Tensor) -> None:
+    """scores = -inf where keep is False, in place; keys every row keeps are not touched (only the
+    span of keys some row drops is masked: for causal chunks, a narrow band)."""
+    if not keep.shape[-1]:
+        return
+    dropped = ~_one_entry(keep).reshape(-1, keep.shape[-1]).all(0)
+    where = dropped.nonzero().squeeze(-1)
+    if len(where):
+        a, b = int(where[0]), int(where[-1]) + 1
+        scores[..., a:b].masked_fill_(~keep[..., a:b], float("-inf"))
+
+
+def _softmax_times_v(scores: torch.Tensor, v: torch.Tensor):
+    """(softmax(scores) @ v, logsumexp, rows keeping nothing), working on `scores` in place: no
+    copy of the chunk's scores is made, so chunks can be larger (forward only)."""
+    row_max = scores.amax(dim=-1, keepdim=True) if scores.shape[-1] else \
+        scores.new_full((*scores.shape[:-1], 1), float("-inf"))
+    dead = torch.isneginf(row_max.squeeze(-1))
+    # rows without a kept key: shift by 0, so exp gives 0 (never NaN) and the output is 0
+    scores.sub_(torch.where(torch.isneginf(row_max), 0.0, row_max)).exp_()
+    total = scores.sum(dim=-1, keepdim=True)
+    out = torch.matmul(scores, v) / torch.where(total == 0, 1.0, total)
+    lse = torch.where(dead, float("-inf"), row_max.squeeze(-1) + torch.log(total.squeeze(-1)))
+    return out, lse, dead
+
+
+def _one_entry(keep: torch.Tensor) -> torch.Tensor:
+    """A mask that ignores b or h comes expanded along it (stride 0): one entry stands for all."""
+    for dim in (0, 1):
+        if keep.dim() > 2 and keep.stride(dim) == 0:
+            keep = keep.narrow(dim, 0, 1)
+    return keep
+
+
 def _kept_columns(keep: torch.Tensor) -> slice | torch.Tensor:
     """The keys any row of the chunk keeps (for any b, h): a slice when they are one run (so keys,
     values and `keep` are cut as views), else their indices."""
-    base = keep
-    for dim in (0, 1):  # a mask that ignores b or h comes expanded along it: look at one entry only
-        if base.stride(dim) == 0:
-            base = base.narrow(dim, 0, 1)
+    base = _one_entry(keep)
     cols = base.reshape(-1, base.shape[-1]).any(0).nonzero().squeeze(-1)
     if len(cols) == 0:
         return slice(0, 0)

@@ -373,7 +373,8 @@ def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None):
     """Attention of q [B, Hq, Lq, D] over k, v [B, Hkv, Lk, D] under this file's mask and score.
     Returns out [B, Hq, Lq, D] in q's dtype, and with return_lse=True also lse [B, Hq, Lq] float32.
     cu_seqlens: optional 1-d integer boundaries [0, end_1, ..., L] of packed sequences (Lq = Lk = L)
-    whose mask keeps no pair across a boundary; one launch runs them all, each tiled from its start."""
+    whose mask keeps no pair across a boundary; one launch runs them all, each tiled from its start.
+    A list or tuple costs nothing per call; a GPU tensor is read back to the host (a device sync)."""
     B, Hq, Lq, D, Hkv, Lk = _check(q, k, v)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     bounds = None if cu_seqlens is None else _segments(cu_seqlens, Lq, Lk)

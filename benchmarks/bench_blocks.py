@@ -195,7 +195,7 @@ def main():
 
 KNOBS = {"causal_sliding_window": ("window", [256, 512, 1000, 2048, 4096]),
          "chunked_local": ("chunk", [256, 512, 1000, 2048, 4096]),
-         "prefix_lm": ("prefix", [256, 512, 1000, 2048, 4096])}
+         "prefix_lm": ("prefix_len", [256, 512, 1000, 2048, 4096])}
 
 
 def knob_turning(n: int, device: str = "cuda") -> None:
@@ -217,7 +217,7 @@ def knob_turning(n: int, device: str = "cuda") -> None:
               f"{len(kernels._namespaces)} |", flush=True)
 
 
-SETTINGS = [dict(SCAN_INTERIOR=False, SCAN_WARPS=8, TILE_ELEMENTS=4096),
+SETTINGS = [dict(SCAN_INTERIOR=False, SCAN_WARPS=8, TILE_ELEMENTS=4096),  # the default
             dict(SCAN_INTERIOR=True, SCAN_WARPS=8, TILE_ELEMENTS=4096),
             dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=4096),
             dict(SCAN_INTERIOR=True, SCAN_WARPS=8, TILE_ELEMENTS=8192),
@@ -245,7 +245,7 @@ def tune(lengths, only, device: str = "cuda") -> None:
                 times = sorted(measure(build, device)[1] for _ in range(3))
                 cells.append(f"{times[1]:.3f}")
             print(f"| {name} | {length:,} | " + " | ".join(cells) + " |", flush=True)
-    for key, value in SETTINGS[1].items():
+    for key, value in SETTINGS[0].items():
         setattr(kernels, key, value)
 
 

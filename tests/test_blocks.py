@@ -288,6 +288,49 @@ def test_auto_engine_compiles_only_where_it_pays_off(monkeypatch):
     kernels.forget()
 
 
+def test_background_compile_keeps_scans_off_the_compile(monkeypatch):
+    """The app's scans (background_compile=True): a new mod is scanned eagerly while its kernel
+    compiles on the side, asking again never compiles in the scan, and once compiled the kernel
+    serves from TRITON_WARM_ABOVE_PAIRS on."""
+    from workbench import blocks, kernels
+
+    launches, background = [], []
+
+    class FakeKernel:
+        source = "fake"
+
+    def fake_block_scan(kernel, q_len, kv_len, q_block, kv_block, batch, heads, diff_head, diff_batch,
+                        keep_counts, device):
+        launches.append(q_len)
+        scan = scan_blocks(mask, q_len, kv_len, engine="eager")
+        zero = torch.zeros(1, 1, dtype=torch.int64)
+        return dict(counts=scan.counts, row_kept=scan.row_kept, head_diff=zero, batch_diff=zero,
+                    full=scan.full_blocks, empty=scan.empty_blocks, tile=(1, 1))
+
+    compiled = set()
+    mask = make("causal")
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    monkeypatch.setattr(kernels, "block_scan", fake_block_scan)
+    monkeypatch.setattr(kernels, "is_compiled", lambda kernel, *settings: bool(compiled))
+    monkeypatch.setattr(kernels, "compile_in_background", lambda kernel, *args: background.append(args))
+    monkeypatch.setattr(blocks, "TRITON_WARM_ABOVE_PAIRS", 100 * 100)
+    monkeypatch.setattr(blocks, "TRITON_ABOVE_PAIRS", 256 * 256)
+    monkeypatch.setattr(blocks, "TRITON_COLD_ABOVE_PAIRS", 512 * 512)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernels.forget()
+    monkeypatch.setattr(kernels, "scan_kernel", lambda mod, device: (
+        kernels._requests.update({"fake": 1}), FakeKernel())[1])
+    assert scan_blocks(mask, 64, 64, background_compile=True).engine == "eager" and not background  # tiny
+    assert scan_blocks(mask, 200, 200, background_compile=True).engine == "eager" and len(background) == 1
+    assert scan_blocks(mask, 300, 300, background_compile=True).engine == "eager"  # asked again: still eager
+    assert not launches and len(background) == 2
+    compiled.add("done")  # the background compile finished
+    assert scan_blocks(mask, 200, 200, background_compile=True).engine == "triton"
+    assert scan_blocks(mask, 200, 200).engine == "eager"  # a plain scan of this size does not translate
+    assert launches == [200]
+    kernels.forget()
+
+
 def test_turning_a_knob_reuses_one_scan_kernel():
     # the Python numbers a mod captures become kernel arguments: every window shares one source
     # (so one compile on a GPU), with the values passed as 0-d tables

@@ -260,8 +260,10 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
                          dep_h and differences, device,
                          memory_budget or default_budget(device), free)
     kernel, fallback = None, None
+    # the app (background_compile) wants a kernel from the size where a compiled one is used on
+    triton_from = TRITON_WARM_ABOVE_PAIRS if background_compile else TRITON_ABOVE_PAIRS
     triton_ok = mask_mod is not None and (engine == "triton" or (
-        engine is None and geometry.pairs >= TRITON_ABOVE_PAIRS and kernels.available(device)))
+        engine is None and geometry.pairs >= triton_from and kernels.available(device)))
     if triton_ok:
         try:
             kernel = kernels.scan_kernel(mask_mod, device)
@@ -276,7 +278,7 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
     chosen = pick_engine(engine, device.type, geometry.pairs, q_len * kv_len, evaluator, kernel is not None,
                          compiled, asked_again)
     if background_compile and kernel is not None and chosen != "triton" and not compiled:
-        kernels.compile_in_background(kernel, *settings, device)
+        kernels.compile_in_background(kernel, *settings, device, q_len, kv_len)
     if mask_mod is None:
         chosen = "eager"
     result = None

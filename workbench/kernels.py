@@ -234,6 +234,11 @@ def compile_in_background(kernel: "ScanKernel", q_block: int, kv_block: int, dif
         return _background[key]
 
 
+def background_compiles() -> list[concurrent.futures.Future]:
+    """Every background compile this process started (since `forget`), finished or not."""
+    return list(_background.values())
+
+
 def compiling() -> list[concurrent.futures.Future]:
     """Background compiles not finished yet."""
     return [f for f in _background.values() if not f.done()]

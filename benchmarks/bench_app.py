@@ -13,6 +13,7 @@ slowest, and the scan engine of the last redraw.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import io
 import statistics
@@ -42,6 +43,7 @@ def main():
     print("| mask | first draw s | parameter change s (median / slowest) | length change s (median / slowest) "
           "| median redraw: " + " / ".join(STEPS) + " s | engine |")
     print("|---|---|---|---|---|---|")
+    kernels.forget()
     with contextlib.redirect_stdout(io.StringIO()):  # the process's own warm-up, not a mask's
         Workbench("causal_sliding_window", {"window": 3}, q_len=n, device=args.device)
     worst = 0.0
@@ -54,6 +56,11 @@ def main():
         print(f"| {app.mask.name} | {first:.2f} | {statistics.median(param_times):.3f} / {max(param_times):.3f} | "
               f"{statistics.median(length_times):.3f} / {max(length_times):.3f} | {split} | {app.scan.engine} |",
               flush=True)
+        # why the fused scan was not used, if it was not: a refused translation or a failed compile
+        failed = [f.exception() for f in kernels.background_compiles() if f.done() and f.exception()]
+        if app.scan.extra.get("triton_fallback") or failed:
+            print(f"  note {app.mask.name}: fallback {app.scan.extra.get('triton_fallback')!r}; "
+                  f"background compile errors {[repr(e)[:300] for e in failed]}", flush=True)
     print(f"slowest redraw after the first draw: {worst:.3f} s")
 
 
@@ -82,8 +89,7 @@ def measure(name, n, device):
         length_times.append(app.last_redraw_seconds)
         steps.append(app.timings)
     app.wait()
-    for future in kernels.compiling():
-        future.result()
+    concurrent.futures.wait(kernels.compiling())
     return app, first, param_times, length_times, steps
 
 

@@ -61,3 +61,31 @@ def test_verify_with_workers_passes_and_still_fails_a_dropped_block(capsys):
     verdict = verify(mask, Shape(q_heads=2, q_len=1024, head_dim=16), dtype="float32", block_mask=broken,
                      compile=False, seed=0, workers=2)
     assert not verdict.passed
+
+
+def test_rows_compared_on_workers_merge_to_the_one_piece_check(tmp_path):
+    """Forward verification with workers: each worker compares its rows and sends statistics back;
+    merged, they equal the check of the whole output against the whole reference."""
+    from workbench.distribute import compare_on_ray
+    from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare
+
+    path = tmp_path / "user_masks.py"
+    path.write_text(USER_FILE)
+    mask = prepare(f"{path}:windows_and_lengths", None, 97, 131, "cpu", heads=2, batch=2)
+    shape = Shape(batch=2, q_heads=2, q_len=97, kv_len=131, head_dim=8)
+    inputs = make_inputs(shape, "float32", seed=1)
+    one = reference_attention(mask, inputs)
+    got = one.out.float() + 1e-6 * torch.randn(one.out.shape, generator=torch.Generator().manual_seed(0))
+    got[1, 0, 60, 3] += 0.5  # one wrong element, far from row 0: its position must come back right
+    lse = one.lse.float()
+    checks, ref = compare_on_ray(mask, inputs, got, lse, 2, TOLERANCES["float32"], LSE_TOLERANCE["float32"],
+                                 progress=False)
+    whole = [compare("out", got, one.out, TOLERANCES["float32"]), compare("lse", lse, one.lse, LSE_TOLERANCE["float32"])]
+    for split, full in zip(checks, whole):
+        assert split.name == full.name and split.passed == full.passed
+        assert split.worst == full.worst and split.bad_count == full.bad_count and split.numel == full.numel
+        assert abs(split.rel_err - full.rel_err) <= 1e-12 * max(1.0, full.rel_err)
+        assert split.max_abs_err == full.max_abs_err
+    assert not checks[0].passed and checks[0].worst == {"b": 1, "h": 0, "q": 60, "d": 3}
+    assert checks[1].passed
+    assert ref.out is None and ref.fully_masked_rows == one.fully_masked_rows >= 97 * 2

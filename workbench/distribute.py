@@ -1,12 +1,16 @@
 """The float64 reference split by query rows across Ray workers (one GPU each on a GPU machine).
 
     verify(mask, shape, dtype="bfloat16", device="cuda", workers=2)     # through verify
+    compare_on_ray(mask, inputs, out, lse, workers=2, ...)              # forward: checks only
     reference_on_ray(mask, inputs, workers=2)                          # the Reference itself
 
 The kernel under test runs once, where `verify` runs; the reference's rows go out as ranges (more
-ranges than workers, so a causal mask's heavier last rows balance out), each worker computes its
-rows exactly as `reference_attention` does, and the pieces are joined into one Reference: out, lse
-and dq by rows, dk, dv (and gradients of captured tensors) summed.
+ranges than workers, so a causal mask's heavier last rows balance out) and each worker computes its
+rows exactly as `reference_attention` does. Forward (`compare_on_ray`): one actor per worker holds
+q, k, v on its device, gets each range's rows of the kernel's output, compares them there and sends
+back only the statistics, merged into one check per tensor. With gradients (`reference_on_ray`)
+the pieces are joined into one Reference: out, lse and dq by rows, dk, dv (and gradients of
+captured tensors) summed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 
 from workbench.define import Mask, WorkbenchError
 from workbench.run import Inputs
-from workbench.verify import Reference, reference_attention
+from workbench.verify import Reference, TensorCheck, Tolerance, compare, merge_checks, reference_attention
 
 RANGES_PER_WORKER = 4
 
@@ -64,19 +68,14 @@ def _rows_on_worker(mask: Mask, inputs: Inputs, rows: tuple[int, int], backward:
     return ref
 
 
-def reference_on_ray(mask: Mask, inputs: Inputs, workers: int, *, backward: bool = False,
-                     dtype: torch.dtype = torch.float64, memory_budget: int | None = None, address: str | None = None,
-                     progress: bool = True) -> Reference:
-    """`reference_attention` over `workers` Ray workers; the result lands on the inputs' device."""
+def _start_ray(workers: int, gpu: bool, address: str | None):
+    """Ray, checked and started (locally unless `address`); returns (ray, started_here)."""
     try:
         import ray
     except ModuleNotFoundError:
         raise WorkbenchError("splitting the reference across workers needs Ray", "pip install 'ray>=2.9'") from None
-    from tqdm.auto import tqdm
-
     if workers < 1:
         raise WorkbenchError(f"workers = {workers} must be at least 1", "pass workers >= 1")
-    gpu = inputs.device.type == "cuda"
     if gpu and torch.cuda.device_count() < workers and address is None:
         raise WorkbenchError(f"{workers} workers need {workers} GPUs, this machine has {torch.cuda.device_count()}",
                              "pass fewer workers, or --address of a Ray cluster with more GPUs")
@@ -84,6 +83,97 @@ def reference_on_ray(mask: Mask, inputs: Inputs, workers: int, *, backward: bool
     if started:
         ray.init(address=address, num_cpus=None if gpu else workers, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
+    return ray, started
+
+
+class RowsWorker:
+    """A Ray actor: q, k, v and the mask on its device once, then any number of row ranges."""
+
+    def __init__(self, mask: Mask, inputs: Inputs, dtype, memory_budget, device: str):
+        self.inputs = Inputs(q=inputs.q.to(device), k=inputs.k.to(device), v=inputs.v.to(device),
+                             shape=inputs.shape, dtype=inputs.dtype, seed=inputs.seed)
+        if device != "cpu":
+            from workbench.define import bind
+
+            mask = bind(mask, inputs.shape.q_len, inputs.shape.kv_len, device)  # captured tables on this GPU
+        self.mask, self.dtype, self.memory_budget = mask, dtype, memory_budget
+
+    def compare_rows(self, rows: tuple[int, int], out: torch.Tensor, lse: torch.Tensor | None, out_tol: Tolerance,
+                     lse_tol: Tolerance) -> tuple[tuple[int, int], list[TensorCheck], Reference]:
+        ref = reference_attention(self.mask, self.inputs, dtype=self.dtype, memory_budget=self.memory_budget,
+                                  progress=False, rows=rows)
+        checks = [compare("out", out, ref.out, out_tol)]
+        if lse is not None:
+            checks.append(compare("lse", lse, ref.lse, lse_tol))
+        ref.out = ref.lse = None  # the statistics travel back, not the rows
+        return rows, checks, ref
+
+
+def compare_on_ray(mask: Mask, inputs: Inputs, out: torch.Tensor, lse: torch.Tensor | None, workers: int,
+                   out_tol: Tolerance, lse_tol: Tolerance, *, dtype: torch.dtype = torch.float64,
+                   memory_budget: int | None = None, address: str | None = None,
+                   progress: bool = True) -> tuple[list[TensorCheck], Reference]:
+    """Forward verification split by query rows: `out` (and `lse`, unless None) of the kernel under
+    test against the reference, each range compared on a worker. Returns the merged checks and a
+    Reference holding everything but the rows (out and lse are None)."""
+    gpu = inputs.device.type == "cuda"
+    ray, started = _start_ray(workers, gpu, address)
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    try:
+        _send_by_value(mask)
+        on_cpu = Inputs(q=inputs.q.cpu(), k=inputs.k.cpu(), v=inputs.v.cpu(), shape=inputs.shape, dtype=inputs.dtype,
+                        seed=inputs.seed)
+        shared_inputs, shared_mask = ray.put(on_cpu), ray.put(mask)
+        actor = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1, max_restarts=1, max_task_retries=1)(RowsWorker)
+        pool = [actor.remote(shared_mask, shared_inputs, dtype, memory_budget, "cuda" if gpu else "cpu")
+                for _ in range(workers)]
+        ranges = row_ranges(inputs.shape.q_len, workers * RANGES_PER_WORKER)
+        todo = list(ranges)
+        busy = {}  # future -> actor
+
+        def give(worker):
+            a, b = todo.pop(0)
+            rows_lse = None if lse is None else lse[:, :, a:b].cpu()
+            busy[worker.compare_rows.remote((a, b), out[:, :, a:b].cpu(), rows_lse, out_tol, lse_tol)] = worker
+
+        for worker in pool[:len(todo)]:
+            give(worker)
+        results = []
+        with tqdm(total=inputs.shape.q_len, desc=f"reference {mask.name} on {workers} workers", disable=not progress,
+                  unit="row", leave=False) as bar:
+            while busy:
+                ready, _ = ray.wait(list(busy), num_returns=1)
+                worker = busy.pop(ready[0])
+                rows, checks, ref = ray.get(ready[0])
+                results.append((rows, checks, ref))
+                bar.update(rows[1] - rows[0])
+                if todo:
+                    give(worker)
+    finally:
+        if started:
+            ray.shutdown()
+    results.sort(key=lambda r: r[0][0])
+    merged = [merge_checks([(r[1][i], r[0][0]) for r in results]) for i in range(len(results[0][1]))]
+    pieces = [r[2] for r in results]
+    rows = [r[0][1] - r[0][0] for r in results]
+    return merged, Reference(
+        out=None, lse=None, grads={}, dtype=pieces[0].dtype, seconds=time.perf_counter() - t0,
+        chunk=min(p.chunk for p in pieces), fully_masked_rows=sum(p.fully_masked_rows for p in pieces),
+        masked_row_examples=[e for p in pieces for e in p.masked_row_examples][:8],
+        nan_pairs=[e for p in pieces for e in p.nan_pairs][:4], nan_outputs=sum(p.nan_outputs for p in pieces),
+        computed_fraction=sum(p.computed_fraction * n for p, n in zip(pieces, rows)) / inputs.shape.q_len)
+
+
+def reference_on_ray(mask: Mask, inputs: Inputs, workers: int, *, backward: bool = False,
+                     dtype: torch.dtype = torch.float64, memory_budget: int | None = None, address: str | None = None,
+                     progress: bool = True) -> Reference:
+    """`reference_attention` over `workers` Ray workers; the result lands on the inputs' device."""
+    gpu = inputs.device.type == "cuda"
+    ray, started = _start_ray(workers, gpu, address)
+    from tqdm.auto import tqdm
+
     t0 = time.perf_counter()
     try:
         _send_by_value(mask)

@@ -322,6 +322,8 @@ class TensorCheck:
     rtol: float
     rel_tol: float
     passed: bool
+    ref_norm: float = 0.0  # ||ref||_F and ||got - ref||_F over finite entries (checks of row ranges merge with them)
+    err_norm: float = 0.0
 
 
 def compare(name: str, got: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> TensorCheck:
@@ -351,7 +353,27 @@ def compare(name: str, got: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> 
                        worst_got=float(got.reshape(-1)[flat]) if got.numel() else 0.0,
                        worst_ref=float(ref.reshape(-1)[flat]) if ref.numel() else 0.0,
                        bad_count=n_bad, nan_count=n_nan, inf_count=n_inf, numel=got.numel(), atol=tol.atol,
-                       rtol=tol.rtol, rel_tol=tol.rel_fro, passed=passed)
+                       rtol=tol.rtol, rel_tol=tol.rel_fro, passed=passed, ref_norm=norm, err_norm=err_f)
+
+
+def merge_checks(parts: list[tuple[TensorCheck, int]]) -> TensorCheck:
+    """One check from checks of consecutive query-row ranges: (check, first row of its range)."""
+    import dataclasses
+
+    first = parts[0][0]
+    worst_part, offset = max(parts, key=lambda p: p[0].max_abs_err)
+    worst = dict(worst_part.worst)
+    if "q" in worst:
+        worst["q"] += offset
+    norm = math.sqrt(sum(c.ref_norm ** 2 for c, _ in parts))
+    err = math.sqrt(sum(c.err_norm ** 2 for c, _ in parts))
+    rel = err / norm if norm > 0 else err
+    n_nan, n_inf, n_bad = (sum(getattr(c, f) for c, _ in parts) for f in ("nan_count", "inf_count", "bad_count"))
+    return dataclasses.replace(
+        first, max_abs_err=worst_part.max_abs_err, rel_err=rel, worst=worst, worst_got=worst_part.worst_got,
+        worst_ref=worst_part.worst_ref, bad_count=n_bad, nan_count=n_nan, inf_count=n_inf,
+        numel=sum(c.numel for c, _ in parts), ref_norm=norm, err_norm=err,
+        passed=n_nan == 0 and n_inf == 0 and n_bad == 0 and rel <= first.rel_tol)
 
 
 # ---------------------------------------------------------------- the traps
@@ -564,7 +586,16 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
         run = run_flex(mask, inputs, block_mask=block_mask, block_size=block_size, backward=backward, compile=compile)
     else:
         raise WorkbenchError(f"unknown backend {backend!r}", "use backend='flex' or 'port'", mask.name)
-    if workers:
+    checks = None
+    if workers and not backward:
+        # each worker compares its rows of the kernel's output with its rows of the reference and
+        # sends back only the statistics; dk / dv sum over every row, so a backward check gathers
+        from workbench.distribute import compare_on_ray
+
+        checks, ref = compare_on_ray(expected, inputs, run.out, run.lse, workers, TOLERANCES[dtype],
+                                     LSE_TOLERANCE[dtype], dtype=reference_dtype, memory_budget=budget,
+                                     address=address, progress=progress is not False)
+    elif workers:
         from workbench.distribute import reference_on_ray
 
         ref = reference_on_ray(expected, inputs, workers, backward=backward, dtype=reference_dtype,
@@ -581,10 +612,11 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
     nan_why = ref.nan_message(expected.name)
     if nan_why:
         findings.append(Finding("reference_nan", "error", nan_why))
-    checks = [compare("out", run.out, ref.out, TOLERANCES[dtype])]
-    if run.lse is not None:
-        checks.append(compare("lse", run.lse, ref.lse, LSE_TOLERANCE[dtype]))
-    else:
+    if checks is None:
+        checks = [compare("out", run.out, ref.out, TOLERANCES[dtype])]
+        if run.lse is not None:
+            checks.append(compare("lse", run.lse, ref.lse, LSE_TOLERANCE[dtype]))
+    if run.lse is None:
         findings.append(Finding("lse_not_checked", "info", "compiled FlexAttention on the CPU does not return the "
                                 "log-sum-exp, so only the output was compared (run with --eager to check lse too)"))
     for name, g in ref.grads.items():

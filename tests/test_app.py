@@ -23,6 +23,8 @@ def test_changing_a_parameter_redraws_within_budget():
     assert image_bytes(app) != first
     assert app.last_redraw_seconds < 2.0      # the CPU target at 4K is 2 s; this is 2K
     assert "redrawn in" in app.status.value
+    assert list(app.timings) == ["build", "scan", "focus", "draw"]  # where the redraw's time went
+    assert abs(sum(app.timings.values()) - app.last_redraw_seconds) < 0.05
 
 
 def test_user_errors_show_and_the_app_recovers():

@@ -31,6 +31,20 @@ def test_a_missing_sweep_file_is_named(tmp_path):
         sweep.load_sweep(tmp_path / "nope.toml")
 
 
+def test_a_negative_gpu_count_is_refused_before_ray_starts(capsys):
+    from workbench.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["sweep", "examples/sweep_small.toml", "--gpus", "-1"])
+    assert stop.value.code == 2 and "-1 is negative" in capsys.readouterr().err
+
+
+def test_the_gpu_example_has_sixteen_gpu_cases():
+    cases = sweep.load_sweep("examples/sweep_gpu.toml")
+    assert len(cases) == 16 and {c["device"] for c in cases} == {"cuda"}
+    assert {c["task"] for c in cases} == {"verify", "bench"} and {c["q_len"] for c in cases} == {4096, 16384}
+
+
 @pytest.mark.parametrize("text,match", [
     ("[defaults]\nq_len = 128\n", "no \\[\\[case\\]\\] entries"),
     ("[[case]]\nq_len = 128\n", "has no target"),

@@ -24,6 +24,59 @@ from workbench.define import Mask, cdiv, same_device
 # The kernel, appended to the translated mod. `mask_mod_triton(b, h, q_idx, kv_idx, *tables)` is
 # the generated function; {ptrs} stands for its table pointers.
 _SCAN_KERNEL = '''
+@triton.jit
+def _count_block(b, h, q_idx, q_ok, c, Lq, Lk, kv_block, head_acc, batch_acc{ptrs},
+                 SUB_Q: tl.constexpr, SUB_K: tl.constexpr, DIFF_HEAD: tl.constexpr, DIFF_BATCH: tl.constexpr,
+                 BOUNDED: tl.constexpr):
+    # kept pairs of block column c for this slice of query rows, as SUB_Q x SUB_K lane sums; with
+    # BOUNDED, pairs past Lq / Lk or the block's edge are masked out (indices clamped so table reads
+    # stay in bounds); without, the block must lie wholly inside Lq x Lk
+    kept = tl.zeros([SUB_Q, SUB_K], tl.int32)
+    for ks in range(0, kv_block, SUB_K):
+        k_in_block = ks + tl.arange(0, SUB_K)
+        kv_idx = c * kv_block + k_in_block
+        if BOUNDED:
+            inside = q_ok[:, None] & ((k_in_block < kv_block) & (kv_idx < Lk))[None, :]
+            q_use = tl.minimum(q_idx, Lq - 1)[:, None]
+            kv_use = tl.minimum(kv_idx, Lk - 1)[None, :]
+            keep = (mask_mod_triton(b, h, q_use, kv_use{ptrs}) != 0) & inside
+        else:
+            q_use = q_idx[:, None]
+            kv_use = kv_idx[None, :]
+            keep = mask_mod_triton(b, h, q_use, kv_use{ptrs}) != 0
+        kept += keep.to(tl.int32)
+        if DIFF_HEAD:
+            other = mask_mod_triton(b, 0, q_use, kv_use{ptrs}) != 0
+            if BOUNDED:
+                other = other & inside
+            head_acc += (keep != other).to(tl.int32)
+        if DIFF_BATCH:
+            other = mask_mod_triton(0, h, q_use, kv_use{ptrs}) != 0
+            if BOUNDED:
+                other = other & inside
+            batch_acc += (keep != other).to(tl.int32)
+    return kept, head_acc, batch_acc
+
+
+@triton.jit
+def _finish_block(kept, row_kept, full_blocks, empty_blocks, counts_ptr, bh, n_rows, n_cols, r, c, full_count,
+                  SUB_Q: tl.constexpr, N_SUB_Q: tl.constexpr, KEEP_COUNTS: tl.constexpr):
+    # the block's count (stored, or added to when its rows come in slices), its rows' counts and class
+    kept_by_row = tl.sum(kept, axis=1)
+    block_kept = tl.sum(kept_by_row, axis=0)
+    if KEEP_COUNTS:
+        at = counts_ptr + (bh * n_rows + r) * n_cols + c
+        if N_SUB_Q == 1:
+            tl.store(at, block_kept)
+        else:  # the block's rows come in N_SUB_Q slices: add them up (zero-initialised)
+            tl.store(at, tl.load(at) + block_kept)
+    if N_SUB_Q == 1:
+        lane0 = tl.arange(0, SUB_Q) == 0
+        full_blocks += (lane0 & (block_kept == full_count)).to(tl.int32)
+        empty_blocks += (lane0 & (block_kept == 0)).to(tl.int32)
+    return row_kept + kept_by_row, full_blocks, empty_blocks
+
+
 {jit}
 def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{int}, n_cols{int}, q_block{int},
                       kv_block{int}{ptrs},
@@ -36,12 +89,6 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
     b = tl.program_id(2)
     bh = (b * tl.num_programs(1) + h).to(tl.int64)
     full_count = q_block * kv_block
-    # blocks wholly inside Lq x Lk (all but the last row and column of blocks, as a rule) skip the
-    # bounds masks: on them each pair costs only the mask's own arithmetic and one add
-    n_interior = 0
-    if INTERIOR:
-        if (r + 1) * q_block <= Lq:
-            n_interior = Lk // kv_block
     head_diff = tl.zeros([SUB_Q], tl.int64)
     batch_diff = tl.zeros([SUB_Q], tl.int64)
     full_blocks = tl.zeros([SUB_Q], tl.int32)  # only lane 0 is used; a vector keeps loop types fixed
@@ -50,51 +97,38 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
         q_in_block = qs * SUB_Q + tl.arange(0, SUB_Q)
         q_idx = r * q_block + q_in_block
         q_ok = (q_in_block < q_block) & (q_idx < Lq)
-        # indices past the end are clamped so table reads stay in bounds, then masked out
-        q_safe = tl.minimum(q_idx, Lq - 1)[:, None]
         row_kept = tl.zeros([SUB_Q], tl.int32)
         head_acc = tl.zeros([SUB_Q, SUB_K], tl.int32)
         batch_acc = tl.zeros([SUB_Q, SUB_K], tl.int32)
-        for c in range(0, n_cols):
-            kept = tl.zeros([SUB_Q, SUB_K], tl.int32)
-            if c < n_interior:
-                for ks in range(0, kv_block, SUB_K):
-                    kv_idx = (c * kv_block + ks + tl.arange(0, SUB_K))[None, :]
-                    keep = mask_mod_triton(b, h, q_idx[:, None], kv_idx{ptrs}) != 0
-                    kept += keep.to(tl.int32)
-                    if DIFF_HEAD:
-                        other = mask_mod_triton(b, 0, q_idx[:, None], kv_idx{ptrs}) != 0
-                        head_acc += (keep != other).to(tl.int32)
-                    if DIFF_BATCH:
-                        other = mask_mod_triton(0, h, q_idx[:, None], kv_idx{ptrs}) != 0
-                        batch_acc += (keep != other).to(tl.int32)
-            else:
-                for ks in range(0, kv_block, SUB_K):
-                    k_in_block = ks + tl.arange(0, SUB_K)
-                    kv_idx = c * kv_block + k_in_block
-                    inside = q_ok[:, None] & ((k_in_block < kv_block) & (kv_idx < Lk))[None, :]
-                    kv_safe = tl.minimum(kv_idx, Lk - 1)[None, :]
-                    keep = (mask_mod_triton(b, h, q_safe, kv_safe{ptrs}) != 0) & inside
-                    kept += keep.to(tl.int32)
-                    if DIFF_HEAD:
-                        other = (mask_mod_triton(b, 0, q_safe, kv_safe{ptrs}) != 0) & inside
-                        head_acc += (keep != other).to(tl.int32)
-                    if DIFF_BATCH:
-                        other = (mask_mod_triton(0, h, q_safe, kv_safe{ptrs}) != 0) & inside
-                        batch_acc += (keep != other).to(tl.int32)
-            kept_by_row = tl.sum(kept, axis=1)
-            block_kept = tl.sum(kept_by_row, axis=0)
-            row_kept += kept_by_row
-            if KEEP_COUNTS:
-                at = counts_ptr + (bh * n_rows + r) * n_cols + c
-                if N_SUB_Q == 1:
-                    tl.store(at, block_kept)
-                else:  # the block's rows come in N_SUB_Q slices: add them up (zero-initialised)
-                    tl.store(at, tl.load(at) + block_kept)
-            if N_SUB_Q == 1:
-                lane0 = tl.arange(0, SUB_Q) == 0
-                full_blocks += (lane0 & (block_kept == full_count)).to(tl.int32)
-                empty_blocks += (lane0 & (block_kept == 0)).to(tl.int32)
+        if INTERIOR:
+            # blocks wholly inside Lq x Lk (all but the last row and column of blocks, as a rule)
+            # skip the bounds masks: each pair costs only the mask's own arithmetic and one add
+            n_interior = tl.where((r + 1) * q_block <= Lq, Lk // kv_block, 0)
+            c = 0
+            while c < n_interior:
+                kept, head_acc, batch_acc = _count_block(
+                    b, h, q_idx, q_ok, c, Lq, Lk, kv_block, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K,
+                    DIFF_HEAD, DIFF_BATCH, BOUNDED=False)
+                row_kept, full_blocks, empty_blocks = _finish_block(
+                    kept, row_kept, full_blocks, empty_blocks, counts_ptr, bh, n_rows, n_cols, r, c, full_count,
+                    SUB_Q, N_SUB_Q, KEEP_COUNTS)
+                c += 1
+            while c < n_cols:
+                kept, head_acc, batch_acc = _count_block(
+                    b, h, q_idx, q_ok, c, Lq, Lk, kv_block, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K,
+                    DIFF_HEAD, DIFF_BATCH, BOUNDED=True)
+                row_kept, full_blocks, empty_blocks = _finish_block(
+                    kept, row_kept, full_blocks, empty_blocks, counts_ptr, bh, n_rows, n_cols, r, c, full_count,
+                    SUB_Q, N_SUB_Q, KEEP_COUNTS)
+                c += 1
+        else:
+            for c in range(0, n_cols):
+                kept, head_acc, batch_acc = _count_block(
+                    b, h, q_idx, q_ok, c, Lq, Lk, kv_block, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K,
+                    DIFF_HEAD, DIFF_BATCH, BOUNDED=True)
+                row_kept, full_blocks, empty_blocks = _finish_block(
+                    kept, row_kept, full_blocks, empty_blocks, counts_ptr, bh, n_rows, n_cols, r, c, full_count,
+                    SUB_Q, N_SUB_Q, KEEP_COUNTS)
         tl.store(rows_ptr + bh * Lq + q_idx, row_kept, mask=q_ok)
         head_diff += tl.sum(head_acc, axis=1).to(tl.int64)
         batch_diff += tl.sum(batch_acc, axis=1).to(tl.int64)
@@ -109,10 +143,11 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
 # on an H200 (faster compile, and 2x faster than 8192 at 1M tokens).
 TILE_ELEMENTS = 4096
 SCAN_WARPS = 8
-# Interior blocks skip the bounds masks (see the kernel). Off by default: on an H200 it made the
-# scan 1.15-1.37x faster at 1M tokens (1.3-1.46x with 4 warps and 2048-lane tiles), but the GPU
-# run of tests/run_triton_scan.py that followed it failed and is not yet explained.
-# `bench_blocks.py --tune` times the settings side by side.
+# Interior blocks skip the bounds masks (see the kernel). Off by default, which compiles the one
+# loop over block columns the H200 runs have validated. A first form of the fast path (a branch
+# per block inside that loop) made the scan 1.15-1.37x faster at 1M tokens (1.3-1.46x with 4 warps
+# and 2048-lane tiles), but tests/run_triton_scan.py then failed on the GPU; it now runs as two
+# loops, interior blocks first, and waits for a GPU run. `bench_blocks.py --tune` times settings.
 SCAN_INTERIOR = False
 _namespaces: dict[str, dict] = {}
 _launched: set[tuple] = set()  # (source, constexprs) already compiled in this process

@@ -197,6 +197,8 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
             scores = torch.matmul(qc, k_use.transpose(-1, -2)) * scale
             if mask.score_mod is not None and len(cols):
                 scores = evaluate_mod(mask.score_mod, score_eval, b, h, q_idx, cols, score=scores).to(dtype)
+            if not backward and not scores.is_contiguous():
+                scores = scores.contiguous()  # a score_mod may return a broadcast view: work on a copy
             if keep is not None:
                 if backward:
                     scores = scores.masked_fill(~keep, float("-inf"))

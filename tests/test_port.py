@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench import Mask, make
+from workbench import Mask, make, port
 from workbench.cli import main
 from workbench.define import WorkbenchError
 from workbench.run import Shape, make_inputs
@@ -148,3 +148,9 @@ def test_packed_documents_with_cu_seqlens_match_the_reference(tmp_path):
     torch.testing.assert_close(packed, whole, rtol=2e-5, atol=2e-6)
     with pytest.raises(WorkbenchError, match="cu_seqlens must rise from 0 to L = 300"):
         port.run_file(path, inputs.q, inputs.k, inputs.v, cu_seqlens=torch.tensor([0, 70, 200]))
+
+
+def test_a_pinned_config_outside_the_list_is_named(tmp_path):
+    q = torch.randn(1, 1, 8, 16)
+    with pytest.raises(WorkbenchError, match="config 9 is not one of the port's 6 tile configurations"):
+        port.run_file(tmp_path / "missing.py", q, q, q, config=9)

@@ -233,6 +233,10 @@ def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     process on a GPU; on a CPU in a fresh process under Triton's interpreter (the port's files
     alone, as a user would run them). `config`: pin the kernel to CONFIGS[config] instead of
     autotuning (the file's PORT_CONFIG switch), as an engine that needs fixed tiles would."""
+    if config is not None and (isinstance(config, bool) or not isinstance(config, int)
+                               or not 0 <= config < len(CONFIGS)):
+        raise WorkbenchError(f"config {config!r} is not one of the port's {len(CONFIGS)} tile configurations",
+                             f"pass an index 0..{len(CONFIGS) - 1} of workbench.port.CONFIGS, or None to autotune")
     extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     if in_process(q.device):
         module = _load_pinned(path, config)

@@ -100,3 +100,25 @@ def test_a_port_case_verifies_the_generated_kernel():
             "head_dim": 16, "dtype": "float32", "device": "cpu", "backend": "port", "task": "verify"}
     record = sweep.run_case(case)
     assert record["ok"] and record["passed"] and "(Triton port)" in record["line"]
+
+
+def test_ctrl_c_leaves_a_resumable_folder(tmp_path, monkeypatch):
+    """Interrupted after the first finished case: the error says what is saved and how to go on,
+    and --resume then runs only the rest."""
+    import ray
+
+    cases = sweep.load_sweep(EXAMPLE)[:3]
+    real_get, calls = ray.get, []
+
+    def get_then_interrupt(ref, *args, **kwargs):
+        calls.append(ref)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_get(ref, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "get", get_then_interrupt)
+    with pytest.raises(WorkbenchError, match="sweep interrupted: 1 of 3 cases are saved.*--resume"):
+        sweep.run(cases, tmp_path, num_cpus=2, progress=False)
+    monkeypatch.setattr(ray, "get", real_get)
+    frame = sweep.run(cases, tmp_path, num_cpus=2, progress=False, resume=True)
+    assert len(frame) == 3 and frame.attrs["ran"] == 2 and frame.attrs["skipped"] == 1

@@ -270,6 +270,10 @@ def run(sweep: str | Path | list[dict], out_dir: str | Path = "out/sweep", *, ad
             (done_dir / f"{key}.json").write_text(json.dumps(record, default=str))
             bar.update(1)
         bar.close()
+    except KeyboardInterrupt:  # Ctrl-C: every finished case is on disk already
+        saved = sum((done_dir / f"{k}.json").exists() for k, _ in keyed)
+        raise WorkbenchError(f"sweep interrupted: {saved} of {len(keyed)} cases are saved in {done_dir}",
+                             f"run it again with --resume (resume=True) to run the other {len(keyed) - saved}") from None
     finally:
         if started_here:
             ray.shutdown()

@@ -33,6 +33,7 @@ import html
 import inspect
 import itertools
 import json
+import math
 import time
 import traceback
 from pathlib import Path
@@ -291,11 +292,20 @@ def run(sweep: str | Path | list[dict], out_dir: str | Path = "out/sweep", *, ad
 
 # ---------------------------------------------------------------- the summary
 
+def _legend_below(ax) -> None:
+    """The legend under the axes, in columns, so it never covers a line."""
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16),
+              ncol=min(3, max(1, len(labels))), frameon=False)
+
+
 def summary_html(frame: pd.DataFrame) -> str:
     """Counts, plots (verify error by dtype x length; port speed vs Flex by mask x length) and the
     failures with their errors."""
     import base64
     import io
+
+    import matplotlib.ticker
 
     from workbench.look import ShownFigure
 
@@ -310,7 +320,7 @@ def summary_html(frame: pd.DataFrame) -> str:
                  f"{int((~ok).sum())} raised</p>")
 
     def figure(draw) -> str:
-        fig = ShownFigure(figsize=(6.4, 3.8), layout="constrained")
+        fig = ShownFigure(figsize=(6.8, 4.4), layout="constrained")
         draw(fig.subplots())
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=90)
@@ -319,15 +329,27 @@ def summary_html(frame: pd.DataFrame) -> str:
     verified = frame[(frame["task"] == "verify") & ok] if "rel_err" in frame else frame.iloc[:0]
     if len(verified):
         def draw_errors(ax):
+            from workbench.verify import TOLERANCES
+
             for (name, dtype), rows in verified.groupby(["name", "dtype"]):
                 rows = rows.sort_values("q_len")
                 ax.plot(rows["q_len"], rows["rel_err"], marker="o", label=f"{name} ({dtype})")
+            # each dtype's pass limit, so the margin shows (and the log axis spans whole decades)
+            for dtype in sorted(set(verified["dtype"]) & set(TOLERANCES)):
+                ax.axhline(TOLERANCES[dtype].rel_fro, color="#a4161a", linestyle="--", linewidth=0.9,
+                           label=f"{dtype} pass limit")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            errors = verified["rel_err"].astype(float)
+            errors = errors[errors > 0]
+            if len(errors):  # whole decades, so labelled ticks frame the points
+                top = max([errors.max()] + [TOLERANCES[d].rel_fro for d in set(verified["dtype"]) & set(TOLERANCES)])
+                ax.set_ylim(10.0 ** math.floor(math.log10(errors.min())), 2 * top)
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_xlabel("tokens")
             ax.set_ylabel("relative error vs float64")
             ax.set_title("verify: error by dtype x length", fontsize=10)
-            ax.legend(fontsize=7)
+            _legend_below(ax)
         parts.append("<h2>Verification</h2>" + figure(draw_errors))
     benched = frame[(frame["task"] == "bench") & ok] if "speed_vs_flex" in frame else frame.iloc[:0]
     if len(benched):
@@ -339,8 +361,8 @@ def summary_html(frame: pd.DataFrame) -> str:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("tokens")
             ax.set_ylabel("port speed / FlexAttention's")
-            ax.set_title("bench: the generated port vs FlexAttention", fontsize=10)
-            ax.legend(fontsize=7)
+            ax.set_title("bench: the generated port vs FlexAttention (above 1: the port is faster)", fontsize=10)
+            _legend_below(ax)
         parts.append("<h2>Speed</h2>" + figure(draw_speed))
     failures = frame[~ok | (ok & ~passed)]
     if len(failures):

@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-gpu lab venv clean
+.PHONY: demo test test-gpu bench-gpu lab venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,19 @@ test: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m gpu
+
+## every benchmark on a CUDA machine, with its own torch (not the venv's CPU build); logs in out/bench/
+BENCH := out/bench
+bench-gpu:
+	mkdir -p $(BENCH)
+	$(PYTHON) benchmarks/bench_blocks.py --lengths 8192 32768 131072 1048576 > $(BENCH)/blocks.md
+	$(PYTHON) benchmarks/bench_blocks.py --knob > $(BENCH)/knob.md
+	$(PYTHON) benchmarks/bench_blocks.py --tune --lengths 1048576 > $(BENCH)/tune.md
+	$(PYTHON) benchmarks/bench_app.py --length 32768 > $(BENCH)/app.md
+	$(PYTHON) benchmarks/bench_attention.py > $(BENCH)/attention.md
+	$(PYTHON) benchmarks/bench_port.py --lengths 8192 32768 --decode > $(BENCH)/port.md
+	$(PYTHON) benchmarks/bench_port.py --segments > $(BENCH)/segments.md
+	$(PYTHON) benchmarks/bench_verify.py --lengths 262144 1048576 > $(BENCH)/verify.md
 
 ## JupyterLab on notebooks/
 lab: $(STAMP)

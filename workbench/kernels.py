@@ -104,7 +104,7 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
             # blocks wholly inside Lq x Lk (all but the last row and column of blocks, as a rule)
             # skip the bounds masks: each pair costs only the mask's own arithmetic and one add
             n_interior = tl.where((r + 1) * q_block <= Lq, Lk // kv_block, 0)
-            c = 0
+            c = r * 0  # a tensor from the start: a loop-carried value keeps one type
             while c < n_interior:
                 kept, head_acc, batch_acc = _count_block(
                     b, h, q_idx, q_ok, c, Lq, Lk, kv_block, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K,

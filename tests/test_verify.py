@@ -344,3 +344,30 @@ def test_in_place_forward_softmax_equals_the_plain_one():
     assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12)
     assert torch.equal(dead, torch.isneginf(lse)) and bool(dead[1, 2, 4]) and int(dead.sum()) == 1
     assert torch.allclose(got_lse[~dead], lse[~dead], rtol=1e-12) and not torch.isnan(out).any()
+
+
+def test_a_shrinking_chunk_reuses_its_mask_and_gqa_copies_only_kept_keys(monkeypatch):
+    """Causal rows keep more keys as they go, so the reference's chunks shrink: it must evaluate
+    the mask_mod once per chunk it computes (not again for the smaller chunk), and still equal the
+    dense reference -- here with grouped-query heads and a mod that ignores q_idx."""
+    import workbench.verify as V
+
+    evaluations, chunks = [], []
+    real_eval, real_softmax = V.evaluate_mod, V._softmax_times_v
+    monkeypatch.setattr(V, "evaluate_mod", lambda *a, **k: (evaluations.append(1) if k.get("score") is None
+                                                             else None, real_eval(*a, **k))[1])
+    monkeypatch.setattr(V, "_softmax_times_v", lambda *a: (chunks.append(1), real_softmax(*a))[1])
+
+    def first_keys(b, h, q_idx, kv_idx):
+        return kv_idx < 300
+
+    for mod in (first_keys, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx):
+        mask = Mask("m", mask_mod=mod)
+        shape = Shape(batch=2, q_heads=4, kv_heads=2, q_len=700, kv_len=900, head_dim=8)
+        inputs = make_inputs(shape, "float32", seed=0)
+        evaluations.clear(), chunks.clear()
+        sparse = reference_attention(mask, inputs, memory_budget=8 << 20)
+        assert len(evaluations) == len(chunks) >= 5  # several chunks, one evaluation each
+        dense = reference_attention(mask, inputs, memory_budget=1 << 30, sparse=False)
+        torch.testing.assert_close(sparse.out, dense.out, rtol=1e-12, atol=1e-12)
+        assert torch.equal(torch.isneginf(sparse.lse), torch.isneginf(dense.lse))

@@ -174,10 +174,7 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
     while q0 < stop:
         q1 = min(stop, q0 + step)
         q_idx = torch.arange(q0, q1, device=device, dtype=torch.int32)
-        qc = inputs.q[:, :, q0:q1].detach().to(device, dtype).requires_grad_(backward)
         with torch.set_grad_enabled(backward):
-            k_full = k.repeat_interleave(group, dim=1) if group > 1 else k
-            v_full = v.repeat_interleave(group, dim=1) if group > 1 else v
             keep, sel = None, slice(0, shape.kv_len)
             if mask.mask_mod is not None:
                 # the mask_mod itself says which keys this chunk keeps (never the block mask under
@@ -187,12 +184,18 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
                     sel = _kept_columns(keep)
                     n_sel = len(range(shape.kv_len)[sel]) if isinstance(sel, slice) else len(sel)
                     fit = max(1, budget // (score_bytes_per_key * max(1, n_sel)))
-                    if q1 - q0 > fit:  # these rows keep more keys than the last ones: fewer rows
-                        step = fit
-                        continue
+                    if q1 - q0 > fit:  # these rows keep more keys than the last ones: take fewer of them
+                        q1, q_idx = q0 + fit, q_idx[:fit]
+                        if keep.shape[-2] > 1:  # (a mod that ignores q_idx gives one broadcast row)
+                            keep = keep.narrow(-2, 0, fit)
+                        sel = _kept_columns(keep)  # (fewer rows keep no more keys: it still fits)
                     keep = _take(keep, sel, -1)
+            qc = inputs.q[:, :, q0:q1].detach().to(device, dtype).requires_grad_(backward)
             cols = _take(kv, sel, 0)
-            k_use, v_use = _take(k_full, sel, 2), _take(v_full, sel, 2)
+            # grouped-query attention: each kv head serves `group` query heads (only the kept keys are copied)
+            k_use, v_use = _take(k, sel, 2), _take(v, sel, 2)
+            if group > 1:
+                k_use, v_use = k_use.repeat_interleave(group, dim=1), v_use.repeat_interleave(group, dim=1)
             pairs_computed += (q1 - q0) * len(cols)
             scores = torch.matmul(qc, k_use.transpose(-1, -2)) * scale
             if mask.score_mod is not None and len(cols):

@@ -135,6 +135,11 @@ def test_fields_show_the_masks_real_heads_and_parameters():
     app.wait()  # drawn on a background thread
     assert app.shown["Block map (all panels)"][:4] == b"\x89PNG"  # every head, side by side
     assert app.panels_image.value[:4] == b"\x89PNG" and app.panels_image.layout.display == ""
+    app.param_widgets["windows"].value = "[0, 2]"  # a window of 0: an error, shown
+    assert app.mask is None and app.panels_image.layout.display == "none"  # no stale picture under it
+    app.param_widgets["windows"].value = ""
+    app.wait()
+    assert app.panels_image.layout.display == ""
     app.picker.value = "causal"
     assert not app.heads.disabled and "same for every head" in app.status.value
     app.wait()

@@ -243,6 +243,7 @@ class Workbench:
         except Exception as exc:  # user code: show it, keep the app alive
             self.mask, self.scan = None, None
             self._show_error(exc)
+            self.panels_image.layout.display = "none"  # no picture of the mask that was before
         # draw the tab on screen now; the others when they are opened
         self._stale = {"Block map", "Stats", "Token zoom", "Scores"}
         self._draw_tab(TABS[self.tabs.selected_index or 0])

@@ -25,10 +25,12 @@ from workbench.define import Mask, cdiv, same_device
 # the generated function; {ptrs} stands for its table pointers.
 _SCAN_KERNEL = '''
 @triton.jit
-def _count_block(b, h, q_idx, q_ok, c, Lq, Lk, kv_block, head_acc, batch_acc{ptrs},
-                 SUB_Q: tl.constexpr, SUB_K: tl.constexpr, DIFF_HEAD: tl.constexpr, DIFF_BATCH: tl.constexpr,
-                 BOUNDED: tl.constexpr):
-    # kept pairs of block column c for this slice of query rows, as SUB_Q x SUB_K lane sums; with
+def _scan_block(b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_ptr, bh, n_rows, n_cols,
+                row_kept, full_blocks, empty_blocks, head_acc, batch_acc{ptrs},
+                SUB_Q: tl.constexpr, SUB_K: tl.constexpr, N_SUB_Q: tl.constexpr, KEEP_COUNTS: tl.constexpr,
+                DIFF_HEAD: tl.constexpr, DIFF_BATCH: tl.constexpr, BOUNDED: tl.constexpr):
+    # block (r, c) for this slice of query rows: its kept pairs as SUB_Q x SUB_K lane sums, then its
+    # count (stored, or added to when its rows come in slices), its rows' counts and its class. With
     # BOUNDED, pairs past Lq / Lk or the block's edge are masked out (indices clamped so table reads
     # stay in bounds); without, the block must lie wholly inside Lq x Lk
     kept = tl.zeros([SUB_Q, SUB_K], tl.int32)
@@ -55,13 +57,6 @@ def _count_block(b, h, q_idx, q_ok, c, Lq, Lk, kv_block, head_acc, batch_acc{ptr
             if BOUNDED:
                 other = other & inside
             batch_acc += (keep != other).to(tl.int32)
-    return kept, head_acc, batch_acc
-
-
-@triton.jit
-def _finish_block(kept, row_kept, full_blocks, empty_blocks, counts_ptr, bh, n_rows, n_cols, r, c, full_count,
-                  SUB_Q: tl.constexpr, N_SUB_Q: tl.constexpr, KEEP_COUNTS: tl.constexpr):
-    # the block's count (stored, or added to when its rows come in slices), its rows' counts and class
     kept_by_row = tl.sum(kept, axis=1)
     block_kept = tl.sum(kept_by_row, axis=0)
     if KEEP_COUNTS:
@@ -74,7 +69,7 @@ def _finish_block(kept, row_kept, full_blocks, empty_blocks, counts_ptr, bh, n_r
         lane0 = tl.arange(0, SUB_Q) == 0
         full_blocks += (lane0 & (block_kept == full_count)).to(tl.int32)
         empty_blocks += (lane0 & (block_kept == 0)).to(tl.int32)
-    return row_kept + kept_by_row, full_blocks, empty_blocks
+    return row_kept + kept_by_row, full_blocks, empty_blocks, head_acc, batch_acc
 
 
 {jit}
@@ -106,29 +101,23 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
             n_interior = tl.where((r + 1) * q_block <= Lq, Lk // kv_block, 0)
             c = r * 0  # a tensor from the start: a loop-carried value keeps one type
             while c < n_interior:
-                kept, head_acc, batch_acc = _count_block(
-                    b, h, q_idx, q_ok, c, Lq, Lk, kv_block, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K,
+                row_kept, full_blocks, empty_blocks, head_acc, batch_acc = _scan_block(
+                    b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_ptr, bh, n_rows, n_cols, row_kept,
+                    full_blocks, empty_blocks, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K, N_SUB_Q, KEEP_COUNTS,
                     DIFF_HEAD, DIFF_BATCH, BOUNDED=False)
-                row_kept, full_blocks, empty_blocks = _finish_block(
-                    kept, row_kept, full_blocks, empty_blocks, counts_ptr, bh, n_rows, n_cols, r, c, full_count,
-                    SUB_Q, N_SUB_Q, KEEP_COUNTS)
                 c += 1
             while c < n_cols:
-                kept, head_acc, batch_acc = _count_block(
-                    b, h, q_idx, q_ok, c, Lq, Lk, kv_block, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K,
+                row_kept, full_blocks, empty_blocks, head_acc, batch_acc = _scan_block(
+                    b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_ptr, bh, n_rows, n_cols, row_kept,
+                    full_blocks, empty_blocks, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K, N_SUB_Q, KEEP_COUNTS,
                     DIFF_HEAD, DIFF_BATCH, BOUNDED=True)
-                row_kept, full_blocks, empty_blocks = _finish_block(
-                    kept, row_kept, full_blocks, empty_blocks, counts_ptr, bh, n_rows, n_cols, r, c, full_count,
-                    SUB_Q, N_SUB_Q, KEEP_COUNTS)
                 c += 1
         else:
             for c in range(0, n_cols):
-                kept, head_acc, batch_acc = _count_block(
-                    b, h, q_idx, q_ok, c, Lq, Lk, kv_block, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K,
+                row_kept, full_blocks, empty_blocks, head_acc, batch_acc = _scan_block(
+                    b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_ptr, bh, n_rows, n_cols, row_kept,
+                    full_blocks, empty_blocks, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K, N_SUB_Q, KEEP_COUNTS,
                     DIFF_HEAD, DIFF_BATCH, BOUNDED=True)
-                row_kept, full_blocks, empty_blocks = _finish_block(
-                    kept, row_kept, full_blocks, empty_blocks, counts_ptr, bh, n_rows, n_cols, r, c, full_count,
-                    SUB_Q, N_SUB_Q, KEEP_COUNTS)
         tl.store(rows_ptr + bh * Lq + q_idx, row_kept, mask=q_ok)
         head_diff += tl.sum(head_acc, axis=1).to(tl.int64)
         batch_diff += tl.sum(batch_acc, axis=1).to(tl.int64)

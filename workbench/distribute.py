@@ -86,6 +86,25 @@ def _start_ray(workers: int, gpu: bool, address: str | None):
     return ray, started
 
 
+def _share(ray, mask: Mask, inputs: Inputs, grad_out: bool):
+    """The mask and the inputs (on the host) put in Ray's object store once, for every worker."""
+    _send_by_value(mask)
+    on_cpu = Inputs(q=inputs.q.cpu(), k=inputs.k.cpu(), v=inputs.v.cpu(), shape=inputs.shape, dtype=inputs.dtype,
+                    seed=inputs.seed,
+                    grad_out=inputs.grad_out.cpu() if grad_out and inputs.grad_out is not None else None)
+    return ray.put(mask), ray.put(on_cpu)
+
+
+def _joined(pieces: list[Reference], ranges: list[tuple[int, int]], q_len: int, seconds: float, **rows) -> Reference:
+    """One Reference from the pieces of consecutive row ranges; `rows`: its out, lse and grads."""
+    return Reference(
+        **rows, dtype=pieces[0].dtype, seconds=seconds, chunk=min(p.chunk for p in pieces),
+        fully_masked_rows=sum(p.fully_masked_rows for p in pieces),
+        masked_row_examples=[e for p in pieces for e in p.masked_row_examples][:8],
+        nan_pairs=[e for p in pieces for e in p.nan_pairs][:4], nan_outputs=sum(p.nan_outputs for p in pieces),
+        computed_fraction=sum(p.computed_fraction * (b - a) for p, (a, b) in zip(pieces, ranges)) / q_len)
+
+
 class RowsWorker:
     """A Ray actor: q, k, v and the mask on its device once, then any number of row ranges."""
 
@@ -122,10 +141,7 @@ def compare_on_ray(mask: Mask, inputs: Inputs, out: torch.Tensor, lse: torch.Ten
 
     t0 = time.perf_counter()
     try:
-        _send_by_value(mask)
-        on_cpu = Inputs(q=inputs.q.cpu(), k=inputs.k.cpu(), v=inputs.v.cpu(), shape=inputs.shape, dtype=inputs.dtype,
-                        seed=inputs.seed)
-        shared_inputs, shared_mask = ray.put(on_cpu), ray.put(mask)
+        shared_mask, shared_inputs = _share(ray, mask, inputs, grad_out=False)
         actor = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1, max_restarts=1, max_task_retries=1)(RowsWorker)
         pool = [actor.remote(shared_mask, shared_inputs, dtype, memory_budget, "cuda" if gpu else "cpu")
                 for _ in range(workers)]
@@ -156,14 +172,8 @@ def compare_on_ray(mask: Mask, inputs: Inputs, out: torch.Tensor, lse: torch.Ten
             ray.shutdown()
     results.sort(key=lambda r: r[0][0])
     merged = [merge_checks([(r[1][i], r[0][0]) for r in results]) for i in range(len(results[0][1]))]
-    pieces = [r[2] for r in results]
-    rows = [r[0][1] - r[0][0] for r in results]
-    return merged, Reference(
-        out=None, lse=None, grads={}, dtype=pieces[0].dtype, seconds=time.perf_counter() - t0,
-        chunk=min(p.chunk for p in pieces), fully_masked_rows=sum(p.fully_masked_rows for p in pieces),
-        masked_row_examples=[e for p in pieces for e in p.masked_row_examples][:8],
-        nan_pairs=[e for p in pieces for e in p.nan_pairs][:4], nan_outputs=sum(p.nan_outputs for p in pieces),
-        computed_fraction=sum(p.computed_fraction * n for p, n in zip(pieces, rows)) / inputs.shape.q_len)
+    return merged, _joined([r[2] for r in results], [r[0] for r in results], inputs.shape.q_len,
+                           time.perf_counter() - t0, out=None, lse=None, grads={})
 
 
 def reference_on_ray(mask: Mask, inputs: Inputs, workers: int, *, backward: bool = False,
@@ -176,10 +186,7 @@ def reference_on_ray(mask: Mask, inputs: Inputs, workers: int, *, backward: bool
 
     t0 = time.perf_counter()
     try:
-        _send_by_value(mask)
-        on_cpu = Inputs(q=inputs.q.cpu(), k=inputs.k.cpu(), v=inputs.v.cpu(), shape=inputs.shape, dtype=inputs.dtype,
-                        seed=inputs.seed, grad_out=None if inputs.grad_out is None else inputs.grad_out.cpu())
-        shared_inputs, shared_mask = ray.put(on_cpu), ray.put(mask)
+        shared_mask, shared_inputs = _share(ray, mask, inputs, grad_out=True)
         task = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1, max_retries=1)(_rows_on_worker)
         ranges = row_ranges(inputs.shape.q_len, workers * RANGES_PER_WORKER)
         futures = {task.remote(shared_mask, shared_inputs, r, backward, dtype, memory_budget,
@@ -201,11 +208,6 @@ def reference_on_ray(mask: Mask, inputs: Inputs, workers: int, *, backward: bool
     for name in pieces[0].grads:
         parts = [p.grads[name] for p in pieces]
         grads[name] = (torch.cat(parts, dim=2) if name == "dq" else torch.stack(parts).sum(0)).to(device)
-    rows = [r[1] - r[0] for r in ranges]
-    return Reference(
-        out=torch.cat([p.out for p in pieces], dim=2).to(device), lse=torch.cat([p.lse for p in pieces], dim=2).to(device),
-        grads=grads, dtype=pieces[0].dtype, seconds=time.perf_counter() - t0, chunk=min(p.chunk for p in pieces),
-        fully_masked_rows=sum(p.fully_masked_rows for p in pieces),
-        masked_row_examples=[e for p in pieces for e in p.masked_row_examples][:8],
-        nan_pairs=[e for p in pieces for e in p.nan_pairs][:4], nan_outputs=sum(p.nan_outputs for p in pieces),
-        computed_fraction=sum(p.computed_fraction * n for p, n in zip(pieces, rows)) / inputs.shape.q_len)
+    return _joined(pieces, ranges, inputs.shape.q_len, time.perf_counter() - t0,
+                   out=torch.cat([p.out for p in pieces], dim=2).to(device),
+                   lse=torch.cat([p.lse for p in pieces], dim=2).to(device), grads=grads)

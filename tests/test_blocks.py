@@ -254,8 +254,10 @@ def test_forward_only_block_mask_drops_the_q_side_and_still_runs():
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=ours), flex_attention(q, k, v, block_mask=ref))
 
 
-def test_auto_engine_compiles_only_where_it_pays_off(monkeypatch):
-    """Below the cold threshold a first scan stays eager; the same mod asked again gets the kernel."""
+@pytest.fixture
+def fake_scan_kernel(monkeypatch):
+    """A CPU stand-in for the fused scan: every mod "translates", and a launch (recorded by its
+    q_len in the returned list) gives the eager tiles' counts. Thresholds shrink to small sizes."""
     from workbench import blocks, kernels
 
     launches = []
@@ -266,53 +268,13 @@ def test_auto_engine_compiles_only_where_it_pays_off(monkeypatch):
     def fake_block_scan(kernel, q_len, kv_len, q_block, kv_block, batch, heads, diff_head, diff_batch,
                         keep_counts, device):
         launches.append(q_len)
-        scan = scan_blocks(mask, q_len, kv_len, engine="eager")
+        scan = scan_blocks(make("causal"), q_len, kv_len, engine="eager")
         zero = torch.zeros(1, 1, dtype=torch.int64)
         return dict(counts=scan.counts, row_kept=scan.row_kept, head_diff=zero, batch_diff=zero,
                     full=scan.full_blocks, empty=scan.empty_blocks, tile=(1, 1))
 
-    mask = make("causal")
     monkeypatch.setattr(kernels, "available", lambda device: True)
     monkeypatch.setattr(kernels, "block_scan", fake_block_scan)
-    monkeypatch.setattr(blocks, "TRITON_ABOVE_PAIRS", 256 * 256)
-    monkeypatch.setattr(blocks, "TRITON_COLD_ABOVE_PAIRS", 512 * 512)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernels.forget()
-    monkeypatch.setattr(kernels, "scan_kernel", lambda mod, device: (
-        kernels._requests.update({"fake": 1}), FakeKernel())[1])
-    assert scan_blocks(mask, 200, 200).engine == "eager"            # below TRITON_ABOVE_PAIRS
-    assert scan_blocks(mask, 300, 300).engine == "eager" and not launches  # first ask, small: eager
-    assert scan_blocks(mask, 300, 300).engine == "triton"     # asked again: compile
-    assert scan_blocks(mask, 600, 600).engine == "triton"     # past the cold threshold
-    assert launches == [300, 600]
-    kernels.forget()
-
-
-def test_background_compile_keeps_scans_off_the_compile(monkeypatch):
-    """The app's scans (background_compile=True): a new mod is scanned eagerly while its kernel
-    compiles on the side, asking again never compiles in the scan, and once compiled the kernel
-    serves from TRITON_WARM_ABOVE_PAIRS on."""
-    from workbench import blocks, kernels
-
-    launches, background = [], []
-
-    class FakeKernel:
-        source = "fake"
-
-    def fake_block_scan(kernel, q_len, kv_len, q_block, kv_block, batch, heads, diff_head, diff_batch,
-                        keep_counts, device):
-        launches.append(q_len)
-        scan = scan_blocks(mask, q_len, kv_len, engine="eager")
-        zero = torch.zeros(1, 1, dtype=torch.int64)
-        return dict(counts=scan.counts, row_kept=scan.row_kept, head_diff=zero, batch_diff=zero,
-                    full=scan.full_blocks, empty=scan.empty_blocks, tile=(1, 1))
-
-    compiled = set()
-    mask = make("causal")
-    monkeypatch.setattr(kernels, "available", lambda device: True)
-    monkeypatch.setattr(kernels, "block_scan", fake_block_scan)
-    monkeypatch.setattr(kernels, "is_compiled", lambda kernel, *settings: bool(compiled))
-    monkeypatch.setattr(kernels, "compile_in_background", lambda kernel, *args: background.append(args))
     monkeypatch.setattr(blocks, "TRITON_WARM_ABOVE_PAIRS", 100 * 100)
     monkeypatch.setattr(blocks, "TRITON_ABOVE_PAIRS", 256 * 256)
     monkeypatch.setattr(blocks, "TRITON_COLD_ABOVE_PAIRS", 512 * 512)
@@ -320,6 +282,29 @@ def test_background_compile_keeps_scans_off_the_compile(monkeypatch):
     kernels.forget()
     monkeypatch.setattr(kernels, "scan_kernel", lambda mod, device: (
         kernels._requests.update({"fake": 1}), FakeKernel())[1])
+    yield launches
+    kernels.forget()
+
+
+def test_auto_engine_compiles_only_where_it_pays_off(fake_scan_kernel):
+    """Below the cold threshold a first scan stays eager; the same mod asked again gets the kernel."""
+    launches, mask = fake_scan_kernel, make("causal")
+    assert scan_blocks(mask, 200, 200).engine == "eager"            # below TRITON_ABOVE_PAIRS
+    assert scan_blocks(mask, 300, 300).engine == "eager" and not launches  # first ask, small: eager
+    assert scan_blocks(mask, 300, 300).engine == "triton"     # asked again: compile
+    assert scan_blocks(mask, 600, 600).engine == "triton"     # past the cold threshold
+    assert launches == [300, 600]
+
+
+def test_background_compile_keeps_scans_off_the_compile(fake_scan_kernel, monkeypatch):
+    """The app's scans (background_compile=True): a new mod is scanned eagerly while its kernel
+    compiles on the side, asking again never compiles in the scan, and once compiled the kernel
+    serves from TRITON_WARM_ABOVE_PAIRS on."""
+    from workbench import kernels
+
+    launches, mask, background, compiled = fake_scan_kernel, make("causal"), [], set()
+    monkeypatch.setattr(kernels, "is_compiled", lambda kernel, *settings: bool(compiled))
+    monkeypatch.setattr(kernels, "compile_in_background", lambda kernel, *args: background.append(args))
     assert scan_blocks(mask, 64, 64, background_compile=True).engine == "eager" and not background  # tiny
     assert scan_blocks(mask, 200, 200, background_compile=True).engine == "eager" and len(background) == 1
     assert scan_blocks(mask, 300, 300, background_compile=True).engine == "eager"  # asked again: still eager
@@ -328,7 +313,6 @@ def test_background_compile_keeps_scans_off_the_compile(monkeypatch):
     assert scan_blocks(mask, 200, 200, background_compile=True).engine == "triton"
     assert scan_blocks(mask, 200, 200).engine == "eager"  # a plain scan of this size does not translate
     assert launches == [200]
-    kernels.forget()
 
 
 def test_turning_a_knob_reuses_one_scan_kernel():

@@ -89,3 +89,19 @@ def test_rows_compared_on_workers_merge_to_the_one_piece_check(tmp_path):
     assert not checks[0].passed and checks[0].worst == {"b": 1, "h": 0, "q": 60, "d": 3}
     assert checks[1].passed
     assert ref.out is None and ref.fully_masked_rows == one.fully_masked_rows >= 97 * 2
+
+
+def test_a_worker_count_below_one_is_refused():
+    import pytest
+
+    from workbench import make
+    from workbench.define import WorkbenchError
+    from workbench.distribute import compare_on_ray
+    from workbench.verify import LSE_TOLERANCE, TOLERANCES
+
+    mask, shape = make("causal"), Shape(q_len=64, head_dim=8)
+    with pytest.raises(WorkbenchError, match="workers = 0 must be a whole number of at least 1.*Fix: pass workers >= 1"):
+        verify(mask, shape, dtype="float32", compile=False, workers=0)  # not silently computed here
+    inputs = make_inputs(shape, "float32", seed=0)
+    with pytest.raises(WorkbenchError, match="workers = -1 must be at least 1"):
+        compare_on_ray(mask, inputs, inputs.q, None, -1, TOLERANCES["float32"], LSE_TOLERANCE["float32"])

@@ -573,6 +573,9 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
     device = torch.device(device)
     dtype = dtype_name(dtype)
     check_device_dtype(device, dtype)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise WorkbenchError(f"workers = {workers!r} must be a whole number of at least 1",
+                             "pass workers >= 1 to split the reference, or None to compute it here", mask.name)
     expected = expected or mask
     reference_dtype = reference_dtype or torch.float64
     # fail before drawing inputs or compiling

@@ -99,7 +99,11 @@ def main():
     ap.add_argument("--knob-length", type=int, default=131072)
     ap.add_argument("--tune", action="store_true",
                     help="only our warm scan at --lengths under each kernel setting (interior path, warps, tile)")
+    ap.add_argument("--setting", type=int, default=0,
+                    help="scan kernel setting: an index into SETTINGS (0 = the default)")
     args = ap.parse_args()
+    for key, value in SETTINGS[args.setting].items():
+        setattr(kernels, key, value)
     if args.knob:
         knob_turning(args.knob_length)
         return
@@ -110,7 +114,7 @@ def main():
     raise_recompile_limit()
     compiled_cbm = torch.compile(create_block_mask)
     rows = []
-    print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}, scan setting {SETTINGS[args.setting]}")
     warm_up_process(device)
     header = ("| mask | tokens | ours cold s | ours 2nd s | ours warm s | ours peak GiB | torch s (warm) | torch peak GiB "
               "| torch compiled cold s | torch compiled warm s | compiled peak GiB | warm ratio torch-compiled/ours "

@@ -324,13 +324,15 @@ def test_sparse_reference_equals_dense_on_combined_masks_and_spans():
 
 
 def test_in_place_forward_softmax_equals_the_plain_one():
-    """The forward reference masks and normalises its chunk in place; it must equal the plain
-    masked softmax, with rows that keep nothing giving 0 and lse -inf (never NaN)."""
-    from workbench.verify import _mask_in_place, _softmax_times_v
+    """The forward reference masks and normalises its chunk in place, without the row-max shift
+    when the row sums allow; it must equal the plain masked softmax, with rows that keep nothing
+    giving 0 and lse -inf (never NaN), and hand back rows whose scores need the shift."""
+    from workbench.verify import _mask_in_place, _shifted_softmax_times_v, _softmax_times_v
 
     g = torch.Generator().manual_seed(3)
     scores = torch.randn(2, 3, 9, 40, dtype=torch.float64, generator=g)
     v = torch.randn(2, 3, 40, 8, dtype=torch.float64, generator=g)
+    v_ones = torch.cat([v, torch.ones(2, 3, 40, 1, dtype=torch.float64), torch.zeros(2, 3, 40, 7, dtype=torch.float64)], -1)
     q = torch.arange(9)[:, None] + 20
     kv = torch.arange(40)[None, :]
     keep = ((kv <= q) & (kv > q - 12)).expand(2, 3, 9, 40).clone()
@@ -338,12 +340,39 @@ def test_in_place_forward_softmax_equals_the_plain_one():
     plain = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(plain, -1)
     expected = torch.nan_to_num(torch.softmax(plain, -1), nan=0.0) @ v
-    work = scores.clone()
-    _mask_in_place(work, keep)
-    out, got_lse, dead = _softmax_times_v(work, v)
-    assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12)
-    assert torch.equal(dead, torch.isneginf(lse)) and bool(dead[1, 2, 4]) and int(dead.sum()) == 1
-    assert torch.allclose(got_lse[~dead], lse[~dead], rtol=1e-12) and not torch.isnan(out).any()
+    for softmax in ("unshifted", "shifted"):
+        work = scores.clone()
+        _mask_in_place(work, keep)
+        if softmax == "unshifted":
+            out, got_lse, dead = _softmax_times_v(work, v_ones, 8, keep)
+        else:
+            out, got_lse, dead = _shifted_softmax_times_v(work, v)
+        assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12)
+        assert torch.equal(dead, torch.isneginf(lse)) and bool(dead[1, 2, 4]) and int(dead.sum()) == 1
+        assert torch.allclose(got_lse[~dead], lse[~dead], rtol=1e-12) and not torch.isnan(out).any()
+    # a row whose scores overflow exp, or all underflow it, is handed back for the shifted path
+    for shift in (800.0, -800.0):
+        work = scores.clone()
+        work[0, 1, 3] += shift
+        _mask_in_place(work, keep)
+        assert _softmax_times_v(work, v_ones, 8, keep) is None
+
+
+def test_reference_with_scores_beyond_exp_range_equals_the_plain_softmax():
+    """Inputs large enough that scores leave exp's range (|s| in the thousands): the reference
+    must notice and take the shifted path, still equal to a plain float64 softmax, never inf/NaN."""
+    shape = Shape(batch=1, q_heads=2, q_len=70, kv_len=90, head_dim=8)
+    inputs = make_inputs(shape, "float32", seed=1)
+    inputs.q.mul_(40.0)
+    inputs.k.mul_(40.0)
+    mask = Mask("causal_offset", mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + 20)
+    ref = reference_attention(mask, inputs, memory_budget=2 * 90 * 8 * 8 * 3 * 5)
+    s = (inputs.q.double() @ inputs.k.double().transpose(-1, -2)) / math.sqrt(8)
+    assert s.abs().max() > 1000
+    keep = torch.arange(90)[None, :] <= torch.arange(70)[:, None] + 20
+    s = s.masked_fill(~keep, float("-inf"))
+    torch.testing.assert_close(ref.out, torch.softmax(s, -1) @ inputs.v.double(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ref.lse, torch.logsumexp(s, -1), rtol=1e-12, atol=1e-12)
 
 
 def test_a_shrinking_chunk_reuses_its_mask_and_gqa_copies_only_kept_keys(monkeypatch):

@@ -149,6 +149,13 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
     learn = learnable_tensors(mask) if backward else {}
     k = inputs.k.detach().to(device, dtype).requires_grad_(backward)
     v = inputs.v.detach().to(device, dtype).requires_grad_(backward)
+    v_ones = None
+    if not backward:  # v and a column of ones: one product gives each row's output and its sum
+        width = -(-(shape.head_dim + 1) // 8) * 8  # (padded with zeros to keep rows aligned)
+        v_ones = torch.zeros(*v.shape[:-1], width, dtype=dtype, device=device)
+        v_ones[..., :shape.head_dim] = v
+        v_ones[..., shape.head_dim] = 1
+        v = None
     first, stop = rows or (0, shape.q_len)
     if not 0 <= first < stop <= shape.q_len:
         raise WorkbenchError(f"rows {rows} are not a range of the {shape.q_len} query rows", "pass (start, stop)",
@@ -193,20 +200,28 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
             qc = inputs.q[:, :, q0:q1].detach().to(device, dtype).requires_grad_(backward)
             cols = _take(kv, sel, 0)
             # grouped-query attention: each kv head serves `group` query heads (only the kept keys are copied)
-            k_use, v_use = _take(k, sel, 2), _take(v, sel, 2)
+            k_use, v_use = _take(k, sel, 2), _take(v_ones if v_ones is not None else v, sel, 2)
             if group > 1:
                 k_use, v_use = k_use.repeat_interleave(group, dim=1), v_use.repeat_interleave(group, dim=1)
             pairs_computed += (q1 - q0) * len(cols)
-            scores = torch.matmul(qc, k_use.transpose(-1, -2)) * scale
-            if mask.score_mod is not None and len(cols):
-                scores = evaluate_mod(mask.score_mod, score_eval, b, h, q_idx, cols, score=scores).to(dtype)
-            if not backward and not scores.is_contiguous():
-                scores = scores.contiguous()  # a score_mod may return a broadcast view: work on a copy
-            if keep is not None:
+
+            def chunk_scores():
                 if backward:
-                    scores = scores.masked_fill(~keep, float("-inf"))
-                else:
-                    _mask_in_place(scores, keep)
+                    s = torch.matmul(qc, k_use.transpose(-1, -2)) * scale
+                else:  # scaling the chunk's queries saves a pass over its scores
+                    s = torch.matmul(qc * scale, k_use.transpose(-1, -2))
+                if mask.score_mod is not None and len(cols):
+                    s = evaluate_mod(mask.score_mod, score_eval, b, h, q_idx, cols, score=s).to(dtype)
+                if not backward and not s.is_contiguous():
+                    s = s.contiguous()  # a score_mod may return a broadcast view: work on a copy
+                if keep is not None:
+                    if backward:
+                        s = s.masked_fill(~keep, float("-inf"))
+                    else:
+                        _mask_in_place(s, keep)
+                return s
+
+            scores = chunk_scores()
             if len(nan_pairs) < 4 and mask.score_mod is not None:  # from finite inputs only a score_mod makes NaN
                 bad = torch.isnan(scores.detach())
                 if bad.any():
@@ -219,7 +234,10 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
                 probs = torch.exp(scores - torch.where(dead, 0.0, row_lse).unsqueeze(-1))
                 out_c = torch.matmul(probs, v_use)
             else:
-                out_c, row_lse, dead = _softmax_times_v(scores, v_use)
+                done = _softmax_times_v(scores, v_use, shape.head_dim, keep)
+                if done is None:  # a row's sum left the range where exp needs no shift: scores again, shifted
+                    done = _shifted_softmax_times_v(chunk_scores(), v_use[..., :shape.head_dim])
+                out_c, row_lse, dead = done
         if backward:
             targets = [qc, k, v, *learn.values()]
             got = torch.autograd.grad(out_c, targets, inputs.grad_out[:, :, q0:q1].to(device, dtype), allow_unused=True)
@@ -263,9 +281,43 @@ def _mask_in_place(scores: torch.Tensor, keep: torch.Tensor) -> None:
         scores[..., a:b].masked_fill_(~keep[..., a:b], float("-inf"))
 
 
-def _softmax_times_v(scores: torch.Tensor, v: torch.Tensor):
-    """(softmax(scores) @ v, logsumexp, rows keeping nothing), working on `scores` in place: no
-    copy of the chunk's scores is made, so chunks can be larger (forward only)."""
+def _sum_range(dtype: torch.dtype) -> tuple[float, float]:
+    """Row sums of exp(scores) in this range came from no overflowing term and a largest term that
+    is a normal number, with room for 2^24 keys: the unshifted softmax is exact to rounding."""
+    info = torch.finfo(dtype)
+    return info.tiny * 2.0 ** 40, info.max / 2.0 ** 40
+
+
+def _softmax_times_v(scores: torch.Tensor, v_ones: torch.Tensor, head_dim: int, keep: torch.Tensor | None):
+    """(softmax(scores) @ v, logsumexp, rows keeping nothing), or None when some row needs the
+    shifted softmax. Works on `scores` in place (forward only) and in two passes over them: exp
+    without subtracting the row max (in float64 exp(s) is exact to rounding for |s| < 700; random
+    inputs give |s| of a few units), then one product with `v_ones` (v, then a column of ones),
+    which gives each row's output and its sum. A sum outside `_sum_range`, or a non-finite output,
+    means that row needs the shift, unless the row keeps no key (its sum is then exactly 0)."""
+    scores.exp_()
+    product = torch.matmul(scores, v_ones)
+    total, out = product[..., head_dim], product[..., :head_dim]
+    low, high = _sum_range(scores.dtype)
+    odd = ~((total >= low) & (total <= high)) | ~torch.isfinite(out).all(-1)
+    dead = torch.zeros_like(odd)
+    if bool(odd.any()):
+        if keep is None:
+            return None
+        base = _one_entry(keep)
+        keeps_some = base.any(-1) if base.shape[-1] else torch.zeros(base.shape[:-1], dtype=torch.bool,
+                                                                     device=base.device)
+        if bool((odd & keeps_some).any()):
+            return None
+        dead = odd  # rows that keep no key: their product is exactly 0, so out = 0
+    out = out / torch.where(dead, 1.0, total).unsqueeze(-1)
+    lse = torch.where(dead, float("-inf"), torch.log(total))
+    return out, lse, dead
+
+
+def _shifted_softmax_times_v(scores: torch.Tensor, v: torch.Tensor):
+    """(softmax(scores) @ v, logsumexp, rows keeping nothing) with the row max subtracted first,
+    for rows whose scores are too large or too small for `_softmax_times_v`; in place."""
     row_max = scores.amax(dim=-1, keepdim=True) if scores.shape[-1] else \
         scores.new_full((*scores.shape[:-1], 1), float("-inf"))
     dead = torch.isneginf(row_max.squeeze(-1))

@@ -6,6 +6,7 @@ Prints one line per mismatch and "ALL EQUAL" at the end when there is none.
 """
 
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -65,6 +66,8 @@ def run_cases(masks, cases, device, label="") -> int:
                 problem = compare(mask, q_len, kv_len, heads, batch, block, device)
             except Exception as exc:  # e.g. the scan's spot check refusing the kernel's counts
                 problem = f"{type(exc).__name__}: {str(exc)[:300]}"
+                if not failures:  # the first one in full: on a GPU later ones may only echo it
+                    traceback.print_exc()
             if problem:
                 failures += 1
                 print(f"MISMATCH{label} {mask.name} {q_len}x{kv_len} heads={heads} batch={batch} block={block}: "

@@ -400,3 +400,18 @@ def test_a_shrinking_chunk_reuses_its_mask_and_gqa_copies_only_kept_keys(monkeyp
         dense = reference_attention(mask, inputs, memory_budget=1 << 30, sparse=False)
         torch.testing.assert_close(sparse.out, dense.out, rtol=1e-12, atol=1e-12)
         assert torch.equal(torch.isneginf(sparse.lse), torch.isneginf(dense.lse))
+
+
+def test_long_k_product_split_into_pieces_equals_the_plain_one(monkeypatch):
+    """The forward reference's probabilities-times-v product over a long key axis runs as pieces
+    summed (on CUDA); the split form must equal the plain product, with a remainder piece."""
+    import workbench.verify as V
+
+    g = torch.Generator().manual_seed(5)
+    p = torch.rand(1, 3, 7, 8 * 37 + 5, dtype=torch.float64, generator=g)
+    v = torch.randn(1, 3, 8 * 37 + 5, 16, dtype=torch.float64, generator=g)
+    monkeypatch.setattr(V, "SPLIT_K_PIECE", 8)
+    got = V._matmul_long_k(p, v, split=True)  # (by default on CUDA only)
+    torch.testing.assert_close(got, p @ v, rtol=1e-13, atol=1e-13)
+    gqa = V._matmul_long_k(p, v[:, :1].expand(1, 3, *v.shape[2:]), split=True)  # broadcast v: the plain product
+    torch.testing.assert_close(gqa, p @ v[:, :1], rtol=1e-13, atol=1e-13)

@@ -296,7 +296,7 @@ def _softmax_times_v(scores: torch.Tensor, v_ones: torch.Tensor, head_dim: int, 
     which gives each row's output and its sum. A sum outside `_sum_range`, or a non-finite output,
     means that row needs the shift, unless the row keeps no key (its sum is then exactly 0)."""
     scores.exp_()
-    product = torch.matmul(scores, v_ones)
+    product = _matmul_long_k(scores, v_ones)
     total, out = product[..., head_dim], product[..., :head_dim]
     low, high = _sum_range(scores.dtype)
     odd = ~((total >= low) & (total <= high)) | ~torch.isfinite(out).all(-1)
@@ -313,6 +313,33 @@ def _softmax_times_v(scores: torch.Tensor, v_ones: torch.Tensor, head_dim: int, 
     out = out / torch.where(dead, 1.0, total).unsqueeze(-1)
     lse = torch.where(dead, float("-inf"), torch.log(total))
     return out, lse, dead
+
+
+# A product over a long K with few output tiles (a chunk's probabilities times v: a few hundred
+# rows, head_dim columns, up to millions of keys) leaves most of a GPU idle; cut K into pieces
+# of this many keys, multiplied as one batch and summed.
+SPLIT_K_PIECE = 8192
+
+
+def _matmul_long_k(p: torch.Tensor, v: torch.Tensor, split: bool | None = None) -> torch.Tensor:
+    """p @ v for p (..., M, K) and v (..., K, N) broadcast-free, split along K when K is long
+    (`split`: None = on CUDA only)."""
+    *lead, m, k = p.shape
+    n = v.shape[-1]
+    pieces = k // SPLIT_K_PIECE
+    if not (p.device.type == "cuda" if split is None else split) or pieces < 4 or not p.is_contiguous() or tuple(v.shape[:-2]) != tuple(lead):
+        return torch.matmul(p, v)
+    p3, v3 = p.reshape(-1, m, k), v.reshape(-1, k, n)
+    out = torch.empty(p3.shape[0], m, n, dtype=p.dtype, device=p.device)
+    split = pieces * SPLIT_K_PIECE
+    for i in range(p3.shape[0]):
+        # piece j of every row: columns [j * SPLIT_K_PIECE, (j + 1) * SPLIT_K_PIECE), a strided view
+        rows = p3[i].as_strided((pieces, m, SPLIT_K_PIECE), (SPLIT_K_PIECE, k, 1))
+        keys = v3[i, :split].reshape(pieces, SPLIT_K_PIECE, n)
+        torch.sum(torch.bmm(rows, keys), dim=0, out=out[i])
+        if split < k:
+            out[i] += p3[i, :, split:] @ v3[i, split:]
+    return out.reshape(*lead, m, n)
 
 
 def _shifted_softmax_times_v(scores: torch.Tensor, v: torch.Tensor):

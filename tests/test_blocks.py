@@ -342,3 +342,22 @@ def test_a_number_that_steers_python_stays_a_constant():
     assert lift_scalars(factory(20), "cpu") == (None, {})
     twin, lifted = lift_scalars(make("causal_sliding_window", {"window": 7}).mask_mod, "cpu")
     assert set(lifted) == {"window", "offset"} and int(lifted["window"]) == 7
+
+
+def test_lifting_probes_only_inside_the_lengths():
+    """A per-token table sized for the problem, read at q_idx + offset (a bottom-right document
+    mask at Lq < Lk): the probes that check the lifted mod must stay inside Lq x Lk. (On a GPU a
+    read past the table is a device-side assert that poisons the process; here it raises.)"""
+    from workbench.define import lift_scalars
+
+    def bottom_right_documents(q_len, kv_len):
+        document_id = torch.arange(kv_len) // 40
+        offset = kv_len - q_len
+
+        def documents(b, h, q_idx, kv_idx):
+            pos = q_idx + offset
+            return (document_id[pos] == document_id[kv_idx]) & (pos >= kv_idx)
+        return documents
+
+    twin, lifted = lift_scalars(bottom_right_documents(200, 333), "cpu", 200, 333)
+    assert set(lifted) == {"offset"} and int(lifted["offset"]) == 133

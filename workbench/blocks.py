@@ -266,7 +266,7 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
         engine is None and geometry.pairs >= triton_from and kernels.available(device)))
     if triton_ok:
         try:
-            kernel = kernels.scan_kernel(mask_mod, device)
+            kernel = kernels.scan_kernel(mask_mod, device, q_len, kv_len)
         except Exception as exc:  # a mod that does not translate
             if engine == "triton":
                 raise WorkbenchError(f"the Triton block scan is not usable for this mod: {exc}",

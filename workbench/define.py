@@ -692,12 +692,14 @@ def captured_scalars(fn: Callable | None) -> dict[str, object]:
     return {k: v for k, v in _closure(fn).items() if isinstance(v, (bool, int, float))}
 
 
-def lift_scalars(fn: Callable | None, device) -> tuple[Callable | None, dict[str, torch.Tensor]]:
+def lift_scalars(fn: Callable | None, device, q_len: int = 300, kv_len: int = 300
+                 ) -> tuple[Callable | None, dict[str, torch.Tensor]]:
     """The mod with the Python numbers its closure holds (ints and floats, not bools) replaced by
     0-d tensors on `device`, so a generated kernel can take them as arguments and every value of
     a parameter shares one compile. (None, {}) when there is nothing to lift, and when the lifted
-    mod does not give the same values as the mod on probe regions (a number used in Python
-    control flow, say)."""
+    mod does not give the same values as the mod on probe regions of the q_len x kv_len problem
+    (a number used in Python control flow, say). The probes stay inside those lengths: on a GPU a
+    captured table read out of range is a device-side assert, not an exception to catch."""
     import types
 
     code = getattr(fn, "__code__", None)
@@ -722,7 +724,7 @@ def lift_scalars(fn: Callable | None, device) -> tuple[Callable | None, dict[str
     twin.__kwdefaults__ = getattr(fn, "__kwdefaults__", None)
     try:
         one = torch.zeros(1, dtype=torch.int32, device=device)
-        for q_range, kv_range in probe_regions(300, 300, size=24):
+        for q_range, kv_range in probe_regions(q_len, kv_len, size=24):
             q = torch.arange(*q_range, dtype=torch.int32, device=device)
             kv = torch.arange(*kv_range, dtype=torch.int32, device=device)
             with torch.no_grad():

@@ -172,15 +172,16 @@ class ScanKernel:
     source: str
 
 
-def scan_kernel(mask_mod: Callable, device: torch.device) -> ScanKernel:
+def scan_kernel(mask_mod: Callable, device: torch.device, q_len: int = 300, kv_len: int = 300) -> ScanKernel:
     """Translate `mask_mod` and build the kernel. Raises `triton_gen.Untranslatable` (or a
-    tracing error) when the mod cannot be written as Triton; the caller then scans eagerly."""
+    tracing error) when the mod cannot be written as Triton; the caller then scans eagerly.
+    q_len, kv_len: the problem's lengths (the mod is probed inside them, see lift_scalars)."""
     from workbench.define import lift_scalars
     from workbench.triton_gen import Untranslatable, generate, load_source
 
     # the Python numbers it captures (a window, a chunk, an offset) become kernel arguments, so
     # turning a knob reuses the compiled kernel; if that cannot be done they stay constants
-    twin, lifted = lift_scalars(mask_mod, device)
+    twin, lifted = lift_scalars(mask_mod, device, q_len, kv_len)
     try:
         if twin is None:
             raise Untranslatable("nothing to lift")

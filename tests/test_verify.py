@@ -291,7 +291,7 @@ def test_a_dropped_block_still_fails_with_the_sparse_reference(monkeypatch):
     from workbench import make
     from workbench import verify as verify_module
 
-    monkeypatch.setattr(verify_module, "default_reference_budget", lambda device: 2 * 1024 * 8 * 8 * 64)
+    monkeypatch.setattr(verify_module, "default_reference_budget", lambda device: 2 * 1024 * 8 * 8 * 32)
     mask = make("causal_sliding_window", {"window": 150})
     good = build_block_mask(mask, 1024, 1024, block_size=64)
     assert int(good.full_kv_num_blocks[0, 0, 10]) == 1  # q block 10: kv block 9 is full
@@ -319,7 +319,7 @@ def test_sparse_reference_equals_dense_on_combined_masks_and_spans():
         return ((q_idx >= starts) & (q_idx <= ends) & (kv_idx >= starts) & (kv_idx <= ends)).any()
 
     mask = Mask("spans", mask_mod=or_masks(and_masks(causal, near), in_span))
-    ref = _sparse_vs_dense(mask, Shape(q_heads=2, q_len=233, head_dim=8), budget=2 * 233 * 8 * 8 * 30)
+    ref = _sparse_vs_dense(mask, Shape(q_heads=2, q_len=233, head_dim=8), budget=2 * 233 * 8 * 8 * 15)
     assert ref.computed_fraction < 0.6
 
 
@@ -395,7 +395,7 @@ def test_a_shrinking_chunk_reuses_its_mask_and_gqa_copies_only_kept_keys(monkeyp
         shape = Shape(batch=2, q_heads=4, kv_heads=2, q_len=700, kv_len=900, head_dim=8)
         inputs = make_inputs(shape, "float32", seed=0)
         evaluations.clear(), chunks.clear()
-        sparse = reference_attention(mask, inputs, memory_budget=8 << 20)
+        sparse = reference_attention(mask, inputs, memory_budget=4 << 20)
         assert len(evaluations) == len(chunks) >= 5  # several chunks, one evaluation each
         dense = reference_attention(mask, inputs, memory_budget=1 << 30, sparse=False)
         torch.testing.assert_close(sparse.out, dense.out, rtol=1e-12, atol=1e-12)

@@ -172,6 +172,8 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
     # With a sparse reference the chunk adapts: as many rows as the keys they keep leave room for
     # (scores are rows x kept keys), at most what evaluating the mask over all keys allows.
     score_bytes_per_key = per_row // shape.kv_len  # per row and key: scores, probabilities, ...
+    if not backward and mask.score_mod is None:  # only the scores, worked on in place, and the mask's bools
+        score_bytes_per_key //= 2
     # the mask's own values are per (b, h) only where it reads them (else one broadcast copy)
     reads = index_reads(mask.mask_mod) if mask.mask_mod is not None else set()
     mask_entries = (shape.batch if "b" in reads else 1) * (shape.q_heads if "h" in reads else 1)
@@ -190,7 +192,7 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
                 if sparse:
                     sel = _kept_columns(keep)
                     n_sel = len(range(shape.kv_len)[sel]) if isinstance(sel, slice) else len(sel)
-                    fit = max(1, budget // (score_bytes_per_key * max(1, n_sel)))
+                    fit = _whole_tiles(budget // (score_bytes_per_key * max(1, n_sel)))
                     if q1 - q0 > fit:  # these rows keep more keys than the last ones: take fewer of them
                         q1, q_idx = q0 + fit, q_idx[:fit]
                         if keep.shape[-2] > 1:  # (a mod that ignores q_idx gives one broadcast row)
@@ -257,7 +259,7 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
                     examples.append((bb, hh, q0 + qq))
         bar.update(q1 - q0)
         if sparse and mask.mask_mod is not None:
-            step = max(1, min(mask_rows, budget // (score_bytes_per_key * max(1, len(cols)))))
+            step = _whole_tiles(min(mask_rows, budget // (score_bytes_per_key * max(1, len(cols)))))
         q0 = q1
     bar.close()
     if device.type == "cuda":
@@ -267,6 +269,12 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
                      masked_row_examples=examples, nan_pairs=nan_pairs,
                      nan_outputs=int(torch.isnan(out).sum()) + int(torch.isnan(lse).sum()),
                      computed_fraction=pairs_computed / ((stop - first) * shape.kv_len))
+
+
+def _whole_tiles(rows: int) -> int:
+    """A chunk's row count, down to a multiple of 64 from 64 on: the products' row tiles are then
+    whole (178 rows would run as 256, a third of the work wasted)."""
+    return max(1, rows if rows < 64 else rows // 64 * 64)
 
 
 def _mask_in_place(scores: torch.Tensor, keep: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -130,24 +131,55 @@ class RowsWorker:
         return rows, checks, ref
 
 
-def compare_on_ray(mask: Mask, inputs: Inputs, out: torch.Tensor, lse: torch.Tensor | None, workers: int,
-                   out_tol: Tolerance, lse_tol: Tolerance, *, dtype: torch.dtype = torch.float64,
-                   memory_budget: int | None = None, address: str | None = None,
-                   progress: bool = True) -> tuple[list[TensorCheck], Reference]:
-    """Forward verification split by query rows: `out` (and `lse`, unless None) of the kernel under
-    test against the reference, each range compared on a worker. Returns the merged checks and a
-    Reference holding everything but the rows (out and lse are None)."""
+@dataclass
+class RowsPool:
+    """Ray and one RowsWorker actor per worker (`start_rows_workers`)."""
+
+    ray: object
+    actors: list
+    started: bool  # Ray was started for this pool: shut it down when the pool is closed
+    gpu: bool
+    t0: float
+
+    def close(self) -> None:
+        if self.started:
+            self.ray.shutdown()
+
+
+def start_rows_workers(mask: Mask, inputs: Inputs, workers: int, *, dtype: torch.dtype = torch.float64,
+                       memory_budget: int | None = None, address: str | None = None) -> RowsPool:
+    """Start the actors now: each loads q, k, v on its device while the caller goes on (verify
+    compiles and runs the kernel under test meanwhile); `compare_on_ray(pool=...)` then uses them."""
     gpu = inputs.device.type == "cuda"
     ray, started = _start_ray(workers, gpu, address)
-    from tqdm.auto import tqdm
-
     t0 = time.perf_counter()
     try:
         shared_mask, shared_inputs = _share(ray, mask, inputs, grad_out=False)
         actor = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1, max_restarts=1, max_task_retries=1)(RowsWorker)
-        pool = [actor.remote(shared_mask, shared_inputs, dtype, memory_budget, "cuda" if gpu else "cpu")
-                for _ in range(workers)]
-        ranges = row_ranges(inputs.shape.q_len, workers * RANGES_PER_WORKER)
+        actors = [actor.remote(shared_mask, shared_inputs, dtype, memory_budget, "cuda" if gpu else "cpu")
+                  for _ in range(workers)]
+    except BaseException:
+        if started:
+            ray.shutdown()
+        raise
+    return RowsPool(ray, actors, started, gpu, t0)
+
+
+def compare_on_ray(mask: Mask, inputs: Inputs, out: torch.Tensor, lse: torch.Tensor | None, workers: int,
+                   out_tol: Tolerance, lse_tol: Tolerance, *, dtype: torch.dtype = torch.float64,
+                   memory_budget: int | None = None, address: str | None = None,
+                   progress: bool = True, pool: RowsPool | None = None) -> tuple[list[TensorCheck], Reference]:
+    """Forward verification split by query rows: `out` (and `lse`, unless None) of the kernel under
+    test against the reference, each range compared on a worker. Returns the merged checks and a
+    Reference holding everything but the rows (out and lse are None). `pool`: actors started
+    earlier for the same mask and inputs (closed here); by default they are started now."""
+    from tqdm.auto import tqdm
+
+    pool = pool or start_rows_workers(mask, inputs, workers, dtype=dtype, memory_budget=memory_budget,
+                                      address=address)
+    ray = pool.ray
+    try:
+        ranges = row_ranges(inputs.shape.q_len, len(pool.actors) * RANGES_PER_WORKER)
         todo = ranges[::-1]
         busy = {}  # future -> actor
 
@@ -156,7 +188,7 @@ def compare_on_ray(mask: Mask, inputs: Inputs, out: torch.Tensor, lse: torch.Ten
             rows_lse = None if lse is None else lse[:, :, a:b].cpu()
             busy[worker.compare_rows.remote((a, b), out[:, :, a:b].cpu(), rows_lse, out_tol, lse_tol)] = worker
 
-        for worker in pool[:len(todo)]:
+        for worker in pool.actors[:len(todo)]:
             give(worker)
         results = []
         with tqdm(total=inputs.shape.q_len, desc=f"reference {mask.name} on {workers} workers", disable=not progress,
@@ -170,12 +202,11 @@ def compare_on_ray(mask: Mask, inputs: Inputs, out: torch.Tensor, lse: torch.Ten
                 if todo:
                     give(worker)
     finally:
-        if started:
-            ray.shutdown()
+        pool.close()
     results.sort(key=lambda r: r[0][0])
     merged = [merge_checks([(r[1][i], r[0][0]) for r in results]) for i in range(len(results[0][1]))]
     return merged, _joined([r[2] for r in results], [r[0] for r in results], inputs.shape.q_len,
-                           time.perf_counter() - t0, out=None, lse=None, grads={})
+                           time.perf_counter() - pool.t0, out=None, lse=None, grads={})
 
 
 def reference_on_ray(mask: Mask, inputs: Inputs, workers: int, *, backward: bool = False,

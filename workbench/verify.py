@@ -675,21 +675,32 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
 
         check_block_mask(block_mask, shape, mask.name)
         findings += block_mask_findings(mask, block_mask, shape)
-    if backend == "port":
-        run = _run_port(mask, inputs, backward, port_path)
-    elif backend == "flex":
-        run = run_flex(mask, inputs, block_mask=block_mask, block_size=block_size, backward=backward, compile=compile)
-    else:
+    if backend not in ("flex", "port"):
         raise WorkbenchError(f"unknown backend {backend!r}", "use backend='flex' or 'port'", mask.name)
-    checks = None
+    pool = None
     if workers and not backward:
         # each worker compares its rows of the kernel's output with its rows of the reference and
-        # sends back only the statistics; dk / dv sum over every row, so a backward check gathers
-        from workbench.distribute import compare_on_ray
+        # sends back only the statistics (dk / dv sum over every row, so a backward check gathers);
+        # the workers start now and load the inputs while the kernel under test compiles and runs
+        from workbench.distribute import compare_on_ray, start_rows_workers
 
+        pool = start_rows_workers(expected, inputs, workers, dtype=reference_dtype, memory_budget=budget,
+                                  address=address)
+    try:
+        if backend == "port":
+            run = _run_port(mask, inputs, backward, port_path)
+        else:
+            run = run_flex(mask, inputs, block_mask=block_mask, block_size=block_size, backward=backward,
+                           compile=compile)
+    except BaseException:
+        if pool is not None:
+            pool.close()
+        raise
+    checks = None
+    if pool is not None:
         checks, ref = compare_on_ray(expected, inputs, run.out, run.lse, workers, TOLERANCES[dtype],
                                      LSE_TOLERANCE[dtype], dtype=reference_dtype, memory_budget=budget,
-                                     address=address, progress=progress is not False)
+                                     address=address, progress=progress is not False, pool=pool)
     elif workers:
         from workbench.distribute import reference_on_ray
 

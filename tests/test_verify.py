@@ -415,3 +415,45 @@ def test_long_k_product_split_into_pieces_equals_the_plain_one(monkeypatch):
     torch.testing.assert_close(got, p @ v, rtol=1e-13, atol=1e-13)
     gqa = V._matmul_long_k(p, v[:, :1].expand(1, 3, *v.shape[2:]), split=True)  # broadcast v: the plain product
     torch.testing.assert_close(gqa, p @ v[:, :1], rtol=1e-13, atol=1e-13)
+
+
+def _per_head_user_mod():
+    widths = torch.tensor([3, 40, 7])  # undeclared per-head table, as users write it
+
+    def user_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + 20) & (q_idx + 20 - kv_idx < widths[h])
+    return user_window
+
+
+def test_compiled_mask_evaluation_equals_eager_and_says_so(monkeypatch):
+    """At length on a GPU the reference computes the mask's booleans through torch.compile; forced
+    here on the CPU (one compile), it must give the eager reference and report its checks."""
+    import workbench.verify as V
+
+    mask = Mask("user_window", mask_mod=_per_head_user_mod())
+    shape = Shape(q_heads=3, q_len=301, kv_len=333, head_dim=8)
+    inputs = make_inputs(shape, "float32", seed=2)
+    eager = reference_attention(mask, inputs, memory_budget=3 * 333 * 8 * 3 * 40)
+    monkeypatch.setattr(V, "compile_mask_here", lambda device, pairs: True)
+    fused = reference_attention(mask, inputs, memory_budget=3 * 333 * 8 * 3 * 40)
+    assert eager.mask_evaluation == "eager"
+    assert fused.mask_evaluation == "torch.compile, equal to eager on 2 checked chunk(s)"
+    torch.testing.assert_close(fused.out, eager.out, rtol=0, atol=0)
+    torch.testing.assert_close(fused.lse, eager.lse, rtol=0, atol=0)
+
+
+def test_a_compiled_mask_that_differs_falls_back_to_eager(monkeypatch):
+    import workbench.verify as V
+
+    mask = Mask("user_window", mask_mod=_per_head_user_mod())
+    inputs = make_inputs(Shape(q_heads=3, q_len=301, kv_len=333, head_dim=8), "float32", seed=2)
+    eager = reference_attention(mask, inputs)
+
+    class Wrong(V.MaskEvaluator):  # a miscompiled mask: one pair flipped
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.fused = lambda q_idx: self.eager(q_idx).clone().index_fill_(-1, torch.tensor([5]), True)
+    monkeypatch.setattr(V, "MaskEvaluator", Wrong)
+    got = reference_attention(mask, inputs)
+    assert got.mask_evaluation.startswith("eager (the compiled mask differed")
+    torch.testing.assert_close(got.out, eager.out, rtol=0, atol=0)

@@ -75,6 +75,7 @@ class Reference:
     nan_pairs: list[tuple[int, int, int, int]] = field(default_factory=list)  # (b, h, q, kv) whose score is NaN
     nan_outputs: int = 0  # NaN entries in out and lse
     computed_fraction: float = 1.0  # pairs whose score the reference computed, over Lq x Lk
+    mask_evaluation: str = "eager"  # how the mask_mod's booleans were computed (see MaskEvaluator)
 
     def nan_message(self, mask_name: str) -> str | None:
         """Where a NaN reference comes from, or None when it has none."""
@@ -112,6 +113,62 @@ def reference_budget(shape: Shape, backward: bool, dtype: torch.dtype, device: t
             f"{shape.q_heads} heads x {shape.kv_len} keys), over the {budget / 2**20:.0f} MiB budget",
             "use fewer heads or a smaller batch, or pass a larger memory_budget", name)
     return budget, per_row
+
+
+# From this many pairs on a GPU, the reference computes the mask_mod's booleans through
+# torch.compile of the mod on broadcast indices (one fused kernel writing 1 byte per pair) instead
+# of eagerly (about 17 bytes of temporaries per pair for a sliding window: at 1M tokens, 6 of the
+# window reference's 7 seconds). Checked bit for bit against the eager evaluation on the first and
+# last chunks; a compile error or a difference falls back to eager. Scores and softmax stay eager.
+COMPILED_MASK_ABOVE_PAIRS = 1 << 34
+
+
+def compile_mask_here(device: torch.device, pairs: int) -> bool:
+    return device.type == "cuda" and pairs >= COMPILED_MASK_ABOVE_PAIRS
+
+
+class MaskEvaluator:
+    """keep[b, h, q, kv] of a chunk of query rows `q_idx` over every key, eager or compiled."""
+
+    def __init__(self, mod, how: str, b, h, kv, compiled: bool):
+        self.mod, self.how, self.b, self.h, self.kv = mod, how, b, h, kv
+        self.fused, self.checked, self.note = None, 0, None
+        if compiled and how == "broadcast":
+            from workbench.compat import raise_recompile_limit
+            from workbench.define import broadcast_indices
+
+            raise_recompile_limit()
+            self.fused = torch.compile(lambda q_idx: mod(*broadcast_indices(b, h, q_idx, kv)), dynamic=True)
+
+    def eager(self, q_idx):
+        return evaluate_mod(self.mod, self.how, self.b, self.h, q_idx, self.kv).to(torch.bool)
+
+    def __call__(self, q_idx, check: bool = False):
+        if self.fused is None:
+            return self.eager(q_idx)
+        try:
+            got = self.fused(q_idx)
+        except Exception as exc:  # torch.compile could not build the mod: evaluate it eagerly
+            self.fused, self.note = None, f"eager (torch.compile failed: {type(exc).__name__})"
+            return self.eager(q_idx)
+        shape = (len(self.b), len(self.h), len(q_idx), len(self.kv))
+        got = (got if isinstance(got, torch.Tensor) else torch.as_tensor(got, device=q_idx.device)).to(torch.bool)
+        got = got.expand(shape) if tuple(got.shape) != shape else got
+        if check:
+            eager = self.eager(q_idx)
+            if not torch.equal(got, eager):
+                self.fused, self.note = None, "eager (the compiled mask differed from the eager one on a chunk)"
+                return eager
+            self.checked += 1
+        return got
+
+    @property
+    def description(self) -> str:
+        if self.note:
+            return self.note
+        if self.fused is not None:
+            return f"torch.compile, equal to eager on {self.checked} checked chunk(s)"
+        return "eager"
 
 
 def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, dtype: torch.dtype = torch.float64,
@@ -179,6 +236,10 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
     mask_entries = (shape.batch if "b" in reads else 1) * (shape.q_heads if "h" in reads else 1)
     mask_rows = max(1, budget // (mask_entries * shape.kv_len * 12))  # bool + index temporaries
     bar = tqdm(total=stop - first, desc=f"reference {mask.name}", disable=not show, leave=False, unit="row")
+    evaluate_keep = None
+    if mask.mask_mod is not None:
+        evaluate_keep = MaskEvaluator(mask.mask_mod, mask_eval, b, h, kv,
+                                      compile_mask_here(device, (stop - first) * shape.kv_len))
     q0, step = first, chunk
     while q0 < stop:
         q1 = min(stop, q0 + step)
@@ -188,7 +249,7 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
             if mask.mask_mod is not None:
                 # the mask_mod itself says which keys this chunk keeps (never the block mask under
                 # test); scores are computed for those keys only -- a dropped key adds exactly 0
-                keep = evaluate_mod(mask.mask_mod, mask_eval, b, h, q_idx, kv).to(torch.bool)
+                keep = evaluate_keep(q_idx, check=q0 == first or q1 == stop)
                 if sparse:
                     sel = _kept_columns(keep)
                     n_sel = len(range(shape.kv_len)[sel]) if isinstance(sel, slice) else len(sel)
@@ -268,7 +329,8 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
                      seconds=time.perf_counter() - t0, chunk=chunk, fully_masked_rows=masked_rows,
                      masked_row_examples=examples, nan_pairs=nan_pairs,
                      nan_outputs=int(torch.isnan(out).sum()) + int(torch.isnan(lse).sum()),
-                     computed_fraction=pairs_computed / ((stop - first) * shape.kv_len))
+                     computed_fraction=pairs_computed / ((stop - first) * shape.kv_len),
+                     mask_evaluation=evaluate_keep.description if evaluate_keep is not None else "none")
 
 
 def _whole_tiles(rows: int) -> int:

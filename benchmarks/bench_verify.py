@@ -45,7 +45,8 @@ def one(name, length, workers, reference_dtype):
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
     return dict(mask=mask.name, tokens=length, workers=workers or 1, wall_s=wall, reference_s=verdict.reference_seconds,
                 fraction=verdict.reference_fraction, peak_gib=peak, passed=verdict.passed, rel_err=max(c.rel_err for c in verdict.checks),
-                compile_s=verdict.compile_seconds or 0.0, run_s=verdict.run_seconds or 0.0)
+                compile_s=verdict.compile_seconds or 0.0, run_s=verdict.run_seconds or 0.0,
+                mask_evaluation=verdict.reference_mask_evaluation)
 
 
 def main():
@@ -68,15 +69,15 @@ def main():
     print(f"# torch {torch.__version__}, {torch.cuda.device_count()} x {torch.cuda.get_device_name()}, "
           f"reference {args.reference_dtype}")
     print("| mask | tokens | workers | verify wall s | reference s | kernel compile s | kernel run s | pairs computed "
-          "| peak GiB | verdict | rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| peak GiB | verdict | rel err | reference's mask |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for length in args.lengths:
         for name in args.masks:
             for workers in [None] + ([args.workers] if args.workers else []):
                 r = one(name, length, workers, reference_dtype)
                 print(f"| {r['mask']} | {length:,} | {r['workers']} | {r['wall_s']:.1f} | {r['reference_s']:.1f} | "
                       f"{r['compile_s']:.1f} | {r['run_s']:.2f} | {r['fraction']:.4f} | {r['peak_gib']:.1f} | {'PASS' if r['passed'] else 'FAIL'} | "
-                      f"{r['rel_err']:.2e} |", flush=True)
+                      f"{r['rel_err']:.2e} | {r['mask_evaluation']} |", flush=True)
 
 
 if __name__ == "__main__":

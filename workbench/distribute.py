@@ -105,7 +105,8 @@ def _joined(pieces: list[Reference], ranges: list[tuple[int, int]], q_len: int, 
         fully_masked_rows=sum(p.fully_masked_rows for p in pieces),
         masked_row_examples=[e for p in pieces for e in p.masked_row_examples][:8],
         nan_pairs=[e for p in pieces for e in p.nan_pairs][:4], nan_outputs=sum(p.nan_outputs for p in pieces),
-        computed_fraction=sum(p.computed_fraction * (b - a) for p, (a, b) in zip(pieces, ranges)) / q_len)
+        computed_fraction=sum(p.computed_fraction * (b - a) for p, (a, b) in zip(pieces, ranges)) / q_len,
+        mask_evaluation="; ".join(sorted({p.mask_evaluation for p in pieces})))
 
 
 class RowsWorker:

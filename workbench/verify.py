@@ -638,6 +638,7 @@ class Verdict:
     torch_version: str = torch.__version__
     backend: str = "flex"
     reference_fraction: float = 1.0  # the share of the Lq x Lk pairs whose scores the reference computed
+    reference_mask_evaluation: str = "eager"  # how the reference computed the mask (Reference.mask_evaluation)
 
     @property
     def passed(self) -> bool:
@@ -685,6 +686,7 @@ class Verdict:
                "masked_row_examples": [list(x) for x in self.masked_row_examples],
                "compile_seconds": self.compile_seconds, "run_seconds": self.run_seconds,
                "reference_fraction": self.reference_fraction,
+               "reference_mask_evaluation": self.reference_mask_evaluation,
                "reference_seconds": self.reference_seconds, "reference_dtype": self.reference_dtype,
                "torch": self.torch_version,
                "checks": {c.name: {k: v for k, v in asdict(c).items() if k != "name"} for c in self.checks},
@@ -803,7 +805,8 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
                    device=str(device), seed=inputs.seed, compiled=run.compiled, checks=checks, findings=findings,
                    fully_masked_rows=ref.fully_masked_rows, masked_row_examples=ref.masked_row_examples,
                    compile_seconds=run.compile_seconds, run_seconds=run.run_seconds, reference_seconds=ref.seconds,
-                   reference_dtype=ref.dtype, backend=backend, reference_fraction=ref.computed_fraction)
+                   reference_dtype=ref.dtype, backend=backend, reference_fraction=ref.computed_fraction,
+                   reference_mask_evaluation=ref.mask_evaluation)
 
 
 def _run_port(mask: Mask, inputs: Inputs, backward: bool, port_path=None) -> FlexRun:

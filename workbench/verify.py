@@ -793,7 +793,7 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
         got = run.grads.get(name)
         if got is None:
             got = torch.zeros_like(g)  # FlexAttention gave no gradient where the reference has one
-        checks.append(compare(name, got, g, _grad_tolerance(dtype, name, g)))
+        checks.append(compare(name, got, g, _grad_tolerance(dtype, name, g, shape)))
     if ref.fully_masked_rows:
         ex = ", ".join(f"(b={b}, h={h}, q={q})" for b, h, q in ref.masked_row_examples[:3])
         findings.append(Finding("fully_masked_rows", "warning",
@@ -826,7 +826,7 @@ def _run_port(mask: Mask, inputs: Inputs, backward: bool, port_path=None) -> Fle
                    run_seconds=time.perf_counter() - start)
 
 
-def _grad_tolerance(dtype: str, name: str, ref: torch.Tensor) -> Tolerance:
+def _grad_tolerance(dtype: str, name: str, ref: torch.Tensor, shape: Shape | None = None) -> Tolerance:
     base = TOLERANCES[dtype]
     if name in ("dq", "dk", "dv"):
         # dk and dv sum over every query row: their size grows with the length, so the
@@ -834,8 +834,15 @@ def _grad_tolerance(dtype: str, name: str, ref: torch.Tensor) -> Tolerance:
         factor = 1 if name == "dq" else 4
         return Tolerance(base.atol * factor, base.rtol * factor, base.rel_fro * 2,
                          f"{base.why}; x{factor} for a gradient summed over rows")
-    # a captured tensor's gradient sums over up to Lq x Lk pairs per entry (a bias table entry
-    # collects every pair at its distance): its rounding error scales with the largest entry
+    # a captured tensor's gradient sums over up to B x H x Lq x Lk pairs per entry (a bias table
+    # entry collects every pair at its distance; the clamped last one most of them): its rounding
+    # error scales with the largest entry, and for the Frobenius check with sqrt(pairs) roundoffs
+    # of the kernel's float32 (float64) accumulation -- measured on an H200: 4.1e-5 for a
+    # 65-entry table over 2 x 1024 x 1024 pairs in float32, 4x the plain float32 limit
     scale = float(ref.abs().max()) if ref.numel() else 0.0
-    return Tolerance(base.atol * 4 + base.rtol * 4 * scale, base.rtol * 4, base.rel_fro * 2,
-                     f"{base.why}; entries are sums over many pairs, so errors scale with the largest")
+    pairs = shape.batch * shape.q_heads * shape.q_len * shape.kv_len if shape is not None else 1
+    roundoff = 1.1e-16 if dtype == "float64" else 6e-8
+    rel_fro = max(base.rel_fro * 2, 4 * math.sqrt(pairs) * roundoff)
+    return Tolerance(base.atol * 4 + base.rtol * 4 * scale, base.rtol * 4, rel_fro,
+                     f"{base.why}; entries are sums over many pairs, so errors scale with the largest "
+                     f"(and with sqrt({pairs}) accumulation roundoffs)")

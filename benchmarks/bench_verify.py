@@ -6,10 +6,11 @@
 B = 1, 4 heads, D = 128, bf16, compiled FlexAttention against the float64 reference (the shapes
 of the verification-at-length table). With --workers N the reference is split by query rows
 across N Ray workers (one GPU each) and the same cases run on one GPU first, so the speed-up
-comes from one run; Ray is started once, its actors per verification (they load the inputs while
-the kernel under test compiles and runs). Peak = torch.cuda.max_memory_allocated of this process
-(the workers report their own). A warm-up verify of a small causal mask runs first: the rows time
-verification, not the session's first imports (each mask's own compile is still timed).
+comes from one run; Ray is started once and its actors (one per GPU) serve every verification,
+drawing each one's inputs from its seed while the kernel under test compiles and runs. Peak = torch.cuda.max_memory_allocated of this process
+(the workers report their own). A warm-up verify of a small causal mask runs first (with --workers also
+on the workers): the rows time verification, not the session's first imports and process starts
+(each mask's own compile is still timed).
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ def main():
     # once on a small causal mask, so the rows time the verification (the masks' own compiles stay)
     small = make("causal", q_len=4096, kv_len=4096, device="cuda")
     verify(small, Shape(q_heads=1, q_len=4096, head_dim=128), dtype="bfloat16", device="cuda", progress=False)
-    if args.workers:  # Ray stays up across verifications, as in a session (its actors start per call)
+    if args.workers:  # Ray stays up across verifications, as in a session, and so do its actors
         import ray
 
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        verify(small, Shape(q_heads=1, q_len=4096, head_dim=128), dtype="bfloat16", device="cuda", progress=False,
+               workers=args.workers)
     print(f"# torch {torch.__version__}, {torch.cuda.device_count()} x {torch.cuda.get_device_name()}, "
           f"reference {args.reference_dtype}")
     print("| mask | tokens | workers | verify wall s | reference s | kernel compile s | kernel run s | pairs computed "

@@ -105,3 +105,52 @@ def test_a_worker_count_below_one_is_refused():
     inputs = make_inputs(shape, "float32", seed=0)
     with pytest.raises(WorkbenchError, match="workers = -1 must be at least 1"):
         compare_on_ray(mask, inputs, inputs.q, None, -1, TOLERANCES["float32"], LSE_TOLERANCE["float32"])
+
+
+def test_actors_draw_inputs_from_the_seed_and_stay_in_a_ray_session():
+    """In a Ray session the caller started, verify's actors stay for the next verification and
+    draw each one's inputs from its seed (nothing sent); a wrong kernel still fails on them."""
+    import ray
+
+    from test_verify import _drop_one_full_block
+    from workbench import distribute, make
+    from workbench.blocks import build_block_mask
+
+    mask = make("causal_sliding_window", {"window": 150})
+    shape = Shape(q_heads=2, q_len=700, head_dim=16)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        first = verify(mask, shape, dtype="float32", compile=False, seed=0, workers=2, progress=False)
+        pool = distribute._kept[(2, False, None)]
+        actors = [a._actor_id for a in pool.actors]
+        broken = _drop_one_full_block(build_block_mask(mask, 1024, 1024, block_size=64), 10, 1024, 1024)
+        second = verify(mask, Shape(q_heads=2, q_len=1024, head_dim=16), dtype="float32", compile=False, seed=1,
+                        workers=2, block_mask=broken, progress=False)
+        again = distribute._kept[(2, False, None)]
+        assert first.passed and not second.passed
+        assert again is pool and again.reused and again.sent_inputs == 0
+        assert [a._actor_id for a in again.actors] == actors
+    finally:
+        ray.shutdown()
+        distribute._kept.clear()
+
+
+def test_inputs_that_the_seed_does_not_give_are_sent(tmp_path):
+    """Inputs whose bits the actors cannot draw from the seed (a caller's own tensors) are sent
+    through Ray's object store, and the split check still equals the one-piece one."""
+    from workbench.distribute import compare_on_ray, start_rows_workers
+    from workbench.verify import LSE_TOLERANCE, TOLERANCES
+
+    path = tmp_path / "user_masks.py"
+    path.write_text(USER_FILE)
+    mask = prepare(f"{path}:windows_and_lengths", None, 97, 131, "cpu", heads=2, batch=2)
+    shape = Shape(batch=2, q_heads=2, q_len=97, kv_len=131, head_dim=8)
+    inputs = make_inputs(shape, "float32", seed=1)
+    inputs.q.mul_(1.5)  # no longer what seed 1 draws
+    one = reference_attention(mask, inputs)
+    pool = start_rows_workers(mask, inputs, 2)
+    checks, _ = compare_on_ray(mask, inputs, one.out.float(), one.lse.float(), 2, TOLERANCES["float32"],
+                               LSE_TOLERANCE["float32"], progress=False, pool=pool)
+    assert pool.sent_inputs == 2 and not pool.reused
+    # the float32 rounding of out only (inputs drawn from the seed instead would be off by O(1))
+    assert all(c.passed for c in checks) and checks[0].max_abs_err < 1e-6

@@ -6,9 +6,11 @@
 
 The kernel under test runs once, where `verify` runs; the reference's rows go out as ranges (more
 ranges than workers, so a causal mask's heavier last rows balance out) and each worker computes its
-rows exactly as `reference_attention` does. Forward (`compare_on_ray`): one actor per worker holds
-q, k, v on its device, gets each range's rows of the kernel's output, compares them there and sends
-back only the statistics, merged into one check per tensor. With gradients (`reference_on_ray`)
+rows exactly as `reference_attention` does. Forward (`compare_on_ray`): one actor per worker draws
+q, k, v again from the inputs' seed on its device (checked bit for bit against the caller's; sent
+through Ray's object store only where they differ), gets each range's rows of the kernel's output,
+compares them there and sends back only the statistics, merged into one check per tensor. In a Ray
+session the caller started, the actors stay for the next verification. With gradients (`reference_on_ray`)
 the pieces are joined into one Reference: out, lse and dq by rows, dk, dv (and gradients of
 captured tensors) summed.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -109,17 +111,49 @@ def _joined(pieces: list[Reference], ranges: list[tuple[int, int]], q_len: int, 
         mask_evaluation="; ".join(sorted({p.mask_evaluation for p in pieces})))
 
 
-class RowsWorker:
-    """A Ray actor: q, k, v and the mask on its device once, then any number of row ranges."""
+def fingerprint(t: torch.Tensor) -> int:
+    """An exact fingerprint of a tensor's bits: the int64 sum of its raw words (order-free, so the
+    same on any device, unlike a float sum)."""
+    words = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return int(t.detach().contiguous().view(words).sum(dtype=torch.int64))
 
-    def __init__(self, mask: Mask, inputs: Inputs, dtype, memory_budget, device: str):
-        self.inputs = Inputs(q=inputs.q.to(device), k=inputs.k.to(device), v=inputs.v.to(device),
-                             shape=inputs.shape, dtype=inputs.dtype, seed=inputs.seed)
-        if device != "cpu":
+
+def _fingerprints(inputs: Inputs) -> tuple[int, int, int]:
+    return fingerprint(inputs.q), fingerprint(inputs.k), fingerprint(inputs.v)
+
+
+class RowsWorker:
+    """A Ray actor on one device: per verification `load` (the mask, and q, k, v drawn again from
+    the inputs' seed, checked bit for bit), then any number of row ranges. It outlives one
+    verification when Ray was already running (see `start_rows_workers`)."""
+
+    def __init__(self, device: str):
+        self.device, self.inputs, self.mask = device, None, None
+
+    def load(self, mask: Mask, shape, dtype_name: str, seed: int | None, prints, dtype, memory_budget) -> bool:
+        """This verification's mask and inputs. The inputs are drawn here from their seed instead
+        of crossing Ray's object store (3 GiB at 1M tokens); False when they do not match the
+        caller's bits (then the caller sends them: `load_inputs`)."""
+        from workbench.run import make_inputs
+
+        self.inputs = None
+        if self.device != "cpu":
             from workbench.define import bind
 
-            mask = bind(mask, inputs.shape.q_len, inputs.shape.kv_len, device)  # captured tables on this GPU
+            mask = bind(mask, shape.q_len, shape.kv_len, self.device)  # captured tables on this GPU
+            torch.cuda.empty_cache()
         self.mask, self.dtype, self.memory_budget = mask, dtype, memory_budget
+        if seed is None:
+            return False
+        drawn = make_inputs(shape, dtype_name, self.device, seed=seed)
+        if _fingerprints(drawn) != tuple(prints):
+            return False
+        self.inputs = drawn
+        return True
+
+    def load_inputs(self, inputs: Inputs) -> None:
+        self.inputs = Inputs(q=inputs.q.to(self.device), k=inputs.k.to(self.device), v=inputs.v.to(self.device),
+                             shape=inputs.shape, dtype=inputs.dtype, seed=inputs.seed)
 
     def compare_rows(self, rows: tuple[int, int], out: torch.Tensor, lse: torch.Tensor | None, out_tol: Tolerance,
                      lse_tol: Tolerance) -> tuple[tuple[int, int], list[TensorCheck], Reference]:
@@ -134,36 +168,62 @@ class RowsWorker:
 
 @dataclass
 class RowsPool:
-    """Ray and one RowsWorker actor per worker (`start_rows_workers`)."""
+    """Ray and one RowsWorker actor per worker (`start_rows_workers`), loading one verification."""
 
     ray: object
     actors: list
     started: bool  # Ray was started for this pool: shut it down when the pool is closed
     gpu: bool
     t0: float
+    loads: list = field(default_factory=list)  # the actors' `load` futures for this verification
+    sent_inputs: int = 0  # actors that needed the inputs sent (their seed drew other bits)
+    reused: bool = False  # the actors served an earlier verification of this session
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.started:
             self.ray.shutdown()
+        elif failed:  # a pool that failed is not handed to the next verification
+            _kept.pop(next((k for k, p in _kept.items() if p is self), None), None)
+            for actor in self.actors:
+                self.ray.kill(actor)
+
+
+# Pools kept across verifications while a Ray session the caller started is running: a new
+# process per actor (imports, CUDA context, compiles) costs tens of seconds on a GPU machine.
+_kept: dict[tuple, RowsPool] = {}
 
 
 def start_rows_workers(mask: Mask, inputs: Inputs, workers: int, *, dtype: torch.dtype = torch.float64,
                        memory_budget: int | None = None, address: str | None = None) -> RowsPool:
-    """Start the actors now: each loads q, k, v on its device while the caller goes on (verify
-    compiles and runs the kernel under test meanwhile); `compare_on_ray(pool=...)` then uses them."""
+    """The actors for one verification, loading its mask and inputs while the caller goes on
+    (verify compiles and runs the kernel under test meanwhile); `compare_on_ray(pool=...)` uses
+    them. Ray started here stops with the pool; in a Ray session already running (ray.init by the
+    caller) the actors stay for the next verification with the same workers."""
     gpu = inputs.device.type == "cuda"
     ray, started = _start_ray(workers, gpu, address)
     t0 = time.perf_counter()
+    key = (workers, gpu, address)
+    if started:
+        _kept.clear()  # handles from an earlier Ray session are dead
     try:
-        shared_mask, shared_inputs = _share(ray, mask, inputs, grad_out=False)
-        actor = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1, max_restarts=1, max_task_retries=1)(RowsWorker)
-        actors = [actor.remote(shared_mask, shared_inputs, dtype, memory_budget, "cuda" if gpu else "cpu")
-                  for _ in range(workers)]
+        pool = None if started else _kept.get(key)
+        if pool is not None:
+            pool.t0, pool.loads, pool.sent_inputs, pool.reused = t0, [], 0, True
+        else:
+            actor = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1, max_restarts=1, max_task_retries=1)(RowsWorker)
+            pool = RowsPool(ray, [actor.remote("cuda" if gpu else "cpu") for _ in range(workers)], started, gpu, t0)
+            if not started:
+                _kept[key] = pool
+        _send_by_value(mask)
+        shared_mask = ray.put(mask)
+        prints = _fingerprints(inputs)
+        pool.loads = [a.load.remote(shared_mask, inputs.shape, inputs.dtype, inputs.seed, prints, dtype, memory_budget)
+                      for a in pool.actors]
     except BaseException:
         if started:
             ray.shutdown()
         raise
-    return RowsPool(ray, actors, started, gpu, t0)
+    return pool
 
 
 def compare_on_ray(mask: Mask, inputs: Inputs, out: torch.Tensor, lse: torch.Tensor | None, workers: int,
@@ -179,7 +239,15 @@ def compare_on_ray(mask: Mask, inputs: Inputs, out: torch.Tensor, lse: torch.Ten
     pool = pool or start_rows_workers(mask, inputs, workers, dtype=dtype, memory_budget=memory_budget,
                                       address=address)
     ray = pool.ray
+    failed = True
     try:
+        drawn = ray.get(pool.loads)
+        if not all(drawn):  # this device drew other bits from the seed: send the inputs once
+            on_cpu = Inputs(q=inputs.q.cpu(), k=inputs.k.cpu(), v=inputs.v.cpu(), shape=inputs.shape,
+                            dtype=inputs.dtype, seed=inputs.seed)
+            shared = ray.put(on_cpu)
+            ray.get([a.load_inputs.remote(shared) for a, ok in zip(pool.actors, drawn) if not ok])
+            pool.sent_inputs = drawn.count(False)
         ranges = row_ranges(inputs.shape.q_len, len(pool.actors) * RANGES_PER_WORKER)
         todo = ranges[::-1]
         busy = {}  # future -> actor
@@ -202,8 +270,9 @@ def compare_on_ray(mask: Mask, inputs: Inputs, out: torch.Tensor, lse: torch.Ten
                 bar.update(rows[1] - rows[0])
                 if todo:
                     give(worker)
+        failed = False
     finally:
-        pool.close()
+        pool.close(failed)
     results.sort(key=lambda r: r[0][0])
     merged = [merge_checks([(r[1][i], r[0][0]) for r in results]) for i in range(len(results[0][1]))]
     return merged, _joined([r[2] for r in results], [r[0] for r in results], inputs.shape.q_len,

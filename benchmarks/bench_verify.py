@@ -7,11 +7,11 @@ B = 1, 4 heads, D = 128, bf16, compiled FlexAttention against the float64 refere
 of the verification-at-length table). With --workers N the reference is split by query rows
 across N Ray workers (one GPU each) and the same cases run on one GPU first, so the speed-up
 comes from one run; Ray is started once and its actors (one per GPU) serve every verification,
-drawing each one's inputs from its seed while the kernel under test compiles and runs. Peak = torch.cuda.max_memory_allocated of this process
-(the workers report their own). A warm-up verify of a small causal mask runs first (with --workers also
-on the workers): the rows time verification, not the session's first imports and process starts
-(each mask's own compile is still timed).
-"""
+drawing each one's inputs from its seed while the kernel under test compiles and runs.
+Peak = torch.cuda.max_memory_allocated of this process (the workers report their own). A warm-up
+verify of a small causal mask runs first (with --workers also on the workers): the rows time
+verification, not the session's first imports and process starts (each mask's own compile is
+still timed)."""
 
 from __future__ import annotations
 

@@ -148,7 +148,8 @@ def main(argv=None) -> int:
 def segments_cost(args) -> int:
     """The price of packing invariance: default tiling vs cu_seqlens on document masks."""
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={args.heads} D={args.head_dim}")
-    print("| documents | tokens | default ms | cu_seqlens ms | cost | max abs diff |\n|---|---|---|---|---|---|")
+    print("| documents | tokens | default ms | cu_seqlens ms | cost | max abs diff | tiles chosen: default / cu_seqlens |"
+          "\n|---|---|---|---|---|---|---|")
     folder = Path(tempfile.mkdtemp(prefix="bench_port_segments_"))
     for seq in args.lengths:
         for docs in (8, 64):
@@ -162,13 +163,24 @@ def segments_cost(args) -> int:
             module = port.load(path)
             cu = bounds  # on the host, as an engine that packs requests has them: no device sync per call
             plain = module.attention(inputs.q, inputs.k, inputs.v)
+            plain_config = _chosen(module)
             packed = module.attention(inputs.q, inputs.k, inputs.v, cu_seqlens=cu)
+            packed_config = _chosen(module)
             diff = float((plain.float() - packed.float()).abs().max())
             plain_ms = timed(lambda: module.attention(inputs.q, inputs.k, inputs.v))
             packed_ms = timed(lambda: module.attention(inputs.q, inputs.k, inputs.v, cu_seqlens=cu))
             print(f"| {len(lengths)} | {seq:,} | {plain_ms:.3f} | {packed_ms:.3f} | {packed_ms / plain_ms - 1:+.1%} | "
-                  f"{diff:.2e} |", flush=True)
+                  f"{diff:.2e} | {plain_config} / {packed_config} |", flush=True)
     return 0
+
+
+def _chosen(module) -> str:
+    """The autotuner's pick for the last launch: BLOCK_M x BLOCK_N, warps, stages (a tiling that
+    picks other tiles is not comparable kernel for kernel)."""
+    config = getattr(module._attention_kernel, "best_config", None)
+    if config is None:
+        return "?"
+    return f"{config.kwargs.get('BLOCK_M')}x{config.kwargs.get('BLOCK_N')} w{config.num_warps} s{config.num_stages}"
 
 
 if __name__ == "__main__":

@@ -154,3 +154,24 @@ def test_inputs_that_the_seed_does_not_give_are_sent(tmp_path):
     assert pool.sent_inputs == 2 and not pool.reused
     # the float32 rounding of out only (inputs drawn from the seed instead would be off by O(1))
     assert all(c.passed for c in checks) and checks[0].max_abs_err < 1e-6
+
+
+def test_more_workers_than_the_ray_session_can_place_is_refused_not_a_hang():
+    """A Ray session with one CPU cannot place two workers: Ray would wait for ever; the workbench
+    says so at once, naming the cause and the fix."""
+    import time
+
+    import pytest
+    import ray
+
+    from workbench import make
+    from workbench.define import WorkbenchError
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(WorkbenchError, match=r"2 workers need one CPU each; the Ray cluster has 1.*workers <= 1"):
+            verify(make("causal"), Shape(q_len=64, head_dim=8), dtype="float32", compile=False, workers=2)
+        assert time.perf_counter() - t0 < 30
+    finally:
+        ray.shutdown()

@@ -88,6 +88,16 @@ def _start_ray(workers: int, gpu: bool, address: str | None):
     if started:
         ray.init(address=address, num_cpus=None if gpu else workers, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
+    # each worker asks for one GPU (one CPU without GPUs): a cluster with fewer would leave some
+    # workers waiting for ever, so say so now
+    need = "GPU" if gpu else "CPU"
+    have = ray.cluster_resources().get(need, 0)
+    if have < workers:
+        if started:
+            ray.shutdown()
+        raise WorkbenchError(f"{workers} workers need one {need} each; the Ray cluster has {have:g}",
+                             f"pass workers <= {int(have)}, or start Ray with more (ray.init(num_cpus=...) / a "
+                             "larger cluster)")
     return ray, started
 
 

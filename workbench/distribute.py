@@ -8,9 +8,11 @@ The kernel under test runs once, where `verify` runs; the reference's rows go ou
 ranges than workers, so a causal mask's heavier last rows balance out) and each worker computes its
 rows exactly as `reference_attention` does. Forward (`compare_on_ray`): one actor per worker draws
 q, k, v again from the inputs' seed on its device (checked bit for bit against the caller's; sent
-through Ray's object store only where they differ), gets each range's rows of the kernel's output,
-compares them there and sends back only the statistics, merged into one check per tensor. In a Ray
-session the caller started, the actors stay for the next verification. With gradients (`reference_on_ray`)
+through Ray's object store only where they differ) and computes the reference of its row ranges
+while the kernel under test compiles and runs; it then gets those rows of the kernel's output,
+compares them there and sends back only the statistics, merged into one check per tensor. (Until
+compared, each actor holds its share of the float64 output: B x H x Lq x D x 8 bytes / workers.)
+In a Ray session the caller started, the actors stay for the next verification. With gradients (`reference_on_ray`)
 the pieces are joined into one Reference: out, lse and dq by rows, dk, dv (and gradients of
 captured tensors) summed.
 """
@@ -134,11 +136,13 @@ def _fingerprints(inputs: Inputs) -> tuple[int, int, int]:
 
 class RowsWorker:
     """A Ray actor on one device: per verification `load` (the mask, and q, k, v drawn again from
-    the inputs' seed, checked bit for bit), then any number of row ranges. It outlives one
-    verification when Ray was already running (see `start_rows_workers`)."""
+    the inputs' seed, checked bit for bit), `reference_rows` for its share of the rows, then
+    `compare_rows` for each. It outlives one verification when Ray was already running (see
+    `start_rows_workers`)."""
 
     def __init__(self, device: str):
         self.device, self.inputs, self.mask = device, None, None
+        self.kept: dict[tuple[int, int], Reference] = {}
 
     def load(self, mask: Mask, shape, dtype_name: str, seed: int | None, prints, dtype, memory_budget) -> bool:
         """This verification's mask and inputs. The inputs are drawn here from their seed instead
@@ -146,7 +150,7 @@ class RowsWorker:
         caller's bits (then the caller sends them: `load_inputs`)."""
         from workbench.run import make_inputs
 
-        self.inputs = None
+        self.inputs, self.kept = None, {}
         if self.device != "cpu":
             from workbench.define import bind
 
@@ -165,10 +169,23 @@ class RowsWorker:
         self.inputs = Inputs(q=inputs.q.to(self.device), k=inputs.k.to(self.device), v=inputs.v.to(self.device),
                              shape=inputs.shape, dtype=inputs.dtype, seed=inputs.seed)
 
+    def reference_rows(self, ranges: list[tuple[int, int]]) -> bool:
+        """The reference of these row ranges, kept here for `compare_rows` (queued right after
+        `load`, so it runs while the caller's kernel under test compiles and runs). False, doing
+        nothing, when the inputs are still to be sent."""
+        if self.inputs is None:
+            return False
+        for rows in ranges:
+            self.kept[rows] = reference_attention(self.mask, self.inputs, dtype=self.dtype,
+                                                  memory_budget=self.memory_budget, progress=False, rows=rows)
+        return True
+
     def compare_rows(self, rows: tuple[int, int], out: torch.Tensor, lse: torch.Tensor | None, out_tol: Tolerance,
                      lse_tol: Tolerance) -> tuple[tuple[int, int], list[TensorCheck], Reference]:
-        ref = reference_attention(self.mask, self.inputs, dtype=self.dtype, memory_budget=self.memory_budget,
-                                  progress=False, rows=rows)
+        ref = self.kept.pop(rows, None)
+        if ref is None:  # not computed ahead: compute it now
+            ref = reference_attention(self.mask, self.inputs, dtype=self.dtype, memory_budget=self.memory_budget,
+                                      progress=False, rows=rows)
         checks = [compare("out", out, ref.out, out_tol)]
         if lse is not None:
             checks.append(compare("lse", lse, ref.lse, lse_tol))
@@ -186,6 +203,8 @@ class RowsPool:
     gpu: bool
     t0: float
     loads: list = field(default_factory=list)  # the actors' `load` futures for this verification
+    assigned: list = field(default_factory=list)  # each actor's row ranges, heaviest first
+    computing: list = field(default_factory=list)  # the actors' `reference_rows` futures
     sent_inputs: int = 0  # actors that needed the inputs sent (their seed drew other bits)
     reused: bool = False  # the actors served an earlier verification of this session
 
@@ -205,9 +224,9 @@ _kept: dict[tuple, RowsPool] = {}
 
 def start_rows_workers(mask: Mask, inputs: Inputs, workers: int, *, dtype: torch.dtype = torch.float64,
                        memory_budget: int | None = None, address: str | None = None) -> RowsPool:
-    """The actors for one verification, loading its mask and inputs while the caller goes on
-    (verify compiles and runs the kernel under test meanwhile); `compare_on_ray(pool=...)` uses
-    them. Ray started here stops with the pool; in a Ray session already running (ray.init by the
+    """The actors for one verification: they load its mask and inputs and compute their rows of
+    the reference while the caller goes on (verify compiles and runs the kernel under test
+    meanwhile); `compare_on_ray(pool=...)` then compares. Ray started here stops with the pool; in a Ray session already running (ray.init by the
     caller) the actors stay for the next verification with the same workers."""
     gpu = inputs.device.type == "cuda"
     ray, started = _start_ray(workers, gpu, address)
@@ -229,6 +248,11 @@ def start_rows_workers(mask: Mask, inputs: Inputs, workers: int, *, dtype: torch
         prints = _fingerprints(inputs)
         pool.loads = [a.load.remote(shared_mask, inputs.shape, inputs.dtype, inputs.seed, prints, dtype, memory_budget)
                       for a in pool.actors]
+        # Ranges dealt round-robin, last rows first: under causal-like masks later rows keep more
+        # keys, so each actor gets a like share. Each starts on its ranges as soon as it has loaded.
+        ranges = row_ranges(inputs.shape.q_len, workers * RANGES_PER_WORKER)[::-1]
+        pool.assigned = [ranges[i::workers] for i in range(workers)]
+        pool.computing = [a.reference_rows.remote(r) for a, r in zip(pool.actors, pool.assigned)]
     except BaseException:
         if started:
             ray.shutdown()
@@ -256,30 +280,25 @@ def compare_on_ray(mask: Mask, inputs: Inputs, out: torch.Tensor, lse: torch.Ten
             on_cpu = Inputs(q=inputs.q.cpu(), k=inputs.k.cpu(), v=inputs.v.cpu(), shape=inputs.shape,
                             dtype=inputs.dtype, seed=inputs.seed)
             shared = ray.put(on_cpu)
-            ray.get([a.load_inputs.remote(shared) for a, ok in zip(pool.actors, drawn) if not ok])
+            for i, ok in enumerate(drawn):
+                if not ok:  # (its `reference_rows` found no inputs and did nothing: queue it again)
+                    pool.actors[i].load_inputs.remote(shared)
+                    pool.computing[i] = pool.actors[i].reference_rows.remote(pool.assigned[i])
             pool.sent_inputs = drawn.count(False)
-        ranges = row_ranges(inputs.shape.q_len, len(pool.actors) * RANGES_PER_WORKER)
-        todo = ranges[::-1]
-        busy = {}  # future -> actor
-
-        def give(worker):
-            a, b = todo.pop(0)
-            rows_lse = None if lse is None else lse[:, :, a:b].cpu()
-            busy[worker.compare_rows.remote((a, b), out[:, :, a:b].cpu(), rows_lse, out_tol, lse_tol)] = worker
-
-        for worker in pool.actors[:len(todo)]:
-            give(worker)
+        pending = {}  # future -> rows
+        for actor, ranges in zip(pool.actors, pool.assigned):
+            for a, b in ranges:  # each actor compares its rows once its reference_rows has run
+                rows_lse = None if lse is None else lse[:, :, a:b].cpu()
+                pending[actor.compare_rows.remote((a, b), out[:, :, a:b].cpu(), rows_lse, out_tol, lse_tol)] = (a, b)
         results = []
         with tqdm(total=inputs.shape.q_len, desc=f"reference {mask.name} on {workers} workers", disable=not progress,
                   unit="row", leave=False) as bar:
-            while busy:
-                ready, _ = ray.wait(list(busy), num_returns=1)
-                worker = busy.pop(ready[0])
-                rows, checks, ref = ray.get(ready[0])
-                results.append((rows, checks, ref))
-                bar.update(rows[1] - rows[0])
-                if todo:
-                    give(worker)
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                a, b = pending.pop(ready[0])
+                results.append(ray.get(ready[0]))
+                bar.update(b - a)
+        ray.get(pool.computing)  # (an error there surfaces here)
         failed = False
     finally:
         pool.close(failed)

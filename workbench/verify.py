@@ -745,7 +745,7 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
     if workers and not backward:
         # each worker compares its rows of the kernel's output with its rows of the reference and
         # sends back only the statistics (dk / dv sum over every row, so a backward check gathers);
-        # the workers start now and load the inputs while the kernel under test compiles and runs
+        # the workers start now and compute their rows while the kernel under test compiles and runs
         from workbench.distribute import compare_on_ray, start_rows_workers
 
         pool = start_rows_workers(expected, inputs, workers, dtype=reference_dtype, memory_budget=budget,

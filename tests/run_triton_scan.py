@@ -19,9 +19,9 @@ from workbench.define import index_reads  # noqa: E402
 
 # (q_len, kv_len, heads, batch, block): odd lengths, Lq != Lk, small / uneven / tall blocks
 CASES = [(200, 333, 4, 2, (32, 64)), (260, 300, None, None, (160, 48)), (300, 330, 2, None, (128, 128))]
-# the kernel's interior fast path switched the other way (kernels.SCAN_INTERIOR): every case on a
-# GPU, the last one (two interior rows and columns of 128-blocks) under the CPU interpreter, where
-# it is slow
+# each kernel switch (kernels.SCAN_INTERIOR, kernels.SCAN_ROWS_AT_END) turned the other way: every
+# case on a GPU, the last one (two interior rows and columns of 128-blocks) under the CPU
+# interpreter, where it is slow
 INTERIOR_CASES = {"cuda": CASES, "cpu": CASES[-1:]}
 
 
@@ -82,13 +82,15 @@ def main(device: str) -> int:
              for q, k, *_ in CASES[:1]]
     masks = [m for m in masks if m.mask_mod is not None] + [Mask("shifted_per_batch", mask_mod=shifted_per_batch)]
     failures = run_cases(masks, CASES, device)
-    default = kernels.SCAN_INTERIOR
-    kernels.SCAN_INTERIOR = not default  # the other setting of the interior fast path too
-    try:
-        failures += run_cases(masks, INTERIOR_CASES["cuda" if device.startswith("cuda") else "cpu"], device,
-                              f" (SCAN_INTERIOR={not default})")
-    finally:
-        kernels.SCAN_INTERIOR = default
+    # the other setting of each kernel switch too (the interior fast path, row sums at the end)
+    for switch in ("SCAN_INTERIOR", "SCAN_ROWS_AT_END"):
+        default = getattr(kernels, switch)
+        setattr(kernels, switch, not default)
+        try:
+            failures += run_cases(masks, INTERIOR_CASES["cuda" if device.startswith("cuda") else "cpu"], device,
+                                  f" ({switch}={not default})")
+        finally:
+            setattr(kernels, switch, default)
     print("ALL EQUAL" if not failures else f"{failures} MISMATCHES")
     return 1 if failures else 0
 

@@ -28,7 +28,8 @@ _SCAN_KERNEL = '''
 def _scan_block(b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_ptr, bh, n_rows, n_cols,
                 row_kept, full_blocks, empty_blocks, head_acc, batch_acc{ptrs},
                 SUB_Q: tl.constexpr, SUB_K: tl.constexpr, N_SUB_Q: tl.constexpr, KEEP_COUNTS: tl.constexpr,
-                DIFF_HEAD: tl.constexpr, DIFF_BATCH: tl.constexpr, BOUNDED: tl.constexpr):
+                DIFF_HEAD: tl.constexpr, DIFF_BATCH: tl.constexpr, BOUNDED: tl.constexpr,
+                ROWS_AT_END: tl.constexpr):
     # block (r, c) for this slice of query rows: its kept pairs as SUB_Q x SUB_K lane sums, then its
     # count (stored, or added to when its rows come in slices), its rows' counts and its class. With
     # BOUNDED, pairs past Lq / Lk or the block's edge are masked out (indices clamped so table reads
@@ -57,8 +58,15 @@ def _scan_block(b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_pt
             if BOUNDED:
                 other = other & inside
             batch_acc += (keep != other).to(tl.int32)
-    kept_by_row = tl.sum(kept, axis=1)
-    block_kept = tl.sum(kept_by_row, axis=0)
+    if ROWS_AT_END:
+        # row_kept is a SUB_Q x SUB_K tile summed over the keys once per row of blocks (by the
+        # caller), so a block costs one reduction (its count) instead of a per-row one as well
+        block_kept = tl.sum(kept)
+        row_kept = row_kept + kept
+    else:
+        kept_by_row = tl.sum(kept, axis=1)
+        block_kept = tl.sum(kept_by_row, axis=0)
+        row_kept = row_kept + kept_by_row
     if KEEP_COUNTS:
         at = counts_ptr + (bh * n_rows + r) * n_cols + c
         if N_SUB_Q == 1:
@@ -69,7 +77,7 @@ def _scan_block(b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_pt
         lane0 = tl.arange(0, SUB_Q) == 0
         full_blocks += (lane0 & (block_kept == full_count)).to(tl.int32)
         empty_blocks += (lane0 & (block_kept == 0)).to(tl.int32)
-    return row_kept + kept_by_row, full_blocks, empty_blocks, head_acc, batch_acc
+    return row_kept, full_blocks, empty_blocks, head_acc, batch_acc
 
 
 {jit}
@@ -77,7 +85,7 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
                       kv_block{int}{ptrs},
                       SUB_Q: tl.constexpr, SUB_K: tl.constexpr, N_SUB_Q: tl.constexpr,
                       KEEP_COUNTS: tl.constexpr, DIFF_HEAD: tl.constexpr, DIFF_BATCH: tl.constexpr,
-                      INTERIOR: tl.constexpr):
+                      INTERIOR: tl.constexpr, ROWS_AT_END: tl.constexpr):
     # one program = one row of blocks r for one (b, h); the grid is (n_rows, heads, batch)
     r = tl.program_id(0)  # {salt}
     h = tl.program_id(1)
@@ -92,7 +100,10 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
         q_in_block = qs * SUB_Q + tl.arange(0, SUB_Q)
         q_idx = r * q_block + q_in_block
         q_ok = (q_in_block < q_block) & (q_idx < Lq)
-        row_kept = tl.zeros([SUB_Q], tl.int32)
+        if ROWS_AT_END:
+            row_kept = tl.zeros([SUB_Q, SUB_K], tl.int32)
+        else:
+            row_kept = tl.zeros([SUB_Q], tl.int32)
         head_acc = tl.zeros([SUB_Q, SUB_K], tl.int32)
         batch_acc = tl.zeros([SUB_Q, SUB_K], tl.int32)
         if INTERIOR:
@@ -104,21 +115,24 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
                 row_kept, full_blocks, empty_blocks, head_acc, batch_acc = _scan_block(
                     b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_ptr, bh, n_rows, n_cols, row_kept,
                     full_blocks, empty_blocks, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K, N_SUB_Q, KEEP_COUNTS,
-                    DIFF_HEAD, DIFF_BATCH, BOUNDED=False)
+                    DIFF_HEAD, DIFF_BATCH, BOUNDED=False, ROWS_AT_END=ROWS_AT_END)
                 c += 1
             while c < n_cols:
                 row_kept, full_blocks, empty_blocks, head_acc, batch_acc = _scan_block(
                     b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_ptr, bh, n_rows, n_cols, row_kept,
                     full_blocks, empty_blocks, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K, N_SUB_Q, KEEP_COUNTS,
-                    DIFF_HEAD, DIFF_BATCH, BOUNDED=True)
+                    DIFF_HEAD, DIFF_BATCH, BOUNDED=True, ROWS_AT_END=ROWS_AT_END)
                 c += 1
         else:
             for c in range(0, n_cols):
                 row_kept, full_blocks, empty_blocks, head_acc, batch_acc = _scan_block(
                     b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_ptr, bh, n_rows, n_cols, row_kept,
                     full_blocks, empty_blocks, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K, N_SUB_Q, KEEP_COUNTS,
-                    DIFF_HEAD, DIFF_BATCH, BOUNDED=True)
-        tl.store(rows_ptr + bh * Lq + q_idx, row_kept, mask=q_ok)
+                    DIFF_HEAD, DIFF_BATCH, BOUNDED=True, ROWS_AT_END=ROWS_AT_END)
+        if ROWS_AT_END:
+            tl.store(rows_ptr + bh * Lq + q_idx, tl.sum(row_kept, axis=1), mask=q_ok)
+        else:
+            tl.store(rows_ptr + bh * Lq + q_idx, row_kept, mask=q_ok)
         head_diff += tl.sum(head_acc, axis=1).to(tl.int64)
         batch_diff += tl.sum(batch_acc, axis=1).to(tl.int64)
     at = stats_ptr + (bh * n_rows + r) * 4
@@ -137,6 +151,11 @@ SCAN_WARPS = 4
 # bounds masks, before the bounded loop over the edge blocks. tests/run_triton_scan.py checks both
 # settings against the eager tiles.
 SCAN_INTERIOR = True
+# Per-row kept counts summed over the key lanes once per row of blocks instead of once per block.
+# Compiled for sm_90, a block of the causal scan is 8 column steps of 53 instructions and a
+# reduction tail of about 400 (66 shuffles, 5 barriers); this leaves one reduction per block.
+# Off until timed on a GPU (`bench_blocks.py --tune` has both).
+SCAN_ROWS_AT_END = False
 _namespaces: dict[str, dict] = {}
 _launched: set[tuple] = set()  # (source, constexprs) already compiled in this process
 _requests: collections.Counter = collections.Counter()  # scans asked of each source
@@ -224,7 +243,8 @@ def _constexprs(q_block, kv_block, diff_head, diff_batch, keep_counts) -> dict:
     # the fast path covers whole blocks in whole register tiles only
     tiles_fit = n_sub_q * sub_q == q_block and kv_block % sub_k == 0
     return dict(SUB_Q=sub_q, SUB_K=sub_k, N_SUB_Q=n_sub_q, KEEP_COUNTS=keep_counts,
-                DIFF_HEAD=diff_head, DIFF_BATCH=diff_batch, INTERIOR=SCAN_INTERIOR and tiles_fit)
+                DIFF_HEAD=diff_head, DIFF_BATCH=diff_batch, INTERIOR=SCAN_INTERIOR and tiles_fit,
+                ROWS_AT_END=SCAN_ROWS_AT_END)
 
 
 def is_compiled(kernel: "ScanKernel", q_block: int, kv_block: int, diff_head: bool, diff_batch: bool,

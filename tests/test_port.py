@@ -154,3 +154,17 @@ def test_a_pinned_config_outside_the_list_is_named(tmp_path):
     q = torch.randn(1, 1, 8, 16)
     with pytest.raises(WorkbenchError, match="config 9 is not one of the port's 6 tile configurations"):
         port.run_file(tmp_path / "missing.py", q, q, q, config=9)
+
+
+def test_a_block_cut_short_by_the_last_query_is_full_when_its_rows_keep_everything(tmp_path):
+    """Causal at 300 tokens, 128-blocks: the last row of blocks has 44 rows. Its blocks left of the
+    diagonal keep every pair of those rows, so the port runs them unmasked (full); only the
+    diagonal block, cut short by the last key as well, is partial. (Every block of a packed
+    segment's last row was partial before: the segment-relative launch's extra masked work.)"""
+    path = port.build(make("causal"), 300, 300, out_dir=tmp_path)
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('p', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "pn, pi, fn, fi = m.block_lists(1, 1, 300, 300, 'cpu'); print(fn.flatten().tolist(), pn.flatten().tolist())")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert out.stdout.strip() == "[0, 1, 2] [1, 1, 1]", out.stdout + out.stderr[-2000:]

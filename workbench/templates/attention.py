@@ -128,8 +128,11 @@ def _block_class_kernel(classes, Lq, Lk, n_cols, n_heads_tab, q_off, kv_off,
             keep = mask_mod_triton(b, h, tl.minimum(q_idx, Lq - 1)[:, None] + q_off, kv_safe@@MASK_PTR_ARGS@@)
             kept += ((keep != 0) & inside).to(tl.int32)
         total = tl.sum(tl.sum(kept, axis=1), axis=0)
-        # a block cut short by the sequence end is never full (the missing pairs count as masked)
-        cls = tl.where(total == TABLE_M * TABLE_N, 2, tl.where(total > 0, 1, 0))
+        # a block cut short by the last key is never full (its missing keys must be masked); one
+        # cut short by the last query is full when every pair of its rows is kept: the rows past
+        # the end are loaded as zeros and never stored (a packed segment's last row of blocks)
+        rows = tl.minimum(Lq - r * TABLE_M, TABLE_M)
+        cls = tl.where(total == rows * TABLE_N, 2, tl.where(total > 0, 1, 0))
         tl.store(classes + (bh * tl.num_programs(0) + r) * n_cols + c, cls.to(tl.int8))
         c += 1
 
@@ -153,10 +156,8 @@ def block_lists(batch: int, heads: int, q_len: int, kv_len: int, device, q_off: 
             _block_class_kernel[(n_rows, b_tab * h_tab)](classes, q_len, kv_len, n_cols, h_tab, q_off, kv_off,
                                                           *[tables[n] for n in MASK_POINTERS],
                                                           TABLE_M=TABLE_M, TABLE_N=TABLE_N, SUB_M=32, num_warps=4)
-        else:  # no mask_mod: every block is full, except those cut short by the sequence end
+        else:  # no mask_mod: every block is full, except those cut short by the last key
             classes = torch.full((1, 1, n_rows, n_cols), 2, dtype=torch.int8, device=device)
-            if q_len % TABLE_M:
-                classes[:, :, -1, :] = 1
             if kv_len % TABLE_N:
                 classes[:, :, :, -1] = 1
         lists = []

@@ -12,9 +12,9 @@ through Ray's object store only where they differ) and computes the reference of
 while the kernel under test compiles and runs; it then gets those rows of the kernel's output,
 compares them there and sends back only the statistics, merged into one check per tensor. (Until
 compared, each actor holds its share of the float64 output: B x H x Lq x D x 8 bytes / workers.)
-In a Ray session the caller started, the actors stay for the next verification. With gradients (`reference_on_ray`)
-the pieces are joined into one Reference: out, lse and dq by rows, dk, dv (and gradients of
-captured tensors) summed.
+In a Ray session the caller started, the actors stay for the next verification. With gradients
+(`reference_on_ray`) the pieces are joined into one Reference: out, lse and dq by rows, dk, dv
+(and gradients of captured tensors) summed.
 """
 
 from __future__ import annotations
@@ -59,17 +59,26 @@ def _send_by_value(mask: Mask) -> None:
                 pass
 
 
+def _moved(inputs: Inputs, device: str, grad_out: bool = True) -> Inputs:
+    """The inputs on `device` (with grad_out unless grad_out=False)."""
+    g = inputs.grad_out if grad_out else None
+    return Inputs(q=inputs.q.to(device), k=inputs.k.to(device), v=inputs.v.to(device), shape=inputs.shape,
+                  dtype=inputs.dtype, seed=inputs.seed, grad_out=None if g is None else g.to(device))
+
+
+def _bound(mask: Mask, shape, device: str) -> Mask:
+    """The mask with its captured tables on this worker's device."""
+    if device == "cpu":
+        return mask
+    from workbench.define import bind
+
+    return bind(mask, shape.q_len, shape.kv_len, device)
+
+
 def _rows_on_worker(mask: Mask, inputs: Inputs, rows: tuple[int, int], backward: bool, dtype, memory_budget,
                     device: str) -> Reference:
-    moved = Inputs(q=inputs.q.to(device), k=inputs.k.to(device), v=inputs.v.to(device), shape=inputs.shape,
-                   dtype=inputs.dtype, seed=inputs.seed,
-                   grad_out=None if inputs.grad_out is None else inputs.grad_out.to(device))
-    if device != "cpu":
-        from workbench.define import bind
-
-        mask = bind(mask, inputs.shape.q_len, inputs.shape.kv_len, device)  # captured tables on this GPU
-    ref = reference_attention(mask, moved, backward=backward, dtype=dtype, memory_budget=memory_budget,
-                              progress=False, rows=rows)
+    ref = reference_attention(_bound(mask, inputs.shape, device), _moved(inputs, device), backward=backward,
+                              dtype=dtype, memory_budget=memory_budget, progress=False, rows=rows)
     ref.out, ref.lse = ref.out.cpu(), ref.lse.cpu()
     ref.grads = {k: v.cpu() for k, v in ref.grads.items()}
     return ref
@@ -106,10 +115,7 @@ def _start_ray(workers: int, gpu: bool, address: str | None):
 def _share(ray, mask: Mask, inputs: Inputs, grad_out: bool):
     """The mask and the inputs (on the host) put in Ray's object store once, for every worker."""
     _send_by_value(mask)
-    on_cpu = Inputs(q=inputs.q.cpu(), k=inputs.k.cpu(), v=inputs.v.cpu(), shape=inputs.shape, dtype=inputs.dtype,
-                    seed=inputs.seed,
-                    grad_out=inputs.grad_out.cpu() if grad_out and inputs.grad_out is not None else None)
-    return ray.put(mask), ray.put(on_cpu)
+    return ray.put(mask), ray.put(_moved(inputs, "cpu", grad_out))
 
 
 def _joined(pieces: list[Reference], ranges: list[tuple[int, int]], q_len: int, seconds: float, **rows) -> Reference:
@@ -152,11 +158,8 @@ class RowsWorker:
 
         self.inputs, self.kept = None, {}
         if self.device != "cpu":
-            from workbench.define import bind
-
-            mask = bind(mask, shape.q_len, shape.kv_len, self.device)  # captured tables on this GPU
-            torch.cuda.empty_cache()
-        self.mask, self.dtype, self.memory_budget = mask, dtype, memory_budget
+            torch.cuda.empty_cache()  # (the last verification's tensors)
+        self.mask, self.dtype, self.memory_budget = _bound(mask, shape, self.device), dtype, memory_budget
         if seed is None:
             return False
         drawn = make_inputs(shape, dtype_name, self.device, seed=seed)
@@ -166,8 +169,7 @@ class RowsWorker:
         return True
 
     def load_inputs(self, inputs: Inputs) -> None:
-        self.inputs = Inputs(q=inputs.q.to(self.device), k=inputs.k.to(self.device), v=inputs.v.to(self.device),
-                             shape=inputs.shape, dtype=inputs.dtype, seed=inputs.seed)
+        self.inputs = _moved(inputs, self.device, grad_out=False)
 
     def reference_rows(self, ranges: list[tuple[int, int]]) -> bool:
         """The reference of these row ranges, kept here for `compare_rows` (queued right after
@@ -226,8 +228,9 @@ def start_rows_workers(mask: Mask, inputs: Inputs, workers: int, *, dtype: torch
                        memory_budget: int | None = None, address: str | None = None) -> RowsPool:
     """The actors for one verification: they load its mask and inputs and compute their rows of
     the reference while the caller goes on (verify compiles and runs the kernel under test
-    meanwhile); `compare_on_ray(pool=...)` then compares. Ray started here stops with the pool; in a Ray session already running (ray.init by the
-    caller) the actors stay for the next verification with the same workers."""
+    meanwhile); `compare_on_ray(pool=...)` then compares. Ray started here stops with the pool; in
+    a Ray session already running (ray.init by the caller) the actors stay for the next
+    verification with the same workers."""
     gpu = inputs.device.type == "cuda"
     ray, started = _start_ray(workers, gpu, address)
     t0 = time.perf_counter()
@@ -277,9 +280,7 @@ def compare_on_ray(mask: Mask, inputs: Inputs, out: torch.Tensor, lse: torch.Ten
     try:
         drawn = ray.get(pool.loads)
         if not all(drawn):  # this device drew other bits from the seed: send the inputs once
-            on_cpu = Inputs(q=inputs.q.cpu(), k=inputs.k.cpu(), v=inputs.v.cpu(), shape=inputs.shape,
-                            dtype=inputs.dtype, seed=inputs.seed)
-            shared = ray.put(on_cpu)
+            shared = ray.put(_moved(inputs, "cpu", grad_out=False))
             for i, ok in enumerate(drawn):
                 if not ok:  # (its `reference_rows` found no inputs and did nothing: queue it again)
                     pool.actors[i].load_inputs.remote(shared)

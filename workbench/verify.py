@@ -374,9 +374,7 @@ def _softmax_times_v(scores: torch.Tensor, v_ones: torch.Tensor, head_dim: int, 
     if bool(odd.any()):
         if keep is None:
             return None
-        base = _one_entry(keep)
-        keeps_some = base.any(-1) if base.shape[-1] else torch.zeros(base.shape[:-1], dtype=torch.bool,
-                                                                     device=base.device)
+        keeps_some = _one_entry(keep).any(-1)  # (False for a chunk with no key columns)
         if bool((odd & keeps_some).any()):
             return None
         dead = odd  # rows that keep no key: their product is exactly 0, so out = 0
@@ -397,18 +395,20 @@ def _matmul_long_k(p: torch.Tensor, v: torch.Tensor, split: bool | None = None) 
     *lead, m, k = p.shape
     n = v.shape[-1]
     pieces = k // SPLIT_K_PIECE
-    if not (p.device.type == "cuda" if split is None else split) or pieces < 4 or not p.is_contiguous() or tuple(v.shape[:-2]) != tuple(lead):
+    if split is None:
+        split = p.device.type == "cuda"
+    if not split or pieces < 4 or not p.is_contiguous() or tuple(v.shape[:-2]) != tuple(lead):
         return torch.matmul(p, v)
     p3, v3 = p.reshape(-1, m, k), v.reshape(-1, k, n)
     out = torch.empty(p3.shape[0], m, n, dtype=p.dtype, device=p.device)
-    split = pieces * SPLIT_K_PIECE
+    in_pieces = pieces * SPLIT_K_PIECE  # keys covered by whole pieces; the rest in one product
     for i in range(p3.shape[0]):
         # piece j of every row: columns [j * SPLIT_K_PIECE, (j + 1) * SPLIT_K_PIECE), a strided view
         rows = p3[i].as_strided((pieces, m, SPLIT_K_PIECE), (SPLIT_K_PIECE, k, 1))
-        keys = v3[i, :split].reshape(pieces, SPLIT_K_PIECE, n)
+        keys = v3[i, :in_pieces].reshape(pieces, SPLIT_K_PIECE, n)
         torch.sum(torch.bmm(rows, keys), dim=0, out=out[i])
-        if split < k:
-            out[i] += p3[i, :, split:] @ v3[i, split:]
+        if in_pieces < k:
+            out[i] += p3[i, :, in_pieces:] @ v3[i, in_pieces:]
     return out.reshape(*lead, m, n)
 
 

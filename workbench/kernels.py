@@ -111,18 +111,14 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
             # skip the bounds masks: each pair costs only the mask's own arithmetic and one add
             n_interior = tl.where((r + 1) * q_block <= Lq, Lk // kv_block, 0)
             c = r * 0  # a tensor from the start: a loop-carried value keeps one type
-            while c < n_interior:
-                row_kept, full_blocks, empty_blocks, head_acc, batch_acc = _scan_block(
-                    b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_ptr, bh, n_rows, n_cols, row_kept,
-                    full_blocks, empty_blocks, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K, N_SUB_Q, KEEP_COUNTS,
-                    DIFF_HEAD, DIFF_BATCH, BOUNDED=False, ROWS_AT_END=ROWS_AT_END)
-                c += 1
-            while c < n_cols:
-                row_kept, full_blocks, empty_blocks, head_acc, batch_acc = _scan_block(
-                    b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_ptr, bh, n_rows, n_cols, row_kept,
-                    full_blocks, empty_blocks, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K, N_SUB_Q, KEEP_COUNTS,
-                    DIFF_HEAD, DIFF_BATCH, BOUNDED=True, ROWS_AT_END=ROWS_AT_END)
-                c += 1
+            for edge in tl.static_range(2):  # the interior blocks, then the edge blocks with bounds masks
+                stop = n_interior if edge == 0 else n_cols
+                while c < stop:
+                    row_kept, full_blocks, empty_blocks, head_acc, batch_acc = _scan_block(
+                        b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_ptr, bh, n_rows, n_cols,
+                        row_kept, full_blocks, empty_blocks, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K, N_SUB_Q,
+                        KEEP_COUNTS, DIFF_HEAD, DIFF_BATCH, BOUNDED=edge == 1, ROWS_AT_END=ROWS_AT_END)
+                    c += 1
         else:
             for c in range(0, n_cols):
                 row_kept, full_blocks, empty_blocks, head_acc, batch_acc = _scan_block(

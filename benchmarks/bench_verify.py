@@ -47,7 +47,7 @@ def one(name, length, workers, reference_dtype):
     return dict(mask=mask.name, tokens=length, workers=workers or 1, wall_s=wall, reference_s=verdict.reference_seconds,
                 fraction=verdict.reference_fraction, peak_gib=peak, passed=verdict.passed, rel_err=max(c.rel_err for c in verdict.checks),
                 compile_s=verdict.compile_seconds or 0.0, run_s=verdict.run_seconds or 0.0,
-                mask_evaluation=verdict.reference_mask_evaluation)
+                mask_evaluation=verdict.reference_mask_evaluation, busy=verdict.reference_workers)
 
 
 def main():
@@ -74,6 +74,7 @@ def main():
     print("| mask | tokens | workers | verify wall s | reference s | kernel compile s | kernel run s | pairs computed "
           "| peak GiB | verdict | rel err | reference's mask |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    busy = []
     for length in args.lengths:
         for name in args.masks:
             for workers in [None] + ([args.workers] if args.workers else []):
@@ -81,6 +82,11 @@ def main():
                 print(f"| {r['mask']} | {length:,} | {r['workers']} | {r['wall_s']:.1f} | {r['reference_s']:.1f} | "
                       f"{r['compile_s']:.1f} | {r['run_s']:.2f} | {r['fraction']:.4f} | {r['peak_gib']:.1f} | {'PASS' if r['passed'] else 'FAIL'} | "
                       f"{r['rel_err']:.2e} | {r['mask_evaluation']} |", flush=True)
+                busy.extend(f"{r['mask']} worker {i}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else
+                                                                     f"{k} {v}" for k, v in w.items())
+                            for i, w in enumerate(r["busy"]))
+    for line in busy:  # where each worker's time went (after the table, which stays one piece)
+        print(line)
 
 
 if __name__ == "__main__":

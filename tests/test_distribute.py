@@ -128,6 +128,11 @@ def test_actors_draw_inputs_from_the_seed_and_stay_in_a_ray_session():
                         workers=2, block_mask=broken, progress=False)
         again = distribute._kept[(2, False, None)]
         assert first.passed and not second.passed
+        # every range was computed once, on some actor, and each says where its time went
+        from workbench.distribute import RANGES_PER_WORKER
+
+        assert sum(w["ranges"] for w in second.reference_workers) == 2 * RANGES_PER_WORKER
+        assert all(w["rows_s"] > 0 and w["device"] == "cpu" for w in second.reference_workers)
         assert again is pool and again.reused and again.sent_inputs == 0
         assert [a._actor_id for a in again.actors] == actors
     finally:

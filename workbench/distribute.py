@@ -29,9 +29,8 @@ from workbench.define import Mask, WorkbenchError
 from workbench.run import Inputs
 from workbench.verify import Reference, TensorCheck, Tolerance, compare, merge_checks, reference_attention
 
-RANGES_PER_WORKER = 8
-# Ranges are handed out last rows first: under causal-like masks later rows keep more keys, and
-# finishing on the light ranges leaves the workers idle for less than one range (largest first).
+RANGES_PER_WORKER = 8  # more ranges than workers: a causal mask's heavier last rows balance out
+AHEAD_PER_WORKER = 2  # ranges each actor computes before the kernel's output arrives
 
 
 def row_ranges(q_len: int, pieces: int) -> list[tuple[int, int]]:
@@ -142,13 +141,23 @@ def _fingerprints(inputs: Inputs) -> tuple[int, int, int]:
 
 class RowsWorker:
     """A Ray actor on one device: per verification `load` (the mask, and q, k, v drawn again from
-    the inputs' seed, checked bit for bit), `reference_rows` for its share of the rows, then
-    `compare_rows` for each. It outlives one verification when Ray was already running (see
-    `start_rows_workers`)."""
+    the inputs' seed, checked bit for bit), `reference_rows` for the ranges it computes ahead, then
+    `compare_rows` for each range the caller hands it. It outlives one verification when Ray was
+    already running (see `start_rows_workers`)."""
 
     def __init__(self, device: str):
         self.device, self.inputs, self.mask = device, None, None
         self.kept: dict[tuple[int, int], Reference] = {}
+        self.busy = {"load_s": 0.0, "rows_s": 0.0, "ranges": 0}
+
+    def warm_up(self) -> float:
+        """Once per actor: torch.compile's imports and the device's libraries, which the reference
+        needs at length (seconds in a new process) -- done while the caller still prepares."""
+        t0 = time.perf_counter()
+        x = torch.ones(64, device=self.device, dtype=torch.float64)
+        torch.compile(lambda t: (t * 2 > 1) & (t < 3), dynamic=True)(x)
+        (x[:8, None] @ x[None, :8]).sum().item()
+        return time.perf_counter() - t0
 
     def load(self, mask: Mask, shape, dtype_name: str, seed: int | None, prints, dtype, memory_budget) -> bool:
         """This verification's mask and inputs. The inputs are drawn here from their seed instead
@@ -156,7 +165,9 @@ class RowsWorker:
         caller's bits (then the caller sends them: `load_inputs`)."""
         from workbench.run import make_inputs
 
+        t0 = time.perf_counter()
         self.inputs, self.kept = None, {}
+        self.busy = {"load_s": 0.0, "rows_s": 0.0, "ranges": 0}
         if self.device != "cpu":
             torch.cuda.empty_cache()  # (the last verification's tensors)
         self.mask, self.dtype, self.memory_budget = _bound(mask, shape, self.device), dtype, memory_budget
@@ -166,10 +177,21 @@ class RowsWorker:
         if _fingerprints(drawn) != tuple(prints):
             return False
         self.inputs = drawn
+        self.busy["load_s"] = time.perf_counter() - t0
         return True
 
     def load_inputs(self, inputs: Inputs) -> None:
         self.inputs = _moved(inputs, self.device, grad_out=False)
+
+    def _reference(self, rows: tuple[int, int]) -> Reference:
+        t0 = time.perf_counter()
+        ref = reference_attention(self.mask, self.inputs, dtype=self.dtype, memory_budget=self.memory_budget,
+                                  progress=False, rows=rows)
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+        self.busy["rows_s"] += time.perf_counter() - t0
+        self.busy["ranges"] += 1
+        return ref
 
     def reference_rows(self, ranges: list[tuple[int, int]]) -> bool:
         """The reference of these row ranges, kept here for `compare_rows` (queued right after
@@ -178,21 +200,19 @@ class RowsWorker:
         if self.inputs is None:
             return False
         for rows in ranges:
-            self.kept[rows] = reference_attention(self.mask, self.inputs, dtype=self.dtype,
-                                                  memory_budget=self.memory_budget, progress=False, rows=rows)
+            self.kept[rows] = self._reference(rows)
         return True
 
     def compare_rows(self, rows: tuple[int, int], out: torch.Tensor, lse: torch.Tensor | None, out_tol: Tolerance,
-                     lse_tol: Tolerance) -> tuple[tuple[int, int], list[TensorCheck], Reference]:
-        ref = self.kept.pop(rows, None)
-        if ref is None:  # not computed ahead: compute it now
-            ref = reference_attention(self.mask, self.inputs, dtype=self.dtype, memory_budget=self.memory_budget,
-                                      progress=False, rows=rows)
+                     lse_tol: Tolerance) -> tuple[tuple[int, int], list[TensorCheck], Reference, dict]:
+        """These rows of the kernel's output against the reference (computed now unless kept);
+        the statistics go back, with this actor's busy seconds so far."""
+        ref = self.kept.pop(rows, None) or self._reference(rows)
         checks = [compare("out", out, ref.out, out_tol)]
         if lse is not None:
             checks.append(compare("lse", lse, ref.lse, lse_tol))
         ref.out = ref.lse = None  # the statistics travel back, not the rows
-        return rows, checks, ref
+        return rows, checks, ref, dict(self.busy, device=self.device)
 
 
 @dataclass
@@ -205,10 +225,12 @@ class RowsPool:
     gpu: bool
     t0: float
     loads: list = field(default_factory=list)  # the actors' `load` futures for this verification
-    assigned: list = field(default_factory=list)  # each actor's row ranges, heaviest first
+    ahead: list = field(default_factory=list)  # per actor, the ranges it computes before the output comes
+    queued: list = field(default_factory=list)  # the other ranges, heaviest first, dealt as actors free up
     computing: list = field(default_factory=list)  # the actors' `reference_rows` futures
     sent_inputs: int = 0  # actors that needed the inputs sent (their seed drew other bits)
     reused: bool = False  # the actors served an earlier verification of this session
+    warm_up_s: list = field(default_factory=list)  # per actor, its one-time warm-up (new actors only)
 
     def close(self, failed: bool = False) -> None:
         if self.started:
@@ -226,11 +248,11 @@ _kept: dict[tuple, RowsPool] = {}
 
 def start_rows_workers(mask: Mask, inputs: Inputs, workers: int, *, dtype: torch.dtype = torch.float64,
                        memory_budget: int | None = None, address: str | None = None) -> RowsPool:
-    """The actors for one verification: they load its mask and inputs and compute their rows of
-    the reference while the caller goes on (verify compiles and runs the kernel under test
-    meanwhile); `compare_on_ray(pool=...)` then compares. Ray started here stops with the pool; in
-    a Ray session already running (ray.init by the caller) the actors stay for the next
-    verification with the same workers."""
+    """The actors for one verification: they load its mask and inputs and compute their first
+    rows of the reference while the caller goes on (verify compiles and runs the kernel under test
+    meanwhile); `compare_on_ray(pool=...)` then hands out the rest and compares. Ray started here
+    stops with the pool; in a Ray session already running (ray.init by the caller) the actors stay
+    for the next verification with the same workers."""
     gpu = inputs.device.type == "cuda"
     ray, started = _start_ray(workers, gpu, address)
     t0 = time.perf_counter()
@@ -240,10 +262,12 @@ def start_rows_workers(mask: Mask, inputs: Inputs, workers: int, *, dtype: torch
     try:
         pool = None if started else _kept.get(key)
         if pool is not None:
-            pool.t0, pool.loads, pool.sent_inputs, pool.reused = t0, [], 0, True
+            pool.t0, pool.loads, pool.sent_inputs, pool.reused, pool.warm_up_s = t0, [], 0, True, []
         else:
             actor = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1, max_restarts=1, max_task_retries=1)(RowsWorker)
             pool = RowsPool(ray, [actor.remote("cuda" if gpu else "cpu") for _ in range(workers)], started, gpu, t0)
+            if gpu:
+                pool.warm_up_s = [a.warm_up.remote() for a in pool.actors]
             if not started:
                 _kept[key] = pool
         _send_by_value(mask)
@@ -251,11 +275,15 @@ def start_rows_workers(mask: Mask, inputs: Inputs, workers: int, *, dtype: torch
         prints = _fingerprints(inputs)
         pool.loads = [a.load.remote(shared_mask, inputs.shape, inputs.dtype, inputs.seed, prints, dtype, memory_budget)
                       for a in pool.actors]
-        # Ranges dealt round-robin, last rows first: under causal-like masks later rows keep more
-        # keys, so each actor gets a like share. Each starts on its ranges as soon as it has loaded.
+        # Ranges go out last rows first: under causal-like masks later rows keep more keys, so
+        # ending on light ranges leaves actors idle for little. Each actor computes its first
+        # AHEAD_PER_WORKER ranges as soon as it has loaded; the rest go to whichever actor frees up
+        # (the one sharing its GPU with the kernel under test does less).
         ranges = row_ranges(inputs.shape.q_len, workers * RANGES_PER_WORKER)[::-1]
-        pool.assigned = [ranges[i::workers] for i in range(workers)]
-        pool.computing = [a.reference_rows.remote(r) for a, r in zip(pool.actors, pool.assigned)]
+        first = ranges[:workers * AHEAD_PER_WORKER]
+        pool.ahead = [first[i::workers] for i in range(workers)]
+        pool.queued = ranges[len(first):]
+        pool.computing = [a.reference_rows.remote(r) for a, r in zip(pool.actors, pool.ahead)]
     except BaseException:
         if started:
             ray.shutdown()
@@ -284,29 +312,47 @@ def compare_on_ray(mask: Mask, inputs: Inputs, out: torch.Tensor, lse: torch.Ten
             for i, ok in enumerate(drawn):
                 if not ok:  # (its `reference_rows` found no inputs and did nothing: queue it again)
                     pool.actors[i].load_inputs.remote(shared)
-                    pool.computing[i] = pool.actors[i].reference_rows.remote(pool.assigned[i])
+                    pool.computing[i] = pool.actors[i].reference_rows.remote(pool.ahead[i])
             pool.sent_inputs = drawn.count(False)
-        pending = {}  # future -> rows
-        for actor, ranges in zip(pool.actors, pool.assigned):
-            for a, b in ranges:  # each actor compares its rows once its reference_rows has run
-                rows_lse = None if lse is None else lse[:, :, a:b].cpu()
-                pending[actor.compare_rows.remote((a, b), out[:, :, a:b].cpu(), rows_lse, out_tol, lse_tol)] = (a, b)
-        results = []
+        pending, waiting = {}, [0] * len(pool.actors)  # future -> (actor, rows); ranges queued per actor
+
+        def send(i: int, rows: tuple[int, int]) -> None:
+            a, b = rows
+            rows_lse = None if lse is None else lse[:, :, a:b].cpu()
+            pending[pool.actors[i].compare_rows.remote(rows, out[:, :, a:b].cpu(), rows_lse, out_tol, lse_tol)] = (i, rows)
+            waiting[i] += 1
+
+        queue = list(pool.queued)
+        for i, ranges in enumerate(pool.ahead):
+            for rows in ranges:
+                send(i, rows)
+            if queue:  # one more behind them, so no actor waits for the next hand-out
+                send(i, queue.pop(0))
+        results, busy = [], [{} for _ in pool.actors]
         with tqdm(total=inputs.shape.q_len, desc=f"reference {mask.name} on {workers} workers", disable=not progress,
                   unit="row", leave=False) as bar:
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1)
-                a, b = pending.pop(ready[0])
-                results.append(ray.get(ready[0]))
+                i, (a, b) = pending.pop(ready[0])
+                rows, checks, ref, busy[i] = ray.get(ready[0])
+                results.append((rows, checks, ref))
+                waiting[i] -= 1
+                if queue and waiting[i] < 2:  # this actor frees up first: it takes the next range
+                    send(i, queue.pop(0))
                 bar.update(b - a)
         ray.get(pool.computing)  # (an error there surfaces here)
+        warm_up = ray.get(pool.warm_up_s)
         failed = False
     finally:
         pool.close(failed)
+    for i, w in enumerate(warm_up):
+        busy[i]["warm_up_s"] = w
     results.sort(key=lambda r: r[0][0])
     merged = [merge_checks([(r[1][i], r[0][0]) for r in results]) for i in range(len(results[0][1]))]
-    return merged, _joined([r[2] for r in results], [r[0] for r in results], inputs.shape.q_len,
-                           time.perf_counter() - pool.t0, out=None, lse=None, grads={})
+    joined = _joined([r[2] for r in results], [r[0] for r in results], inputs.shape.q_len,
+                     time.perf_counter() - pool.t0, out=None, lse=None, grads={})
+    joined.workers = busy
+    return merged, joined
 
 
 def reference_on_ray(mask: Mask, inputs: Inputs, workers: int, *, backward: bool = False,

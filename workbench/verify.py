@@ -76,6 +76,7 @@ class Reference:
     nan_outputs: int = 0  # NaN entries in out and lse
     computed_fraction: float = 1.0  # pairs whose score the reference computed, over Lq x Lk
     mask_evaluation: str = "eager"  # how the mask_mod's booleans were computed (see MaskEvaluator)
+    workers: list[dict] = field(default_factory=list)  # per Ray worker of a split reference: its busy seconds
 
     def nan_message(self, mask_name: str) -> str | None:
         """Where a NaN reference comes from, or None when it has none."""
@@ -639,6 +640,7 @@ class Verdict:
     backend: str = "flex"
     reference_fraction: float = 1.0  # the share of the Lq x Lk pairs whose scores the reference computed
     reference_mask_evaluation: str = "eager"  # how the reference computed the mask (Reference.mask_evaluation)
+    reference_workers: list[dict] = field(default_factory=list)  # Reference.workers: each Ray worker's seconds
 
     @property
     def passed(self) -> bool:
@@ -806,7 +808,7 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
                    fully_masked_rows=ref.fully_masked_rows, masked_row_examples=ref.masked_row_examples,
                    compile_seconds=run.compile_seconds, run_seconds=run.run_seconds, reference_seconds=ref.seconds,
                    reference_dtype=ref.dtype, backend=backend, reference_fraction=ref.computed_fraction,
-                   reference_mask_evaluation=ref.mask_evaluation)
+                   reference_mask_evaluation=ref.mask_evaluation, reference_workers=ref.workers)
 
 
 def _run_port(mask: Mask, inputs: Inputs, backward: bool, port_path=None) -> FlexRun:

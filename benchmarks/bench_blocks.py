@@ -221,21 +221,22 @@ def knob_turning(n: int, device: str = "cuda") -> None:
               f"{len(kernels._namespaces)} |", flush=True)
 
 
-SETTINGS = [dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=2048, SCAN_ROWS_AT_END=False),  # the default
-            dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=2048, SCAN_ROWS_AT_END=True),
-            dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=4096, SCAN_ROWS_AT_END=True),
-            dict(SCAN_INTERIOR=True, SCAN_WARPS=8, TILE_ELEMENTS=4096, SCAN_ROWS_AT_END=True),
-            dict(SCAN_INTERIOR=False, SCAN_WARPS=8, TILE_ELEMENTS=4096, SCAN_ROWS_AT_END=False)]  # the old default
-assert SETTINGS[0] == dict(SCAN_INTERIOR=kernels.SCAN_INTERIOR, SCAN_WARPS=kernels.SCAN_WARPS,
-                           TILE_ELEMENTS=kernels.TILE_ELEMENTS, SCAN_ROWS_AT_END=kernels.SCAN_ROWS_AT_END)
+SETTINGS = [dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=2048, SCAN_ROWS_AT_END=False,
+                 SCAN_BOUNDS=True),  # the default
+            dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=2048, SCAN_ROWS_AT_END=True, SCAN_BOUNDS=True),
+            dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=2048, SCAN_ROWS_AT_END=False,
+                 SCAN_BOUNDS=False),  # every pair evaluated
+            dict(SCAN_INTERIOR=False, SCAN_WARPS=8, TILE_ELEMENTS=4096, SCAN_ROWS_AT_END=False,
+                 SCAN_BOUNDS=False)]  # the first kernel
+assert SETTINGS[0] == {key: getattr(kernels, key) for key in SETTINGS[0]}
 
 
 def tune(lengths, only, device: str = "cuda") -> None:
     """Our warm BlockMask build (median of 3) under each kernel setting, one table per length."""
     print(f"# scan kernel settings, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print("| mask | tokens | " + " | ".join(f"interior {s['SCAN_INTERIOR']}, warps {s['SCAN_WARPS']}, "
-                                           f"tile {s['TILE_ELEMENTS']}, rows at end {s['SCAN_ROWS_AT_END']}"
-                                           for s in SETTINGS) + " |")
+                                           f"tile {s['TILE_ELEMENTS']}, rows at end {s['SCAN_ROWS_AT_END']}, "
+                                           f"bounds {s['SCAN_BOUNDS']}" for s in SETTINGS) + " |")
     print("|---|---|" + "---|" * len(SETTINGS))
     warm_up_process(device)
     for length in lengths:

@@ -80,12 +80,35 @@ def _scan_block(b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_pt
     return row_kept, full_blocks, empty_blocks, head_acc, batch_acc
 
 
+@triton.jit
+def _decided_block(all_kept, r, c, SUB_Q_ROWS, kv_block, full_count, counts_ptr, bh, n_rows, n_cols, row_kept,
+                   full_blocks, empty_blocks, SUB_Q: tl.constexpr, SUB_K: tl.constexpr, N_SUB_Q: tl.constexpr,
+                   KEEP_COUNTS: tl.constexpr, ROWS_AT_END: tl.constexpr):
+    # an interior block whose pairs mask_mod_bounds decides: all kept (all_kept = 1) or none
+    if ROWS_AT_END:  # (the row sums' tile: its first key lane takes the block's keys)
+        row_kept = row_kept + tl.where(tl.arange(0, SUB_K)[None, :] == 0, all_kept * kv_block, 0)
+    else:
+        row_kept = row_kept + all_kept * kv_block
+    block_kept = all_kept * SUB_Q_ROWS * kv_block
+    if KEEP_COUNTS:
+        at = counts_ptr + (bh * n_rows + r) * n_cols + c
+        if N_SUB_Q == 1:
+            tl.store(at, block_kept)
+        else:
+            tl.store(at, tl.load(at) + block_kept)
+    if N_SUB_Q == 1:
+        lane0 = tl.arange(0, SUB_Q) == 0
+        full_blocks += (lane0 & (all_kept == 1)).to(tl.int32)
+        empty_blocks += (lane0 & (all_kept == 0)).to(tl.int32)
+    return row_kept, full_blocks, empty_blocks
+
+
 {jit}
 def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{int}, n_cols{int}, q_block{int},
                       kv_block{int}{ptrs},
                       SUB_Q: tl.constexpr, SUB_K: tl.constexpr, N_SUB_Q: tl.constexpr,
                       KEEP_COUNTS: tl.constexpr, DIFF_HEAD: tl.constexpr, DIFF_BATCH: tl.constexpr,
-                      INTERIOR: tl.constexpr, ROWS_AT_END: tl.constexpr):
+                      INTERIOR: tl.constexpr, ROWS_AT_END: tl.constexpr, BOUNDS: tl.constexpr):
     # one program = one row of blocks r for one (b, h); the grid is (n_rows, heads, batch)
     r = tl.program_id(0)  # {salt}
     h = tl.program_id(1)
@@ -114,10 +137,33 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
             for edge in tl.static_range(2):  # the interior blocks, then the edge blocks with bounds masks
                 stop = n_interior if edge == 0 else n_cols
                 while c < stop:
-                    row_kept, full_blocks, empty_blocks, head_acc, batch_acc = _scan_block(
-                        b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_ptr, bh, n_rows, n_cols,
-                        row_kept, full_blocks, empty_blocks, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K, N_SUB_Q,
-                        KEEP_COUNTS, DIFF_HEAD, DIFF_BATCH, BOUNDED=edge == 1, ROWS_AT_END=ROWS_AT_END)
+                    decided = c < 0  # (False)
+                    all_kept = c * 0
+                    if BOUNDS and edge == 0:
+                        # what the mask gives over the whole block, from its arithmetic's bounds:
+                        # a block it decides costs a few scalar operations instead of every pair
+                        q_lo = r * q_block + qs * SUB_Q
+                        kv_lo = c * kv_block
+                        all_kept, any_kept = mask_mod_bounds(b, h, q_lo, q_lo + SUB_Q - 1, kv_lo,
+                                                             kv_lo + kv_block - 1{ptrs})
+                        decided = all_kept == any_kept
+                        if DIFF_HEAD:  # head 0 must be decided alike, or the block's differences count
+                            all_0, any_0 = mask_mod_bounds(b, h * 0, q_lo, q_lo + SUB_Q - 1, kv_lo,
+                                                           kv_lo + kv_block - 1{ptrs})
+                            decided = decided & (all_0 == any_0) & (all_0 == all_kept)
+                        if DIFF_BATCH:
+                            all_0, any_0 = mask_mod_bounds(b * 0, h, q_lo, q_lo + SUB_Q - 1, kv_lo,
+                                                           kv_lo + kv_block - 1{ptrs})
+                            decided = decided & (all_0 == any_0) & (all_0 == all_kept)
+                    if decided:
+                        row_kept, full_blocks, empty_blocks = _decided_block(
+                            all_kept, r, c, SUB_Q, kv_block, full_count, counts_ptr, bh, n_rows, n_cols, row_kept,
+                            full_blocks, empty_blocks, SUB_Q, SUB_K, N_SUB_Q, KEEP_COUNTS, ROWS_AT_END)
+                    else:
+                        row_kept, full_blocks, empty_blocks, head_acc, batch_acc = _scan_block(
+                            b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_ptr, bh, n_rows, n_cols,
+                            row_kept, full_blocks, empty_blocks, head_acc, batch_acc{ptrs}, SUB_Q, SUB_K, N_SUB_Q,
+                            KEEP_COUNTS, DIFF_HEAD, DIFF_BATCH, BOUNDED=edge == 1, ROWS_AT_END=ROWS_AT_END)
                     c += 1
         else:
             for c in range(0, n_cols):
@@ -152,6 +198,10 @@ SCAN_INTERIOR = True
 # reduction tail of about 400 (66 shuffles, 5 barriers); this leaves one reduction per block.
 # Off until timed on a GPU (`bench_blocks.py --tune` has both).
 SCAN_ROWS_AT_END = False
+# Interior blocks that the mask's bounds decide (triton_gen's mask_mod_bounds: all pairs kept, or
+# none) skip their pairs: a causal or sliding-window scan then evaluates pair by pair only the
+# blocks on its diagonals. tests/run_triton_scan.py checks both settings against the eager tiles.
+SCAN_BOUNDS = True
 _namespaces: dict[str, dict] = {}
 _launched: set[tuple] = set()  # (source, constexprs) already compiled in this process
 _requests: collections.Counter = collections.Counter()  # scans asked of each source
@@ -199,9 +249,9 @@ def scan_kernel(mask_mod: Callable, device: torch.device, q_len: int = 300, kv_l
     try:
         if twin is None:
             raise Untranslatable("nothing to lift")
-        source, mask_ptrs, _, captured = generate(Mask("scan", mask_mod=twin), frozenset(lifted))
+        source, mask_ptrs, _, captured = generate(Mask("scan", mask_mod=twin), frozenset(lifted), bounds=True)
     except Exception:
-        source, mask_ptrs, _, captured = generate(Mask("scan", mask_mod=mask_mod))
+        source, mask_ptrs, _, captured = generate(Mask("scan", mask_mod=mask_mod), bounds=True)
     tables = []
     for ptr in mask_ptrs:
         table = captured[ptr[: -len("_ptr")]]
@@ -240,7 +290,7 @@ def _constexprs(q_block, kv_block, diff_head, diff_batch, keep_counts) -> dict:
     tiles_fit = n_sub_q * sub_q == q_block and kv_block % sub_k == 0
     return dict(SUB_Q=sub_q, SUB_K=sub_k, N_SUB_Q=n_sub_q, KEEP_COUNTS=keep_counts,
                 DIFF_HEAD=diff_head, DIFF_BATCH=diff_batch, INTERIOR=SCAN_INTERIOR and tiles_fit,
-                ROWS_AT_END=SCAN_ROWS_AT_END)
+                ROWS_AT_END=SCAN_ROWS_AT_END, BOUNDS=SCAN_BOUNDS and SCAN_INTERIOR and tiles_fit)
 
 
 def is_compiled(kernel: "ScanKernel", q_block: int, kv_block: int, diff_head: bool, diff_batch: bool,

@@ -353,17 +353,20 @@ def _translate_op(op, node, kwargs, value, as_elementwise, combine):
     raise Untranslatable(f"aten op `{op}` has no Triton translation here")
 
 
-def mod_functions(mask: Mask, lifted: frozenset = frozenset()) -> tuple[list[str], list[str], list[str],
-                                                                       dict[str, torch.Tensor]]:
+def mod_functions(mask: Mask, lifted: frozenset = frozenset(), bounds: bool = False
+                  ) -> tuple[list[str], list[str], list[str], dict[str, torch.Tensor]]:
     """The helpers and the translated mods as Triton source parts (mask_mod_triton,
-    score_mod_triton: only those the mask has), their pointer arguments and the captured tensors
-    by name. Raises Untranslatable when a mod has no translation."""
+    score_mod_triton: only those the mask has; with `bounds`, also mask_mod_bounds), their pointer
+    arguments and the captured tensors by name. Raises Untranslatable when a mod has no
+    translation."""
     captured = dict(captured_tensors(mask))
     parts, mask_ptrs, score_ptrs = [HELPERS], [], []
     if mask.mask_mod is not None:
-        src, mask_ptrs = _translate(trace_mod(mask.mask_mod, "mask"), "mask_mod_triton", ["b", "h", "q_idx", "kv_idx"],
-                                    captured, lifted)
+        gm = trace_mod(mask.mask_mod, "mask")
+        src, mask_ptrs = _translate(gm, "mask_mod_triton", ["b", "h", "q_idx", "kv_idx"], captured, lifted)
         parts.append(src)
+        if bounds:
+            parts.append(_translate_bounds(gm, "mask_mod_bounds", captured, lifted, mask_ptrs))
     if mask.score_mod is not None:
         src, score_ptrs = _translate(trace_mod(mask.score_mod, "score"), "score_mod_triton",
                                      ["score", "b", "h", "q_idx", "kv_idx"], captured)
@@ -372,10 +375,12 @@ def mod_functions(mask: Mask, lifted: frozenset = frozenset()) -> tuple[list[str
     return parts, mask_ptrs, score_ptrs, {k: v for k, v in captured.items() if k in used}
 
 
-def generate(mask: Mask, lifted: frozenset = frozenset()) -> tuple[str, list[str], list[str], dict[str, torch.Tensor]]:
+def generate(mask: Mask, lifted: frozenset = frozenset(), bounds: bool = False
+             ) -> tuple[str, list[str], list[str], dict[str, torch.Tensor]]:
     """(source, mask pointer args, score pointer args, captured tensors by name). `lifted` names
-    captured 0-d tensors (see define.lift_scalars) read as kernel arguments, not written in."""
-    parts, mask_ptrs, score_ptrs, captured = mod_functions(mask, lifted)
+    captured 0-d tensors (see define.lift_scalars) read as kernel arguments, not written in.
+    `bounds`: also mask_mod_bounds (what the mask gives over a block) and bounds_grid_kernel."""
+    parts, mask_ptrs, score_ptrs, captured = mod_functions(mask, lifted, bounds)
     if mask.mask_mod is not None:
         ptr_params = "".join(f", {p}" for p in mask_ptrs)
         parts.append(f'''@triton.jit
@@ -387,6 +392,20 @@ def mask_grid_kernel(out_ptr, b, h, Lq, Lk{ptr_params}, BLOCK_Q: tl.constexpr, B
     # indices past the end are clamped so table reads stay in bounds; they are not stored
     keep = mask_mod_triton(b, h, tl.minimum(q_idx, Lq - 1), tl.minimum(kv_idx, Lk - 1){ptr_params})
     tl.store(out_ptr + q_idx * Lk + kv_idx, keep.to(tl.int8), mask=inside)
+''')
+    if bounds and mask.mask_mod is not None:
+        ptr_params = "".join(f", {p}" for p in mask_ptrs)
+        parts.append(f'''@triton.jit
+def bounds_grid_kernel(out_ptr, boxes_ptr, b, h{ptr_params}):
+    # mask_mod_bounds of box i = (q_lo, q_hi, kv_lo, kv_hi) as out[i] = (all, any): a test harness
+    i = tl.program_id(0)
+    q_lo = tl.load(boxes_ptr + 4 * i)
+    q_hi = tl.load(boxes_ptr + 4 * i + 1)
+    kv_lo = tl.load(boxes_ptr + 4 * i + 2)
+    kv_hi = tl.load(boxes_ptr + 4 * i + 3)
+    all_kept, any_kept = mask_mod_bounds(b, h, q_lo, q_hi, kv_lo, kv_hi{ptr_params})
+    tl.store(out_ptr + 2 * i, all_kept)
+    tl.store(out_ptr + 2 * i + 1, any_kept)
 ''')
     if mask.score_mod is not None:
         ptr_params = "".join(f", {p}" for p in score_ptrs)
@@ -434,20 +453,39 @@ def triton_section(mask: Mask, tensors: dict | None = None) -> dict:
 
 def load_source(source: str) -> dict:
     """Compile generated source into a namespace (for tests and harnesses; never on spec load)."""
+    import hashlib
     import importlib.util
+    import os
     import sys
     import tempfile
+    from pathlib import Path
 
-    # triton.jit reads the function's source from a file, so the text must live in one
-    handle = tempfile.NamedTemporaryFile("w", suffix="_flexwb_triton.py", delete=False)
-    handle.write(source)
-    handle.close()
-    name = f"flexwb_triton_{abs(hash(source))}"
-    spec = importlib.util.spec_from_file_location(name, handle.name)
+    # triton.jit reads the function's source from a file, so the text must live in one: one file
+    # per distinct source (named by its hash), written once, not one per call
+    digest = hashlib.sha1(source.encode()).hexdigest()[:20]
+    folder = Path(tempfile.gettempdir()) / f"flexwb_triton_{os.getuid() if hasattr(os, 'getuid') else 0}"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"k{digest}.py"
+    if not path.exists() or path.read_text() != source:
+        part = path.with_suffix(f".{os.getpid()}.tmp")
+        part.write_text(source)
+        os.replace(part, path)  # (atomic: a process reading it never sees half a file)
+    name = f"flexwb_triton_{digest}"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return vars(module)
+
+
+def run_bounds(source: str, b: int, h: int, boxes: torch.Tensor, pointers: list, device="cuda") -> torch.Tensor:
+    """mask_mod_bounds of each box [n, 4] = (q_lo, q_hi, kv_lo, kv_hi) (int32) as [n, 2] int32
+    (all kept, any kept), with the generated bounds_grid_kernel."""
+    ns = load_source(source)
+    out = torch.empty(len(boxes), 2, dtype=torch.int32, device=device)
+    ns["bounds_grid_kernel"][(len(boxes),)](out, boxes.to(device=device, dtype=torch.int32).contiguous(), b, h,
+                                            *[p.contiguous() for p in pointers])
+    return out
 
 
 def run_grid(source: str, b: int, h: int, q_len: int, kv_len: int, pointers: list, device="cuda",
@@ -465,3 +503,354 @@ def run_grid(source: str, b: int, h: int, q_len: int, kv_len: int, pointers: lis
     out = torch.zeros(q_len, kv_len, dtype=torch.int8, device=device)
     ns["mask_grid_kernel"][grid](out, b, h, q_len, kv_len, *pointers, BLOCK_Q=block, BLOCK_K=block)
     return out.bool()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds: what a mask_mod can give over a whole block of pairs, without evaluating the pairs.
+#
+# Every integer value of the traced mod becomes an interval [lo, hi] over the block (q_idx in
+# [q_lo, q_hi], kv_idx in [kv_lo, kv_hi], b and h exact), every boolean a pair (all, any): all = 1
+# when it is True at every pair, any = 0 when it is False at every pair. The block scan skips a
+# block whose mask the bounds decide (all == any) and evaluates every other block pair by pair.
+# Only sound rules are used: an op without one, a float, a table read at a varying index, gives
+# "unknown" ([no bound], or all = 0, any = 1), and so does any interval that leaves its dtype's
+# range (eager int32 arithmetic wraps there) -- `ok` turns 0 and the block is evaluated.
+
+_WIDTH = {torch.int8: 7, torch.int16: 15, torch.int32: 31, torch.uint8: 8}
+_BOUND_LIMIT = 1 << 61  # int64 intervals stay far from wrapping: sums of two stay exact
+_MUL_LIMIT = 1 << 30  # factors below this: a product stays below 2**60
+
+
+class _Box:
+    """An interval (lo, hi) of Triton int64 scalar expressions, or a boolean (all, any) as int32
+    0/1 expressions. `point`: lo and hi are one expression (an exact value); `const`: its
+    Python value when known at generation time."""
+
+    def __init__(self, lo: str, hi: str | None = None, boolean: bool = False, const=None):
+        self.lo, self.hi, self.boolean, self.const = lo, lo if hi is None else hi, boolean, const
+        self.point = hi is None or hi == lo
+
+
+def _translate_bounds(gm, fn_name: str, captured: dict[str, torch.Tensor], lifted: frozenset,
+                      pointers: list[str]) -> str:
+    """Triton source of `fn_name(b, h, q_lo, q_hi, kv_lo, kv_hi, *pointers) -> (all, any)` for the
+    traced mask_mod (see above); `pointers` are the pair-wise translation's, in its order."""
+    lines = ["    zero = q_lo.to(tl.int64) * 0",
+             "    b, h = zero + b, zero + h",
+             "    q_lo, q_hi, kv_lo, kv_hi = zero + q_lo, zero + q_hi, zero + kv_lo, zero + kv_hi",
+             "    zero32 = zero.to(tl.int32)",
+             "    ok = zero32 + 1"]
+    env: dict[str, object] = {}
+    by_ptr = {(t.data_ptr(), tuple(t.shape)): n for n, t in captured.items()}
+    placeholders = iter([_Box("b"), _Box("h"), _Box("q_lo", "q_hi"), _Box("kv_lo", "kv_hi")])
+    counter = [0]
+    unknown_bool = _Box("zero32", "(zero32 + 1)", boolean=True)
+
+    def number(c: int, boolean: bool = False) -> _Box:
+        # numbers are written as tensors (zero + c): Triton's tl.minimum / .to want one
+        return _Box(f"(zero32 + {int(c)})" if boolean else f"(zero + {c})", boolean=boolean, const=int(c))
+
+    def emit(expr: str, prefix: str) -> str:
+        counter[0] += 1
+        name = f"{prefix}{counter[0]}"
+        lines.append(f"    {name} = {expr}")
+        return name
+
+    def box(expr_lo: str, expr_hi: str | None = None, boolean: bool = False) -> _Box:
+        lo = emit(expr_lo, "lo")
+        return _Box(lo, None if expr_hi is None else emit(expr_hi, "hi"), boolean)
+
+    def need(cond: str) -> None:
+        lines.append(f"    ok = ok & ({cond}).to(tl.int32)")
+
+    def value(a):
+        if hasattr(a, "name"):
+            return env.get(a.name)
+        if isinstance(a, bool):
+            return number(a, boolean=True)
+        if isinstance(a, int):
+            return number(a)
+        return None  # floats, dtypes, lists...
+
+    def as_int(v):
+        return v if isinstance(v, _Box) else None  # a boolean is its 0 / 1 values
+
+    def as_bool(v) -> _Box:
+        if not isinstance(v, _Box):
+            return unknown_bool
+        if v.boolean:
+            return v
+        if v.point:
+            return box(f"({v.lo} != 0).to(tl.int32)", boolean=True)
+        return box(f"((({v.lo}) > 0) | (({v.hi}) < 0)).to(tl.int32)", f"((({v.lo}) != 0) | (({v.hi}) != 0)).to(tl.int32)",
+                   boolean=True)
+
+    def fold(x: _Box, y: _Box, fn: str) -> str:
+        """tl.minimum / tl.maximum of two expressions (folded when both are numbers: Triton wants
+        a tensor among them)."""
+        if x.const is not None and y.const is not None:
+            return f"(zero + {min(x.const, y.const) if fn == 'minimum' else max(x.const, y.const)})"
+        return f"tl.{fn}({x.lo}, {y.lo})"
+
+    def lohi(lo_a, lo_b, fn):
+        return fold(_Box(lo_a, const=_const(lo_a)), _Box(lo_b, const=_const(lo_b)), fn)
+
+    def in_range(v: _Box, dtype) -> _Box:
+        """The interval of an integer node, with its dtype's range demanded of it."""
+        if v.const is not None:
+            return v
+        width = _WIDTH.get(dtype)
+        lo_limit, hi_limit = ((-(1 << width) if dtype != torch.uint8 else 0, (1 << width) - 1) if width
+                              else (-_BOUND_LIMIT, _BOUND_LIMIT))
+        need(f"({v.lo} >= {lo_limit}) & ({v.hi} <= {hi_limit})")
+        return v
+
+    def compare(op: str, x: _Box, y: _Box) -> _Box:
+        if x.point and y.point:
+            sym = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "eq": "==", "ne": "!="}[op]
+            return box(f"(({x.lo}) {sym} ({y.lo})).to(tl.int32)", boolean=True)
+        if op in ("le", "lt"):
+            x, y, op = y, x, {"le": "ge", "lt": "gt"}[op]
+        if op == "ge":
+            return box(f"(({x.lo}) >= ({y.hi})).to(tl.int32)", f"(({x.hi}) >= ({y.lo})).to(tl.int32)", boolean=True)
+        if op == "gt":
+            return box(f"(({x.lo}) > ({y.hi})).to(tl.int32)", f"(({x.hi}) > ({y.lo})).to(tl.int32)", boolean=True)
+        same = f"(({x.lo}) == ({x.hi})) & (({y.lo}) == ({y.hi})) & (({x.lo}) == ({y.lo}))"
+        overlap = f"(({x.lo}) <= ({y.hi})) & (({y.lo}) <= ({x.hi}))"
+        if op == "eq":
+            return box(f"({same}).to(tl.int32)", f"({overlap}).to(tl.int32)", boolean=True)
+        return box(f"(1 - ({overlap}).to(tl.int32))", f"(1 - ({same}).to(tl.int32))", boolean=True)
+
+    def arith(op: str, args, kwargs, dtype):
+        xs = [value(a) for a in args]
+        if op in ("add", "sub") and kwargs.get("alpha", 1) != 1:
+            return None
+        if op in ("add", "sub", "rsub", "mul", "minimum", "maximum", "max", "min"):
+            if len(xs) < 2 or not all(isinstance(x, _Box) for x in xs[:2]):
+                return None
+            x, y = xs[0], xs[1]
+            if op == "rsub":
+                x, y, op = y, x, "sub"
+            if op in ("max", "min"):
+                op = "maximum" if op == "max" else "minimum"
+            if x.point and y.point:
+                expr = {"add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})",
+                        "minimum": "tl.minimum({a}, {b})", "maximum": "tl.maximum({a}, {b})"}[op]
+                if op == "mul":
+                    for v in (x, y):
+                        if v.const is None:
+                            need(f"({v.lo} < {_MUL_LIMIT}) & ({v.lo} > -{_MUL_LIMIT})")
+                        elif abs(v.const) >= _MUL_LIMIT:
+                            return None
+                if op in ("minimum", "maximum"):
+                    return box(fold(x, y, op))
+                return box(expr.format(a=x.lo, b=y.lo))
+            if op == "add":
+                return box(f"({x.lo} + {y.lo})", f"({x.hi} + {y.hi})")
+            if op == "sub":
+                return box(f"({x.lo} - {y.hi})", f"({x.hi} - {y.lo})")
+            if op in ("minimum", "maximum"):
+                return box(lohi(x.lo, y.lo, op), lohi(x.hi, y.hi, op))
+            # mul: the extremes of the four corner products, factors kept small enough to be exact
+            for v in (x, y):
+                if v.const is not None:
+                    if abs(v.const) >= _MUL_LIMIT:
+                        return None
+                else:
+                    need(f"({v.lo} > -{_MUL_LIMIT}) & ({v.hi} < {_MUL_LIMIT})")
+            if y.const is not None:
+                x, y = y, x
+            if x.const is not None:
+                c = x.const
+                return box(f"({y.lo} * {c})", f"({y.hi} * {c})") if c >= 0 else box(f"({y.hi} * {c})", f"({y.lo} * {c})")
+            corners = [f"({p} * {q})" for p in (x.lo, x.hi) for q in (y.lo, y.hi)]
+            return box(f"tl.minimum(tl.minimum({corners[0]}, {corners[1]}), tl.minimum({corners[2]}, {corners[3]}))",
+                       f"tl.maximum(tl.maximum({corners[0]}, {corners[1]}), tl.maximum({corners[2]}, {corners[3]}))")
+        if op == "neg":
+            x = xs[0] if xs and isinstance(xs[0], _Box) else None
+            return None if x is None else (box(f"(-{x.lo})") if x.point else box(f"(-{x.hi})", f"(-{x.lo})"))
+        if op == "abs":
+            x = xs[0] if xs and isinstance(xs[0], _Box) else None
+            if x is None:
+                return None
+            if x.point:
+                return box(f"tl.abs({x.lo})")
+            return box(f"tl.where({x.lo} >= 0, {x.lo}, tl.where({x.hi} <= 0, -{x.hi}, 0))",
+                       f"tl.maximum(-{x.lo}, {x.hi})")
+        if op in ("floor_divide", "remainder") or (op == "div" and kwargs.get("rounding_mode") == "floor"):
+            if len(xs) < 2 or not isinstance(xs[0], _Box) or not isinstance(xs[1], _Box) or not xs[1].point:
+                return None
+            x, d = xs
+            if d.const is not None and d.const <= 0:
+                return None
+            if d.const is None:
+                need(f"{d.lo} > 0")
+                d = _Box(f"tl.maximum({d.lo}, 1)")  # (a divisor <= 0 is refused by ok; no division by 0 meanwhile)
+                d = box(d.lo)
+            if op == "remainder":
+                if x.point:
+                    return box(f"_py_mod({x.lo}, {d.lo})")
+                same = emit(f"_py_floordiv({x.lo}, {d.lo}) == _py_floordiv({x.hi}, {d.lo})", "same")
+                return box(f"tl.where({same}, _py_mod({x.lo}, {d.lo}), 0)",
+                           f"tl.where({same}, _py_mod({x.hi}, {d.lo}), {d.lo} - 1)")
+            if x.point:
+                return box(f"_py_floordiv({x.lo}, {d.lo})")
+            return box(f"_py_floordiv({x.lo}, {d.lo})", f"_py_floordiv({x.hi}, {d.lo})")
+        if op in ("clamp", "clip", "clamp_min", "clamp_max"):
+            lo = args[1] if len(args) > 1 else kwargs.get("min")
+            hi = args[2] if len(args) > 2 else kwargs.get("max")
+            if op == "clamp_max":
+                lo, hi = None, lo
+            v = xs[0] if isinstance(xs[0], _Box) else None
+            for bound, fn in ((lo, "maximum"), (hi, "minimum")):
+                if v is None or bound is None:
+                    continue
+                bound = value(bound)
+                if not isinstance(bound, _Box):
+                    return None
+                v = box(fold(v, bound, fn)) if v.point and bound.point else box(
+                    lohi(v.lo, bound.lo, fn), lohi(v.hi, bound.hi, fn))
+            return v
+        return None
+
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        dtype = getattr(val, "dtype", None)
+        if node.op == "placeholder":
+            env[node.name] = next(placeholders)
+            continue
+        if node.op == "get_attr":
+            tensor = getattr(gm, node.target)
+            name = by_ptr.get((tensor.data_ptr(), tuple(tensor.shape)))
+            env[node.name] = None
+            if tensor.dim() == 0 and name not in lifted:
+                item = tensor.item()
+                if isinstance(item, bool):
+                    env[node.name] = number(item, boolean=True)
+                elif isinstance(item, int):
+                    env[node.name] = number(item)
+            elif name is not None and f"{name}_ptr" in pointers:
+                env[node.name] = _View(f"{name}_ptr", "0", tuple(tensor.shape), torch.empty(tensor.shape).stride())
+                if tensor.dim() == 0:
+                    env[node.name] = _load(_View(f"{name}_ptr", "0", (), ()), tensor.dtype, box)
+            continue
+        if node.op == "output":
+            out = node.args[0]
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            result = as_bool(value(out))
+            lines.append(f"    return ({result.lo}) & ok, ({result.hi}) | (1 - ok)")
+            continue
+        if node.op != "call_function":
+            raise Untranslatable(f"graph node {node.op}")
+        op = op_name(node.target)
+        args = node.args
+        result = None
+        try:
+            if op in _IDENTITY:
+                result = value(args[0])
+            elif op in ("ge", "gt", "le", "lt", "eq", "ne"):
+                x, y = value(args[0]), value(args[1])
+                result = compare(op, as_int(x), as_int(y)) if isinstance(x, _Box) and isinstance(y, _Box) else None
+            elif op in ("logical_and", "logical_or", "bitwise_and", "bitwise_or") and dtype == torch.bool:
+                x, y = as_bool(value(args[0])), as_bool(value(args[1]))
+                sym = "&" if op.endswith("and") else "|"
+                result = box(f"({x.lo} {sym} {y.lo})") if x.point and y.point else box(
+                    f"({x.lo} {sym} {y.lo})", f"({x.hi} {sym} {y.hi})", boolean=True)
+                result.boolean = True
+            elif op in ("logical_xor", "bitwise_xor") and dtype == torch.bool:
+                x, y = as_bool(value(args[0])), as_bool(value(args[1]))
+                decided = f"({x.lo} == {x.hi}) & ({y.lo} == {y.hi})"
+                result = box(f"(({decided}) & ({x.lo} != {y.lo})).to(tl.int32)",
+                             f"(1 - (({decided}) & ({x.lo} == {y.lo})).to(tl.int32))", boolean=True)
+            elif op in ("logical_not",) or (op == "bitwise_not" and dtype == torch.bool):
+                x = as_bool(value(args[0]))
+                result = box(f"(1 - {x.hi})", f"(1 - {x.lo})", boolean=True)
+            elif op == "where":
+                c, x, y = as_bool(value(args[0])), value(args[1]), value(args[2])
+                if isinstance(x, _Box) and isinstance(y, _Box):
+                    if dtype == torch.bool:
+                        x, y = as_bool(x), as_bool(y)
+                    pick = "tl.where({c}.to(tl.int1), {x}, tl.where(({h} == 0), {y}, {both}))"
+                    result = box(pick.format(c=f"({c.lo} == 1)", x=x.lo, h=c.hi, y=y.lo, both=lohi(x.lo, y.lo, "minimum")),
+                                 pick.format(c=f"({c.lo} == 1)", x=x.hi, h=c.hi, y=y.hi, both=lohi(x.hi, y.hi, "maximum")),
+                                 boolean=dtype == torch.bool)
+            elif op in ("_to_copy", "to", "type_as", "convert_element_type"):
+                x = value(args[0])
+                if isinstance(x, _Box):
+                    if dtype == torch.bool:
+                        result = as_bool(x)
+                    elif dtype is not None and not dtype.is_floating_point:
+                        result = in_range(_Box(x.lo, x.hi, const=x.const), dtype)
+            elif op in ("new_ones", "new_zeros", "new_full", "ones_like", "zeros_like", "full_like", "scalar_tensor",
+                        "full"):
+                fill = {"new_ones": 1, "ones_like": 1, "new_zeros": 0, "zeros_like": 0}.get(op)
+                if fill is None:
+                    fill = args[-1] if op == "scalar_tensor" else args[1]
+                if dtype == torch.bool:
+                    result = number(bool(fill), boolean=True)
+                elif dtype is not None and not dtype.is_floating_point and isinstance(fill, (int, bool)):
+                    result = number(int(fill))
+            elif op in ("index", "select"):
+                result = _index(op, node, value, box, need)
+            elif dtype is not None and not dtype.is_floating_point and dtype != torch.bool:
+                result = arith(op, args, node.kwargs, dtype)
+                if isinstance(result, _Box):
+                    result = in_range(result, dtype)
+        except (IndexError, KeyError, TypeError, ValueError):
+            result = None
+        if dtype == torch.bool and isinstance(result, _Box):
+            result.boolean = True
+        env[node.name] = result
+    params = ", ".join(["b", "h", "q_lo", "q_hi", "kv_lo", "kv_hi"] + pointers)
+    return f"@triton.jit\ndef {fn_name}({params}):\n" + "\n".join(lines) + "\n"
+
+
+def _const(expr: str):
+    try:
+        return int(expr)
+    except ValueError:
+        return None
+
+
+def _load(view: "_View", dtype, box) -> "_Box | None":
+    """A table entry at an exact index: its value (a number or a boolean), None for floats."""
+    if dtype == torch.bool:
+        return box(f"(tl.load({view.ptr} + {view.offset}) != 0).to(tl.int32)", boolean=True)
+    if dtype.is_floating_point or dtype.is_complex:
+        return None
+    return box(f"tl.load({view.ptr} + {view.offset}).to(tl.int64)")
+
+
+def _index(op, node, value, box, need):
+    """`table[i, ...]` / `table.select(d, i)` at exact indices (b, h, numbers): a load, or a
+    smaller view. At a varying index (q_idx, kv_idx) the entry is unknown: None."""
+    base = value(node.args[0]) if hasattr(node.args[0], "name") else None
+    if not isinstance(base, _View):
+        return None
+    if op == "select":
+        dim, i = node.args[1] % len(base.shape), node.args[2]
+        if not isinstance(i, int):
+            return None
+        i = i % base.shape[dim]
+        offset = f"{base.offset} + {i * base.strides[dim]}"
+        shape = base.shape[:dim] + base.shape[dim + 1:]
+        strides = base.strides[:dim] + base.strides[dim + 1:]
+    else:
+        idx = list(node.args[1])
+        if any(i is None for i in idx) or len(idx) > len(base.shape):
+            return None
+        parts = [base.offset]
+        for i, size, stride in zip(idx, base.shape, base.strides):
+            v = value(i)
+            if not isinstance(v, _Box) or not v.point or v.boolean:
+                return None
+            # an index out of range makes the bounds unknown (the eager mod would fail there);
+            # the read itself stays inside the table
+            need(f"({v.lo} >= -{size}) & ({v.lo} < {size})")
+            parts.append(f"tl.minimum(tl.maximum(tl.where({v.lo} < 0, {v.lo} + {size}, {v.lo}), 0), {size - 1}) * {stride}")
+        offset = " + ".join(parts)
+        shape, strides = base.shape[len(idx):], base.strides[len(idx):]
+    if shape:
+        return _View(base.ptr, offset, shape, strides)
+    val = node.meta.get("val")
+    return _load(_View(base.ptr, offset, (), ()), getattr(val, "dtype", torch.int32), box)

@@ -1,0 +1,129 @@
+"""mask_mod_bounds (triton_gen): over a box of pairs, `all` = 1 only where every pair is kept and
+`any` = 0 only where none is -- checked pair by pair against the eager mod on the library and
+on mods written the way users write them -- and it does decide the boxes it should (else the
+block scan gains nothing from it). Runs the generated Triton under the CPU interpreter."""
+
+import pytest
+import torch
+
+from workbench import Mask, library, make
+from workbench.define import choose_evaluator, evaluate_mod, index_reads
+from workbench.triton_gen import generate, run_bounds
+
+W = torch.tensor([3, 40, 0, 17])  # per-head windows, the table a user keeps next to the mod
+LENS = torch.tensor([120, 300])  # per-sample lengths
+STARTS, ENDS = torch.tensor([10, 90, 200]), torch.tensor([40, 150, 260])
+
+
+def per_head_table(b, h, q_idx, kv_idx):
+    return ((q_idx - kv_idx).abs() <= W[h]) & (q_idx >= kv_idx)
+
+
+def per_sample_lengths(b, h, q_idx, kv_idx):
+    return (kv_idx < LENS[b]) & (q_idx < LENS[b])
+
+
+def spans_any(b, h, q_idx, kv_idx):
+    in_span = ((kv_idx >= STARTS) & (kv_idx < ENDS)).any()
+    return in_span | (q_idx >= kv_idx)
+
+
+def wraps_in_int32(b, h, q_idx, kv_idx):  # eager int32 arithmetic wraps past 2**31: so must the bounds
+    return q_idx * 10_000_000 - kv_idx * 10_000_000 >= 0
+
+
+def floors_below_zero(b, h, q_idx, kv_idx):
+    return ((q_idx - kv_idx) // 7 >= -2) & ((kv_idx - q_idx) % 5 != 1)
+
+
+def where_min_max(b, h, q_idx, kv_idx):
+    near = torch.minimum(q_idx, kv_idx + 5) >= torch.clamp(kv_idx - 20, min=30)
+    return torch.where(q_idx >= 100, near, torch.maximum(q_idx, kv_idx) < 77) & ~(kv_idx == 13)
+
+
+def chunked(b, h, q_idx, kv_idx):
+    return (q_idx // 64 == kv_idx // 64) & (q_idx * 2 >= kv_idx * 2 - 1)
+
+
+USER_MODS = [per_head_table, per_sample_lengths, spans_any, wraps_in_int32, floors_below_zero, where_min_max,
+             chunked]
+L = 300
+
+
+def boxes(seed: int) -> torch.Tensor:
+    """Random boxes of every size inside L x L, and a 32 x 32 block grid with its edges."""
+    g = torch.Generator().manual_seed(seed)
+    lo = torch.randint(0, L, (120, 2), generator=g)
+    size = torch.randint(0, 90, (120, 2), generator=g)
+    hi = torch.minimum(lo + size, torch.tensor(L - 1))
+    rand = torch.stack([lo[:, 0], hi[:, 0], lo[:, 1], hi[:, 1]], 1)
+    edges = torch.arange(0, L, 32)
+    grid = torch.tensor([[q, min(q + 31, L - 1), k, min(k + 31, L - 1)] for q in edges for k in edges])
+    return torch.cat([rand, grid])
+
+
+def dense(mask: Mask, batch: int, heads: int) -> torch.Tensor:
+    how = choose_evaluator(mask.mask_mod, L, L, batch, heads, "cpu").how
+    ar = lambda n: torch.arange(n, dtype=torch.int32)  # noqa: E731
+    return evaluate_mod(mask.mask_mod, how, ar(batch), ar(heads), ar(L), ar(L)).to(torch.bool).expand(batch, heads, L, L)
+
+
+def check_sound(mask: Mask, batch: int, heads: int, seed: int = 0) -> torch.Tensor:
+    """Bounds of every box for each (b, h), checked against the eager mod; returns them [B, H, n, 2]."""
+    src, ptrs, _, captured = generate(mask, bounds=True)
+    keep = dense(mask, batch, heads)
+    bx = boxes(seed)
+    got = torch.stack([torch.stack([run_bounds(src, b, h, bx, [captured[p[:-4]] for p in ptrs], device="cpu")
+                                    for h in range(heads)]) for b in range(batch)])
+    for b in range(batch):
+        for h in range(heads):
+            for (q0, q1, k0, k1), (all_kept, any_kept) in zip(bx.tolist(), got[b, h].tolist()):
+                pairs = keep[b, h, q0:q1 + 1, k0:k1 + 1]
+                assert all_kept in (0, 1) and any_kept in (0, 1) and all_kept <= any_kept
+                assert not all_kept or bool(pairs.all()), f"{mask.name} b={b} h={h} box {q0, q1, k0, k1}: all?"
+                assert any_kept or not bool(pairs.any()), f"{mask.name} b={b} h={h} box {q0, q1, k0, k1}: none?"
+    return got
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("mod", USER_MODS, ids=lambda m: m.__name__)
+def test_bounds_are_sound_on_mods_written_the_way_users_write_them(mod):
+    reads = index_reads(mod)
+    check_sound(Mask(mod.__name__, mask_mod=mod), 2 if "b" in reads else 1, 4 if "h" in reads else 1)
+
+
+def test_bounds_are_sound_on_the_library():
+    for name in sorted(library()):
+        mask = make(name, q_len=L, kv_len=L)
+        if mask.mask_mod is None:  # a score_mod only
+            continue
+        reads = index_reads(mask.mask_mod)
+        heads = min(mask.heads or 2, 2) if "h" in reads else 1
+        check_sound(mask, 2 if "b" in reads else 1, heads, seed=len(name))
+
+
+def test_bounds_decide_the_blocks_a_reader_can_decide():
+    """Causal: every 32-block off the diagonal is decided (full below, empty above); a window:
+    the blocks past it are empty; int32 wrap-around and a table read at q_idx are not decided."""
+    bx = boxes(0)
+    grid = bx[120:]
+    causal = check_sound(make("causal", q_len=L, kv_len=L), 1, 1)[0, 0, 120:]
+    below, above = grid[:, 0] > grid[:, 3], grid[:, 1] < grid[:, 2]
+    assert causal[below].tolist() == [[1, 1]] * int(below.sum())
+    assert causal[above].tolist() == [[0, 0]] * int(above.sum())
+    assert (causal[~below & ~above] == torch.tensor([0, 1])).all()  # the diagonal blocks: evaluated pair by pair
+    window = check_sound(make("causal_sliding_window", {"window": 40}, q_len=L, kv_len=L), 1, 1)[0, 0, 120:]
+    far = grid[:, 0] - grid[:, 3] >= 40
+    assert far.sum() > 20 and window[far].tolist() == [[0, 0]] * int(far.sum())
+    per_head = check_sound(Mask("w", mask_mod=per_head_table), 1, 4)[0, :, 120:]
+    assert (per_head[:, above] == 0).all()  # w[h] is read at an exact index: decided
+    wraps = check_sound(Mask("wraps", mask_mod=wraps_in_int32), 1, 1)[0, 0]
+    big = bx[:, 1] * 10_000_000 >= 2 ** 31
+    assert big.any() and (wraps[big] == torch.tensor([0, 1])).all()
+    doc = check_sound(make("document", q_len=L, kv_len=L), 1, 1)[0, 0, 120:]
+    assert doc[above].tolist() == [[0, 0]] * int(above.sum())  # its causal part decides, doc[q] does not
+    assert (doc[below] == torch.tensor([0, 1])).all()

@@ -74,18 +74,25 @@ def main():
     print("| mask | tokens | workers | verify wall s | reference s | kernel compile s | kernel run s | pairs computed "
           "| peak GiB | verdict | rel err | reference's mask |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    busy = []
+    busy, speed = [], []
     for length in args.lengths:
         for name in args.masks:
+            alone = None
             for workers in [None] + ([args.workers] if args.workers else []):
                 r = one(name, length, workers, reference_dtype)
+                if workers is None:
+                    alone = r
+                else:  # (the kernel under test compiles in the first run only: also compared without it)
+                    speed.append(f"{r['mask']} at {length:,}: {args.workers} workers {alone['wall_s'] / r['wall_s']:.2f}x "
+                                 f"faster than 1 GPU; {(alone['wall_s'] - alone['compile_s']) / (r['wall_s'] - r['compile_s']):.2f}x "
+                                 "without the kernel's compile")
                 print(f"| {r['mask']} | {length:,} | {r['workers']} | {r['wall_s']:.1f} | {r['reference_s']:.1f} | "
                       f"{r['compile_s']:.1f} | {r['run_s']:.2f} | {r['fraction']:.4f} | {r['peak_gib']:.1f} | {'PASS' if r['passed'] else 'FAIL'} | "
                       f"{r['rel_err']:.2e} | {r['mask_evaluation']} |", flush=True)
                 busy.extend(f"{r['mask']} worker {i}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else
                                                                      f"{k} {v}" for k, v in w.items())
                             for i, w in enumerate(r["busy"]))
-    for line in busy:  # where each worker's time went (after the table, which stays one piece)
+    for line in speed + busy:  # speed-ups, and where each worker's time went (after the table)
         print(line)
 
 

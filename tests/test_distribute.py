@@ -180,3 +180,27 @@ def test_more_workers_than_the_ray_session_can_place_is_refused_not_a_hang():
         assert time.perf_counter() - t0 < 30
     finally:
         ray.shutdown()
+
+
+def test_ranges_sharing_a_reference_state_equal_ranges_without():
+    """Row ranges computed with one ReferenceState (k, v and the mask's evaluator prepared once, as
+    a worker does) give the same bits as the same ranges computed afresh; other inputs or another
+    mask do not pick up the shared parts."""
+    from workbench import make
+    from workbench.verify import ReferenceState
+
+    mask = make("causal_sliding_window", {"window": 40})
+    shape = Shape(q_heads=2, q_len=300, kv_len=300, head_dim=16)
+    inputs = make_inputs(shape, "float32", seed=3)
+    ranges = ((200, 300), (0, 70), (70, 200))
+    state = ReferenceState()
+    for r in ranges:
+        shared = reference_attention(mask, inputs, rows=r, state=state)
+        assert torch.equal(shared.out, reference_attention(mask, inputs, rows=r).out)
+        assert torch.equal(shared.lse, reference_attention(mask, inputs, rows=r).lse)
+    assert state.parts["inputs"] is inputs
+    other = make_inputs(shape, "float32", seed=4)
+    again = reference_attention(mask, other, rows=(0, 300), state=state)
+    assert torch.equal(again.out, reference_attention(mask, other).out) and state.parts["inputs"] is other
+    causal = make("causal")
+    assert torch.equal(reference_attention(causal, inputs, state=state).out, reference_attention(causal, inputs).out)

@@ -27,7 +27,8 @@ import torch
 
 from workbench.define import Mask, WorkbenchError
 from workbench.run import Inputs
-from workbench.verify import Reference, TensorCheck, Tolerance, compare, merge_checks, reference_attention
+from workbench.verify import (Reference, ReferenceState, TensorCheck, Tolerance, compare, merge_checks,
+                              reference_attention)
 
 RANGES_PER_WORKER = 8  # more ranges than workers: a causal mask's heavier last rows balance out
 AHEAD_PER_WORKER = 2  # ranges each actor computes before the kernel's output arrives
@@ -146,7 +147,7 @@ class RowsWorker:
     already running (see `start_rows_workers`)."""
 
     def __init__(self, device: str):
-        self.device, self.inputs, self.mask = device, None, None
+        self.device, self.inputs, self.mask, self.state = device, None, None, ReferenceState()
         self.kept: dict[tuple[int, int], Reference] = {}
         self.busy = {"load_s": 0.0, "rows_s": 0.0, "ranges": 0}
 
@@ -166,7 +167,7 @@ class RowsWorker:
         from workbench.run import make_inputs
 
         t0 = time.perf_counter()
-        self.inputs, self.kept = None, {}
+        self.inputs, self.kept, self.state = None, {}, ReferenceState()  # (the last one's k, v go)
         self.busy = {"load_s": 0.0, "rows_s": 0.0, "ranges": 0}
         if self.device != "cpu":
             torch.cuda.empty_cache()  # (the last verification's tensors)
@@ -181,12 +182,12 @@ class RowsWorker:
         return True
 
     def load_inputs(self, inputs: Inputs) -> None:
-        self.inputs = _moved(inputs, self.device, grad_out=False)
+        self.inputs, self.state = _moved(inputs, self.device, grad_out=False), ReferenceState()
 
     def _reference(self, rows: tuple[int, int]) -> Reference:
         t0 = time.perf_counter()
         ref = reference_attention(self.mask, self.inputs, dtype=self.dtype, memory_budget=self.memory_budget,
-                                  progress=False, rows=rows)
+                                  progress=False, rows=rows, state=self.state)
         if self.device != "cpu":
             torch.cuda.synchronize()
         self.busy["rows_s"] += time.perf_counter() - t0

@@ -155,7 +155,7 @@ class MaskEvaluator:
         shape = (len(self.b), len(self.h), len(q_idx), len(self.kv))
         got = (got if isinstance(got, torch.Tensor) else torch.as_tensor(got, device=q_idx.device)).to(torch.bool)
         got = got.expand(shape) if tuple(got.shape) != shape else got
-        if check:
+        if check and self.checked < 2:  # (an evaluator shared by row ranges: its first two checks)
             eager = self.eager(q_idx)
             if not torch.equal(got, eager):
                 self.fused, self.note = None, "eager (the compiled mask differed from the eager one on a chunk)"
@@ -172,15 +172,27 @@ class MaskEvaluator:
         return "eager"
 
 
+class ReferenceState:
+    """What forward `reference_attention` calls over row ranges of one mask and one set of inputs
+    share: k and v in the reference dtype and the mask's evaluator (its probes, compile and eager
+    checks). A worker computing many ranges passes one State to each call; hold it only while
+    those calls last, since it keeps k and v (at 1M tokens, 8 GiB in float64)."""
+
+    def __init__(self):
+        self.key, self.parts = None, {}
+
+
 def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, dtype: torch.dtype = torch.float64,
                         scale: float | None = None, device: str | torch.device | None = None,
                         memory_budget: int | None = None, progress: bool | None = None,
-                        sparse: bool = True, rows: tuple[int, int] | None = None) -> Reference:
+                        sparse: bool = True, rows: tuple[int, int] | None = None,
+                        state: ReferenceState | None = None) -> Reference:
     """Eager attention of `inputs` under `mask`, in `dtype`, a chunk of query rows at a time.
     `sparse`: per chunk, scores only for the keys the mask_mod keeps for some row of the chunk
     (what FlexAttention computes too); `computed_fraction` says how many pairs that was.
     `rows`: only the query rows [start, stop) (out, lse and dq hold those rows; dk, dv their part of
-    the sum) -- what one worker of a split reference computes (`workbench.distribute`)."""
+    the sum) -- what one worker of a split reference computes (`workbench.distribute`). `state`: a
+    ReferenceState shared by calls over other rows of the same mask and inputs (forward only)."""
     from tqdm.auto import tqdm
 
     shape = inputs.shape
@@ -199,21 +211,26 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
         except WorkbenchError as exc:
             raise exc.for_mask(mask.name)
 
-    mask_eval, score_eval = how(mask.mask_mod, "mask"), how(mask.score_mod, "score")
-    b = torch.arange(shape.batch, device=device, dtype=torch.int32)
-    h = torch.arange(shape.q_heads, device=device, dtype=torch.int32)
-    kv = torch.arange(shape.kv_len, device=device, dtype=torch.int32)
-
+    key = (id(mask), id(inputs), dtype, str(device))
+    shared = state.parts if state is not None and not backward and state.key == key else None
+    if shared is None:
+        mask_eval, score_eval = how(mask.mask_mod, "mask"), how(mask.score_mod, "score")
+        b = torch.arange(shape.batch, device=device, dtype=torch.int32)
+        h = torch.arange(shape.q_heads, device=device, dtype=torch.int32)
+        kv = torch.arange(shape.kv_len, device=device, dtype=torch.int32)
+        k = inputs.k.detach().to(device, dtype).requires_grad_(backward)
+        v = inputs.v.detach().to(device, dtype).requires_grad_(backward)
+        v_ones = None
+        if not backward:  # v and a column of ones: one product gives each row's output and its sum
+            width = -(-(shape.head_dim + 1) // 8) * 8  # (padded with zeros to keep rows aligned)
+            v_ones = torch.zeros(*v.shape[:-1], width, dtype=dtype, device=device)
+            v_ones[..., :shape.head_dim] = v
+            v_ones[..., shape.head_dim] = 1
+            v = None
+    else:
+        mask_eval, score_eval, b, h, kv, k, v, v_ones = (shared[n] for n in (
+            "mask_eval", "score_eval", "b", "h", "kv", "k", "v", "v_ones"))
     learn = learnable_tensors(mask) if backward else {}
-    k = inputs.k.detach().to(device, dtype).requires_grad_(backward)
-    v = inputs.v.detach().to(device, dtype).requires_grad_(backward)
-    v_ones = None
-    if not backward:  # v and a column of ones: one product gives each row's output and its sum
-        width = -(-(shape.head_dim + 1) // 8) * 8  # (padded with zeros to keep rows aligned)
-        v_ones = torch.zeros(*v.shape[:-1], width, dtype=dtype, device=device)
-        v_ones[..., :shape.head_dim] = v
-        v_ones[..., shape.head_dim] = 1
-        v = None
     first, stop = rows or (0, shape.q_len)
     if not 0 <= first < stop <= shape.q_len:
         raise WorkbenchError(f"rows {rows} are not a range of the {shape.q_len} query rows", "pass (start, stop)",
@@ -237,10 +254,14 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
     mask_entries = (shape.batch if "b" in reads else 1) * (shape.q_heads if "h" in reads else 1)
     mask_rows = max(1, budget // (mask_entries * shape.kv_len * 12))  # bool + index temporaries
     bar = tqdm(total=stop - first, desc=f"reference {mask.name}", disable=not show, leave=False, unit="row")
-    evaluate_keep = None
-    if mask.mask_mod is not None:
+    evaluate_keep = shared["evaluate_keep"] if shared is not None else None
+    if mask.mask_mod is not None and evaluate_keep is None:
         evaluate_keep = MaskEvaluator(mask.mask_mod, mask_eval, b, h, kv,
                                       compile_mask_here(device, (stop - first) * shape.kv_len))
+    if state is not None and not backward and shared is None:
+        # (the mask and inputs are held too, so that their ids in the key stay theirs)
+        state.key, state.parts = key, dict(mask_eval=mask_eval, score_eval=score_eval, b=b, h=h, kv=kv, k=k, v=v,
+                                            v_ones=v_ones, evaluate_keep=evaluate_keep, mask=mask, inputs=inputs)
     q0, step = first, chunk
     while q0 < stop:
         q1 = min(stop, q0 + step)

@@ -202,23 +202,38 @@ KNOBS = {"causal_sliding_window": ("window", [256, 512, 1000, 2048, 4096]),
          "prefix_lm": ("prefix_len", [256, 512, 1000, 2048, 4096])}
 
 
+def triton_binaries() -> int:
+    """Compiled binaries of every scan kernel in this process (a value that recompiles shows here;
+    the source count alone would not: one source can compile for several argument specialisations)."""
+    total = 0
+    for namespace in kernels._namespaces.values():
+        caches = getattr(namespace["block_scan_kernel"], "device_caches", {})
+        total += sum(len(entry[0]) for entry in caches.values())
+    return total
+
+
 def knob_turning(n: int, device: str = "cuda") -> None:
-    """Scan time of each new parameter value (first value: compile included)."""
+    """Scan time of each new parameter value (first value: compile included). Timed as the app
+    scans: no emptying of the allocator's cache between values."""
     print(f"# knob turning at {n:,} tokens, torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print("| mask | parameter | first value s | each new value s (median) | slowest new value s | kernels compiled |")
-    print("|---|---|---|---|---|---|")
+    print("| mask | parameter | first value s | each new value s (median) | slowest new value s | kernels compiled "
+          "| every value s (Triton binaries after it) |")
+    print("|---|---|---|---|---|---|---|")
     for name, (param, values) in KNOBS.items():
         forget_compiled_kernels()
-        times = []
+        times, binaries = [], []
         for value in values:
             mask = make(name, {param: value}, q_len=n, kv_len=n, device=device)
-            _, secs, _, err = measure(lambda: scan_blocks(mask, n, n, device=device, progress=False,
-                                                          engine="triton"), device)
-            assert err is None, err
-            times.append(secs)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            scan_blocks(mask, n, n, device=device, progress=False, engine="triton")
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            binaries.append(triton_binaries())
         later = sorted(times[1:])
+        each = ", ".join(f"{t:.3f} ({k})" for t, k in zip(times, binaries))
         print(f"| {name} | {param} | {times[0]:.3f} | {later[len(later) // 2]:.3f} | {later[-1]:.3f} | "
-              f"{len(kernels._namespaces)} |", flush=True)
+              f"{len(kernels._namespaces)} | {each} |", flush=True)
 
 
 SETTINGS = [dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=2048, SCAN_ROWS_AT_END=False,

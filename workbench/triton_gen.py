@@ -592,8 +592,8 @@ def _translate_bounds(gm, fn_name: str, captured: dict[str, torch.Tensor], lifte
             return f"(zero + {min(x.const, y.const) if fn == 'minimum' else max(x.const, y.const)})"
         return f"tl.{fn}({x.lo}, {y.lo})"
 
-    def lohi(lo_a, lo_b, fn):
-        return fold(_Box(lo_a, const=_const(lo_a)), _Box(lo_b, const=_const(lo_b)), fn)
+    def lohi(a: str, b: str, fn: str) -> str:
+        return f"tl.{fn}({a}, {b})"
 
     def in_range(v: _Box, dtype) -> _Box:
         """The interval of an integer node, with its dtype's range demanded of it."""
@@ -803,13 +803,6 @@ def _translate_bounds(gm, fn_name: str, captured: dict[str, torch.Tensor], lifte
         env[node.name] = result
     params = ", ".join(["b", "h", "q_lo", "q_hi", "kv_lo", "kv_hi"] + pointers)
     return f"@triton.jit\ndef {fn_name}({params}):\n" + "\n".join(lines) + "\n"
-
-
-def _const(expr: str):
-    try:
-        return int(expr)
-    except ValueError:
-        return None
 
 
 def _load(view: "_View", dtype, box) -> "_Box | None":

@@ -45,8 +45,26 @@ def chunked(b, h, q_idx, kv_idx):
     return (q_idx // 64 == kv_idx // 64) & (q_idx * 2 >= kv_idx * 2 - 1)
 
 
+SCRAMBLED = torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(5))  # a table read at q, kv
+IMAGE = torch.zeros(300, dtype=torch.bool)
+IMAGE[40:90] = IMAGE[200:230] = True  # Gemma-style image spans: bidirectional inside a span
+SEGMENT = torch.repeat_interleave(torch.arange(7), torch.tensor([10, 60, 1, 99, 30, 50, 50]))  # sorted ids
+
+
+def scrambled_table(b, h, q_idx, kv_idx):
+    return (SCRAMBLED[q_idx] >= SCRAMBLED[kv_idx] - 45) & (q_idx >= kv_idx)
+
+
+def image_spans(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) | (IMAGE[q_idx] & IMAGE[kv_idx] & (SEGMENT[q_idx] == SEGMENT[kv_idx]))
+
+
+def sorted_segments_offset(b, h, q_idx, kv_idx):  # a sorted table read at shifted indices
+    return (SEGMENT[q_idx] == SEGMENT[torch.clamp(kv_idx - 3, min=0)]) & (SEGMENT[kv_idx] <= SEGMENT[q_idx])
+
+
 USER_MODS = [per_head_table, per_sample_lengths, spans_any, wraps_in_int32, floors_below_zero, where_min_max,
-             chunked]
+             chunked, scrambled_table, image_spans, sorted_segments_offset]
 L = 300
 
 
@@ -124,9 +142,19 @@ def test_bounds_decide_the_blocks_a_reader_can_decide():
     wraps = check_sound(Mask("wraps", mask_mod=wraps_in_int32), 1, 1)[0, 0]
     big = bx[:, 1] * 10_000_000 >= 2 ** 31
     assert big.any() and (wraps[big] == torch.tensor([0, 1])).all()
-    doc = check_sound(make("document", q_len=L, kv_len=L), 1, 1)[0, 0, 120:]
-    assert doc[above].tolist() == [[0, 0]] * int(above.sum())  # its causal part decides, doc[q] does not
-    assert (doc[below] == torch.tensor([0, 1])).all()
+    doc = check_sound(make("document", {"doc_lengths": [70, 130, 100]}, q_len=L, kv_len=L), 1, 1)[0, 0, 120:]
+    assert doc[above].tolist() == [[0, 0]] * int(above.sum())
+    # its sorted document table bounds doc[q] over a block: blocks below the diagonal inside one
+    # document are full, those across two documents empty; only blocks on a boundary are left
+    inside = [(q0 >= 70 and q1 < 200 and k0 >= 70) or (q0 >= 200 and k0 >= 200) or q1 < 70 for q0, q1, k0, k1 in
+              grid.tolist()]
+    for (all_kept, any_kept), full, low in zip(doc.tolist(), inside, below.tolist()):
+        if low and full:
+            assert (all_kept, any_kept) == (1, 1)
+    across = [(q0 >= 200 and k1 < 200) or (q0 >= 70 and k1 < 70) for q0, q1, k0, k1 in grid.tolist()]
+    assert all(tuple(d) == (0, 0) for d, x in zip(doc.tolist(), across) if x) and any(across)
+    scrambled = check_sound(Mask("scrambled", mask_mod=scrambled_table), 1, 1)[0, 0, 120:]
+    assert scrambled[above].tolist() == [[0, 0]] * int(above.sum())  # q >= kv decides; the table's range does not
 
 
 def _random_mod(seed: int):

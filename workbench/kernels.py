@@ -105,7 +105,7 @@ def _decided_block(all_kept, r, c, SUB_Q_ROWS, kv_block, full_count, counts_ptr,
 
 {jit}
 def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{int}, n_cols{int}, q_block{int},
-                      kv_block{int}{ptrs},
+                      kv_block{int}{ptrs}{rptrs},
                       SUB_Q: tl.constexpr, SUB_K: tl.constexpr, N_SUB_Q: tl.constexpr,
                       KEEP_COUNTS: tl.constexpr, DIFF_HEAD: tl.constexpr, DIFF_BATCH: tl.constexpr,
                       INTERIOR: tl.constexpr, ROWS_AT_END: tl.constexpr, BOUNDS: tl.constexpr):
@@ -145,15 +145,15 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
                         q_lo = r * q_block + qs * SUB_Q
                         kv_lo = c * kv_block
                         all_kept, any_kept = mask_mod_bounds(b, h, q_lo, q_lo + SUB_Q - 1, kv_lo,
-                                                             kv_lo + kv_block - 1{ptrs})
+                                                             kv_lo + kv_block - 1{ptrs}{rptrs})
                         decided = all_kept == any_kept
                         if DIFF_HEAD:  # head 0 must be decided alike, or the block's differences count
                             all_0, any_0 = mask_mod_bounds(b, h * 0, q_lo, q_lo + SUB_Q - 1, kv_lo,
-                                                           kv_lo + kv_block - 1{ptrs})
+                                                           kv_lo + kv_block - 1{ptrs}{rptrs})
                             decided = decided & (all_0 == any_0) & (all_0 == all_kept)
                         if DIFF_BATCH:
                             all_0, any_0 = mask_mod_bounds(b * 0, h, q_lo, q_lo + SUB_Q - 1, kv_lo,
-                                                           kv_lo + kv_block - 1{ptrs})
+                                                           kv_lo + kv_block - 1{ptrs}{rptrs})
                             decided = decided & (all_0 == any_0) & (all_0 == all_kept)
                     if decided:
                         row_kept, full_blocks, empty_blocks = _decided_block(
@@ -234,6 +234,7 @@ class ScanKernel:
     fn: object
     tables: list[torch.Tensor]
     source: str
+    ranges: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per table: (sorted, min, max)
 
 
 def scan_kernel(mask_mod: Callable, device: torch.device, q_len: int = 300, kv_len: int = 300) -> ScanKernel:
@@ -241,7 +242,7 @@ def scan_kernel(mask_mod: Callable, device: torch.device, q_len: int = 300, kv_l
     tracing error) when the mod cannot be written as Triton; the caller then scans eagerly.
     q_len, kv_len: the problem's lengths (the mod is probed inside them, see lift_scalars)."""
     from workbench.define import lift_scalars
-    from workbench.triton_gen import Untranslatable, generate, load_source
+    from workbench.triton_gen import Untranslatable, generate, load_source, range_pointers, table_ranges
 
     # the Python numbers it captures (a window, a chunk, an offset) become kernel arguments, so
     # turning a knob reuses the compiled kernel; if that cannot be done they stay constants
@@ -259,17 +260,19 @@ def scan_kernel(mask_mod: Callable, device: torch.device, q_len: int = 300, kv_l
             raise Untranslatable(f"table {ptr[:-4]!r} is on {table.device}, not {device}")
         tables.append(table.contiguous())
     ptr_text = "".join(f", {p}" for p in mask_ptrs)
+    range_text = "".join(f", {p}" for p in range_pointers(mask_ptrs))
     # Lengths and block sizes change between calls, and specialising on them would recompile. The
     # CPU interpreter (used by the tests) cannot loop over runtime integers: there they are constants.
     interpret = interpreting()
     jit = "@triton.jit" if interpret else \
         '@triton.jit(do_not_specialize=["Lq", "Lk", "n_rows", "n_cols", "q_block", "kv_block"])'
-    source = source + "\n" + _SCAN_KERNEL.replace("{ptrs}", ptr_text).replace("{jit}", jit).replace(
+    source = source + "\n" + _SCAN_KERNEL.replace("{ptrs}", ptr_text).replace("{rptrs}", range_text).replace(
+        "{jit}", jit).replace(
         "{int}", ": tl.constexpr" if interpret else "").replace("{salt}", f"build {build_salt}")
     _requests[source] += 1
     if source not in _namespaces:
         _namespaces[source] = load_source(source)
-    return ScanKernel(_namespaces[source]["block_scan_kernel"], tables, source)
+    return ScanKernel(_namespaces[source]["block_scan_kernel"], tables, source, table_ranges(tables))
 
 
 def forget() -> None:
@@ -366,7 +369,7 @@ def block_scan(kernel: ScanKernel, q_len: int, kv_len: int, q_block: int, kv_blo
     stats = torch.empty(batch, heads, n_rows, 4, dtype=torch.int64, device=device)
     counts_arg = counts if counts is not None else rows  # never written when KEEP_COUNTS is off
     kernel.fn[(n_rows, heads, batch)](
-        counts_arg, rows, stats, q_len, kv_len, n_rows, n_cols, q_block, kv_block, *kernel.tables,
+        counts_arg, rows, stats, q_len, kv_len, n_rows, n_cols, q_block, kv_block, *kernel.tables, *kernel.ranges,
         num_warps=SCAN_WARPS, **const)
     _launched.add((kernel.source, tuple(const.items())))
     totals = stats.sum(dim=2)

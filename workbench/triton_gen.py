@@ -394,7 +394,7 @@ def mask_grid_kernel(out_ptr, b, h, Lq, Lk{ptr_params}, BLOCK_Q: tl.constexpr, B
     tl.store(out_ptr + q_idx * Lk + kv_idx, keep.to(tl.int8), mask=inside)
 ''')
     if bounds and mask.mask_mod is not None:
-        ptr_params = "".join(f", {p}" for p in mask_ptrs)
+        ptr_params = "".join(f", {p}" for p in mask_ptrs + range_pointers(mask_ptrs))
         parts.append(f'''@triton.jit
 def bounds_grid_kernel(out_ptr, boxes_ptr, b, h{ptr_params}):
     # mask_mod_bounds of box i = (q_lo, q_hi, kv_lo, kv_hi) as out[i] = (all, any): a test harness
@@ -483,8 +483,9 @@ def run_bounds(source: str, b: int, h: int, boxes: torch.Tensor, pointers: list,
     (all kept, any kept), with the generated bounds_grid_kernel."""
     ns = load_source(source)
     out = torch.empty(len(boxes), 2, dtype=torch.int32, device=device)
+    pointers = [p.contiguous() for p in pointers]
     ns["bounds_grid_kernel"][(len(boxes),)](out, boxes.to(device=device, dtype=torch.int32).contiguous(), b, h,
-                                            *[p.contiguous() for p in pointers])
+                                            *pointers, *table_ranges(pointers))
     return out
 
 
@@ -801,8 +802,47 @@ def _translate_bounds(gm, fn_name: str, captured: dict[str, torch.Tensor], lifte
         if dtype == torch.bool and isinstance(result, _Box):
             result.boolean = True
         env[node.name] = result
-    params = ", ".join(["b", "h", "q_lo", "q_hi", "kv_lo", "kv_hi"] + pointers)
+    params = ", ".join(["b", "h", "q_lo", "q_hi", "kv_lo", "kv_hi"] + pointers + range_pointers(pointers))
     return f"@triton.jit\ndef {fn_name}({params}):\n" + "\n".join(lines) + "\n"
+
+
+def range_pointers(pointers: list[str]) -> list[str]:
+    """The bounds' extra argument per table pointer: (sorted, min, max) of that table
+    (`table_ranges`), so that a table read at a varying index still has bounds."""
+    return [f"{p[:-len('_ptr')]}_range_ptr" for p in pointers]
+
+
+def table_ranges(tables: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per table, int64 (sorted, min, max): sorted = 1 when its entries never decrease (in storage
+    order), min and max over all entries. Computed on the table's device, without a sync."""
+    ranges = []
+    for t in tables:
+        flat = t.detach().reshape(-1)
+        if flat.numel() == 0 or flat.is_floating_point() or flat.is_complex():
+            ranges.append(torch.zeros(3, dtype=torch.int64, device=t.device))
+            continue
+        flat = flat.to(torch.int64)
+        rising = (flat[1:] >= flat[:-1]).all() if flat.numel() > 1 else torch.ones((), dtype=torch.bool,
+                                                                                   device=t.device)
+        ranges.append(torch.stack([rising.to(torch.int64), flat.min(), flat.max()]).contiguous())
+    return ranges
+
+
+def _range_read(view: "_View", v: "_Box", dtype, box) -> "_Box | None":
+    """table[i] for i anywhere in [v.lo, v.hi], a whole 1-d table: [table[lo], table[hi]] when its
+    entries never decrease and the interval lies inside it (a document table), else the table's
+    [min, max] (whatever valid index is read, it is one of the entries)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return None
+    size, stride = view.shape[0], view.strides[0]
+    rng = f"{view.ptr[:-len('_ptr')]}_range_ptr"
+    inside = f"(tl.load({rng}) != 0) & ({v.lo} >= 0) & ({v.hi} < {size})"
+    at = "tl.load({ptr} + tl.minimum(tl.maximum({i}, 0), {last}) * {stride}).to(tl.int64)"
+    lo = f"tl.where({inside}, {at.format(ptr=view.ptr, i=v.lo, last=size - 1, stride=stride)}, tl.load({rng} + 1))"
+    hi = f"tl.where({inside}, {at.format(ptr=view.ptr, i=v.hi, last=size - 1, stride=stride)}, tl.load({rng} + 2))"
+    if dtype == torch.bool:
+        return box(f"(({lo}) != 0).to(tl.int32)", f"(({hi}) != 0).to(tl.int32)", boolean=True)
+    return box(lo, hi)
 
 
 def _load(view: "_View", dtype, box) -> "_Box | None":
@@ -816,7 +856,8 @@ def _load(view: "_View", dtype, box) -> "_Box | None":
 
 def _index(op, node, value, box, need):
     """`table[i, ...]` / `table.select(d, i)` at exact indices (b, h, numbers): a load, or a
-    smaller view. At a varying index (q_idx, kv_idx) the entry is unknown: None."""
+    smaller view. A whole 1-d table at a varying index (q_idx, kv_idx): `_range_read`. Otherwise
+    unknown: None."""
     base = value(node.args[0]) if hasattr(node.args[0], "name") else None
     if not isinstance(base, _View):
         return None
@@ -832,6 +873,11 @@ def _index(op, node, value, box, need):
         idx = list(node.args[1])
         if any(i is None for i in idx) or len(idx) > len(base.shape):
             return None
+        if len(idx) == 1 and len(base.shape) == 1 and base.offset == "0":
+            v = value(idx[0])
+            if isinstance(v, _Box) and not v.point and not v.boolean:
+                val = node.meta.get("val")
+                return _range_read(base, v, getattr(val, "dtype", torch.int32), box)
         parts = [base.offset]
         for i, size, stride in zip(idx, base.shape, base.strides):
             v = value(i)

@@ -63,8 +63,24 @@ def sorted_segments_offset(b, h, q_idx, kv_idx):  # a sorted table read at shift
     return (SEGMENT[q_idx] == SEGMENT[torch.clamp(kv_idx - 3, min=0)]) & (SEGMENT[kv_idx] <= SEGMENT[q_idx])
 
 
+def generate_sliding_window(window_size: int):  # attention-gym's way: a factory naming its closure
+    def sliding_window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= window_size) & (q_idx >= kv_idx)
+    return sliding_window
+
+
+def prefix(b, h, q_idx, kv_idx):
+    return kv_idx < 64
+
+
+def combined():  # torch's and_masks / or_masks over the above
+    from torch.nn.attention.flex_attention import and_masks, or_masks
+
+    return and_masks(or_masks(generate_sliding_window(50), prefix), per_head_table)
+
+
 USER_MODS = [per_head_table, per_sample_lengths, spans_any, wraps_in_int32, floors_below_zero, where_min_max,
-             chunked, scrambled_table, image_spans, sorted_segments_offset]
+             chunked, scrambled_table, image_spans, sorted_segments_offset, generate_sliding_window(37), combined()]
 L = 300
 
 
@@ -139,6 +155,8 @@ def test_bounds_decide_the_blocks_a_reader_can_decide():
     assert far.sum() > 20 and window[far].tolist() == [[0, 0]] * int(far.sum())
     per_head = check_sound(Mask("w", mask_mod=per_head_table), 1, 4)[0, :, 120:]
     assert (per_head[:, above] == 0).all()  # w[h] is read at an exact index: decided
+    both = check_sound(Mask("and_or", mask_mod=combined()), 1, 4)[0, :, 120:]
+    assert (both[:, above] == 0).all()  # and_masks with a causal part: decided above the diagonal
     wraps = check_sound(Mask("wraps", mask_mod=wraps_in_int32), 1, 1)[0, 0]
     big = bx[:, 1] * 10_000_000 >= 2 ** 31
     assert big.any() and (wraps[big] == torch.tensor([0, 1])).all()
@@ -209,3 +227,19 @@ def test_bounds_are_sound_on_random_mods():
         total += got[..., 0].numel()
     print(f"decided {decided} of {total} boxes")
     assert decided > total // 4, (decided, total)
+
+
+def test_scan_with_bounds_equals_eager_tiles_on_users_mods():
+    """The fused scan (bounds on, under the interpreter) against eager tiles on mods that mix
+    and_masks / or_masks, a factory's closure, a per-head table, image spans and per-sample lengths."""
+    from workbench import kernels
+    from workbench.blocks import scan_blocks
+
+    assert kernels.SCAN_BOUNDS
+    for mod, heads, batch in ((combined(), 4, None), (image_spans, None, None), (per_sample_lengths, None, 2)):
+        mask = Mask(mod.__name__, mask_mod=mod)
+        eager = scan_blocks(mask, L, L, heads=heads, batch=batch, block_size=(64, 64), engine="eager")
+        fused = scan_blocks(mask, L, L, heads=heads, batch=batch, block_size=(64, 64), engine="triton")
+        assert fused.engine == "triton"
+        assert torch.equal(eager.counts, fused.counts) and torch.equal(eager.row_kept, fused.row_kept)
+        assert (eager.full_blocks, eager.empty_blocks) == (fused.full_blocks, fused.empty_blocks)

@@ -112,10 +112,15 @@ def _start_ray(workers: int, gpu: bool, address: str | None):
     return ray, started
 
 
+def _put_mask(ray, mask: Mask):
+    """The mask in Ray's object store once, for every worker (mods from a user's file by value)."""
+    _send_by_value(mask)
+    return ray.put(mask)
+
+
 def _share(ray, mask: Mask, inputs: Inputs, grad_out: bool):
     """The mask and the inputs (on the host) put in Ray's object store once, for every worker."""
-    _send_by_value(mask)
-    return ray.put(mask), ray.put(_moved(inputs, "cpu", grad_out))
+    return _put_mask(ray, mask), ray.put(_moved(inputs, "cpu", grad_out))
 
 
 def _joined(pieces: list[Reference], ranges: list[tuple[int, int]], q_len: int, seconds: float, **rows) -> Reference:
@@ -147,7 +152,11 @@ class RowsWorker:
     already running (see `start_rows_workers`)."""
 
     def __init__(self, device: str):
-        self.device, self.inputs, self.mask, self.state = device, None, None, ReferenceState()
+        self.device, self.mask = device, None
+        self._forget()
+
+    def _forget(self) -> None:
+        self.inputs, self.state = None, ReferenceState()
         self.kept: dict[tuple[int, int], Reference] = {}
         self.busy = {"load_s": 0.0, "rows_s": 0.0, "ranges": 0}
 
@@ -167,8 +176,7 @@ class RowsWorker:
         from workbench.run import make_inputs
 
         t0 = time.perf_counter()
-        self.inputs, self.kept, self.state = None, {}, ReferenceState()  # (the last one's k, v go)
-        self.busy = {"load_s": 0.0, "rows_s": 0.0, "ranges": 0}
+        self._forget()  # (the last verification's k, v and kept rows go)
         if self.device != "cpu":
             torch.cuda.empty_cache()  # (the last verification's tensors)
         self.mask, self.dtype, self.memory_budget = _bound(mask, shape, self.device), dtype, memory_budget
@@ -271,8 +279,7 @@ def start_rows_workers(mask: Mask, inputs: Inputs, workers: int, *, dtype: torch
                 pool.warm_up_s = [a.warm_up.remote() for a in pool.actors]
             if not started:
                 _kept[key] = pool
-        _send_by_value(mask)
-        shared_mask = ray.put(mask)
+        shared_mask = _put_mask(ray, mask)
         prints = _fingerprints(inputs)
         pool.loads = [a.load.remote(shared_mask, inputs.shape, inputs.dtype, inputs.seed, prints, dtype, memory_budget)
                       for a in pool.actors]

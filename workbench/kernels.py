@@ -67,6 +67,15 @@ def _scan_block(b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_pt
         kept_by_row = tl.sum(kept, axis=1)
         block_kept = tl.sum(kept_by_row, axis=0)
         row_kept = row_kept + kept_by_row
+    full_blocks, empty_blocks = _count_block(block_kept, r, c, full_count, counts_ptr, bh, n_rows, n_cols,
+                                             full_blocks, empty_blocks, SUB_Q, N_SUB_Q, KEEP_COUNTS)
+    return row_kept, full_blocks, empty_blocks, head_acc, batch_acc
+
+
+@triton.jit
+def _count_block(block_kept, r, c, full_count, counts_ptr, bh, n_rows, n_cols, full_blocks, empty_blocks,
+                 SUB_Q: tl.constexpr, N_SUB_Q: tl.constexpr, KEEP_COUNTS: tl.constexpr):
+    # a block's (slice's) kept pairs: stored in the counts table, and its class counted
     if KEEP_COUNTS:
         at = counts_ptr + (bh * n_rows + r) * n_cols + c
         if N_SUB_Q == 1:
@@ -77,11 +86,11 @@ def _scan_block(b, h, r, c, q_idx, q_ok, Lq, Lk, kv_block, full_count, counts_pt
         lane0 = tl.arange(0, SUB_Q) == 0
         full_blocks += (lane0 & (block_kept == full_count)).to(tl.int32)
         empty_blocks += (lane0 & (block_kept == 0)).to(tl.int32)
-    return row_kept, full_blocks, empty_blocks, head_acc, batch_acc
+    return full_blocks, empty_blocks
 
 
 @triton.jit
-def _decided_block(all_kept, r, c, SUB_Q_ROWS, kv_block, full_count, counts_ptr, bh, n_rows, n_cols, row_kept,
+def _decided_block(all_kept, r, c, kv_block, full_count, counts_ptr, bh, n_rows, n_cols, row_kept,
                    full_blocks, empty_blocks, SUB_Q: tl.constexpr, SUB_K: tl.constexpr, N_SUB_Q: tl.constexpr,
                    KEEP_COUNTS: tl.constexpr, ROWS_AT_END: tl.constexpr):
     # an interior block whose pairs mask_mod_bounds decides: all kept (all_kept = 1) or none
@@ -89,17 +98,8 @@ def _decided_block(all_kept, r, c, SUB_Q_ROWS, kv_block, full_count, counts_ptr,
         row_kept = row_kept + tl.where(tl.arange(0, SUB_K)[None, :] == 0, all_kept * kv_block, 0)
     else:
         row_kept = row_kept + all_kept * kv_block
-    block_kept = all_kept * SUB_Q_ROWS * kv_block
-    if KEEP_COUNTS:
-        at = counts_ptr + (bh * n_rows + r) * n_cols + c
-        if N_SUB_Q == 1:
-            tl.store(at, block_kept)
-        else:
-            tl.store(at, tl.load(at) + block_kept)
-    if N_SUB_Q == 1:
-        lane0 = tl.arange(0, SUB_Q) == 0
-        full_blocks += (lane0 & (all_kept == 1)).to(tl.int32)
-        empty_blocks += (lane0 & (all_kept == 0)).to(tl.int32)
+    full_blocks, empty_blocks = _count_block(all_kept * SUB_Q * kv_block, r, c, full_count, counts_ptr, bh, n_rows,
+                                             n_cols, full_blocks, empty_blocks, SUB_Q, N_SUB_Q, KEEP_COUNTS)
     return row_kept, full_blocks, empty_blocks
 
 
@@ -157,7 +157,7 @@ def block_scan_kernel(counts_ptr, rows_ptr, stats_ptr, Lq{int}, Lk{int}, n_rows{
                             decided = decided & (all_0 == any_0) & (all_0 == all_kept)
                     if decided:
                         row_kept, full_blocks, empty_blocks = _decided_block(
-                            all_kept, r, c, SUB_Q, kv_block, full_count, counts_ptr, bh, n_rows, n_cols, row_kept,
+                            all_kept, r, c, kv_block, full_count, counts_ptr, bh, n_rows, n_cols, row_kept,
                             full_blocks, empty_blocks, SUB_Q, SUB_K, N_SUB_Q, KEEP_COUNTS, ROWS_AT_END)
                     else:
                         row_kept, full_blocks, empty_blocks, head_acc, batch_acc = _scan_block(

@@ -211,30 +211,20 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
         except WorkbenchError as exc:
             raise exc.for_mask(mask.name)
 
-    key = (id(mask), id(inputs), dtype, str(device))
-    shared = state.parts if state is not None and not backward and state.key == key else None
-    if shared is None:
-        mask_eval, score_eval = how(mask.mask_mod, "mask"), how(mask.score_mod, "score")
-        b = torch.arange(shape.batch, device=device, dtype=torch.int32)
-        h = torch.arange(shape.q_heads, device=device, dtype=torch.int32)
-        kv = torch.arange(shape.kv_len, device=device, dtype=torch.int32)
-        k = inputs.k.detach().to(device, dtype).requires_grad_(backward)
-        v = inputs.v.detach().to(device, dtype).requires_grad_(backward)
-        v_ones = None
-        if not backward:  # v and a column of ones: one product gives each row's output and its sum
-            width = -(-(shape.head_dim + 1) // 8) * 8  # (padded with zeros to keep rows aligned)
-            v_ones = torch.zeros(*v.shape[:-1], width, dtype=dtype, device=device)
-            v_ones[..., :shape.head_dim] = v
-            v_ones[..., shape.head_dim] = 1
-            v = None
-    else:
-        mask_eval, score_eval, b, h, kv, k, v, v_ones = (shared[n] for n in (
-            "mask_eval", "score_eval", "b", "h", "kv", "k", "v", "v_ones"))
-    learn = learnable_tensors(mask) if backward else {}
     first, stop = rows or (0, shape.q_len)
     if not 0 <= first < stop <= shape.q_len:
         raise WorkbenchError(f"rows {rows} are not a range of the {shape.q_len} query rows", "pass (start, stop)",
                              mask.name)
+    key = (id(mask), id(inputs), dtype, str(device))
+    if state is not None and not backward and state.key == key:
+        parts = state.parts
+    else:
+        parts = _reference_parts(mask, inputs, dtype, device, backward, how, (stop - first) * shape.kv_len)
+        if state is not None and not backward:
+            state.key, state.parts = key, parts
+    mask_eval, score_eval, b, h, kv, k, v, v_ones, evaluate_keep = (parts[n] for n in (
+        "mask_eval", "score_eval", "b", "h", "kv", "k", "v", "v_ones", "evaluate_keep"))
+    learn = learnable_tensors(mask) if backward else {}
     out = torch.empty(shape.batch, shape.q_heads, stop - first, shape.head_dim, dtype=dtype, device=device)
     lse = torch.empty(shape.batch, shape.q_heads, stop - first, dtype=dtype, device=device)
     grads = {}
@@ -254,14 +244,6 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
     mask_entries = (shape.batch if "b" in reads else 1) * (shape.q_heads if "h" in reads else 1)
     mask_rows = max(1, budget // (mask_entries * shape.kv_len * 12))  # bool + index temporaries
     bar = tqdm(total=stop - first, desc=f"reference {mask.name}", disable=not show, leave=False, unit="row")
-    evaluate_keep = shared["evaluate_keep"] if shared is not None else None
-    if mask.mask_mod is not None and evaluate_keep is None:
-        evaluate_keep = MaskEvaluator(mask.mask_mod, mask_eval, b, h, kv,
-                                      compile_mask_here(device, (stop - first) * shape.kv_len))
-    if state is not None and not backward and shared is None:
-        # (the mask and inputs are held too, so that their ids in the key stay theirs)
-        state.key, state.parts = key, dict(mask_eval=mask_eval, score_eval=score_eval, b=b, h=h, kv=kv, k=k, v=v,
-                                            v_ones=v_ones, evaluate_keep=evaluate_keep, mask=mask, inputs=inputs)
     q0, step = first, chunk
     while q0 < stop:
         q1 = min(stop, q0 + step)
@@ -353,6 +335,32 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
                      nan_outputs=int(torch.isnan(out).sum()) + int(torch.isnan(lse).sum()),
                      computed_fraction=pairs_computed / ((stop - first) * shape.kv_len),
                      mask_evaluation=evaluate_keep.description if evaluate_keep is not None else "none")
+
+
+def _reference_parts(mask: Mask, inputs: Inputs, dtype: torch.dtype, device: torch.device, backward: bool, how,
+                     pairs: int) -> dict:
+    """What every chunk of a reference reads (and a ReferenceState keeps for the next row ranges):
+    how the mods are evaluated, the index vectors, k and v in `dtype` (forward: v with a column of
+    ones) and the mask's evaluator (compiled for `pairs` pairs and more on a GPU). The mask and
+    inputs are held too, so that the ids in a ReferenceState's key stay theirs."""
+    shape = inputs.shape
+    mask_eval, score_eval = how(mask.mask_mod, "mask"), how(mask.score_mod, "score")
+    b = torch.arange(shape.batch, device=device, dtype=torch.int32)
+    h = torch.arange(shape.q_heads, device=device, dtype=torch.int32)
+    kv = torch.arange(shape.kv_len, device=device, dtype=torch.int32)
+    k = inputs.k.detach().to(device, dtype).requires_grad_(backward)
+    v = inputs.v.detach().to(device, dtype).requires_grad_(backward)
+    v_ones = None
+    if not backward:  # v and a column of ones: one product gives each row's output and its sum
+        width = -(-(shape.head_dim + 1) // 8) * 8  # (padded with zeros to keep rows aligned)
+        v_ones = torch.zeros(*v.shape[:-1], width, dtype=dtype, device=device)
+        v_ones[..., :shape.head_dim] = v
+        v_ones[..., shape.head_dim] = 1
+        v = None
+    evaluate_keep = None if mask.mask_mod is None else MaskEvaluator(mask.mask_mod, mask_eval, b, h, kv,
+                                                                      compile_mask_here(device, pairs))
+    return dict(mask_eval=mask_eval, score_eval=score_eval, b=b, h=h, kv=kv, k=k, v=v, v_ones=v_ones,
+                evaluate_keep=evaluate_keep, mask=mask, inputs=inputs)
 
 
 def _whole_tiles(rows: int) -> int:

@@ -82,6 +82,14 @@ def main(device: str) -> int:
     masks = [make(f, q_len=q, kv_len=k, device=device) for name, f in library().items()
              for q, k, *_ in CASES[:1]]
     masks = [m for m in masks if m.mask_mod is not None] + [Mask("shifted_per_batch", mask_mod=shifted_per_batch)]
+    if device == "cpu":
+        # and mods written the way users write them (tests/test_bounds.py: their tables are CPU
+        # globals): and_masks / or_masks over a factory's closure and a per-head table, image spans
+        # with segment ids, per-sample lengths
+        from test_bounds import combined, image_spans, per_sample_lengths
+
+        masks += [Mask("and_or_masks", mask_mod=combined()), Mask("image_spans", mask_mod=image_spans),
+                  Mask("per_sample_lengths", mask_mod=per_sample_lengths)]
     failures = run_cases(masks, CASES, device)
     # the other setting of each kernel switch too (the interior fast path, row sums at the end,
     # blocks decided by the mask's bounds)

@@ -21,7 +21,10 @@ arguments, so only the first value compiles).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -97,6 +100,7 @@ def main():
     ap.add_argument("--json", help="write the rows here too")
     ap.add_argument("--knob", action="store_true", help="only the knob-turning case")
     ap.add_argument("--knob-length", type=int, default=131072)
+    ap.add_argument("--profile", action="store_true", help="with --knob: where the slowest values spend their time")
     ap.add_argument("--tune", action="store_true",
                     help="only our warm scan at --lengths under each kernel setting (interior path, warps, tile)")
     ap.add_argument("--setting", type=int, default=0,
@@ -105,7 +109,7 @@ def main():
     for key, value in SETTINGS[args.setting].items():
         setattr(kernels, key, value)
     if args.knob:
-        knob_turning(args.knob_length)
+        knob_turning(args.knob_length, profile=args.profile)
         return
     if args.tune:
         tune(args.lengths, args.masks)
@@ -212,28 +216,42 @@ def triton_binaries() -> int:
     return total
 
 
-def knob_turning(n: int, device: str = "cuda") -> None:
+def knob_turning(n: int, device: str = "cuda", profile: bool = False) -> None:
     """Scan time of each new parameter value (first value: compile included). Timed as the app
     scans: no emptying of the allocator's cache between values."""
     print(f"# knob turning at {n:,} tokens, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print("| mask | parameter | first value s | each new value s (median) | slowest new value s | kernels compiled "
           "| every value s (Triton binaries after it) |")
     print("|---|---|---|---|---|---|---|")
+    profiles = {}
     for name, (param, values) in KNOBS.items():
         forget_compiled_kernels()
         times, binaries = [], []
         for value in values:
             mask = make(name, {param: value}, q_len=n, kv_len=n, device=device)
             torch.cuda.synchronize()
+            profiler = cProfile.Profile() if profile else None
             t0 = time.perf_counter()
+            if profiler:
+                profiler.enable()
             scan_blocks(mask, n, n, device=device, progress=False, engine="triton")
             torch.cuda.synchronize()
+            if profiler:
+                profiler.disable()
             times.append(time.perf_counter() - t0)
             binaries.append(triton_binaries())
+            profiles[(name, value)] = (times[-1], profiler)
         later = sorted(times[1:])
         each = ", ".join(f"{t:.3f} ({k})" for t, k in zip(times, binaries))
         print(f"| {name} | {param} | {times[0]:.3f} | {later[len(later) // 2]:.3f} | {later[-1]:.3f} | "
               f"{len(kernels._namespaces)} | {each} |", flush=True)
+    if profile:  # where the slowest and the median new value spend their time
+        later = sorted((t, key) for key, (t, _) in profiles.items() if key[1] != KNOBS[key[0]][1][0])
+        for t, key in (later[-1], later[-2], later[len(later) // 2]):
+            print(f"\n## profile of {key[0]} = {key[1]}: {t:.3f} s")
+            stream = io.StringIO()
+            pstats.Stats(profiles[key][1], stream=stream).sort_stats("tottime").print_stats(14)
+            print(stream.getvalue()[-4000:])
 
 
 SETTINGS = [dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=2048, SCAN_ROWS_AT_END=False,

@@ -187,7 +187,12 @@ def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, st
     n_ok = offs_n < Lk
     k_ptrs = K_block + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd
     v_ptrs = V_block + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
-    if MASKED and not EVEN_N:  # a partial block may run past the last key
+    # masks stay constant along the contiguous head dimension where it is whole (EVEN_D), so the
+    # loads stay vectorised: a mask that varies along it would split them into scalar loads
+    if MASKED and not EVEN_N and EVEN_D:  # a partial block may run past the last key
+        k = tl.load(k_ptrs, mask=n_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+    elif MASKED and not EVEN_N:
         k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     elif EVEN_D:
@@ -286,6 +291,8 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
     q_ptrs = Q + b.to(tl.int64) * s_qb + h * s_qh + (start + offs_m)[:, None] * s_qm + offs_d[None, :] * s_qd
     if EVEN_M and EVEN_D:
         q = tl.load(q_ptrs)
+    elif EVEN_D:
+        q = tl.load(q_ptrs, mask=(offs_m < Lq)[:, None], other=0.0)
     else:
         q = tl.load(q_ptrs, mask=(offs_m < Lq)[:, None] & d_ok[None, :], other=0.0)
     K_block = K + b.to(tl.int64) * s_kb + kv_h * s_kh + start * s_kn
@@ -329,8 +336,13 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
     out = acc / l_safe[:, None]
     row_ok = offs_m < Lq
     # out is a fresh contiguous [B, Hq, L, D] tensor
-    tl.store(Out + bh.to(tl.int64) * L_out * D + (start + offs_m)[:, None] * D + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    out_ptrs = Out + bh.to(tl.int64) * L_out * D + (start + offs_m)[:, None] * D + offs_d[None, :]
+    if EVEN_M and EVEN_D:
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty))
+    elif EVEN_D:
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if RETURN_LSE:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
         tl.store(Lse + bh.to(tl.int64) * L_out + start + offs_m, lse, mask=row_ok)

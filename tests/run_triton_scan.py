@@ -76,6 +76,35 @@ def run_cases(masks, cases, device, label="") -> int:
     return failures
 
 
+# a researcher turning a knob: each new value reuses the first value's translation and kernel
+KNOBS = {"chunked_local": ("chunk", [37, 64, 100]), "causal_sliding_window": ("window", [37, 64, 100]),
+         "prefix_lm": ("prefix_len", [37, 64, 100]), "sliding_window": ("left", [5, 40, 77])}
+
+
+def turn_knobs(device: str) -> int:
+    """Every value of each knob against the eager tiles, and one kernel source per knob."""
+    from workbench import kernels
+
+    failures = 0
+    q_len, kv_len, heads, batch, block = CASES[0]
+    for name, (param, values) in KNOBS.items():
+        sources = set()
+        for value in values:
+            mask = make(name, {param: value}, q_len=q_len, kv_len=kv_len, device=device)
+            try:
+                problem = compare(mask, q_len, kv_len, None, None, block, device)
+            except Exception as exc:  # the scan's spot check refusing the kernel's counts
+                problem = f"{type(exc).__name__}: {str(exc)[:300]}"
+            sources.add(kernels.scan_kernel(mask.mask_mod, torch.device(device), q_len, kv_len).source)
+            if problem:
+                failures += 1
+                print(f"MISMATCH (knob) {name} {param}={value}: {problem}", flush=True)
+        if len(sources) != 1:
+            failures += 1
+            print(f"MISMATCH (knob) {name}: {len(sources)} kernel sources for {len(values)} values", flush=True)
+    return failures
+
+
 def main(device: str) -> int:
     from workbench import kernels
 
@@ -91,6 +120,7 @@ def main(device: str) -> int:
         masks += [Mask("and_or_masks", mask_mod=combined()), Mask("image_spans", mask_mod=image_spans),
                   Mask("per_sample_lengths", mask_mod=per_sample_lengths)]
     failures = run_cases(masks, CASES, device)
+    failures += turn_knobs(device)
     # the other setting of each kernel switch too (the interior fast path, row sums at the end,
     # blocks decided by the mask's bounds)
     for switch in ("SCAN_INTERIOR", "SCAN_ROWS_AT_END", "SCAN_BOUNDS"):

@@ -103,3 +103,9 @@ def float32_matmul(precision: str):
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """A counter torch bumps on every in-place write to `t` (autograd's version counter): a key
+    that keeps a fact about a tensor's contents goes stale when it changes."""
+    return getattr(t, "_version", 0)

@@ -724,17 +724,44 @@ def lift_scalars(fn: Callable | None, device, q_len: int = 300, kv_len: int = 30
     twin.__kwdefaults__ = getattr(fn, "__kwdefaults__", None)
     try:
         one = torch.zeros(1, dtype=torch.int32, device=device)
-        for q_range, kv_range in probe_regions(q_len, kv_len, size=24):
-            q = torch.arange(*q_range, dtype=torch.int32, device=device)
-            kv = torch.arange(*kv_range, dtype=torch.int32, device=device)
-            with torch.no_grad():
-                if not torch.equal(evaluate_mod(fn, "broadcast", one, one, q, kv),
-                                   evaluate_mod(twin, "broadcast", one, one, q, kv)):
-                    return None, {}
-        trace_mod(twin, "mask")  # traced as FlexAttention traces it: a number in an `if` fails here
+        q, kv = probe_grid(q_len, kv_len, 24, device)
+        with torch.no_grad():
+            if not torch.equal(evaluate_mod(fn, "broadcast", one, one, q, kv),
+                               evaluate_mod(twin, "broadcast", one, one, q, kv)):
+                return None, {}
+        if not structure_liftable(fn):  # another value of this knob traced already
+            _trace_without_scalar_reads(twin)
     except Exception:  # the number steers Python code: it stays a constant
         return None, {}
+    key = structure_key(fn)
+    if key is not None:
+        _structures[key]["liftable"] = True
     return twin, lifted
+
+
+class _NoScalarReads(torch.overrides.TorchFunctionMode):
+    """Refuses every read of a tensor's value back into Python (item, bool, int, float, index,
+    tolist) while a lifted mod is traced: such a read bakes the value of the number it came from
+    into the graph (`int(window)`, `if window > 0`), so the graph would not serve other values."""
+
+    READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+             torch.Tensor.__index__, torch.Tensor.tolist}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            raise ValueError("the mod reads a tensor's value back into Python")
+        return func(*args, **(kwargs or {}))
+
+
+def _trace_without_scalar_reads(twin: Callable) -> None:
+    """Trace the lifted mod as FlexAttention traces it (a number in an `if` fails here), refusing
+    reads of values into Python; the graph is kept as the twin's trace."""
+    def guarded(*args):
+        with _NoScalarReads():
+            return twin(*args)
+
+    graph = trace_mod(guarded, "mask")
+    _traces.setdefault(twin, {})["mask"] = graph
 
 
 def captured_tensors(mask: Mask) -> dict[str, torch.Tensor]:
@@ -770,6 +797,109 @@ SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 # ops that read only the dtype, device or shape of their tensor argument, never its value
 _SHAPE_ONLY_OPS = {"new_ones", "new_zeros", "new_full", "new_empty", "empty_like", "zeros_like", "ones_like",
                    "full_like", "sym_size", "size", "new_empty_strided"}
+
+
+# ---------------------------------------------------------------- facts shared by every value of a knob
+
+# A researcher turning a knob makes a new mod per value: the same code, other numbers in its
+# closure. Once that code's numbers have been lifted into tensors (lift_scalars) and it still
+# traced, its graph, and every fact read off it, cannot depend on them: facts are then kept per
+# *structure* (structure_key) and a new value skips the traces. Entries hold the objects their
+# key names by id, so an id cannot be reused while its entry lives.
+_STRUCTURES_KEPT = 16
+_structures: dict = {}  # key -> {"keep": [...], "liftable": bool, "facts": {...}}
+
+
+def structure_key(fn: Callable | None) -> tuple | None:
+    """What a mod's traced graph can depend on, with the Python numbers of its own closure (those
+    lift_scalars lifts) by type only: code objects, closure cells, defaults and the module globals
+    they name (numbers, strings by value; tensors by identity, in-place version, shape, dtype and
+    device; functions walked the same way; other objects by identity). None: not a plain function."""
+    if getattr(fn, "__code__", None) is None:
+        return None
+    parts: list = []
+    keep: list = []
+    seen: set = set()
+
+    def names_of(code) -> set:
+        names = set(code.co_names)
+        for const in code.co_consts:
+            if hasattr(const, "co_names"):
+                names |= names_of(const)
+        return names
+
+    def classify(value, depth: int, top_number: bool = False):
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            return ("val", value)
+        if isinstance(value, (int, float)):
+            if top_number and abs(value) < 2 ** 31:  # lifted: any value shares the structure
+                return ("num", type(value).__name__)
+            return ("val", type(value).__name__, value)
+        if isinstance(value, torch.Tensor):
+            keep.append(value)
+            return ("tensor", id(value), compat.tensor_version(value), tuple(value.shape), value.dtype,
+                    str(value.device))
+        if isinstance(value, tuple) and len(value) <= 16:
+            return ("tuple",) + tuple(classify(v, depth) for v in value)
+        if type(value).__name__ == "module":
+            return ("module", value.__name__)
+        if getattr(value, "__code__", None) is not None and depth < 4:
+            return walk(value, depth + 1)
+        keep.append(value)
+        return ("obj", id(value))
+
+    def walk(f, depth: int):
+        if id(f) in seen:
+            return ("seen", id(f))
+        seen.add(id(f))
+        keep.append(f)
+        code = f.__code__
+        cells = []
+        for cell in f.__closure__ or ():
+            try:
+                cells.append(classify(cell.cell_contents, depth, top_number=depth == 0))
+            except ValueError:  # an empty cell
+                cells.append(("empty",))
+        module_globals = getattr(f, "__globals__", {})
+        named = tuple((n, classify(module_globals[n], depth)) for n in sorted(names_of(code)) if n in module_globals)
+        defaults = tuple(classify(v, depth) for v in (f.__defaults__ or ()))
+        return ("fn", code, tuple(cells), named, defaults)
+
+    try:
+        parts.append(walk(fn, 0))
+        key = tuple(parts)
+        hash(key)
+    except Exception:  # something unhashable on the way: no sharing
+        return None
+    entry = _structures.get(key)
+    if entry is None:
+        if len(_structures) >= _STRUCTURES_KEPT:
+            _structures.pop(next(iter(_structures)))
+        _structures[key] = {"keep": keep, "liftable": False, "facts": {}}
+    return key
+
+
+def structure_fact(fn: Callable | None, fact: tuple, compute: Callable[[], Any]):
+    """compute(), or the value it gave for another mod of the same structure whose numbers were
+    lifted (see structure_key); kept for the next value of the knob either way."""
+    key = structure_key(fn)
+    entry = _structures.get(key) if key is not None else None
+    if entry is not None and entry["liftable"] and fact in entry["facts"]:
+        return entry["facts"][fact]
+    value = compute()
+    if entry is not None:
+        entry["facts"][fact] = value
+    return value
+
+
+def structure_liftable(fn: Callable | None) -> bool:
+    """Has a mod of this structure had its numbers lifted and still traced?"""
+    key = structure_key(fn)
+    return key is not None and _structures.get(key, {}).get("liftable", False)
+
+
+def forget_structures() -> None:
+    _structures.clear()
 
 
 _traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mod -> {role: graph, or the exception tracing raised}
@@ -808,6 +938,10 @@ def op_name(target) -> str:
 def _data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
     """(arguments the result depends on, arguments that index a captured tensor), by data flow
     over the traced graph. A mod that cannot be traced reads (and indexes with) everything."""
+    return structure_fact(mod, ("data_flow", role), lambda: _traced_data_flow(mod, role))
+
+
+def _traced_data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
     names = MASK_ARGS if role == "mask" else SCORE_ARGS
     try:
         gm = trace_mod(mod, role)
@@ -877,6 +1011,26 @@ def evaluate_mod(mod: Callable, how: str, b, h, q, kv, score=None) -> torch.Tens
     return out.expand(shape) if tuple(out.shape) != shape else out
 
 
+def probe_grid(q_len: int, kv_len: int, size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, kv) int32 index tensors: the rows and the columns of every probe region, so that one
+    evaluation over q x kv covers them all (and nothing else)."""
+    qs, ks = set(), set()
+    for q_range, kv_range in probe_regions(q_len, kv_len, size):
+        qs.update(range(*q_range))
+        ks.update(range(*kv_range))
+    # built in int64 and cast, as torch.arange(..., dtype=torch.int32) would
+    return (torch.tensor(sorted(qs), dtype=torch.int64).to(device=device, dtype=torch.int32),
+            torch.tensor(sorted(ks), dtype=torch.int64).to(device=device, dtype=torch.int32))
+
+
+def _region_of(q: int, kv: int, q_len: int, kv_len: int, size: int) -> tuple:
+    """The probe region (q_range, kv_range) that holds the pair (q, kv)."""
+    for q_range, kv_range in probe_regions(q_len, kv_len, size):
+        if q_range[0] <= q < q_range[1] and kv_range[0] <= kv < kv_range[1]:
+            return q_range, kv_range
+    return next(iter(probe_regions(q_len, kv_len, size)))
+
+
 def probe_regions(q_len: int, kv_len: int, size: int = 48):
     """Corners and the middle of the pair space: where off-by-ones and data edges live."""
     qs = sorted({0, max(0, q_len // 2 - size // 2), max(0, q_len - size)})
@@ -902,6 +1056,10 @@ def elementwise(mod: Callable, role: str = "mask") -> bool:
     vector per pair (`q_idx >= starts` against a captured table) and reduces it (`.any()`) means
     something else when called once on broadcast index tensors: the reduction would run over the
     whole tile. Such mods are evaluated under vmap, whatever a probe region shows."""
+    return structure_fact(mod, ("elementwise", role), lambda: _elementwise(mod, role))
+
+
+def _elementwise(mod: Callable, role: str) -> bool:
     try:
         gm = trace_mod(mod, role)
     except Exception:
@@ -923,34 +1081,34 @@ def choose_evaluator(mod: Callable, q_len: int, kv_len: int, batch: int = 1, hea
     b = torch.unique(torch.tensor([0, batch - 1], dtype=torch.int32)).to(device)
     h = torch.unique(torch.tensor([0, heads - 1], dtype=torch.int32)).to(device)
     how, differs_at = ("broadcast" if elementwise(mod, role) else "vmap"), None
-    for q_range, kv_range in probe_regions(q_len, kv_len, size):
-        q = torch.arange(*q_range, device=device, dtype=torch.int32)
-        kv = torch.arange(*kv_range, device=device, dtype=torch.int32)
-        shape = (len(b), len(h), len(q), len(kv))
-        score = torch.randn(shape, device=device, dtype=torch.float64) if role == "score" else None
-        try:
-            with torch.no_grad():
-                ref = evaluate_mod(mod, "vmap", b, h, q, kv, score=score)
-        except Exception as exc:
-            raise explain_mod_error(exc, f"{role}_mod", mod) from exc
-        _check_result(ref, shape, f"{role}_mod", None)
-        if role == "mask" and (not isinstance(ref, torch.Tensor) or ref.dtype != torch.bool):
-            got = ref.dtype if isinstance(ref, torch.Tensor) else type(ref).__name__
-            raise WorkbenchError(f"mask_mod returned {got}, FlexAttention needs a bool tensor",
-                                 "return a comparison such as `q_idx >= kv_idx` (combine with & and |)")
-        if how == "vmap":
-            continue
-        try:
-            with torch.no_grad():
-                got = evaluate_mod(mod, "broadcast", b, h, q, kv, score=score)
-        except Exception:
-            how = "vmap"
-            continue
-        if role == "mask":
-            same = got.dtype == torch.bool and tuple(got.shape) == shape and torch.equal(got, ref)
-        else:
-            same = tuple(got.shape) == tuple(ref.shape) and torch.allclose(
-                got.double(), ref.double(), rtol=1e-12, atol=1e-12, equal_nan=True)
-        if not same:
-            how, differs_at = "vmap", (q_range, kv_range)
+    # every probe region at once: their rows x their columns is exactly their union
+    q, kv = probe_grid(q_len, kv_len, size, device)
+    shape = (len(b), len(h), len(q), len(kv))
+    score = torch.randn(shape, device=device, dtype=torch.float64) if role == "score" else None
+    try:
+        with torch.no_grad():
+            ref = evaluate_mod(mod, "vmap", b, h, q, kv, score=score)
+    except Exception as exc:
+        raise explain_mod_error(exc, f"{role}_mod", mod) from exc
+    _check_result(ref, shape, f"{role}_mod", None)
+    if role == "mask" and (not isinstance(ref, torch.Tensor) or ref.dtype != torch.bool):
+        got = ref.dtype if isinstance(ref, torch.Tensor) else type(ref).__name__
+        raise WorkbenchError(f"mask_mod returned {got}, FlexAttention needs a bool tensor",
+                             "return a comparison such as `q_idx >= kv_idx` (combine with & and |)")
+    if how == "vmap":
+        return EvaluatorChoice(how)
+    try:
+        with torch.no_grad():
+            got = evaluate_mod(mod, "broadcast", b, h, q, kv, score=score)
+    except Exception:
+        return EvaluatorChoice("vmap")
+    if tuple(got.shape) != shape or (role == "mask" and got.dtype != torch.bool):
+        return EvaluatorChoice("vmap", _region_of(0, 0, q_len, kv_len, size))
+    if role == "mask":
+        differ = got != ref
+    else:
+        differ = ~torch.isclose(got.double(), ref.double(), rtol=1e-12, atol=1e-12, equal_nan=True)
+    if bool(differ.any()):
+        _, _, i, j = (int(x) for x in differ.nonzero()[0])
+        how, differs_at = "vmap", _region_of(int(q[i]), int(kv[j]), q_len, kv_len, size)
     return EvaluatorChoice(how, differs_at)

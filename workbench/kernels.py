@@ -241,7 +241,7 @@ def scan_kernel(mask_mod: Callable, device: torch.device, q_len: int = 300, kv_l
     """Translate `mask_mod` and build the kernel. Raises `triton_gen.Untranslatable` (or a
     tracing error) when the mod cannot be written as Triton; the caller then scans eagerly.
     q_len, kv_len: the problem's lengths (the mod is probed inside them, see lift_scalars)."""
-    from workbench.define import lift_scalars
+    from workbench.define import captured_tensors, lift_scalars, structure_fact
     from workbench.triton_gen import Untranslatable, generate, load_source, range_pointers, table_ranges
 
     # the Python numbers it captures (a window, a chunk, an offset) become kernel arguments, so
@@ -250,7 +250,15 @@ def scan_kernel(mask_mod: Callable, device: torch.device, q_len: int = 300, kv_l
     try:
         if twin is None:
             raise Untranslatable("nothing to lift")
-        source, mask_ptrs, _, captured = generate(Mask("scan", mask_mod=twin), frozenset(lifted), bounds=True)
+
+        def translate():
+            source, mask_ptrs, _, _ = generate(Mask("scan", mask_mod=twin), frozenset(lifted), bounds=True)
+            return source, mask_ptrs
+
+        # the source is the same for every value of the knob (the values are arguments): it is
+        # translated once, and each new value only finds its tensors by name
+        source, mask_ptrs = structure_fact(mask_mod, ("scan source", frozenset(lifted)), translate)
+        captured = captured_tensors(Mask("scan", mask_mod=twin))
     except Exception:
         source, mask_ptrs, _, captured = generate(Mask("scan", mask_mod=mask_mod), bounds=True)
     tables = []

@@ -250,7 +250,7 @@ def knob_turning(n: int, device: str = "cuda", profile: bool = False) -> None:
         for t, key in (later[-1], later[-2], later[len(later) // 2]):
             print(f"\n## profile of {key[0]} = {key[1]}: {t:.3f} s")
             stream = io.StringIO()
-            pstats.Stats(profiles[key][1], stream=stream).sort_stats("tottime").print_stats(14)
+            pstats.Stats(profiles[key][1], stream=stream).sort_stats("cumulative").print_stats("workbench|synchronize|item|tolist", 25)
             print(stream.getvalue()[-4000:])
 
 

@@ -178,24 +178,18 @@ def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, st
                   Lq, Lk, D, sm_scale, qk_scale, q_off, kv_off,
                   @@ALL_PTR_PARAMS@@
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr,
-                  EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr):
+                  EVEN_N: tl.constexpr, EVEN_D: tl.constexpr):
     # one block of keys: scores, the score_mod, the mask (partial blocks only), then the online
     # softmax update of (acc, l_i, m_i), all in base 2 (exp2 of log2(e)-scaled scores).
     # EVEN_*: the lengths / head dim fill whole blocks, so no bounds checks are compiled in.
     offs_n = start_n + tl.arange(0, BLOCK_N)
     d_ok = offs_d < D
-    n_ok = offs_n < Lk
-    k_ptrs = K_block + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd
-    v_ptrs = V_block + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
-    # masks stay constant along the contiguous head dimension where it is whole (EVEN_D), so the
-    # loads stay vectorised: a mask that varies along it would split them into scalar loads
-    if MASKED and not EVEN_N and EVEN_D:  # a partial block may run past the last key
-        k = tl.load(k_ptrs, mask=n_ok[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
-    elif MASKED and not EVEN_N:
-        k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    elif EVEN_D:
+    # a block that runs past the last key (EVEN_N off) reads the last key again there: every load
+    # and table read stays in bounds without a mask, and those pairs are dropped below
+    cols = offs_n if EVEN_N else tl.minimum(offs_n, Lk - 1)
+    k_ptrs = K_block + cols[None, :] * s_kn + offs_d[:, None] * s_kd
+    v_ptrs = V_block + cols[:, None] * s_vn + offs_d[None, :] * s_vd
+    if EVEN_D:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     else:
@@ -205,9 +199,10 @@ def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, st
         qk = tl.dot(q, k, input_precision="ieee")
     else:
         qk = tl.dot(q, k)
-    # indices past the end are clamped so captured tables are read in bounds (those pairs are dropped)
-    q_idx = (offs_m[:, None] if EVEN_M else tl.minimum(offs_m, Lq - 1)[:, None]) + q_off
-    kv_idx = (offs_n[None, :] if EVEN_N else tl.minimum(offs_n, Lk - 1)[None, :]) + kv_off
+    # rows and keys past the end are the last ones again (clamped), so captured tables are read
+    # in bounds; those pairs are never stored / are dropped
+    q_idx = offs_m[:, None] + q_off
+    kv_idx = cols[None, :] + kv_off
     if HAS_SCORE:
         s = score_mod_triton(qk * sm_scale, b, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
     else:
@@ -215,7 +210,7 @@ def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, st
     if MASKED:
         keep = mask_mod_triton(b, h, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0
         if not EVEN_N:
-            keep = keep & n_ok[None, :]
+            keep = keep & (offs_n < Lk)[None, :]
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # rows with nothing kept yet stay at -inf; shift them by 0 so exp2 gives 0, not NaN
@@ -288,13 +283,14 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
     kv_off = start
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    q_ptrs = Q + b.to(tl.int64) * s_qb + h * s_qh + (start + offs_m)[:, None] * s_qm + offs_d[None, :] * s_qd
-    if EVEN_M and EVEN_D:
+    # rows past the end (of the sequence, or of a packed segment) repeat the last row: they are
+    # computed but never stored, and every load and table read stays in bounds without a mask
+    rows = offs_m if EVEN_M else tl.minimum(offs_m, Lq - 1)
+    q_ptrs = Q + b.to(tl.int64) * s_qb + h * s_qh + (start + rows)[:, None] * s_qm + offs_d[None, :] * s_qd
+    if EVEN_D:
         q = tl.load(q_ptrs)
-    elif EVEN_D:
-        q = tl.load(q_ptrs, mask=(offs_m < Lq)[:, None], other=0.0)
     else:
-        q = tl.load(q_ptrs, mask=(offs_m < Lq)[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(q_ptrs, mask=d_ok[None, :], other=0.0)
     K_block = K + b.to(tl.int64) * s_kb + kv_h * s_kh + start * s_kn
     V_block = V + b.to(tl.int64) * s_vb + kv_h * s_vh + start * s_vn
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): the softmax runs in base 2
@@ -311,26 +307,40 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
         num = full_num if kind == 0 else partial_num
         idx = full_idx if kind == 0 else partial_idx
         n_blocks = tl.load(num + row)
+        # only the last block of a row can run past the last key (the lists ascend, and such a
+        # block is never full): the loop runs the others without bounds checks, which keeps it
+        # within the registers (checks in the loop made the packed-segment kernel spill), and
+        # that block, if any, runs on its own after the loop
+        n_even = n_blocks if (kind == 0 or EVEN_N) else tl.maximum(n_blocks - 1, 0)
         if INTERPRET:
             j = 0
-            while j < n_blocks:
+            while j < n_even:
                 c = tl.load(idx + row * n_cols + j)
                 for sub in tl.static_range(TABLE_N // BLOCK_N):
                     acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
-                                                  c * TABLE_N + sub * BLOCK_N, offs_m, offs_d, b, h, Lq, Lk, D,
+                                                  c * TABLE_N + sub * BLOCK_N, rows, offs_d, b, h, Lq, Lk, D,
                                                   sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
                                                   MASKED=kind == 1, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
-                                                  EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D)
+                                                  EVEN_N=True, EVEN_D=EVEN_D)
                 j += 1
         else:
-            for j in range(0, n_blocks):
+            for j in range(0, n_even):
                 c = tl.load(idx + row * n_cols + j)
                 for sub in tl.static_range(TABLE_N // BLOCK_N):
                     acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
-                                                  c * TABLE_N + sub * BLOCK_N, offs_m, offs_d, b, h, Lq, Lk, D,
+                                                  c * TABLE_N + sub * BLOCK_N, rows, offs_d, b, h, Lq, Lk, D,
                                                   sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
                                                   MASKED=kind == 1, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
-                                                  EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D)
+                                                  EVEN_N=True, EVEN_D=EVEN_D)
+        if kind == 1 and not EVEN_N:
+            if n_blocks > n_even:
+                c = tl.load(idx + row * n_cols + n_even)
+                for sub in tl.static_range(TABLE_N // BLOCK_N):
+                    acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
+                                                  c * TABLE_N + sub * BLOCK_N, rows, offs_d, b, h, Lq, Lk, D,
+                                                  sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
+                                                  MASKED=True, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
+                                                  EVEN_N=False, EVEN_D=EVEN_D)
     # rows that kept nothing: out 0 and lse -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]

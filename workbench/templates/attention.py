@@ -273,7 +273,10 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
         start = tl.load(segments + t_row * 3)
         Lq = tl.load(segments + t_row * 3 + 1)
         Lk = Lq
-        offs_m = tl.load(segments + t_row * 3 + 2) * TABLE_M + (pid_m % per_row) * BLOCK_M + tl.arange(0, BLOCK_M)
+        first = tl.load(segments + t_row * 3 + 2) * TABLE_M + (pid_m % per_row) * BLOCK_M
+        if first >= Lq:  # a short segment's row of 128 queries can end before this program's rows
+            return
+        offs_m = first + tl.arange(0, BLOCK_M)
         list_row = t_row
     else:
         start = 0

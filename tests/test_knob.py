@@ -91,6 +91,23 @@ def test_a_table_written_in_place_is_a_new_structure():
     assert structure_key(factory(2)) != key
 
 
+def test_a_list_changed_in_place_is_a_new_structure():
+    starts = [10, 20]
+
+    def factory(w):
+        def spans(b, h, q_idx, kv_idx):
+            keep = q_idx - kv_idx < w
+            for s in starts:
+                keep = keep | (kv_idx == s)
+            return keep
+        return spans
+
+    key = structure_key(factory(1))
+    assert structure_key(factory(2)) == key
+    starts.append(30)
+    assert structure_key(factory(2)) != key
+
+
 def test_numbers_read_back_into_python_are_not_lifted(traces):
     def as_int(w):
         def int_window(b, h, q_idx, kv_idx):

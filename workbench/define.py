@@ -839,8 +839,13 @@ def structure_key(fn: Callable | None) -> tuple | None:
             keep.append(value)
             return ("tensor", id(value), compat.tensor_version(value), tuple(value.shape), value.dtype,
                     str(value.device))
-        if isinstance(value, tuple) and len(value) <= 16:
-            return ("tuple",) + tuple(classify(v, depth) for v in value)
+        if isinstance(value, (tuple, list)) and len(value) <= 256:  # a list by value: it can change in place
+            return (type(value).__name__,) + tuple(classify(v, depth) for v in value)
+        if isinstance(value, dict) and len(value) <= 256:
+            return ("dict",) + tuple((k, classify(v, depth)) for k, v in sorted(value.items(), key=repr))
+        if hasattr(value, "tobytes") and getattr(value, "nbytes", 1 << 30) <= 1 << 20:  # a numpy array
+            keep.append(value)
+            return ("array", id(value), hash(value.tobytes()))
         if type(value).__name__ == "module":
             return ("module", value.__name__)
         if getattr(value, "__code__", None) is not None and depth < 4:

@@ -87,21 +87,27 @@ def turn_knobs(device: str) -> int:
 
     failures = 0
     q_len, kv_len, heads, batch, block = CASES[0]
-    for name, (param, values) in KNOBS.items():
+    knobs = dict(KNOBS)
+    if device == "cpu":  # and users' knobs over CPU-global tables: lens[b], spans with .any()
+        from test_knob import lengths_window, spans_or_window
+
+        knobs.update({factory: ("window", [5, 40, 77]) for factory in (lengths_window, spans_or_window)})
+    for name, (param, values) in knobs.items():
         sources = set()
         for value in values:
-            mask = make(name, {param: value}, q_len=q_len, kv_len=kv_len, device=device)
+            mask = make(name, {param: value}, q_len=q_len, kv_len=kv_len, device=device) if isinstance(name, str) \
+                else Mask(f"{name.__name__}_{value}", mask_mod=name(value))
             try:
-                problem = compare(mask, q_len, kv_len, None, None, block, device)
+                problem = compare(mask, q_len, kv_len, None, 2 if not isinstance(name, str) else None, block, device)
             except Exception as exc:  # the scan's spot check refusing the kernel's counts
                 problem = f"{type(exc).__name__}: {str(exc)[:300]}"
             sources.add(kernels.scan_kernel(mask.mask_mod, torch.device(device), q_len, kv_len).source)
             if problem:
                 failures += 1
-                print(f"MISMATCH (knob) {name} {param}={value}: {problem}", flush=True)
+                print(f"MISMATCH (knob) {mask.name} {param}={value}: {problem}", flush=True)
         if len(sources) != 1:
             failures += 1
-            print(f"MISMATCH (knob) {name}: {len(sources)} kernel sources for {len(values)} values", flush=True)
+            print(f"MISMATCH (knob) {mask.name}: {len(sources)} kernel sources for {len(values)} values", flush=True)
     return failures
 
 

@@ -59,6 +59,49 @@ def test_new_value_of_a_knob_traces_nothing_and_shares_the_kernel(traces, name, 
     assert fresh[:3] == first[:3] and fresh[3].source == first[3].source
 
 
+LENS = torch.tensor([3000, 4096])  # per-sample lengths, an undeclared table next to the mod
+STARTS, ENDS = torch.tensor([10, 900, 2000]), torch.tensor([400, 1500, 2600])
+
+
+def lengths_window(window):  # lens[b]: a per-sample table and a knob
+    def lengths_window_mask(b, h, q_idx, kv_idx):
+        return (kv_idx < LENS[b]) & (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    return lengths_window_mask
+
+
+def spans_or_window(window):  # spans with .any(): evaluated under vmap, whatever the value
+    def spans_or_window_mask(b, h, q_idx, kv_idx):
+        in_span = ((kv_idx >= STARTS) & (kv_idx < ENDS)).any()
+        return in_span | ((q_idx >= kv_idx) & (q_idx - kv_idx < window))
+    return spans_or_window_mask
+
+
+def generate_dilated(dilation):  # attention-gym style: a factory naming its closure
+    def dilated(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & ((q_idx - kv_idx) % dilation == 0)
+    dilated.__name__ = f"dilated_{dilation}"
+    return dilated
+
+
+@pytest.mark.parametrize("factory", [lengths_window, spans_or_window, generate_dilated])
+def test_users_knobs_share_what_a_fresh_analysis_finds(traces, factory):
+    first = analyse(factory(7))
+    for value in (3, 64):
+        before = len(traces)
+        got = analyse(factory(value))
+        assert len(traces) == before, f"{factory.__name__}({value}) traced again"
+        assert got[:3] == first[:3] and got[3].source == first[3].source
+        assert value in lifted_values(got[3])
+        forget_structures()
+        fresh = analyse(factory(value))
+        assert fresh[:3] == got[:3] and fresh[3].source == got[3].source
+        analyse(factory(7))  # the structure known again for the next value
+    expected_how = "vmap" if factory is spans_or_window else "broadcast"
+    assert first[0].how == expected_how
+    if factory is lengths_window:
+        assert "b" in first[1] and "b" in first[2]  # the mask reads and indexes with b
+
+
 def window_factory(window):
     def window_mask(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx < window)

@@ -725,9 +725,9 @@ def lift_scalars(fn: Callable | None, device, q_len: int = 300, kv_len: int = 30
     try:
         one = torch.zeros(1, dtype=torch.int32, device=device)
         q, kv = probe_grid(q_len, kv_len, 24, device)
+        how = "broadcast" if elementwise(fn) else "vmap"  # a span's .any() is per pair only under vmap
         with torch.no_grad():
-            if not torch.equal(evaluate_mod(fn, "broadcast", one, one, q, kv),
-                               evaluate_mod(twin, "broadcast", one, one, q, kv)):
+            if not torch.equal(evaluate_mod(fn, how, one, one, q, kv), evaluate_mod(twin, how, one, one, q, kv)):
                 return None, {}
         if not structure_liftable(fn):  # another value of this knob traced already
             _trace_without_scalar_reads(twin)

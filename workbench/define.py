@@ -729,13 +729,13 @@ def lift_scalars(fn: Callable | None, device, q_len: int = 300, kv_len: int = 30
         with torch.no_grad():
             if not torch.equal(evaluate_mod(fn, how, one, one, q, kv), evaluate_mod(twin, how, one, one, q, kv)):
                 return None, {}
-        if not structure_liftable(fn):  # another value of this knob traced already
+        structure = _structure(fn)
+        if structure is None or not structure["liftable"]:  # else another value of this knob traced already
             _trace_without_scalar_reads(twin)
     except Exception:  # the number steers Python code: it stays a constant
         return None, {}
-    key = structure_key(fn)
-    if key is not None:
-        _structures[key]["liftable"] = True
+    if structure is not None:
+        structure["liftable"] = True
     return twin, lifted
 
 
@@ -810,14 +810,14 @@ _STRUCTURES_KEPT = 16
 _structures: dict = {}  # key -> {"keep": [...], "liftable": bool, "facts": {...}}
 
 
-def structure_key(fn: Callable | None) -> tuple | None:
-    """What a mod's traced graph can depend on, with the Python numbers of its own closure (those
-    lift_scalars lifts) by type only: code objects, closure cells, defaults and the module globals
-    they name (numbers, strings by value; tensors by identity, in-place version, shape, dtype and
-    device; functions walked the same way; other objects by identity). None: not a plain function."""
+def _structure_parts(fn: Callable | None) -> tuple[tuple, list] | None:
+    """(key, the objects it names by id). The key is what a mod's traced graph can depend on, with
+    the Python numbers of its own closure (those lift_scalars lifts) by type only: code objects,
+    closure cells, defaults and the module globals they name (numbers, strings, lists by value;
+    tensors by identity, in-place version, shape, dtype and device; functions walked the same
+    way; other objects by identity). None: not a plain function, or something unhashable."""
     if getattr(fn, "__code__", None) is None:
         return None
-    parts: list = []
     keep: list = []
     seen: set = set()
 
@@ -871,36 +871,42 @@ def structure_key(fn: Callable | None) -> tuple | None:
         return ("fn", code, tuple(cells), named, defaults)
 
     try:
-        parts.append(walk(fn, 0))
-        key = tuple(parts)
+        key = walk(fn, 0)
         hash(key)
     except Exception:  # something unhashable on the way: no sharing
         return None
-    entry = _structures.get(key)
-    if entry is None:
-        if len(_structures) >= _STRUCTURES_KEPT:
-            _structures.pop(next(iter(_structures)))
-        _structures[key] = {"keep": keep, "liftable": False, "facts": {}}
-    return key
+    return key, keep
+
+
+def structure_key(fn: Callable | None) -> tuple | None:
+    """What a mod's traced graph can depend on (see _structure_parts); None: nothing to share."""
+    parts = _structure_parts(fn)
+    return None if parts is None else parts[0]
+
+
+def _structure(fn: Callable | None) -> dict | None:
+    """The entry of fn's structure (made on first sight; the least recently used one goes)."""
+    parts = _structure_parts(fn)
+    if parts is None:
+        return None
+    key, keep = parts
+    entry = _structures.pop(key, None) or {"keep": keep, "liftable": False, "facts": {}}
+    _structures[key] = entry  # (the most recently used last)
+    while len(_structures) > _STRUCTURES_KEPT:
+        _structures.pop(next(iter(_structures)))
+    return entry
 
 
 def structure_fact(fn: Callable | None, fact: tuple, compute: Callable[[], Any]):
     """compute(), or the value it gave for another mod of the same structure whose numbers were
     lifted (see structure_key); kept for the next value of the knob either way."""
-    key = structure_key(fn)
-    entry = _structures.get(key) if key is not None else None
+    entry = _structure(fn)
     if entry is not None and entry["liftable"] and fact in entry["facts"]:
         return entry["facts"][fact]
     value = compute()
     if entry is not None:
         entry["facts"][fact] = value
     return value
-
-
-def structure_liftable(fn: Callable | None) -> bool:
-    """Has a mod of this structure had its numbers lifted and still traced?"""
-    key = structure_key(fn)
-    return key is not None and _structures.get(key, {}).get("liftable", False)
 
 
 def forget_structures() -> None:

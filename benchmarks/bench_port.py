@@ -10,7 +10,7 @@ create_block_mask's). Every output is checked against the other before timing ("
 difference within bf16 tolerance). Times are triton.testing.do_bench medians (ms); TFLOP/s count
 the kept pairs only (4 * B * H * D flops per pair). `speed` = Flex time / port time (> 1: the port
 is faster). --decode adds Lq = 1 against each length. --segments times the port on document masks
-(8 and 64 documents, uneven lengths) with its default tiling and with cu_seqlens (tiles from each
+(8, 32 and 64 documents, uneven lengths) with its default tiling and with cu_seqlens (tiles from each
 document's start: packing-invariant), and checks that both give the same attention.
 """
 
@@ -157,7 +157,7 @@ def segments_cost(args) -> int:
           "| cost (graph) | max abs diff | tiles chosen: default / cu_seqlens |\n|---|---|---|---|---|---|---|---|---|---|")
     folder = Path(tempfile.mkdtemp(prefix="bench_port_segments_"))
     for seq in args.lengths:
-        for docs in (8, 64):
+        for docs in (8, 32, 64):
             cuts = sorted({round(seq * (i / docs) ** 1.3) for i in range(1, docs)})  # uneven lengths
             bounds = [0] + [c for c in cuts if 0 < c < seq] + [seq]
             lengths = [b - a for a, b in zip(bounds, bounds[1:])]
@@ -170,7 +170,7 @@ def segments_cost(args) -> int:
             plain = module.attention(inputs.q, inputs.k, inputs.v)
             plain_config = _chosen(module)
             packed = module.attention(inputs.q, inputs.k, inputs.v, cu_seqlens=cu)
-            packed_config = _chosen(module)
+            packed_config = _chosen(module, packed=True)
             diff = float((plain.float() - packed.float()).abs().max())
             calls = {"plain": lambda: module.attention(inputs.q, inputs.k, inputs.v),
                      "packed": lambda: module.attention(inputs.q, inputs.k, inputs.v, cu_seqlens=cu)}
@@ -188,9 +188,13 @@ def segments_cost(args) -> int:
     return 0
 
 
-def _chosen(module) -> str:
-    """The autotuner's pick for the last launch: BLOCK_M x BLOCK_N, warps, stages (a tiling that
-    picks other tiles is not comparable kernel for kernel)."""
+def _chosen(module, packed: bool = False) -> str:
+    """The tiles of the last launch: BLOCK_M x BLOCK_N, warps, stages. Plain launches autotune
+    (a tiling that picks other tiles is not comparable kernel for kernel); packed ones take the
+    file's fixed configuration."""
+    if packed:
+        fixed = list(getattr(module, "_segment_config_for", {}).values())
+        return "{}x{} w{} s{}".format(*fixed[-1]) if fixed else "?"
     config = getattr(module._attention_kernel, "best_config", None)
     if config is None:
         return "?"

@@ -43,3 +43,40 @@ def test_port_at_128k(cuda):
     verdict = verify(mask, Shape(q_heads=4, q_len=131072, head_dim=128), dtype="bfloat16", device=cuda,
                      backend="port", seed=0)
     assert verdict.passed, verdict.line
+
+
+
+def packed_request_check(device, dtype, head_dim, folder, lengths=(333, 1000, 3000)):
+    """A request (the middle of `lengths`) alone, with cu_seqlens = [0, n], and packed between a
+    shorter and a longer partner: (the request's worst error against a float64 reference, whether
+    its packed rows are bit for bit the same as alone)."""
+    import torch
+
+    from workbench import port
+    from workbench.run import make_inputs
+    from workbench.verify import reference_attention
+
+    before, n, after = lengths
+    module = port.load(port.build(make("causal", q_len=n, kv_len=n), n, n, heads=4, out_dir=folder))
+    request = make_inputs(Shape(q_heads=4, q_len=n, head_dim=head_dim), dtype, device, seed=1)
+    alone = module.attention(request.q, request.k, request.v, cu_seqlens=[0, n])
+    ref = reference_attention(make("causal", q_len=n, kv_len=n, device=device), request).out
+    error = float((alone.double() - ref).abs().max())
+    generator = torch.Generator(device=device).manual_seed(2)
+    packed = [torch.cat([torch.randn(1, 4, before, head_dim, generator=generator, device=device).to(x.dtype), x,
+                         torch.randn(1, 4, after, head_dim, generator=generator, device=device).to(x.dtype)], dim=2)
+              for x in (request.q, request.k, request.v)]
+    out = module.attention(*packed, cu_seqlens=[0, before, before + n, before + n + after])
+    assert not torch.isnan(out).any()
+    return error, torch.equal(out[:, :, before:before + n], alone)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 64), ("bfloat16", 128), ("bfloat16", 256), ("float32", 128)])
+def test_packed_requests_are_exact_and_their_bits_do_not_depend_on_their_partners(cuda, tmp_path, dtype, head_dim):
+    # the port autotunes its plain launches; a packed launch (cu_seqlens) takes its fixed tiles, so a
+    # request packed between a short and a long partner gives bit for bit what it gives alone, for
+    # every head dim (D = 256 and float32 need the smaller fallback tiles)
+    error, bitwise = packed_request_check(cuda, dtype, head_dim, tmp_path)
+    assert error < (2e-2 if dtype == "bfloat16" else 1e-5), error
+    assert bitwise

@@ -168,3 +168,14 @@ def test_a_block_cut_short_by_the_last_query_is_full_when_its_rows_keep_everythi
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, TRITON_INTERPRET="1"))
     assert out.stdout.strip() == "[0, 1, 2] [1, 1, 1]", out.stdout + out.stderr[-2000:]
+
+
+def test_a_correct_port_verifies_in_bfloat16_on_a_cpu():
+    # Triton's CPU interpreter multiplies bfloat16 operands of tl.dot as raw bits (values near 1e9);
+    # the port widens them there, so a correct port is not reported wrong in verify's default dtype
+    from workbench.verify import verify
+
+    verdict = verify(make("causal", q_len=100, kv_len=100), Shape(q_heads=2, q_len=100, head_dim=16),
+                     dtype="bfloat16", device="cpu", backend="port", seed=0)
+    assert verdict.passed, verdict.line
+    assert verdict.line.startswith("PASS")

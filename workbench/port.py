@@ -32,6 +32,10 @@ DTYPES = ("bfloat16", "float16", "float32")
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner chooses from on a GPU. BLOCK_M 16 serves
 # calls with at most 16 queries (decode); the others cover D = 64..256 on Hopper.
 CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2)]
+# Packed launches (cu_seqlens) use one fixed configuration, so a request's bits do not depend on
+# what it is packed with: the first of these the chip has room for (D = 256 and float32 need the
+# smaller ones). 128 x 128 was the fastest packed tiling on an H200 (docs/benchmarks.md).
+SEGMENT_CONFIGS = [(128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 1)]
 
 
 @dataclass
@@ -158,6 +162,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@SCORE_PTR_ARGS@@": args(score_ptrs),
         "@@ALL_PTR_PARAMS@@": params(all_ptrs), "@@ALL_PTR_ARGS@@": args(all_ptrs),
         "@@CONFIGS@@": repr(CONFIGS),
+        "@@SEGMENT_CONFIGS@@": repr(SEGMENT_CONFIGS),
     }
     for key, value in fills.items():
         text = text.replace(key, value)

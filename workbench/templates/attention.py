@@ -178,7 +178,7 @@ def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, st
                   Lq, Lk, D, sm_scale, qk_scale, q_off, kv_off,
                   @@ALL_PTR_PARAMS@@
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr,
-                  EVEN_N: tl.constexpr, EVEN_D: tl.constexpr):
+                  EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDEN: tl.constexpr):
     # one block of keys: scores, the score_mod, the mask (partial blocks only), then the online
     # softmax update of (acc, l_i, m_i), all in base 2 (exp2 of log2(e)-scaled scores).
     # EVEN_*: the lengths / head dim fill whole blocks, so no bounds checks are compiled in.
@@ -195,7 +195,9 @@ def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, st
     else:
         k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-    if IEEE:
+    if WIDEN:  # see WIDEN in the attention kernel
+        qk = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+    elif IEEE:
         qk = tl.dot(q, k, input_precision="ieee")
     else:
         qk = tl.dot(q, k)
@@ -221,6 +223,8 @@ def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, st
     acc = acc * alpha[:, None]
     if IEEE:
         acc = tl.dot(p, v, acc, input_precision="ieee")
+    elif WIDEN:
+        acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
@@ -236,6 +240,39 @@ def _configs():
     if os.environ.get("PORT_CONFIG", "").isdigit():  # pin one configuration (tests; skips autotuning)
         chosen = [CONFIGS[int(os.environ["PORT_CONFIG"]) % len(CONFIGS)]]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in chosen]
+
+
+# Packed launches (cu_seqlens) never autotune: the autotuner would key on the longest segment,
+# so a request's tiles, and with them its bits, would depend on what it is packed with (and on
+# timing noise from one process to the next). They take the first of these that fits the chip.
+SEGMENT_CONFIGS = @@SEGMENT_CONFIGS@@
+_segment_config_for: dict = {}
+
+
+def _segment_configs():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [(32, 32, 4, 1)]
+    if os.environ.get("PORT_CONFIG", "").isdigit():  # pinned: the same tiles as every other call
+        return [CONFIGS[int(os.environ["PORT_CONFIG"]) % len(CONFIGS)]]
+    return SEGMENT_CONFIGS
+
+
+_SEGMENT_CANDIDATES = _segment_configs()  # read once, when the file is loaded (as _configs())
+
+
+def _launch_segmented(grid, args, kwargs, key):
+    """Run the packed launch with its fixed configuration: the first of _segment_configs() the
+    chip has room for (found once per head dim / dtype / device, then kept)."""
+    candidates = [_segment_config_for[key]] if key in _segment_config_for else _SEGMENT_CANDIDATES
+    for config in candidates:
+        m, n, w, s = config
+        try:
+            _attention_kernel.fn[grid](*args, **kwargs, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+        except triton.runtime.errors.OutOfResources:  # shared memory / registers: the next, smaller one
+            continue
+        _segment_config_for[key] = config
+        return
+    raise RuntimeError(f"none of the packed-launch tile configurations {candidates} fits this device")
 
 
 def _prune(configs, named_args, **kwargs):
@@ -256,8 +293,11 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
                       @@ALL_PTR_PARAMS@@
                       SEGMENTED: tl.constexpr,
                       D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, RETURN_LSE: tl.constexpr,
-                      INTERPRET: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                      INTERPRET: tl.constexpr, WIDEN: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                       TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # WIDEN: Triton's CPU interpreter multiplies bfloat16 operands of tl.dot as raw bit patterns,
+    # so there they are widened to float32 first; exact, as a bf16 x bf16 product is in float32
+    # (the GPU's tensor cores also multiply exactly and accumulate in float32)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hq
@@ -274,8 +314,9 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
         Lq = tl.load(segments + t_row * 3 + 1)
         Lk = Lq
         first = tl.load(segments + t_row * 3 + 2) * TABLE_M + (pid_m % per_row) * BLOCK_M
-        if first >= Lq:  # a short segment's row of 128 queries can end before this program's rows
-            return
+        if TABLE_M // BLOCK_M > 1:
+            if first >= Lq:  # a short segment's row of 128 queries can end before this program's rows
+                return
         offs_m = first + tl.arange(0, BLOCK_M)
         list_row = t_row
     else:
@@ -310,11 +351,14 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
         num = full_num if kind == 0 else partial_num
         idx = full_idx if kind == 0 else partial_idx
         n_blocks = tl.load(num + row)
-        # only the last block of a row can run past the last key (the lists ascend, and such a
-        # block is never full): the loop runs the others without bounds checks, which keeps it
-        # within the registers (checks in the loop made the packed-segment kernel spill), and
-        # that block, if any, runs on its own after the loop
-        n_even = n_blocks if (kind == 0 or EVEN_N) else tl.maximum(n_blocks - 1, 0)
+        # only a row's last block can run past the last key (the lists ascend, and such a block
+        # is never full), and only if it is the sequence's (segment's) last block: the loop runs
+        # the others without bounds checks, which keeps it within the registers (checks in the
+        # loop made the packed-segment kernel spill), and that block runs on its own after it
+        n_even = n_blocks
+        if kind == 1 and not EVEN_N:
+            last = tl.load(idx + row * n_cols + tl.maximum(n_blocks - 1, 0))
+            n_even = tl.where((n_blocks > 0) & ((last + 1) * TABLE_N > Lk), n_blocks - 1, n_blocks)
         if INTERPRET:
             j = 0
             while j < n_even:
@@ -324,7 +368,7 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
                                                   c * TABLE_N + sub * BLOCK_N, rows, offs_d, b, h, Lq, Lk, D,
                                                   sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
                                                   MASKED=kind == 1, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
-                                                  EVEN_N=True, EVEN_D=EVEN_D)
+                                                  EVEN_N=True, EVEN_D=EVEN_D, WIDEN=WIDEN)
                 j += 1
         else:
             for j in range(0, n_even):
@@ -334,16 +378,17 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
                                                   c * TABLE_N + sub * BLOCK_N, rows, offs_d, b, h, Lq, Lk, D,
                                                   sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
                                                   MASKED=kind == 1, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
-                                                  EVEN_N=True, EVEN_D=EVEN_D)
+                                                  EVEN_N=True, EVEN_D=EVEN_D, WIDEN=WIDEN)
         if kind == 1 and not EVEN_N:
             if n_blocks > n_even:
                 c = tl.load(idx + row * n_cols + n_even)
                 for sub in tl.static_range(TABLE_N // BLOCK_N):
-                    acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
-                                                  c * TABLE_N + sub * BLOCK_N, rows, offs_d, b, h, Lq, Lk, D,
-                                                  sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
-                                                  MASKED=True, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
-                                                  EVEN_N=False, EVEN_D=EVEN_D)
+                    if c * TABLE_N + sub * BLOCK_N < Lk:  # keys of narrower tiles wholly past the end: none kept
+                        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
+                                                      c * TABLE_N + sub * BLOCK_N, rows, offs_d, b, h, Lq, Lk, D,
+                                                      sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@,
+                                                      BLOCK_N=BLOCK_N, MASKED=True, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
+                                                      EVEN_N=False, EVEN_D=EVEN_D, WIDEN=WIDEN)
     # rows that kept nothing: out 0 and lse -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -435,8 +480,16 @@ def segment_lists(batch: int, heads: int, bounds: tuple, device) -> tuple:
             pieces = [p[i] for p in parts]
             if i % 2:  # index lists: pad every segment's to the widest
                 pieces = [torch.nn.functional.pad(t, (0, n_cols - t.shape[-1])) for t in pieces]
-            stacked.append(torch.cat(pieces, dim=2).contiguous())
-        _segment_lists[key] = (*stacked, torch.tensor(info, dtype=torch.int32, device=device).contiguous())
+            stacked.append(torch.cat(pieces, dim=2))
+        # the longest segments first, each one's rows from its last (the heaviest under a causal
+        # mask): programs start roughly in launch order, so long rows begin early and short ones
+        # fill in behind them, and a segment's rows stay together (its keys stay in cache); a
+        # row's bits do not depend on when it runs
+        order = sorted(range(len(info)), key=lambda i: (-info[i][1], info[i][0], -info[i][2]))
+        order_t = torch.tensor(order, device=device)
+        stacked = [t[:, :, order_t] for t in stacked]
+        info = torch.tensor([info[i] for i in order], dtype=torch.int32, device=device)
+        _segment_lists[key] = (*[t.contiguous() for t in stacked], info.contiguous())
     return _segment_lists[key]
 
 
@@ -464,13 +517,17 @@ def _attention(q, k, v, scale, return_lse, bounds):
     else:
         grid = lambda meta: (n_rows * (TABLE_M // meta["BLOCK_M"]), B * Hq)  # noqa: E731
         longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    _attention_kernel[grid](
-        q, k, v, out, lse, partial_num, partial_idx, full_num, full_idx,
-        *q.stride(), *k.stride(), *v.stride(), s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale,
-        _bucket(longest), _bucket(longest), segments, *[tables[n] for n in ALL_POINTERS],
-        SEGMENTED=bounds is not None,
-        D_PAD=max(16, triton.next_power_of_2(D)), HAS_SCORE=HAS_SCORE, IEEE=q.dtype == torch.float32,
-        RETURN_LSE=return_lse, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-        EVEN_M=bounds is None and Lq % TABLE_M == 0, EVEN_N=bounds is None and Lk % TABLE_N == 0,
-        EVEN_D=D == max(16, triton.next_power_of_2(D)), TABLE_M=TABLE_M, TABLE_N=TABLE_N)
+    D_PAD = max(16, triton.next_power_of_2(D))
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    args = (q, k, v, out, lse, partial_num, partial_idx, full_num, full_idx,
+            *q.stride(), *k.stride(), *v.stride(), s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale,
+            _bucket(longest), _bucket(longest), segments, *[tables[n] for n in ALL_POINTERS])
+    kwargs = dict(SEGMENTED=bounds is not None, D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, IEEE=q.dtype == torch.float32,
+                  RETURN_LSE=return_lse, INTERPRET=interpret, WIDEN=interpret and q.dtype == torch.bfloat16,
+                  EVEN_M=bounds is None and Lq % TABLE_M == 0, EVEN_N=bounds is None and Lk % TABLE_N == 0,
+                  EVEN_D=D == D_PAD, TABLE_M=TABLE_M, TABLE_N=TABLE_N)
+    if bounds is None:
+        _attention_kernel[grid](*args, **kwargs)
+    else:
+        _launch_segmented(grid, args, kwargs, (D_PAD, q.dtype, str(q.device)))
     return (out, lse) if return_lse else out

@@ -2,10 +2,11 @@
 grammar, and run each from its files alone against the float64 reference. Usage:
 
     TRITON_INTERPRET=1 python tests/run_port_corpus.py cpu [N_RANDOM] [DTYPE ...] [conformance]
-    python tests/run_port_corpus.py cuda [N_RANDOM] [DTYPE ...] [conformance]
+    python tests/run_port_corpus.py cuda [N_RANDOM] [DTYPE ...] [conformance] [shard=I/N]
 
 `conformance` adds library specs run through `conformance` on their golden vectors (on a GPU in
-bf16 and fp32 whatever DTYPEs say).
+bf16 and fp32 whatever DTYPEs say). `shard=I/N` runs every N-th case from the I-th (the cases
+compile one kernel each: N processes, one per GPU, share the work).
 
 Prints OK / FAIL per mod and dtype, then a SUMMARY line; exits 1 on any failure."""
 
@@ -86,7 +87,8 @@ def check(mask, shape, dtype, device, folder) -> str | None:
 def main(argv):
     device = argv[0] if argv else "cpu"
     n_random = int(argv[1]) if len(argv) > 1 else 10
-    dtypes = [a for a in argv[2:] if a != "conformance"] or (["float32"] if device == "cpu" else ["bfloat16", "float32"])
+    shard = next((tuple(map(int, a[6:].split("/"))) for a in argv[2:] if a.startswith("shard=")), (0, 1))
+    dtypes = [a for a in argv[2:] if a != "conformance" and not a.startswith("shard=")] or (["float32"] if device == "cpu" else ["bfloat16", "float32"])
     folder = Path(tempfile.mkdtemp(prefix="port_corpus_"))
     cases = []
     for mask, batch, heads in corpus():
@@ -102,7 +104,8 @@ def main(argv):
         cases.append((random_mod(rng, q_len, kv_len, batch, heads),
                       Shape(batch=batch, q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=rng.choice([16, 40, 64]))))
     failed = 0
-    for n, (mask, shape) in enumerate(cases):
+    cases = [(n, mask, shape) for n, (mask, shape) in enumerate(cases) if n % shard[1] == shard[0]]
+    for n, mask, shape in cases:
         for dtype in dtypes:
             sub = folder / f"case{n}{dtype}"
             # on a GPU each case pins one autotuning configuration, in turn: all of them get exercised

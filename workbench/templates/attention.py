@@ -25,7 +25,10 @@ empty blocks are never visited. The lists are kept for later calls at the same s
 With `cu_seqlens` (packed sequences whose mask never crosses a boundary, e.g. a document mask),
 one launch runs every segment with its query blocks and kv tiles starting at the segment's start
 (its block lists scanned from there), so a request's output is bit for bit the same wherever it is
-packed; the mods still see the packed positions.
+packed; the mods still see the packed positions. Packed calls use one fixed tile configuration
+(SEGMENT_CONFIGS), never autotuned, so the other requests cannot change a request's tiles either;
+for the same bits alone, call it with cu_seqlens=[0, L] (a plain call autotunes its tiles; the
+environment variable PORT_CONFIG=I pins every call to CONFIGS[I]).
 The attention kernel is FlashAttention-2's forward: one program per block of queries and
 (batch, head), an online softmax in base 2 over the listed kv blocks, fp32 accumulators.
 

@@ -179,3 +179,29 @@ def test_a_correct_port_verifies_in_bfloat16_on_a_cpu():
                      dtype="bfloat16", device="cpu", backend="port", seed=0)
     assert verdict.passed, verdict.line
     assert verdict.line.startswith("PASS")
+
+
+def test_a_packed_launch_that_fits_no_tiles_names_the_cause_and_the_fix(tmp_path):
+    # a GPU without room for any packed tile configuration (Triton's OutOfResources for each): the
+    # file says which sizes did not fit and what to change, instead of Triton's traceback
+    path = port.build(make("causal", q_len=64, kv_len=64), 64, 64, heads=1, out_dir=tmp_path)
+    script = f"""
+import importlib.util, triton, torch
+spec = importlib.util.spec_from_file_location("p", {str(path)!r}); m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+class Full:
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise triton.runtime.errors.OutOfResources(232448, 196608, "shared memory")
+        return launch
+m._attention_kernel.fn = Full()
+q = torch.randn(1, 1, 64, 16)
+try:
+    m.attention(q, q, q, cu_seqlens=[0, 30, 64])
+except RuntimeError as exc:
+    print(exc)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert "no packed-launch tile configuration of [(32, 32, 4, 1)]" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "head dim 16 in torch.float32" in done.stdout and "add a smaller one to SEGMENT_CONFIGS" in done.stdout

@@ -261,6 +261,7 @@ def _segment_configs():
 
 
 _SEGMENT_CANDIDATES = _segment_configs()  # read once, when the file is loaded (as _configs())
+_PINNED = os.environ.get("PORT_CONFIG", "").isdigit()
 
 
 def _launch_segmented(grid, args, kwargs, key):
@@ -275,7 +276,11 @@ def _launch_segmented(grid, args, kwargs, key):
             continue
         _segment_config_for[key] = config
         return
-    raise RuntimeError(f"none of the packed-launch tile configurations {candidates} fits this device")
+    D_PAD, dtype, device = key
+    raise RuntimeError(f"no packed-launch tile configuration of {candidates} (BLOCK_M, BLOCK_N, warps, stages) fits "
+                       f"{device} for head dim {D_PAD} in {dtype} (shared memory / registers): "
+                       + ("PORT_CONFIG pinned it when this file was loaded: pin a smaller one of CONFIGS, or unset "
+                          "PORT_CONFIG" if _PINNED else "add a smaller one to SEGMENT_CONFIGS in this file"))
 
 
 def _prune(configs, named_args, **kwargs):

@@ -80,3 +80,19 @@ def test_packed_requests_are_exact_and_their_bits_do_not_depend_on_their_partner
     error, bitwise = packed_request_check(cuda, dtype, head_dim, tmp_path)
     assert error < (2e-2 if dtype == "bfloat16" else 1e-5), error
     assert bitwise
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_float32_at_wide_head_dims(cuda, head_dim):
+    # every larger tile overflows Hopper's shared memory in float32 at D >= 128: the autotuner must
+    # find the small ones, and the invariance check must pin one that fits
+    from workbench import invariance
+
+    mask = make("causal_sliding_window", {"window": 300})
+    verdict = verify(mask, Shape(q_heads=2, q_len=1000, head_dim=head_dim), dtype="float32", device=cuda,
+                     backend="port", seed=0)
+    assert verdict.passed, verdict.line
+    result = invariance.check("causal", q_len=700, heads=2, head_dim=head_dim, dtype="float32", device=cuda,
+                              backend="port", layouts=["run", "batch", "padded"])
+    assert result.passed, result.line

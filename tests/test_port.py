@@ -152,8 +152,8 @@ def test_packed_documents_with_cu_seqlens_match_the_reference(tmp_path):
 
 def test_a_pinned_config_outside_the_list_is_named(tmp_path):
     q = torch.randn(1, 1, 8, 16)
-    with pytest.raises(WorkbenchError, match="config 9 is not one of the port's 6 tile configurations"):
-        port.run_file(tmp_path / "missing.py", q, q, q, config=9)
+    with pytest.raises(WorkbenchError, match="config 12 is not one of the port's 9 tile configurations"):
+        port.run_file(tmp_path / "missing.py", q, q, q, config=12)
 
 
 def test_a_block_cut_short_by_the_last_query_is_full_when_its_rows_keep_everything(tmp_path):
@@ -205,3 +205,30 @@ except RuntimeError as exc:
                           env=dict(os.environ, TRITON_INTERPRET="1"))
     assert "no packed-launch tile configuration of [(32, 32, 4, 1)]" in done.stdout, done.stdout + done.stderr[-2000:]
     assert "head dim 16 in torch.float32" in done.stdout and "add a smaller one to SEGMENT_CONFIGS" in done.stdout
+
+
+def test_float32_at_wide_head_dims_gets_tiles_that_fit_a_hopper_gpu(tmp_path):
+    # compiled for sm_90, float32 at D = 128 needs 256-352 KB of shared memory in every larger tile
+    # (an H200 has 227 KB): the autotuner must also try the small tiles there, and only there
+    import triton
+
+    module = port.load(port.build(make("causal", q_len=64, kv_len=64), 64, 64, heads=1, out_dir=tmp_path))
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in port.CONFIGS]
+
+    def tried(dtype, head_dim, q_len):
+        args = {"Lq_bucket": q_len, "Q": torch.empty(1, dtype=dtype), "D": head_dim}
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                for c in module._prune(configs, args)]
+
+    wide = port.CONFIGS[len(port.CONFIGS) - port.WIDE_ROW_CONFIGS:]
+    assert tried(torch.bfloat16, 128, 4096) == port.CONFIGS[:4]
+    assert tried(torch.bfloat16, 256, 4096) == port.CONFIGS[:4]
+    assert tried(torch.float32, 64, 4096) == port.CONFIGS[:4]
+    assert (128, 64, 8, 2) in tried(torch.float32, 128, 4096) and (64, 32, 4, 1) in tried(torch.float32, 256, 4096)
+    assert tried(torch.float32, 256, 1) == [(16, 64, 4, 3), (16, 128, 4, 2), (16, 64, 4, 1)]
+    assert tried(torch.bfloat16, 128, 1) == [(16, 64, 4, 3), (16, 128, 4, 2)]
+    assert not set(wide) & set(tried(torch.float16, 128, 4096))
+    # the invariance check pins one configuration: one that fits
+    assert port.CONFIGS[port.pinned_config(torch.float32, 128)] == (128, 64, 8, 2)
+    assert port.CONFIGS[port.pinned_config(torch.float32, 256)] == (64, 32, 4, 1)
+    assert port.pinned_config(torch.bfloat16, 256) == 0 and port.pinned_config(torch.float32, 64) == 0

@@ -28,8 +28,6 @@ from workbench.run import Inputs, Shape, check_device_dtype, dtype_name, run_fle
 BACKENDS = ("flex", "eager", "port")
 LAYOUT_KEYS = ("run", "batch", "packed_aligned", "packed_unaligned", "padded", "chunked_aligned",
                "chunked_unaligned", "decode")
-# The port's tiles for every layout: CONFIGS[0] of workbench.port, (BLOCK_M 128, BLOCK_N 64).
-PORT_PINNED_CONFIG = 0
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -257,7 +255,7 @@ def _runner(backend: str, compile: bool, device: torch.device, segments: bool = 
         cu = torch.tensor(bounds) if (segments and bounds is not None) else None
         # one tile configuration for every layout: autotuning each shape on its own would pick
         # tiles by timing noise, and tiles set the order of the sums
-        return port.run_file(path, q, k, v, cu_seqlens=cu, config=PORT_PINNED_CONFIG)[0]
+        return port.run_file(path, q, k, v, cu_seqlens=cu, config=port.pinned_config(q.dtype, q.shape[-1]))[0]
     return run_port
 
 
@@ -269,7 +267,7 @@ def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: i
     """The request (L = q_len tokens, the mask's own positions) alone and under every layout of
     LAYOUT_KEYS (or only those in `layouts`); `hold` names the layouts that must be bitwise
     (default: all). `segments`: the port runs packed layouts with `cu_seqlens`, its tiles starting
-    at each request's start. The port runs one pinned tile configuration (PORT_PINNED_CONFIG) in
+    at each request's start. The port runs one pinned tile configuration (workbench.port.pinned_config) in
     every layout, as an engine that wants invariance would; FlexAttention is compiled on a GPU and
     runs uncompiled on a CPU unless `compile` says otherwise."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

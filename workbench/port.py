@@ -30,8 +30,12 @@ TEMPLATE = Path(__file__).with_name("templates") / "attention.py"
 ENTRY = "attention"
 DTYPES = ("bfloat16", "float16", "float32")
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner chooses from on a GPU. BLOCK_M 16 serves
-# calls with at most 16 queries (decode); the others cover D = 64..256 on Hopper.
-CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2)]
+# calls with at most 16 queries (decode). The last WIDE_ROW_CONFIGS are tried only for float32 at
+# D > 64: compiled for sm_90, the others need 256-352 KB of shared memory there at D = 128 (an H200
+# has 227 KB; bf16 needs at most 192 KB at D = 256), and these 64-224 KB (128-144 KB at D = 256).
+CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2),
+           (128, 64, 8, 2), (64, 32, 4, 1), (16, 64, 4, 1)]
+WIDE_ROW_CONFIGS = 3
 # Packed launches (cu_seqlens) use one fixed configuration, so a request's bits do not depend on
 # what it is packed with: the first of these the chip has room for (D = 256 and float32 need the
 # smaller ones). 128 x 128 was the fastest packed tiling on an H200 (docs/benchmarks.md).
@@ -163,6 +167,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@ALL_PTR_PARAMS@@": params(all_ptrs), "@@ALL_PTR_ARGS@@": args(all_ptrs),
         "@@CONFIGS@@": repr(CONFIGS),
         "@@SEGMENT_CONFIGS@@": repr(SEGMENT_CONFIGS),
+        "@@WIDE_ROW_CONFIGS@@": repr(WIDE_ROW_CONFIGS),
     }
     for key, value in fills.items():
         text = text.replace(key, value)
@@ -206,6 +211,15 @@ def load(path: str | Path):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def pinned_config(dtype: torch.dtype, head_dim: int) -> int:
+    """The index of CONFIGS that callers pinning one configuration for every call (the invariance
+    check) use: CONFIGS[0] (128 x 64), or for float32 at D > 64 a smaller one that fits a Hopper
+    GPU's shared memory."""
+    if dtype == torch.float32 and head_dim > 64:
+        return CONFIGS.index((128, 64, 8, 2) if head_dim <= 128 else (64, 32, 4, 1))
+    return 0
 
 
 def _load_pinned(path, config: int | None):

@@ -234,6 +234,7 @@ def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, st
 
 
 CONFIGS = @@CONFIGS@@  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+WIDE_ROW_CONFIGS = @@WIDE_ROW_CONFIGS@@  # the last ones: small tiles, tried only for float32 rows of D > 64
 
 
 def _configs():
@@ -288,7 +289,12 @@ def _prune(configs, named_args, **kwargs):
     if len(configs) == 1:
         return configs
     short = named_args["Lq_bucket"] <= 16  # the longest sequence (of a packed call: segment)
-    kept = [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == short]
+    # float32 at D > 64 overflows the larger tiles' shared memory on Hopper (those fail and are
+    # skipped); only there are the small ones worth their autotuning time
+    wide = named_args["Q"].dtype == torch.float32 and named_args["D"] > 64
+    small = {tuple(c) for c in CONFIGS[len(CONFIGS) - WIDE_ROW_CONFIGS:]}
+    kept = [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == short
+            and (wide or (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) not in small)]
     return kept or configs
 
 

@@ -237,12 +237,15 @@ CONFIGS = @@CONFIGS@@  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 WIDE_ROW_CONFIGS = @@WIDE_ROW_CONFIGS@@  # the last ones: small tiles, tried only for float32 rows of D > 64
 
 
+# read once, when the file is loaded: Triton's CPU interpreter runs one small configuration, and
+# PORT_CONFIG=I pins every launch to CONFIGS[I] (tests, engines that need fixed tiles)
+_PINNED = os.environ.get("PORT_CONFIG", "").isdigit()
+_ONLY_CONFIG = ((32, 32, 4, 1) if os.environ.get("TRITON_INTERPRET") == "1"
+                else CONFIGS[int(os.environ["PORT_CONFIG"]) % len(CONFIGS)] if _PINNED else None)
+
+
 def _configs():
-    if os.environ.get("TRITON_INTERPRET") == "1":  # Triton's CPU interpreter: one small config
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
-    chosen = CONFIGS
-    if os.environ.get("PORT_CONFIG", "").isdigit():  # pin one configuration (tests; skips autotuning)
-        chosen = [CONFIGS[int(os.environ["PORT_CONFIG"]) % len(CONFIGS)]]
+    chosen = CONFIGS if _ONLY_CONFIG is None else [_ONLY_CONFIG]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in chosen]
 
 
@@ -250,23 +253,12 @@ def _configs():
 # so a request's tiles, and with them its bits, would depend on what it is packed with (and on
 # timing noise from one process to the next). They take the first of these that fits the chip.
 SEGMENT_CONFIGS = @@SEGMENT_CONFIGS@@
+_SEGMENT_CANDIDATES = SEGMENT_CONFIGS if _ONLY_CONFIG is None else [_ONLY_CONFIG]
 _segment_config_for: dict = {}
 
 
-def _segment_configs():
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return [(32, 32, 4, 1)]
-    if os.environ.get("PORT_CONFIG", "").isdigit():  # pinned: the same tiles as every other call
-        return [CONFIGS[int(os.environ["PORT_CONFIG"]) % len(CONFIGS)]]
-    return SEGMENT_CONFIGS
-
-
-_SEGMENT_CANDIDATES = _segment_configs()  # read once, when the file is loaded (as _configs())
-_PINNED = os.environ.get("PORT_CONFIG", "").isdigit()
-
-
 def _launch_segmented(grid, args, kwargs, key):
-    """Run the packed launch with its fixed configuration: the first of _segment_configs() the
+    """Run the packed launch with its fixed configuration: the first of _SEGMENT_CANDIDATES the
     chip has room for (found once per head dim / dtype / device, then kept)."""
     candidates = [_segment_config_for[key]] if key in _segment_config_for else _SEGMENT_CANDIDATES
     for config in candidates:
@@ -292,7 +284,7 @@ def _prune(configs, named_args, **kwargs):
     # float32 at D > 64 overflows the larger tiles' shared memory on Hopper (those fail and are
     # skipped); only there are the small ones worth their autotuning time
     wide = named_args["Q"].dtype == torch.float32 and named_args["D"] > 64
-    small = {tuple(c) for c in CONFIGS[len(CONFIGS) - WIDE_ROW_CONFIGS:]}
+    small = set(CONFIGS[len(CONFIGS) - WIDE_ROW_CONFIGS:])
     kept = [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == short
             and (wide or (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) not in small)]
     return kept or configs

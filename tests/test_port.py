@@ -125,7 +125,8 @@ def test_export_lists_and_writes_the_port(tmp_path):
     spec = build_spec(make("prefix_lm", {"prefix_len": 40}), 128, 128, golden=False)
     json_path, _ = write_spec(spec, tmp_path)
     section = load_spec(json_path).doc["backends"]["triton_attention"]
-    assert section["entry"] == "attention" and section["q_len"] is None and "any Lq, Lk" in section["valid_for"]
+    assert section["entry"] == "attention" and section["q_len"] is None and "any Lq <= Lk" in section["valid_for"]
+    assert section["length_rules"] == {"len_offset": [-1, 1, 0, 1]} and section["relations"] == ["lt", "eq"]
     assert (tmp_path / section["file"]).exists()
 
 

@@ -72,6 +72,8 @@ class Mask:
     kv_len: int | None = None
     heads: int | None = None
     batch: int | None = None
+    # a mask + score (`with_score`): the two masks it was made of, each rebuilt on its own by `bind`
+    parts: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "description", inspect.cleandoc(self.description or ""))
@@ -88,6 +90,8 @@ class Mask:
         return first if len(first) <= 110 else first[:107] + "..."
 
     def replace(self, **changes) -> "Mask":
+        if ("mask_mod" in changes or "score_mod" in changes) and "parts" not in changes:
+            changes["parts"] = ()  # other mods: no longer the mask + score it was made of
         return dataclasses.replace(self, **changes)
 
 
@@ -199,6 +203,7 @@ def with_score(mask: Mask, score: Mask) -> Mask:
         q_len=mask.q_len or score.q_len, kv_len=mask.kv_len or score.kv_len,
         heads=min((n for n in (mask.heads, score.heads) if n), default=None),
         batch=min((n for n in (mask.batch, score.batch) if n), default=None),
+        parts=(mask, score),
     )
 
 
@@ -540,6 +545,10 @@ def bind(mask: Mask, q_len: int, kv_len: int, device: str | torch.device = "cpu"
     """The same pattern rebuilt for these lengths and this device (if its factory can), with
     its captured tensors moved to `device`."""
     device = torch.device(device)
+    if mask.parts:  # a mask + score: each part follows the lengths its own way
+        base, score = (bind(p, q_len, kv_len, device) for p in mask.parts)
+        combined = with_score(base, score)
+        return combined.replace(name=mask.name) if combined.name != mask.name else combined
     if mask.factory is not None:
         try:
             sig = inspect.signature(mask.factory)

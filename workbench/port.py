@@ -53,6 +53,12 @@ class PortSource:
     valid_kv_len: int | None = None
     valid_heads: int | None = None
     valid_batch: int | None = None
+    # captured numbers the file computes per call from (Lq, Lk): name -> (a, b, c, d), the value
+    # floor((a * Lq + b * Lk + c) / d) (lengths.LengthRule); the Lq-vs-Lk cases it accepts
+    length_rules: dict[str, tuple] = field(default_factory=dict)
+    relations: tuple = ("lt", "eq", "gt")
+    refused: dict[str, str] = field(default_factory=dict)
+    lengths_note: str = ""
 
     key: str = ""  # 6 hex digits of what makes this port differ from another port of the mask
 
@@ -71,8 +77,19 @@ class PortSource:
         return f"{self.module_name}.safetensors" if self.tensors else None
 
     def valid_for(self) -> str:
-        lengths = ("any Lq, Lk" if self.valid_q_len is None and self.valid_kv_len is None else
-                   f"Lq = {self.valid_q_len}, Lk = {self.valid_kv_len} only (the mask reads per-token data)")
+        from workbench.lengths import RELATION_TEXT, LengthRule, relations_text
+
+        if self.valid_q_len is None and self.valid_kv_len is None:
+            lengths = relations_text(self.relations)
+            if len(self.relations) < 3:
+                lengths = "any " + lengths + " (the factory refuses " + " and ".join(
+                    RELATION_TEXT[r] for r in RELATION_TEXT if r not in self.relations) + ")"
+            if self.length_rules:
+                lengths += " with " + ", ".join(f"{name} = {LengthRule(*rule).text()}"
+                                                for name, rule in self.length_rules.items()) + " computed per call"
+        else:
+            why = self.lengths_note or "the mask reads per-token data"
+            lengths = f"Lq = {self.valid_q_len}, Lk = {self.valid_kv_len} only ({why})"
         heads = "any heads" if self.valid_heads is None else f"up to {self.valid_heads} query heads (a per-head table)"
         batch = "any batch" if self.valid_batch is None else f"up to {self.valid_batch} batch entries (a per-sample table)"
         return f"{lengths}; {heads}; {batch}"
@@ -82,6 +99,8 @@ class PortSource:
         return {"file": self.file_name, "tensor_file": self.tensor_file, "entry": ENTRY, "dtypes": list(DTYPES),
                 "q_len": self.valid_q_len, "kv_len": self.valid_kv_len, "max_heads": self.valid_heads,
                 "max_batch": self.valid_batch, "valid_for": self.valid_for(),
+                "length_rules": {name: list(rule) for name, rule in self.length_rules.items()},
+                "relations": list(self.relations),
                 "call": f"{ENTRY}(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None): q [B, Hq, Lq, D], "
                         "k/v [B, Hkv, Lk, D]; cu_seqlens [0, end_1, ..., L] runs packed sequences with tiles from "
                         "each one's start (bitwise the same wherever a sequence is packed)"}
@@ -97,7 +116,8 @@ def _port_key(port: PortSource, parts: list[str]) -> str:
     import hashlib
 
     digest = hashlib.sha256("\n".join(parts).encode())
-    digest.update(repr((port.valid_q_len, port.valid_kv_len, port.valid_heads, port.valid_batch)).encode())
+    digest.update(repr((port.valid_q_len, port.valid_kv_len, port.valid_heads, port.valid_batch,
+                        sorted(port.length_rules.items()), port.relations)).encode())
     for name in sorted(port.tensors):
         digest.update(name.encode())
         digest.update(port.tensors[name].reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -106,13 +126,22 @@ def _port_key(port: PortSource, parts: list[str]) -> str:
 
 def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | None = None,
              batch: int | None = None) -> PortSource:
-    """The port of `mask`, generated at these sizes (which decide only what a data-bound mask is
-    valid for). Raises a WorkbenchError naming the construct when a mod has no Triton translation."""
+    """The port of `mask`, generated at these sizes. Numbers its factory computes from the lengths
+    (the bottom-right offset Lk - Lq) are computed by the file per call (`lengths.follow`); a mask
+    whose meaning is tied to these lengths otherwise (per-token tables) is valid at them only.
+    Raises a WorkbenchError naming the construct when a mod has no Triton translation."""
+    from workbench.lengths import follow, rebuildable
     from workbench.triton_gen import Untranslatable, mod_functions
 
     kv_len = kv_len or q_len
+    indexed = data_indices(mask.mask_mod) | data_indices(mask.score_mod, "score")
+    plan = follow(mask, q_len, kv_len)
+    # per-token data (tables read at q_idx / kv_idx) hold at these lengths only, whatever else follows them
+    per_token = (bool(indexed & {"q_idx", "kv_idx"}) or plan.kind == "fixed"
+                 or (mask.q_len is not None and not rebuildable(mask)))
+    rules = {} if per_token else plan.rules
     try:
-        parts, mask_ptrs, score_ptrs, captured = mod_functions(mask)
+        parts, mask_ptrs, score_ptrs, captured = mod_functions(plan.mask if rules else mask, frozenset(rules))
     except Untranslatable as exc:
         raise WorkbenchError(f"the mods cannot be written as Triton: {exc}",
                              "rewrite that part with elementwise torch ops (comparisons, arithmetic, torch.where, "
@@ -126,15 +155,17 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     if mask.score_mod is None:
         parts.append("@triton.jit\ndef score_mod_triton(score, b, h, q_idx, kv_idx):\n    # no score_mod\n"
                      "    return score\n")
-    indexed = data_indices(mask.mask_mod) | data_indices(mask.score_mod, "score")
-    per_token = bool(indexed & {"q_idx", "kv_idx"}) or mask.q_len is not None
     reads = index_reads(mask.mask_mod)
     port = PortSource(
         name=mask.name, source="",
-        tensors={name: t.detach().contiguous().cpu() for name, t in captured.items()},
+        tensors={name: t.detach().contiguous().cpu() for name, t in captured.items() if name not in rules},
         valid_q_len=q_len if per_token else None, valid_kv_len=kv_len if per_token else None,
         valid_heads=(mask.heads or heads) if "h" in indexed else None,
-        valid_batch=(mask.batch or batch) if "b" in indexed else None)
+        valid_batch=(mask.batch or batch) if "b" in indexed else None,
+        length_rules={n: r.as_tuple() for n, r in rules.items() if n in captured},
+        relations=("lt", "eq", "gt") if per_token else plan.relations,
+        refused={} if per_token else plan.refused,
+        lengths_note=plan.reason if per_token and plan.kind == "fixed" else "")
     port.key = _port_key(port, parts)
     mask_names = [p[: -len("_ptr")] for p in mask_ptrs]
     all_ptrs = list(dict.fromkeys(mask_ptrs + score_ptrs))
@@ -157,6 +188,8 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@NAME@@": repr(mask.name),
         "@@VALID_Q_LEN@@": repr(port.valid_q_len), "@@VALID_KV_LEN@@": repr(port.valid_kv_len),
         "@@VALID_HEADS@@": repr(port.valid_heads), "@@VALID_BATCH@@": repr(port.valid_batch),
+        "@@LENGTH_RULES@@": repr(port.length_rules), "@@RELATIONS@@": repr(port.relations),
+        "@@REFUSED@@": repr(port.refused),
         "@@READS_B@@": repr("b" in reads), "@@READS_H@@": repr("h" in reads),
         "@@HAS_MASK@@": repr(mask.mask_mod is not None), "@@HAS_SCORE@@": repr(mask.score_mod is not None),
         "@@MASK_POINTERS@@": repr(mask_names),

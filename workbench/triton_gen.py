@@ -369,7 +369,7 @@ def mod_functions(mask: Mask, lifted: frozenset = frozenset(), bounds: bool = Fa
             parts.append(_translate_bounds(gm, "mask_mod_bounds", captured, lifted, mask_ptrs))
     if mask.score_mod is not None:
         src, score_ptrs = _translate(trace_mod(mask.score_mod, "score"), "score_mod_triton",
-                                     ["score", "b", "h", "q_idx", "kv_idx"], captured)
+                                     ["score", "b", "h", "q_idx", "kv_idx"], captured, lifted)
         parts.append(src)
     used = {p[:-4] for p in mask_ptrs + score_ptrs}
     return parts, mask_ptrs, score_ptrs, {k: v for k, v in captured.items() if k in used}

@@ -61,6 +61,13 @@ VALID_Q_LEN = @@VALID_Q_LEN@@  # None: any length
 VALID_KV_LEN = @@VALID_KV_LEN@@
 VALID_HEADS = @@VALID_HEADS@@  # None: any number of query heads
 VALID_BATCH = @@VALID_BATCH@@  # None: any batch size
+# Numbers the mods capture that follow the call's lengths (the factory computed them from its
+# q_len / kv_len, e.g. the bottom-right offset Lk - Lq): name -> (a, b, c, d), the value
+# (a * Lq + b * Lk + c) // d, passed to the kernels as a 0-d int32 table. They were found by
+# rebuilding the factory at sample lengths; the lengths' relations it accepted are RELATIONS.
+LENGTH_RULES = @@LENGTH_RULES@@
+RELATIONS = @@RELATIONS@@  # "lt": Lq < Lk, "eq": Lq = Lk, "gt": Lq > Lk
+REFUSED = @@REFUSED@@  # what the factory said at the relations it refused
 MASK_READS_BATCH = @@READS_B@@  # the mask differs by batch entry / head: one block list each
 MASK_READS_HEAD = @@READS_H@@
 HAS_MASK = @@HAS_MASK@@  # False: no mask_mod (every pair is kept; blocks cut by the sequence end are partial)
@@ -93,17 +100,38 @@ def _read_safetensors(path: str, device) -> dict:
 
 
 _tables_on: dict = {}
+_KEPT = 32  # entries each per-call cache keeps (the least recently used goes first)
 
 
-def _captured(device) -> dict:
-    """The captured tensors by name, on `device`, read once from TENSOR_FILE."""
-    key = str(device)
-    if key not in _tables_on:
+def _remember(cache: dict, key, make):
+    """cache[key], made on first use; a bounded cache (an engine calls with new sizes every step)."""
+    if key in cache:
+        cache[key] = cache.pop(key)  # the most recently used last
+        return cache[key]
+    value = make()
+    cache[key] = value
+    while len(cache) > _KEPT:
+        cache.pop(next(iter(cache)))
+    return value
+
+
+def _tables(device, Lq: int, Lk: int) -> dict:
+    """The tensors the kernels read, by name, on `device`: the captured ones (read once from
+    TENSOR_FILE) and the LENGTH_RULES numbers at these lengths."""
+    def read():
         tensors = {}
         if TENSOR_FILE:
             tensors = _read_safetensors(os.path.join(os.path.dirname(os.path.abspath(__file__)), TENSOR_FILE), device)
-        _tables_on[key] = {name: t.contiguous() for name, t in tensors.items()}
-    return _tables_on[key]
+        return {name: t.contiguous() for name, t in tensors.items()}
+
+    def with_lengths():
+        values = {name: (a * Lq + b * Lk + c) // d for name, (a, b, c, d) in LENGTH_RULES.items()}
+        return {**captured, **{name: torch.tensor(v, dtype=torch.int32, device=device) for name, v in values.items()}}
+
+    captured = _remember(_tables_on, str(device), read)
+    if not LENGTH_RULES:
+        return captured
+    return _remember(_tables_on, (str(device), Lq, Lk), with_lengths)
 
 
 # ---------------------------------------------------------------- block lists
@@ -143,35 +171,42 @@ def _block_class_kernel(classes, Lq, Lk, n_cols, n_heads_tab, q_off, kv_off,
 _block_lists: dict = {}
 
 
-def block_lists(batch: int, heads: int, q_len: int, kv_len: int, device, q_off: int = 0, kv_off: int = 0) -> tuple:
+def block_lists(batch: int, heads: int, q_len: int, kv_len: int, device, q_off: int = 0, kv_off: int = 0,
+                lengths: tuple | None = None) -> tuple:
     """(partial_num, partial_idx, full_num, full_idx), each [B', H', rows, cols] int32 (B', H' are 1
     where the mask does not depend on the batch entry / head): per row of blocks, how many kv blocks
     of each kind it visits and which, ascending. Computed once per sizes, offsets and device (the
-    offsets: where a packed segment starts; the mods see q_idx + q_off, kv_idx + kv_off)."""
+    offsets: where a packed segment starts; the mods see q_idx + q_off, kv_idx + kv_off).
+    `lengths`: the call's (Lq, Lk), which LENGTH_RULES read (default: q_len, kv_len)."""
     b_tab = batch if MASK_READS_BATCH else 1
     h_tab = heads if MASK_READS_HEAD else 1
-    key = (b_tab, h_tab, q_len, kv_len, q_off, kv_off, str(device))
-    if key not in _block_lists:
-        n_rows, n_cols = triton.cdiv(q_len, TABLE_M), triton.cdiv(kv_len, TABLE_N)
-        if HAS_MASK:
-            classes = torch.empty(b_tab, h_tab, n_rows, n_cols, dtype=torch.int8, device=device)
-            tables = _captured(device)
-            _block_class_kernel[(n_rows, b_tab * h_tab)](classes, q_len, kv_len, n_cols, h_tab, q_off, kv_off,
-                                                          *[tables[n] for n in MASK_POINTERS],
-                                                          TABLE_M=TABLE_M, TABLE_N=TABLE_N, SUB_M=32, num_warps=4)
-        else:  # no mask_mod: every block is full, except those cut short by the last key
-            classes = torch.full((1, 1, n_rows, n_cols), 2, dtype=torch.int8, device=device)
-            if kv_len % TABLE_N:
-                classes[:, :, :, -1] = 1
-        lists = []
-        for kind in (1, 2):
-            hit = classes == kind
-            num = hit.sum(-1, dtype=torch.int32)
-            # the blocks of this kind first, in ascending order (a stable sort of 1s before 0s)
-            idx = torch.sort(hit.to(torch.int8), dim=-1, descending=True, stable=True).indices.to(torch.int32)
-            lists += [num.contiguous(), idx.contiguous()]
-        _block_lists[key] = tuple(lists)
-    return _block_lists[key]
+    lengths = (q_len, kv_len) if lengths is None else tuple(lengths)
+    key = (b_tab, h_tab, q_len, kv_len, q_off, kv_off, str(device), lengths if LENGTH_RULES else None)
+    return _remember(_block_lists, key, lambda: _scan_block_lists(b_tab, h_tab, q_len, kv_len, device, q_off, kv_off,
+                                                                  lengths))
+
+
+def _scan_block_lists(b_tab, h_tab, q_len, kv_len, device, q_off, kv_off, lengths) -> tuple:
+    """The block lists of one (sizes, offsets, lengths): the class of every block, then the lists."""
+    n_rows, n_cols = triton.cdiv(q_len, TABLE_M), triton.cdiv(kv_len, TABLE_N)
+    if HAS_MASK:
+        classes = torch.empty(b_tab, h_tab, n_rows, n_cols, dtype=torch.int8, device=device)
+        tables = _tables(device, *lengths)
+        _block_class_kernel[(n_rows, b_tab * h_tab)](classes, q_len, kv_len, n_cols, h_tab, q_off, kv_off,
+                                                      *[tables[n] for n in MASK_POINTERS],
+                                                      TABLE_M=TABLE_M, TABLE_N=TABLE_N, SUB_M=32, num_warps=4)
+    else:  # no mask_mod: every block is full, except those cut short by the last key
+        classes = torch.full((1, 1, n_rows, n_cols), 2, dtype=torch.int8, device=device)
+        if kv_len % TABLE_N:
+            classes[:, :, :, -1] = 1
+    lists = []
+    for kind in (1, 2):
+        hit = classes == kind
+        num = hit.sum(-1, dtype=torch.int32)
+        # the blocks of this kind first, in ascending order (a stable sort of 1s before 0s)
+        idx = torch.sort(hit.to(torch.int8), dim=-1, descending=True, stable=True).indices.to(torch.int32)
+        lists += [num.contiguous(), idx.contiguous()]
+    return tuple(lists)
 
 
 # ---------------------------------------------------------------- attention
@@ -439,6 +474,11 @@ def _check(q, k, v):
             raise ValueError(f"{NAME} reads data sized for Lq = {VALID_Q_LEN}, Lk = {VALID_KV_LEN} (captured "
                              f"per-token tables); called with {what} = {got}. Generate the port again for these "
                              "lengths (python -m workbench port ... --q-len/--kv-len)")
+    rel = "lt" if Lq < Lk else "eq" if Lq == Lk else "gt"
+    if rel not in RELATIONS:
+        text = {"lt": "Lq < Lk", "eq": "Lq = Lk", "gt": "Lq > Lk"}
+        raise ValueError(f"{NAME} is defined for " + " or ".join(text[r] for r in RELATIONS) + f", called with "
+                         f"Lq = {Lq}, Lk = {Lk}: its factory refuses {text[rel]} ({REFUSED.get(rel, '?')})")
     if VALID_HEADS is not None and Hq > VALID_HEADS:
         raise ValueError(f"{NAME} is defined for {VALID_HEADS} query heads (a per-head table); called with {Hq}")
     if VALID_BATCH is not None and B > VALID_BATCH:
@@ -473,37 +513,41 @@ _segment_lists: dict = {}
 def segment_lists(batch: int, heads: int, bounds: tuple, device) -> tuple:
     """The block lists of every segment (each scanned from its own start), stacked row after row,
     and `segments` [rows, 3] int32: each row's segment start, segment length and row within it."""
-    key = (batch, heads, bounds, str(device))
-    if key not in _segment_lists:
-        parts, info = [], []
-        for start, stop in zip(bounds, bounds[1:]):
-            if stop > start:
-                parts.append(block_lists(batch, heads, stop - start, stop - start, device, start, start))
-                info += [(start, stop - start, r) for r in range(triton.cdiv(stop - start, TABLE_M))]
-        n_cols = max(p[1].shape[-1] for p in parts)
-        stacked = []
-        for i in range(4):
-            pieces = [p[i] for p in parts]
-            if i % 2:  # index lists: pad every segment's to the widest
-                pieces = [torch.nn.functional.pad(t, (0, n_cols - t.shape[-1])) for t in pieces]
-            stacked.append(torch.cat(pieces, dim=2))
-        # the longest segments first, each one's rows from its last (the heaviest under a causal
-        # mask): programs start roughly in launch order, so long rows begin early and short ones
-        # fill in behind them, and a segment's rows stay together (its keys stay in cache); a
-        # row's bits do not depend on when it runs
-        order = sorted(range(len(info)), key=lambda i: (-info[i][1], info[i][0], -info[i][2]))
-        order_t = torch.tensor(order, device=device)
-        stacked = [t[:, :, order_t] for t in stacked]
-        info = torch.tensor([info[i] for i in order], dtype=torch.int32, device=device)
-        _segment_lists[key] = (*[t.contiguous() for t in stacked], info.contiguous())
-    return _segment_lists[key]
+    return _remember(_segment_lists, (batch, heads, bounds, str(device)),
+                     lambda: _stack_segment_lists(batch, heads, bounds, device))
+
+
+def _stack_segment_lists(batch: int, heads: int, bounds: tuple, device) -> tuple:
+    """Every segment's block lists stacked, in launch order, and each row's (start, length, row)."""
+    parts, info = [], []
+    for start, stop in zip(bounds, bounds[1:]):
+        if stop > start:
+            parts.append(block_lists(batch, heads, stop - start, stop - start, device, start, start,
+                                     lengths=(bounds[-1], bounds[-1])))
+            info += [(start, stop - start, r) for r in range(triton.cdiv(stop - start, TABLE_M))]
+    n_cols = max(p[1].shape[-1] for p in parts)
+    stacked = []
+    for i in range(4):
+        pieces = [p[i] for p in parts]
+        if i % 2:  # index lists: pad every segment's to the widest
+            pieces = [torch.nn.functional.pad(t, (0, n_cols - t.shape[-1])) for t in pieces]
+        stacked.append(torch.cat(pieces, dim=2))
+    # the longest segments first, each one's rows from its last (the heaviest under a causal
+    # mask): programs start roughly in launch order, so long rows begin early and short ones
+    # fill in behind them, and a segment's rows stay together (its keys stay in cache); a
+    # row's bits do not depend on when it runs
+    order = sorted(range(len(info)), key=lambda i: (-info[i][1], info[i][0], -info[i][2]))
+    order_t = torch.tensor(order, device=device)
+    stacked = [t[:, :, order_t] for t in stacked]
+    info = torch.tensor([info[i] for i in order], dtype=torch.int32, device=device)
+    return (*[t.contiguous() for t in stacked], info.contiguous())
 
 
 def _attention(q, k, v, scale, return_lse, bounds):
     """One launch: over the whole sequence, or (bounds) over packed segments, each tiled from its start."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    tables = _captured(q.device)
+    tables = _tables(q.device, Lq, Lk)
     if bounds is None:
         partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device)
         segments = partial_num  # not read
@@ -527,7 +571,7 @@ def _attention(q, k, v, scale, return_lse, bounds):
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     args = (q, k, v, out, lse, partial_num, partial_idx, full_num, full_idx,
             *q.stride(), *k.stride(), *v.stride(), s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale,
-            _bucket(longest), _bucket(longest), segments, *[tables[n] for n in ALL_POINTERS])
+            _bucket(longest), _bucket(Lk if bounds is None else longest), segments, *[tables[n] for n in ALL_POINTERS])
     kwargs = dict(SEGMENTED=bounds is not None, D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, IEEE=q.dtype == torch.float32,
                   RETURN_LSE=return_lse, INTERPRET=interpret, WIDEN=interpret and q.dtype == torch.bfloat16,
                   EVEN_M=bounds is None and Lq % TABLE_M == 0, EVEN_N=bounds is None and Lk % TABLE_N == 0,

@@ -1,0 +1,57 @@
+"""A port is valid at exactly the lengths it claims: generated at one (Lq, Lk), called at random
+others (Lq < Lk, Lq > Lk, Lq = 1), it equals the factory rebuilt there (float64 reference) or refuses
+with a clear error. The calls run under Triton's interpreter in one fresh process
+(tests/run_port_lengths.py); each case is judged here on its own."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from run_port_lengths import CASE_NAMES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def calls():
+    done = subprocess.run([sys.executable, str(ROOT / "run_port_lengths.py"), "cpu", "7"], capture_output=True,
+                          text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=1200)
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert records, done.stdout[-3000:] + done.stderr[-3000:]
+    return records
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_port_equals_the_rebuilt_factory_or_refuses(calls, case):
+    mine = [r for r in calls if r["case"] == case]
+    assert len(mine) >= 8, f"{case}: only {len(mine)} calls ran"
+    wrong = [r for r in mine if r["outcome"] == "wrong"]
+    assert not wrong, json.dumps(wrong, indent=1)
+    # what a user reads: a refusal names the lengths and the cause
+    for r in mine:
+        if r["outcome"] == "refused":
+            assert f"Lq = {r['q_len']}" in r["detail"] or f"Lk = {r['kv_len']}" in r["detail"], r
+
+
+def _outcome(calls, case, q_len, kv_len):
+    return next(r for r in calls if r["case"] == case and (r["q_len"], r["kv_len"]) == (q_len, kv_len))
+
+
+def test_bottom_right_masks_follow_the_call_lengths(calls):
+    """The issue's reproduction: causal, causal_sliding_window and sinks_window generated at 128 x 128
+    and called at 64 x 200 compute the bottom-right mask (they computed top-left before)."""
+    for case in ("causal", "causal_sliding_window", "sinks_window", "causal@64x200", "users_offset_and"):
+        record = _outcome(calls, case, 64, 200)
+        assert record["outcome"] == "equal", record
+        assert "Lk - Lq computed per call" in record["valid_for"], record
+    assert _outcome(calls, "causal", 200, 64)["outcome"] == "equal"  # causal's factory accepts Lq > Lk
+    refused = _outcome(calls, "causal_sliding_window", 200, 64)
+    assert refused["outcome"] == "refused" and "Lq > Lk" in refused["detail"], refused
+    assert _outcome(calls, "causal@64x200", 128, 128)["outcome"] == "equal"
+    assert _outcome(calls, "users_prefix_fraction", 1, 200)["outcome"] == "equal"
+    assert _outcome(calls, "users_fixed_table", 64, 200)["outcome"] == "refused"

@@ -58,3 +58,36 @@ def _on_cuda(mod):
             value = tuple(_on_cuda(v) if callable(v) and getattr(v, "__closure__", None) else v for v in value)
         cells.append(types.CellType(value))
     return types.FunctionType(mod.__code__, mod.__globals__, mod.__name__, mod.__defaults__, tuple(cells) or None)
+
+
+@pytest.mark.gpu
+def test_memory_the_caching_allocator_holds_counts_as_free(cuda):
+    """Freed tensors stay reserved in PyTorch's cache: the driver calls them taken, the next
+    allocation gets them. device_memory counts them, so a second verification is not refused."""
+    from workbench.blocks import device_memory
+
+    x = torch.empty(40 << 30, dtype=torch.uint8, device=cuda)
+    del x
+    driver_free, _ = torch.cuda.mem_get_info()
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() >= 40 << 30
+    assert device_memory(torch.device(cuda)) >= driver_free + (40 << 30)
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_two_verifications_at_length_in_one_process(cuda):
+    """The issue's case at 256K tokens: causal, then a 1,024 window, in one process (4 heads, D 128,
+    bf16). The reference gives its cache back, and the second one is not refused for memory."""
+    from workbench import make
+
+    shape = Shape(q_heads=4, q_len=262144, kv_len=262144, head_dim=128)
+    torch.cuda.reset_peak_memory_stats()
+    first = verify(make("causal"), shape, dtype="bfloat16", device=cuda, seed=0)
+    peak, reserved_peak = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    left = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    print(f"causal 256K: peak allocated {peak / 2**30:.1f} GiB, peak reserved {reserved_peak / 2**30:.1f} GiB, "
+          f"cached after {left / 2**30:.2f} GiB")
+    assert first.passed, first.line
+    assert left < 1 << 30, left
+    second = verify(make("causal_sliding_window", {"window": 1024}), shape, dtype="bfloat16", device=cuda, seed=1)
+    assert second.passed, second.line

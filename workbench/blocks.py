@@ -152,9 +152,13 @@ def check_index_sizes(mask_mod: Callable | None, heads: int | None, batch: int |
 # ---------------------------------------------------------------- scanning
 
 def device_memory(device: torch.device) -> int:
+    """Bytes this process can still allocate on `device`. On CUDA: what the driver reports free
+    plus what PyTorch's caching allocator holds reserved but unused (freed tensors it keeps for
+    reuse; the driver counts them as taken, but the next allocation gets them first)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + max(0, cached)
     try:
         import os
 

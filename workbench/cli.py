@@ -378,6 +378,8 @@ def cmd_port(args) -> int:
     if args.dtype:
         dtype_name(args.dtype)  # an unknown dtype is an error before any work
     q_len, kv_len, device = args.q_len, args.kv_len or args.q_len, _device(args)
+    dtype = dtype_name(args.dtype) if args.dtype else ("bfloat16" if device.startswith("cuda") else "float32")
+    port.check_supported(args.head_dim, None if args.no_verify else dtype)  # before anything is written
     mask = load_mask(args, q_len, kv_len, device)
     heads = args.heads or mask.heads or 1
     shape = Shape(batch=args.batch or 1, q_heads=heads, kv_heads=args.kv_heads or heads, q_len=q_len, kv_len=kv_len,
@@ -390,7 +392,6 @@ def cmd_port(args) -> int:
              f"valid for: {source.valid_for()}"]
     passed = True
     if not args.no_verify:
-        dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         verdict = verify(mask, shape, dtype=dtype, device=device, seed=args.seed, backend="port", port_path=path)
         passed = verdict.passed
         record["verify"] = verdict.to_dict()
@@ -460,6 +461,23 @@ def cmd_diff(args) -> int:
     return 0 if d.same else 1
 
 
+# optional packages and the extra of pyproject.toml that installs each
+OPTIONAL = {"ray": "sweep", "pyarrow": "sweep", "fastparquet": "sweep", "triton": "dev", "anywidget": "dev",
+            "playwright": "dev", "nbclient": "dev", "attn_gym": "dev"}
+
+
+def optional_package(exc: ImportError) -> tuple[str, str] | None:
+    """(package, extra) when `exc` is an optional package's absence (pandas' 'Unable to find a
+    usable engine ... pyarrow' included), else None."""
+    name = (getattr(exc, "name", None) or "").split(".")[0]
+    if name in OPTIONAL:
+        return name, OPTIONAL[name]
+    text = str(exc)
+    if "pyarrow" in text and "engine" in text:
+        return "pyarrow", "sweep"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
@@ -477,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a bug of ours: say so in one line, keep the traceback on request
+        missing = optional_package(exc) if isinstance(exc, ImportError) else None
+        if missing is not None:  # an optional package missing: name the extra that brings it
+            package, extra = missing
+            print(f"error: this needs {package}, which is not installed. Fix: pip install 'flex-workbench[{extra}]' "
+                  f"(or pip install {package})", file=sys.stderr)
+            return 2
         if os.environ.get("WORKBENCH_DEBUG"):
             raise
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""

@@ -382,6 +382,75 @@ def _coerce_params(factory: Callable, sig, params: dict, context: dict) -> dict:
     return out
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text \
+        or "out of memory" in text.lower()
+
+
+def _hint_text(hint) -> str:
+    return getattr(hint, "__name__", None) if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+def _matches(value, hint) -> bool | None:
+    """Does a JSON-ish value fit a simple annotation (int, float, bool, str, list[...], tuple,
+    dict, Optional / unions of these)? None where the annotation is not one of those."""
+    import types as pytypes
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, getattr(pytypes, "UnionType", ())):
+        verdicts = [_matches(value, a) for a in args]
+        return None if None in verdicts else any(verdicts)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int)
+    if hint is float:
+        return isinstance(value, (int, float))
+    if hint is str:
+        return isinstance(value, str)
+    if hint in (list, tuple) or origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False
+        inner = [a for a in args if a is not Ellipsis]
+        if origin is list and inner:
+            verdicts = [_matches(v, inner[0]) for v in value]
+            return None if None in verdicts else all(verdicts)
+        return True
+    if hint is dict or origin is dict:
+        return isinstance(value, dict)
+    return None
+
+
+def _check_param_types(factory: Callable, sig, params: dict, fname: str) -> None:
+    """A parameter whose value cannot be what the factory's annotation says: name it, before the
+    factory fails somewhere inside (a list of ints given as a string)."""
+    if sig is None:
+        return
+    try:
+        import typing
+
+        hints = typing.get_type_hints(factory)
+    except Exception:
+        return
+    for key, value in params.items():
+        hint = hints.get(key)
+        if hint is None or isinstance(value, torch.Tensor) or callable(value):
+            continue
+        if _matches(value, hint) is False:
+            shown = json.dumps(value) if isinstance(value, (str, int, float, bool, list, dict, type(None))) else repr(value)
+            raise WorkbenchError(f"parameter {key} takes {_hint_text(hint)}, got {shown} ({type(value).__name__})",
+                                 f"give {key} as the factory documents it (--param {key}=JSON)", fname)
+
+
 def make(factory: Callable | str, params: dict[str, Any] | None = None, *, q_len: int | None = None,
          kv_len: int | None = None, device: str | torch.device | None = None) -> Mask:
     """Call a factory with user parameters plus the context keywords it declares.
@@ -420,6 +489,7 @@ def make(factory: Callable | str, params: dict[str, Any] | None = None, *, q_len
                                  "give each with --param NAME=JSON (in Python: make(target, {...}))", fname)
     context = {"q_len": q_len, "kv_len": kv_len,
                "device": None if device is None else torch.device(device)}
+    _check_param_types(factory, sig, params, fname)
     kwargs = _coerce_params(factory, sig, params, context)
     if sig is not None:
         for key, value in context.items():
@@ -433,6 +503,11 @@ def make(factory: Callable | str, params: dict[str, Any] | None = None, *, q_len
         raise WorkbenchError(f"the factory called sys.exit({exc.code!r})", "return a Mask or a mod instead of "
                              "exiting", fname) from None
     except Exception as exc:
+        if _out_of_memory(exc):
+            sizes = ", ".join(f"{k}={v:,}" for k, v in (("q_len", q_len), ("kv_len", kv_len)) if v is not None)
+            raise WorkbenchError(f"the factory ran out of memory building the mask at {sizes or 'these sizes'} "
+                                 f"({_first_line(exc)})", "use shorter lengths: its per-token tables grow with "
+                                 "the sequence", fname) from None
         raise WorkbenchError(f"factory raised {type(exc).__name__}: {exc}",
                              "check the parameters against the factory's docstring", fname) from exc
     if isinstance(result, Mask):
@@ -482,7 +557,10 @@ def check_device(device: str | torch.device | None) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise WorkbenchError(f"{dev} was asked for but there are {torch.cuda.device_count()} GPU(s)",
                                  f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
-    elif dev.type not in ("cpu", "meta"):
+    elif dev.type == "meta":
+        raise WorkbenchError("device meta holds shapes but no values, and masks, references and kernels need "
+                             "values", "use --device cpu (device='cpu') or cuda")
+    elif dev.type != "cpu":
         raise WorkbenchError(f"device {dev} is not supported here", "use cpu or cuda")
     return dev
 

@@ -84,12 +84,52 @@ def _rows_on_worker(mask: Mask, inputs: Inputs, rows: tuple[int, int], backward:
     return ref
 
 
-def _start_ray(workers: int, gpu: bool, address: str | None):
-    """Ray, checked and started (locally unless `address`); returns (ray, started_here)."""
+# Ray gives a new local node 30 s to register (a constant in Ray); on a busy 2-core machine its
+# processes can take longer to start. A failed start is retried this many times before giving up.
+RAY_START_TRIES = 3
+
+
+def import_ray(extra: str = "sweep"):
+    """Ray, or a WorkbenchError naming the extra that installs it."""
     try:
         import ray
     except ModuleNotFoundError:
-        raise WorkbenchError("splitting the reference across workers needs Ray", "pip install 'ray>=2.9'") from None
+        raise WorkbenchError("this needs Ray, which is not installed",
+                             f"pip install 'flex-workbench[{extra}]' (or pip install 'ray>=2.9')") from None
+    return ray
+
+
+def init_ray(address: str | None = None, **options):
+    """ray.init with the workbench's settings (no dashboard, workers' logs kept out of the
+    terminal); a local start that times out (a loaded machine) is tried again, then reported as
+    a WorkbenchError that says what to do. Returns the ray module."""
+    ray = import_ray()
+    last = None
+    for attempt in range(1 if address else RAY_START_TRIES):
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     **options)
+            return ray
+        except Exception as exc:  # Ray raises a bare Exception when its node times out
+            last = exc
+            try:
+                ray.shutdown()
+            except Exception:
+                pass
+            time.sleep(2 * (attempt + 1))
+    text = str(last).splitlines()[0][:300] if str(last) else type(last).__name__
+    if address:
+        raise WorkbenchError(f"could not join the Ray cluster at {address}: {text}",
+                             "check the address (ray://HOST:10001 or auto) and that the cluster is up") from None
+    raise WorkbenchError(f"Ray could not start on this machine ({RAY_START_TRIES} tries): {text}",
+                         "the machine is probably too busy for Ray's processes to start in time: retry when it is "
+                         "less loaded, or start Ray once yourself (`ray start --head`) and pass --address auto, or "
+                         "run without workers") from None
+
+
+def _start_ray(workers: int, gpu: bool, address: str | None):
+    """Ray, checked and started (locally unless `address`); returns (ray, started_here)."""
+    ray = import_ray()
     if workers < 1:
         raise WorkbenchError(f"workers = {workers} must be at least 1", "pass workers >= 1")
     if gpu and torch.cuda.device_count() < workers and address is None:
@@ -97,8 +137,7 @@ def _start_ray(workers: int, gpu: bool, address: str | None):
                              "pass fewer workers, or --address of a Ray cluster with more GPUs")
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address, num_cpus=None if gpu else workers, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        init_ray(address, num_cpus=None if gpu else workers)
     # each worker asks for one GPU (one CPU without GPUs): a cluster with fewer would leave some
     # workers waiting for ever, so say so now
     need = "GPU" if gpu else "CPU"

@@ -54,19 +54,24 @@ class InvarianceResult:
     shape: Shape
     block_size: tuple[int, int]
     layouts: list[LayoutResult] = field(default_factory=list)
+    unrun: list[str] = field(default_factory=list)  # layouts that had to hold but did not run
 
     @property
     def passed(self) -> bool:
-        return all(r.bitwise for r in self.layouts if r.held)
+        """Every held layout ran and was bitwise; a check of nothing does not pass."""
+        held = [r for r in self.layouts if r.held]
+        return bool(held) and not self.unrun and all(r.bitwise for r in held)
 
     @property
     def line(self) -> str:
         held = [r for r in self.layouts if r.held]
         broken = [r.key for r in held if not r.bitwise]
-        verdict = "INVARIANT" if not broken else "NOT INVARIANT"
+        verdict = "INVARIANT" if self.passed else "NOT CHECKED" if not held else "NOT INVARIANT"
         return (f"{verdict} {self.name} ({self.backend}, {self.dtype} on {self.device}, L={self.shape.q_len} "
                 f"H={self.shape.q_heads} D={self.shape.head_dim}): {len(held) - len(broken)}/{len(held)} layouts "
-                f"bitwise" + (f"; differs under {', '.join(broken)}" if broken else ""))
+                f"bitwise" + (f"; differs under {', '.join(broken)}" if broken else "")
+                + (f"; held but not run: {', '.join(self.unrun)}" if self.unrun else "")
+                + ("; no layout that must hold ran" if not held else ""))
 
     def to_frame(self) -> pd.DataFrame:
         rows = [{k: v for k, v in asdict(r).items()} for r in self.layouts]
@@ -279,6 +284,13 @@ def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: i
     unknown = sorted((set(hold or []) | set(layouts or [])) - set(LAYOUT_KEYS))
     if unknown:
         raise WorkbenchError(f"unknown layout {', '.join(unknown)}", f"name some of {', '.join(LAYOUT_KEYS)}")
+    not_run = sorted(set(hold or []) - set(layouts)) if layouts is not None else []
+    if not_run:
+        raise WorkbenchError(f"--hold names {', '.join(not_run)}, which --layouts does not run",
+                             f"add {' '.join(not_run)} to --layouts, or drop it from --hold")
+    if hold is not None and not hold:
+        raise WorkbenchError("hold names no layout, so nothing would be checked",
+                             f"name some of {', '.join(LAYOUT_KEYS)}, or leave hold out (all must hold)")
     if q_len < 4:
         raise WorkbenchError(f"q_len = {q_len} is too short to chunk or pack", "use q_len >= 4")
     check_device_dtype(device, dtype)
@@ -325,4 +337,5 @@ def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: i
                    "tiles as alone" if bitwise else "the segment-relative tiles still changed the order (unexpected)")
         result.layouts.append(LayoutResult(plan.key, layout, bitwise, max_abs, max_ulp, first, why,
                                            held=hold is None or plan.key in hold))
+    result.unrun = sorted(set(hold or []) - {r.key for r in result.layouts})
     return result

@@ -209,6 +209,22 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     return port
 
 
+MAX_HEAD_DIM = 256
+
+
+def check_supported(head_dim: int | None = None, dtype: str | None = None, name: str | None = None) -> None:
+    """What the port runs, said before anything is generated or written: head dims up to 256 and
+    bfloat16 / float16 / float32 inputs."""
+    if head_dim is not None and head_dim > MAX_HEAD_DIM:
+        raise WorkbenchError(f"the port runs head dims up to {MAX_HEAD_DIM}; asked for {head_dim}",
+                             f"use --head-dim <= {MAX_HEAD_DIM} (FlexAttention itself runs larger ones: "
+                             "verify --backend flex)", name)
+    if dtype is not None and dtype not in DTYPES:
+        raise WorkbenchError(f"the port runs {', '.join(DTYPES)} inputs; asked for {dtype}",
+                             f"use --dtype {' / '.join(DTYPES)} (the float64 reference is what it is checked "
+                             "against)", name)
+
+
 def write(port: PortSource, out_dir: str | Path) -> Path:
     """Write NAME_attention.py (and NAME_attention.safetensors when the mask captures tensors)."""
     out = output_folder(out_dir, port.name)
@@ -270,6 +286,18 @@ def _load_pinned(path, config: int | None):
             os.environ["PORT_CONFIG"] = before
 
 
+def triton_installed() -> bool:
+    """Can generated ports run here at all (on a CPU, under Triton's interpreter)?"""
+    return importlib.util.find_spec("triton") is not None
+
+
+def require_triton() -> None:
+    if not triton_installed():
+        raise WorkbenchError("running the port needs Triton, which is not installed",
+                             "pip install triton (CPU machines run it under Triton's interpreter), or "
+                             "pip install 'flex-workbench[dev]'")
+
+
 def in_process(device: torch.device) -> bool:
     """Can this process run a port's kernels on `device`? On CUDA yes; on a CPU only when Triton's
     interpreter was on from the start (TRITON_INTERPRET=1 in the environment)."""
@@ -290,12 +318,14 @@ def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise WorkbenchError(f"config {config!r} is not one of the port's {len(CONFIGS)} tile configurations",
                              f"pass an index 0..{len(CONFIGS) - 1} of workbench.port.CONFIGS, or None to autotune")
     extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    require_triton()
     if in_process(q.device):
         module = _load_pinned(path, config)
         try:
             return module.attention(q, k, v, scale=scale, return_lse=True, **extra)
         except (ValueError, TypeError) as exc:  # the file's own checks: sizes it is not valid for
-            raise WorkbenchError(f"the port refused the call: {exc}", "generate it again for these sizes") from exc
+            raise WorkbenchError(f"the port refused the call: {exc}",
+                                 "call it within what it is valid for (the file's docstring says so)") from exc
     import subprocess
     import tempfile
 
@@ -304,7 +334,7 @@ def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     folder = Path(tempfile.mkdtemp(prefix="workbench_port_run_"))
     tensors = {"q": q.contiguous().cpu(), "k": k.contiguous().cpu(), "v": v.contiguous().cpu()}
     if cu_seqlens is not None:
-        tensors["cu_seqlens"] = torch.as_tensor(cu_seqlens, dtype=torch.int64).cpu()
+        tensors["cu_seqlens"] = torch.as_tensor(cu_seqlens).cpu()  # as given: the file refuses non-integers
     save_file(tensors, str(folder / "inputs.safetensors"))
     cmd = [sys.executable, "-m", "workbench.port_runner", str(path), str(folder / "inputs.safetensors"),
            str(folder / "outputs.safetensors")] + ([] if scale is None else [repr(float(scale))])
@@ -314,7 +344,8 @@ def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         if done.returncode == 3:
-            raise WorkbenchError(f"the port refused the call: {last}", "generate it again for these sizes")
+            raise WorkbenchError(f"the port refused the call: {last}",
+                                 "call it within what it is valid for (the file's docstring says so)")
         raise WorkbenchError(f"the port failed under Triton's interpreter: {last[:400]}",
                              "run the port file by hand to see the traceback (TRITON_INTERPRET=1 on a CPU)")
     result = load_file(str(folder / "outputs.safetensors"))

@@ -196,6 +196,9 @@ def port_target(result: MaskResult, heads: int, device: str, port_dir: Path) -> 
     except WorkbenchError as exc:
         result.port_note = f"no port: {exc.message}"
         return
+    if not port.triton_installed():
+        result.port_note = f"{path} (port not checked: Triton is not installed; pip install triton)"
+        return
     shape = Shape(batch=1, q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=64 if on_gpu else 32)
     result.port_verdict = verify(mask, shape, dtype="bfloat16" if on_gpu else "float32", device=device,
                                  backend="port", port_path=path, seed=0, progress=False)

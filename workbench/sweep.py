@@ -84,14 +84,64 @@ def load_sweep(path: str | Path) -> list[dict]:
         if unknown:
             raise WorkbenchError(f"{path.name}: unknown key(s) {', '.join(unknown)} in case {number}",
                                  f"the keys are {', '.join(CASE_KEYS)}")
+        _check_axes(spec, path.name, number)
         for case in _expand(spec):
-            if case["task"] not in TASKS:
-                raise WorkbenchError(f"{path.name}: unknown task {case['task']!r}", f"use one of {', '.join(TASKS)}")
+            _check_case(case, path.name, number)
             frozen = json.dumps(case, sort_keys=True)
             if frozen not in seen:
                 seen.add(frozen)
                 cases.append(case)
     return cases
+
+
+SIZE_KEYS = ("q_len", "kv_len", "heads", "kv_heads", "batch", "head_dim")
+BACKENDS = ("flex", "port", "eager")
+
+
+def _require_parquet() -> None:
+    """The results table is parquet: say before anything runs when no engine is installed."""
+    import importlib.util
+
+    if not any(importlib.util.find_spec(m) for m in ("pyarrow", "fastparquet")):
+        raise WorkbenchError("a sweep writes its results as parquet, and neither pyarrow nor fastparquet is installed",
+                             "pip install 'flex-workbench[sweep]' (or pip install pyarrow)")
+
+
+def _check_axes(spec: dict, file: str, number: int) -> None:
+    """An empty list would make a grid of nothing: say which key, before anything runs."""
+    for key in CASE_KEYS:
+        if isinstance(spec.get(key), list) and not spec[key]:
+            raise WorkbenchError(f"{file}: case {number} has {key} = [], an empty grid axis (it would run nothing)",
+                                 f"give {key} at least one value, e.g. {key} = [{DEFAULTS.get(key) or 256}]")
+    for group in ("params", "score_params"):
+        for name, value in (spec.get(group) or {}).items():
+            if isinstance(value, list) and not value:
+                raise WorkbenchError(f"{file}: case {number} has {group}.{name} = [], an empty grid axis",
+                                     f"give {name} at least one value")
+
+
+def _check_case(case: dict, file: str, number: int) -> None:
+    """Sizes positive integers, and task / backend / dtype known: a typo fails here, not on Ray."""
+    from workbench.run import dtype_name
+
+    if case["task"] not in TASKS:
+        raise WorkbenchError(f"{file}: unknown task {case['task']!r}", f"use one of {', '.join(TASKS)}")
+    for key in SIZE_KEYS:
+        value = case.get(key)
+        if value is None and key in ("kv_len", "kv_heads") or value is None and key in TASK_FIELDS.get(case["task"], ()):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise WorkbenchError(f"{file}: case {number} has {key} = {json.dumps(value)}; sizes are positive "
+                                 "integers", f"set {key} to a whole number >= 1 (0 is an error, never a default)")
+    if case.get("backend") is not None and case["backend"] not in BACKENDS:
+        raise WorkbenchError(f"{file}: case {number} has backend = {case['backend']!r}",
+                             f"use one of {', '.join(BACKENDS)}")
+    if case.get("dtype") is not None:
+        try:
+            dtype_name(case["dtype"])
+        except (WorkbenchError, TypeError) as exc:
+            raise WorkbenchError(f"{file}: case {number} has dtype = {json.dumps(case['dtype'])}",
+                                 "use one of float32, bfloat16, float16, float64, tf32") from exc
 
 
 def _resolve_target(target: str, sweep_folder: Path) -> str:
@@ -236,9 +286,12 @@ def run(sweep: str | Path | list[dict], out_dir: str | Path = "out/sweep", *, ad
     """Run every case of `sweep` (a file, or cases as load_sweep gives them) on Ray and return
     one row per case (also written to out_dir). num_cpus / num_gpus: what the local Ray may use
     (default: all the machine has)."""
-    import ray
     from tqdm.auto import tqdm
 
+    from workbench.distribute import import_ray, init_ray
+
+    ray = import_ray()
+    _require_parquet()
     cases = load_sweep(sweep) if isinstance(sweep, (str, Path)) else list(sweep)
     out = output_folder(out_dir)
     done_dir = out / "cases"
@@ -248,8 +301,7 @@ def run(sweep: str | Path | list[dict], out_dir: str | Path = "out/sweep", *, ad
     skipped = len(keyed) - len(todo)
     started_here = bool(todo) and not ray.is_initialized()
     if started_here:
-        ray.init(address=address, num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+        init_ray(address, num_cpus=num_cpus, num_gpus=num_gpus)
     try:
         remote = ray.remote(max_retries=1, retry_exceptions=False)(run_case) if todo else None
         pending = {}

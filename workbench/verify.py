@@ -329,6 +329,12 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
     bar.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        # The chunks' temporaries change size from chunk to chunk (rows x kept keys), so the caching
+        # allocator rarely reuses a freed block for the next chunk and maps new ones until the GPU
+        # is full (135 GiB reserved for a 40 GiB peak at 1M tokens on an H200). Give them back:
+        # the reference is the largest temporary user of a session (a worker's row ranges keep them).
+        if rows is None:
+            torch.cuda.empty_cache()
     return Reference(out=out, lse=lse, grads=grads, dtype=str(dtype).removeprefix("torch."),
                      seconds=time.perf_counter() - t0, chunk=chunk, fully_masked_rows=masked_rows,
                      masked_row_examples=examples, nan_pairs=nan_pairs,
@@ -761,17 +767,22 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
     expected = expected or mask
     reference_dtype = reference_dtype or torch.float64
     # fail before drawing inputs or compiling
+    if backend not in ("flex", "port"):
+        raise WorkbenchError(f"unknown backend {backend!r}", "use backend='flex' or 'port'", mask.name)
+    if backend == "port":
+        from workbench import port
+
+        port.check_supported(shape.head_dim, dtype, mask.name)
     budget, _ = reference_budget(shape, backward, reference_dtype, device, memory_budget, mask.name)
     check_backward_device(backward, device, mask.name)
     inputs = make_inputs(shape, dtype, device, seed=seed, backward=backward)
     findings = mod_findings(mask, shape, device)
+    before = _mod_snapshot(mask, shape, device)
     if block_mask is not None:
         from workbench.run import check_block_mask
 
         check_block_mask(block_mask, shape, mask.name)
         findings += block_mask_findings(mask, block_mask, shape)
-    if backend not in ("flex", "port"):
-        raise WorkbenchError(f"unknown backend {backend!r}", "use backend='flex' or 'port'", mask.name)
     pool = None
     if workers and not backward:
         # each worker compares its rows of the kernel's output with its rows of the reference and
@@ -813,6 +824,14 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
     nan_why = ref.nan_message(expected.name)
     if nan_why:
         findings.append(Finding("reference_nan", "error", nan_why))
+    changed = _changed_roles(mask, shape, device, before)
+    if changed:
+        findings.append(Finding("stateful_mod", "error",
+                                f"the {' and the '.join(changed)} gave other values after the run than before it, on "
+                                "the same indices: it reads something that changes between calls (a global counter, "
+                                "the clock, random numbers), so the kernel and the reference saw different masks and "
+                                "no comparison can hold. Make it a pure function of its arguments and of tensors "
+                                "captured once"))
     if checks is None:
         checks = [compare("out", run.out, ref.out, TOLERANCES[dtype])]
         if run.lse is not None:
@@ -838,6 +857,55 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
                    compile_seconds=run.compile_seconds, run_seconds=run.run_seconds, reference_seconds=ref.seconds,
                    reference_dtype=ref.dtype, backend=backend, reference_fraction=ref.computed_fraction,
                    reference_mask_evaluation=ref.mask_evaluation, reference_workers=ref.workers)
+
+
+def _mod_snapshot(mask: Mask, shape: Shape, device) -> dict:
+    """The mods' values on a small grid (the first rows and keys, one head and batch entry), to
+    see whether a run changed them."""
+    from workbench.define import probe_grid
+
+    q, kv = probe_grid(min(shape.q_len, 64), min(shape.kv_len, 64), 16, device)
+    one = torch.zeros(1, dtype=torch.int32, device=device)
+    score = torch.randn(1, 1, len(q), len(kv), generator=torch.Generator().manual_seed(0)).to(device)
+    out = {}
+    for role, mod in (("mask_mod", mask.mask_mod), ("score_mod", mask.score_mod)):
+        if mod is None:
+            continue
+        try:
+            with torch.no_grad():  # a few calls: a mod that drifts with its number of calls shows
+                values = [evaluate_mod(mod, "vmap", one, one, q, kv, score if role == "score_mod" else None).clone()
+                          for _ in range(SNAPSHOT_CALLS)]
+        except Exception:  # (the run itself reports a mod that fails)
+            continue
+        out[role] = values[0]
+        if not all(_same_values(v, values[0]) for v in values[1:]):
+            out[role] = None  # changed already: reported as changed
+    return {"grid": (q, kv, one, score), "values": out}
+
+
+SNAPSHOT_CALLS = 8
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.nan_to_num(), b.nan_to_num()))
+
+
+def _changed_roles(mask: Mask, shape: Shape, device, before: dict) -> list[str]:
+    q, kv, one, score = before["grid"]
+    changed = []
+    for role, mod in (("mask_mod", mask.mask_mod), ("score_mod", mask.score_mod)):
+        if role not in before["values"]:
+            continue
+        try:
+            with torch.no_grad():
+                now = evaluate_mod(mod, "vmap", one, one, q, kv, score if role == "score_mod" else None)
+        except Exception:
+            changed.append(role)
+            continue
+        was = before["values"][role]
+        if was is None or not _same_values(now, was):
+            changed.append(role)
+    return changed
 
 
 def _run_port(mask: Mask, inputs: Inputs, backward: bool, port_path=None) -> FlexRun:

@@ -275,6 +275,7 @@ WIDE_ROW_CONFIGS = @@WIDE_ROW_CONFIGS@@  # the last ones: small tiles, tried onl
 # read once, when the file is loaded: Triton's CPU interpreter runs one small configuration, and
 # PORT_CONFIG=I pins every launch to CONFIGS[I] (tests, engines that need fixed tiles)
 _PINNED = os.environ.get("PORT_CONFIG", "").isdigit()
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # kernels defined for Triton's CPU interpreter
 _ONLY_CONFIG = ((32, 32, 4, 1) if os.environ.get("TRITON_INTERPRET") == "1"
                 else CONFIGS[int(os.environ["PORT_CONFIG"]) % len(CONFIGS)] if _PINNED else None)
 
@@ -461,6 +462,9 @@ def _check(q, k, v):
     Bk, Hkv, Lk, Dk = k.shape
     if k.shape != v.shape or Bk != B or Dk != D:
         raise ValueError(f"k and v must be [B={B}, Hkv, Lk, D={D}] and equal; got {tuple(k.shape)}, {tuple(v.shape)}")
+    if Hq == 0 or Hkv == 0 or D == 0:
+        raise ValueError(f"q and k/v need at least one head and a head dimension >= 1; got Hq = {Hq}, Hkv = {Hkv}, "
+                         f"D = {D} (q {tuple(q.shape)}, k {tuple(k.shape)})")
     if Hq % Hkv:
         raise ValueError(f"Hq = {Hq} is not a multiple of Hkv = {Hkv} (grouped-query attention)")
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -468,7 +472,18 @@ def _check(q, k, v):
     if D > 256:
         raise ValueError(f"head dimension {D} is over 256")
     if not (q.device == k.device == v.device):
-        raise ValueError("q, k, v must be on one device")
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if q.device.type == "cpu" and not _INTERPRET:
+        raise RuntimeError("q, k, v are on the CPU: this kernel runs on a CUDA GPU, or on a CPU under Triton's "
+                           "interpreter, which must be on before this file is imported (TRITON_INTERPRET=1 in the "
+                           "environment, e.g. `TRITON_INTERPRET=1 python script.py`); or move q, k, v to 'cuda'")
+    if q.device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"q, k, v are on {q.device}: this kernel runs on CUDA GPUs (or the CPU under Triton's "
+                           "interpreter)")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise RuntimeError("q, k or v requires grad, but this kernel is forward only: its output would carry no "
+                           "gradient. Call it under torch.no_grad() (or pass detached tensors) for inference; "
+                           "train with FlexAttention")
     for what, got, valid in (("Lq", Lq, VALID_Q_LEN), ("Lk", Lk, VALID_KV_LEN)):
         if valid is not None and got != valid:
             raise ValueError(f"{NAME} reads data sized for Lq = {VALID_Q_LEN}, Lk = {VALID_KV_LEN} (captured "
@@ -495,11 +510,31 @@ def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None):
     B, Hq, Lq, D, Hkv, Lk = _check(q, k, v)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     bounds = None if cu_seqlens is None else _segments(cu_seqlens, Lq, Lk)
+    if B == 0 or Lq == 0 or Lk == 0:  # nothing to launch: no rows, or rows that keep no key (out 0, lse -inf)
+        out = torch.zeros(B, Hq, Lq, D, dtype=q.dtype, device=q.device)
+        lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
     return _attention(q, k, v, scale, return_lse, bounds)
 
 
 def _segments(cu_seqlens, Lq, Lk):
-    bounds = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1:
+            raise ValueError(f"cu_seqlens must be 1-d [0, end_1, ..., L]; got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens must hold integers (int32 / int64); got {cu_seqlens.dtype}: boundaries "
+                            "between tokens are whole positions")
+        values = cu_seqlens.tolist()
+    elif isinstance(cu_seqlens, (list, tuple)):
+        values = list(cu_seqlens)
+    else:
+        raise TypeError(f"cu_seqlens must be a 1-d integer tensor, list or tuple; got {type(cu_seqlens).__name__}")
+    bad = [x for x in values if isinstance(x, bool) or not isinstance(x, int) and not (
+        hasattr(x, "__index__") and not isinstance(x, float))]
+    if bad:
+        raise TypeError(f"cu_seqlens must hold integer boundaries; got {bad[0]!r} ({type(bad[0]).__name__}) among "
+                        f"{values[:8]}")
+    bounds = [int(x) for x in values]
     if Lq != Lk:
         raise ValueError(f"cu_seqlens packs sequences of queries and keys together: Lq ({Lq}) must equal Lk ({Lk})")
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != Lq or any(b > a for a, b in zip(bounds[1:], bounds)):

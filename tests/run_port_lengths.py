@@ -2,7 +2,7 @@
 lengths (float64 reference), or refuse the call. Usage:
 
     TRITON_INTERPRET=1 python tests/run_port_lengths.py cpu [SEED]
-    python tests/run_port_lengths.py cuda [SEED]
+    python tests/run_port_lengths.py cuda [SEED] [only=CASE,CASE]
 
 Every library mask (and a score mod on a bottom-right mask, and users' factories: and_masks of two
 length-following mods, an attention-gym-style factory, a prefix given as a fraction) is generated at
@@ -116,10 +116,13 @@ def pairs(rng: random.Random):
 def main(argv) -> int:
     device = argv[0] if argv else "cpu"
     rng = random.Random(int(argv[1]) if len(argv) > 1 else 0)
+    only = next((a[5:].split(",") for a in argv[2:] if a.startswith("only=")), None)
     dtype = "float32"
     folder = Path(tempfile.mkdtemp(prefix="port_lengths_"))
     wrong = total = 0
     for case, target, score, (q0, k0) in cases():
+        if only is not None and case not in only:
+            continue
         mask = build(target, score, q0, k0)
         heads = mask.heads or 2
         generated = port.generate(mask, q0, k0, heads=heads, batch=1)

@@ -109,3 +109,32 @@ def tensor_version(t: torch.Tensor) -> int:
     """A counter torch bumps on every in-place write to `t` (autograd's version counter): a key
     that keeps a fact about a tensor's contents goes stale when it changes."""
     return getattr(t, "_version", 0)
+
+
+@contextlib.contextmanager
+def expandable_segments(device: torch.device):
+    """While the block runs, PyTorch's CUDA caching allocator maps memory as growable segments
+    (`expandable_segments:True`), so temporaries whose size changes from step to step reuse
+    freed memory instead of mapping new blocks until the GPU is full. Private API
+    (`torch._C._accelerator_setAllocatorSettings`, before torch 2.10
+    `torch.cuda.memory._set_allocator_settings`): where it is missing, or the
+    user already chose allocator settings (PYTORCH_CUDA_ALLOC_CONF), nothing changes."""
+    import os
+
+    # torch >= 2.10 names it torch._C._accelerator_setAllocatorSettings (the older name warns there)
+    setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+              or getattr(torch.cuda.memory, "_set_allocator_settings", None))
+    chosen = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if device.type != "cuda" or setter is None or "expandable_segments" in chosen or TORCH_VERSION < (2, 1):
+        yield
+        return
+    try:
+        setter("expandable_segments:True")
+    except Exception:  # an allocator that does not take the setting
+        yield
+        return
+    try:
+        yield
+    finally:
+        setter("expandable_segments:False")
+

@@ -19,6 +19,7 @@ import pandas as pd
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from workbench import compat
 from workbench.define import Mask, WorkbenchError, captured_scalars, choose_evaluator, evaluate_mod, index_reads
 from workbench.run import FlexRun, Inputs, Shape, learnable_tensors, make_inputs, run_flex
 
@@ -193,6 +194,18 @@ def reference_attention(mask: Mask, inputs: Inputs, *, backward: bool = False, d
     `rows`: only the query rows [start, stop) (out, lse and dq hold those rows; dk, dv their part of
     the sum) -- what one worker of a split reference computes (`workbench.distribute`). `state`: a
     ReferenceState shared by calls over other rows of the same mask and inputs (forward only)."""
+    device = torch.device(device) if device is not None else inputs.device
+    # the chunks' temporaries change size from chunk to chunk (rows x kept keys): with fixed-size
+    # cached blocks the allocator would map new memory for most of them (130 GiB reserved for a
+    # 27 GiB peak at 256K tokens on an H200); growable segments reuse what was freed
+    with compat.expandable_segments(device):
+        return _reference_attention(mask, inputs, backward=backward, dtype=dtype, scale=scale, device=device,
+                                    memory_budget=memory_budget, progress=progress, sparse=sparse, rows=rows,
+                                    state=state)
+
+
+def _reference_attention(mask: Mask, inputs: Inputs, *, backward, dtype, scale, device, memory_budget, progress,
+                         sparse, rows, state) -> Reference:
     from tqdm.auto import tqdm
 
     shape = inputs.shape

@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-gpu bench-gpu lab venv clean
+.PHONY: demo test lint test-gpu bench-gpu lab venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 ## the test suite (CPU); GPU tests run with `make test-gpu` on a CUDA machine
 test: $(STAMP)
 	$(PY) -m pytest
+
+## pyflakes and unused-argument rules over the tree (configured in pyproject.toml)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m gpu

@@ -146,9 +146,8 @@ def main():
                                          compute_q_blocks=False), device)
             if length <= 65536:
                 measure(lambda: create_block_mask(mask.mask_mod, None, heads, length, length, device=device), device)
-                ref, row["torch_s"], row["torch_peak_gib"], row["torch_err"] = measure(
+                _, row["torch_s"], row["torch_peak_gib"], row["torch_err"] = measure(
                     lambda: create_block_mask(mask.mask_mod, None, heads, length, length, device=device), device)
-                ref = None
             else:
                 row["torch_s"], row["torch_peak_gib"], row["torch_err"] = None, None, "skipped (needs > 64 GiB)"
             tc, row["torch_compiled_cold_s"], row["torch_compiled_peak_gib"], row["tc_err"] = measure(

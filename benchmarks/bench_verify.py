@@ -28,6 +28,7 @@ from workbench import make  # noqa: E402
 from workbench.compat import raise_recompile_limit  # noqa: E402
 from workbench.run import Shape  # noqa: E402
 from workbench.verify import verify  # noqa: E402
+from workbench.verify import ReferenceOptions  # noqa: E402
 
 MASKS = {"causal": ("causal", {}), "window": ("causal_sliding_window", {"window": 1024})}
 
@@ -40,8 +41,7 @@ def one(name, length, workers, reference_dtype):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    verdict = verify(mask, shape, dtype="bfloat16", device="cuda", seed=0, progress=False, workers=workers,
-                     reference_dtype=reference_dtype)
+    verdict = verify(mask, shape, dtype="bfloat16", device="cuda", seed=0, progress=False,  reference=ReferenceOptions(dtype=reference_dtype, workers=workers))
     wall = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
     return dict(mask=mask.name, tokens=length, workers=workers or 1, wall_s=wall, reference_s=verdict.reference_seconds,
@@ -67,8 +67,7 @@ def main():
         import ray
 
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-        verify(small, Shape(q_heads=1, q_len=4096, head_dim=128), dtype="bfloat16", device="cuda", progress=False,
-               workers=args.workers)
+        verify(small, Shape(q_heads=1, q_len=4096, head_dim=128), dtype="bfloat16", device="cuda", progress=False, reference=ReferenceOptions(workers=args.workers))
     print(f"# torch {torch.__version__}, {torch.cuda.device_count()} x {torch.cuda.get_device_name()}, "
           f"reference {args.reference_dtype}")
     print("| mask | tokens | workers | verify wall s | reference s | kernel compile s | kernel run s | pairs computed "

@@ -16,3 +16,15 @@ def cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     return "cuda"
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Each test that takes `device` runs on the CPU and, under `-m gpu`, on CUDA (skipped where
+    there is none): one test body for both, sized by the device where it must be."""
+    import torch
+
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return request.param
+

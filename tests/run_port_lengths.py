@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torch.nn.attention.flex_attention import and_masks  # noqa: E402
-from workbench import Mask, make, port, with_score  # noqa: E402
+from workbench import make, port, with_score  # noqa: E402
 from workbench.define import library  # noqa: E402
 from workbench.run import Shape, make_inputs  # noqa: E402
 from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention  # noqa: E402

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mod_corpus import LENGTH, corpus  # noqa: E402
 from workbench import compat  # noqa: E402
 from workbench.blocks import dense_mask  # noqa: E402
-from workbench.triton_gen import Untranslatable, generate, run_grid  # noqa: E402
+from workbench.translate import Untranslatable, generate, run_grid  # noqa: E402
 
 
 def check(mask, batch, heads, device):

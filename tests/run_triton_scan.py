@@ -89,7 +89,7 @@ def turn_knobs(device: str) -> int:
     q_len, kv_len, heads, batch, block = CASES[0]
     knobs = dict(KNOBS)
     if device == "cpu":  # and users' knobs over CPU-global tables: lens[b], spans with .any()
-        from test_knob import lengths_window, spans_or_window
+        from user_mods import lengths_window, spans_or_window
 
         knobs.update({factory: ("window", [5, 40, 77]) for factory in (lengths_window, spans_or_window)})
     for name, (param, values) in knobs.items():
@@ -121,7 +121,7 @@ def main(device: str) -> int:
         # and mods written the way users write them (tests/test_bounds.py: their tables are CPU
         # globals): and_masks / or_masks over a factory's closure and a per-head table, image spans
         # with segment ids, per-sample lengths
-        from test_bounds import combined, image_spans, per_sample_lengths
+        from user_mods import combined, image_spans, per_sample_lengths
 
         masks += [Mask("and_or_masks", mask_mod=combined()), Mask("image_spans", mask_mod=image_spans),
                   Mask("per_sample_lengths", mask_mod=per_sample_lengths)]

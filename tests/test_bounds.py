@@ -1,4 +1,4 @@
-"""mask_mod_bounds (triton_gen): over a box of pairs, `all` = 1 only where every pair is kept and
+"""mask_mod_bounds (workbench.translate): over a box of pairs, `all` = 1 only where every pair is kept and
 `any` = 0 only where none is -- checked pair by pair against the eager mod on the library and
 on mods written the way users write them -- and it does decide the boxes it should (else the
 block scan gains nothing from it). Runs the generated Triton under the CPU interpreter."""
@@ -8,79 +8,10 @@ import torch
 
 from workbench import Mask, library, make
 from workbench.define import choose_evaluator, evaluate_mod, index_reads
-from workbench.triton_gen import generate, run_bounds
+from workbench.translate import generate, run_bounds
 
-W = torch.tensor([3, 40, 0, 17])  # per-head windows, the table a user keeps next to the mod
-LENS = torch.tensor([120, 300])  # per-sample lengths
-STARTS, ENDS = torch.tensor([10, 90, 200]), torch.tensor([40, 150, 260])
+from user_mods import USER_MODS, combined, per_head_table, scrambled_table, wraps_in_int32
 
-
-def per_head_table(b, h, q_idx, kv_idx):
-    return ((q_idx - kv_idx).abs() <= W[h]) & (q_idx >= kv_idx)
-
-
-def per_sample_lengths(b, h, q_idx, kv_idx):
-    return (kv_idx < LENS[b]) & (q_idx < LENS[b])
-
-
-def spans_any(b, h, q_idx, kv_idx):
-    in_span = ((kv_idx >= STARTS) & (kv_idx < ENDS)).any()
-    return in_span | (q_idx >= kv_idx)
-
-
-def wraps_in_int32(b, h, q_idx, kv_idx):  # eager int32 arithmetic wraps past 2**31: so must the bounds
-    return q_idx * 10_000_000 - kv_idx * 10_000_000 >= 0
-
-
-def floors_below_zero(b, h, q_idx, kv_idx):
-    return ((q_idx - kv_idx) // 7 >= -2) & ((kv_idx - q_idx) % 5 != 1)
-
-
-def where_min_max(b, h, q_idx, kv_idx):
-    near = torch.minimum(q_idx, kv_idx + 5) >= torch.clamp(kv_idx - 20, min=30)
-    return torch.where(q_idx >= 100, near, torch.maximum(q_idx, kv_idx) < 77) & ~(kv_idx == 13)
-
-
-def chunked(b, h, q_idx, kv_idx):
-    return (q_idx // 64 == kv_idx // 64) & (q_idx * 2 >= kv_idx * 2 - 1)
-
-
-SCRAMBLED = torch.randint(0, 50, (400,), generator=torch.Generator().manual_seed(5))  # a table read at q, kv
-IMAGE = torch.zeros(400, dtype=torch.bool)
-IMAGE[40:90] = IMAGE[200:230] = True  # Gemma-style image spans: bidirectional inside a span
-SEGMENT = torch.repeat_interleave(torch.arange(7), torch.tensor([10, 60, 1, 99, 30, 50, 150]))  # sorted ids
-
-
-def scrambled_table(b, h, q_idx, kv_idx):
-    return (SCRAMBLED[q_idx] >= SCRAMBLED[kv_idx] - 45) & (q_idx >= kv_idx)
-
-
-def image_spans(b, h, q_idx, kv_idx):
-    return (q_idx >= kv_idx) | (IMAGE[q_idx] & IMAGE[kv_idx] & (SEGMENT[q_idx] == SEGMENT[kv_idx]))
-
-
-def sorted_segments_offset(b, h, q_idx, kv_idx):  # a sorted table read at shifted indices
-    return (SEGMENT[q_idx] == SEGMENT[torch.clamp(kv_idx - 3, min=0)]) & (SEGMENT[kv_idx] <= SEGMENT[q_idx])
-
-
-def generate_sliding_window(window_size: int):  # attention-gym's way: a factory naming its closure
-    def sliding_window(b, h, q_idx, kv_idx):
-        return (q_idx - kv_idx <= window_size) & (q_idx >= kv_idx)
-    return sliding_window
-
-
-def prefix(b, h, q_idx, kv_idx):
-    return kv_idx < 64
-
-
-def combined():  # torch's and_masks / or_masks over the above
-    from torch.nn.attention.flex_attention import and_masks, or_masks
-
-    return and_masks(or_masks(generate_sliding_window(50), prefix), per_head_table)
-
-
-USER_MODS = [per_head_table, per_sample_lengths, spans_any, wraps_in_int32, floors_below_zero, where_min_max,
-             chunked, scrambled_table, image_spans, sorted_segments_offset, generate_sliding_window(37), combined()]
 L = 300
 
 

@@ -7,9 +7,10 @@ import torch
 
 from workbench.cli import main
 from workbench.define import prepare
-from workbench.distribute import reference_on_ray, row_ranges
+from workbench.verify.distribute import reference_on_ray, row_ranges
 from workbench.run import Shape, make_inputs
 from workbench.verify import reference_attention, verify
+from workbench.verify import ReferenceOptions
 
 USER_FILE = '''import torch
 
@@ -47,7 +48,7 @@ def test_two_workers_give_the_one_piece_reference_with_gradients(tmp_path):
 
 
 def test_verify_with_workers_passes_and_still_fails_a_dropped_block(capsys):
-    from test_verify import _drop_one_full_block
+    from helpers import drop_one_full_block
     from workbench import make
     from workbench.blocks import build_block_mask
 
@@ -57,16 +58,16 @@ def test_verify_with_workers_passes_and_still_fails_a_dropped_block(capsys):
     record = json.loads(capsys.readouterr().out)
     assert record["passed"] and record["q_len"] == 700 and record["reference_fraction"] < 1
     mask = make("causal_sliding_window", {"window": 150})
-    broken = _drop_one_full_block(build_block_mask(mask, 1024, 1024, block_size=64), 10, 1024, 1024)
+    broken = drop_one_full_block(build_block_mask(mask, 1024, 1024, block_size=64), 10, 1024, 1024)
     verdict = verify(mask, Shape(q_heads=2, q_len=1024, head_dim=16), dtype="float32", block_mask=broken,
-                     compile=False, seed=0, workers=2)
+                     seed=0, backend="eager", reference=ReferenceOptions(workers=2))
     assert not verdict.passed
 
 
 def test_rows_compared_on_workers_merge_to_the_one_piece_check(tmp_path):
     """Forward verification with workers: each worker compares its rows and sends statistics back;
     merged, they equal the check of the whole output against the whole reference."""
-    from workbench.distribute import compare_on_ray
+    from workbench.verify.distribute import compare_on_ray
     from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare
 
     path = tmp_path / "user_masks.py"
@@ -96,12 +97,12 @@ def test_a_worker_count_below_one_is_refused():
 
     from workbench import make
     from workbench.define import WorkbenchError
-    from workbench.distribute import compare_on_ray
+    from workbench.verify.distribute import compare_on_ray
     from workbench.verify import LSE_TOLERANCE, TOLERANCES
 
     mask, shape = make("causal"), Shape(q_len=64, head_dim=8)
     with pytest.raises(WorkbenchError, match="workers = 0 must be a whole number of at least 1.*Fix: pass workers >= 1"):
-        verify(mask, shape, dtype="float32", compile=False, workers=0)  # not silently computed here
+        verify(mask, shape, dtype="float32", backend="eager", reference=ReferenceOptions(workers=0))  # not silently computed here
     inputs = make_inputs(shape, "float32", seed=0)
     with pytest.raises(WorkbenchError, match="workers = -1 must be at least 1"):
         compare_on_ray(mask, inputs, inputs.q, None, -1, TOLERANCES["float32"], LSE_TOLERANCE["float32"])
@@ -112,24 +113,25 @@ def test_actors_draw_inputs_from_the_seed_and_stay_in_a_ray_session():
     draw each one's inputs from its seed (nothing sent); a wrong kernel still fails on them."""
     import ray
 
-    from test_verify import _drop_one_full_block
-    from workbench import distribute, make
+    from helpers import drop_one_full_block
+    from workbench import make
+    from workbench.verify import distribute
     from workbench.blocks import build_block_mask
 
     mask = make("causal_sliding_window", {"window": 150})
     shape = Shape(q_heads=2, q_len=700, head_dim=16)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        first = verify(mask, shape, dtype="float32", compile=False, seed=0, workers=2, progress=False)
+        first = verify(mask, shape, dtype="float32", seed=0, progress=False, backend="eager", reference=ReferenceOptions(workers=2))
         pool = distribute._kept[(2, False, None)]
         actors = [a._actor_id for a in pool.actors]
-        broken = _drop_one_full_block(build_block_mask(mask, 1024, 1024, block_size=64), 10, 1024, 1024)
-        second = verify(mask, Shape(q_heads=2, q_len=1024, head_dim=16), dtype="float32", compile=False, seed=1,
-                        workers=2, block_mask=broken, progress=False)
+        broken = drop_one_full_block(build_block_mask(mask, 1024, 1024, block_size=64), 10, 1024, 1024)
+        second = verify(mask, Shape(q_heads=2, q_len=1024, head_dim=16), dtype="float32", seed=1,
+                        block_mask=broken, progress=False, backend="eager", reference=ReferenceOptions(workers=2))
         again = distribute._kept[(2, False, None)]
         assert first.passed and not second.passed
         # every range was computed once, on some actor, and each says where its time went
-        from workbench.distribute import RANGES_PER_WORKER
+        from workbench.verify.distribute import RANGES_PER_WORKER
 
         assert sum(w["ranges"] for w in second.reference_workers) == 2 * RANGES_PER_WORKER
         assert all(w["rows_s"] > 0 and w["device"] == "cpu" for w in second.reference_workers)
@@ -143,7 +145,7 @@ def test_actors_draw_inputs_from_the_seed_and_stay_in_a_ray_session():
 def test_inputs_that_the_seed_does_not_give_are_sent(tmp_path):
     """Inputs whose bits the actors cannot draw from the seed (a caller's own tensors) are sent
     through Ray's object store, and the split check still equals the one-piece one."""
-    from workbench.distribute import compare_on_ray, start_rows_workers
+    from workbench.verify.distribute import compare_on_ray, start_rows_workers
     from workbench.verify import LSE_TOLERANCE, TOLERANCES
 
     path = tmp_path / "user_masks.py"
@@ -176,7 +178,7 @@ def test_more_workers_than_the_ray_session_can_place_is_refused_not_a_hang():
     try:
         t0 = time.perf_counter()
         with pytest.raises(WorkbenchError, match=r"2 workers need one CPU each; the Ray cluster has 1.*workers <= 1"):
-            verify(make("causal"), Shape(q_len=64, head_dim=8), dtype="float32", compile=False, workers=2)
+            verify(make("causal"), Shape(q_len=64, head_dim=8), dtype="float32", backend="eager", reference=ReferenceOptions(workers=2))
         assert time.perf_counter() - t0 < 30
     finally:
         ray.shutdown()

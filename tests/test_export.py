@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch.nn.attention.flex_attention import and_masks, or_masks
 
+from helpers import resolve, variants
 from workbench import Mask, library, make
 from workbench.blocks import build_block_mask, dense_mask
 from workbench.cli import main
@@ -24,29 +25,6 @@ from workbench.define import WorkbenchError, with_score
 from workbench.export import build_spec, conformance, diff_specs, load_spec, write_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def resolve(value, tensors):
-    if isinstance(value, dict):
-        if set(value) == {"$tensor"}:
-            return tensors[value["$tensor"]]
-        return {k: resolve(v, tensors) for k, v in value.items()}
-    if isinstance(value, list):
-        return [resolve(v, tensors) for v in value]
-    return value
-
-
-def variants(section, B, H):
-    """(b, h, section) for every variant a backend section covers."""
-    if "by_batch" in section:
-        for b, s in enumerate(section["by_batch"]):
-            for _, h, ss in variants(s, None, H):
-                yield b, h, ss
-    elif "by_head" in section:
-        for h, s in enumerate(section["by_head"]):
-            yield 0, h, s
-    else:
-        yield 0, 0, section
 
 
 def check_every_section(spec, mask):

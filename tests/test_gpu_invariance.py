@@ -19,7 +19,7 @@ def _by_key(result):
 @pytest.mark.parametrize("backend", ["flex", "port"])
 def test_measured_pattern_on_the_h200(cuda, backend):
     result = invariance.check("causal", q_len=3000, heads=8, head_dim=128, dtype="bfloat16", device=cuda,
-                              batch=8, backend=backend)
+                              backend=backend, options=invariance.InvarianceOptions(batch=8))
     with pd.option_context("display.width", 250, "display.max_colwidth", 70):
         print(f"\n{result.line}\n{result.to_frame()[['bitwise', 'max_abs_diff', 'max_ulp', 'first_diff']]}")
     by_key = _by_key(result)
@@ -32,6 +32,6 @@ def test_measured_pattern_on_the_h200(cuda, backend):
 @pytest.mark.gpu
 def test_segment_relative_port_is_invariant_to_packing(cuda):
     result = invariance.check("causal", q_len=3000, heads=8, head_dim=128, dtype="bfloat16", device=cuda,
-                              backend="port", segments=True, layouts=["run", "packed_aligned", "packed_unaligned"])
+                              backend="port", layouts=["run", "packed_aligned", "packed_unaligned"], options=invariance.InvarianceOptions(segments=True))
     print(f"\n{result.line}")
     assert result.passed, [(r.key, r.max_abs_diff) for r in result.layouts]

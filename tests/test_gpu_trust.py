@@ -12,7 +12,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run_port_corpus import random_mod  # noqa: E402
-from test_trust import same_block_mask  # noqa: E402
+from helpers import same_block_mask  # noqa: E402
 from workbench.blocks import build_block_mask  # noqa: E402
 from workbench.run import Shape  # noqa: E402
 from workbench.verify import verify  # noqa: E402

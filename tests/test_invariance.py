@@ -37,7 +37,7 @@ def test_every_layout_computes_the_same_request_for_user_mods():
         return score - 0.01 * (q_idx - kv_idx).float()
 
     mask = Mask("user_mod", mask_mod=per_head_padded, score_mod=tilt)
-    result = invariance.check(mask, q_len=150, heads=2, head_dim=16, dtype="float32", device="cpu", batch=3)
+    result = invariance.check(mask, q_len=150, heads=2, head_dim=16, dtype="float32", device="cpu", options=invariance.InvarianceOptions(batch=3))
     frame = result.to_frame()
     assert len(frame) == 9 and set(frame["key"]) == set(invariance.LAYOUT_KEYS)
     # every layout computes the same request (a wrong wrapper would be off by O(1)) ...
@@ -101,8 +101,8 @@ def test_segment_relative_tiles_make_the_port_invariant_to_packing():
     # with cu_seqlens the port starts each request's tiles at its own start: packed at an
     # unaligned offset, the request's bits are the ones it gets alone
     result = invariance.check("causal", q_len=300, heads=2, head_dim=32, dtype="float32", device="cpu",
-                              backend="port", layouts=["packed_aligned", "packed_unaligned"], segments=True)
+                              backend="port", layouts=["packed_aligned", "packed_unaligned"], options=invariance.InvarianceOptions(segments=True))
     assert result.passed, [(r.key, r.max_abs_diff) for r in result.layouts]
     assert all("cu_seqlens" in r.layout and "each request's start" in r.why for r in result.layouts)
     with pytest.raises(WorkbenchError, match="tiling of the generated port"):
-        invariance.check("causal", q_len=64, heads=1, head_dim=8, dtype="float32", device="cpu", segments=True)
+        invariance.check("causal", q_len=64, heads=1, head_dim=8, dtype="float32", device="cpu", options=invariance.InvarianceOptions(segments=True))

@@ -59,28 +59,7 @@ def test_new_value_of_a_knob_traces_nothing_and_shares_the_kernel(traces, name, 
     assert fresh[:3] == first[:3] and fresh[3].source == first[3].source
 
 
-LENS = torch.tensor([3000, 4096])  # per-sample lengths, an undeclared table next to the mod
-STARTS, ENDS = torch.tensor([10, 900, 2000]), torch.tensor([400, 1500, 2600])
-
-
-def lengths_window(window):  # lens[b]: a per-sample table and a knob
-    def lengths_window_mask(b, h, q_idx, kv_idx):
-        return (kv_idx < LENS[b]) & (q_idx >= kv_idx) & (q_idx - kv_idx < window)
-    return lengths_window_mask
-
-
-def spans_or_window(window):  # spans with .any(): evaluated under vmap, whatever the value
-    def spans_or_window_mask(b, h, q_idx, kv_idx):
-        in_span = ((kv_idx >= STARTS) & (kv_idx < ENDS)).any()
-        return in_span | ((q_idx >= kv_idx) & (q_idx - kv_idx < window))
-    return spans_or_window_mask
-
-
-def generate_dilated(dilation):  # attention-gym style: a factory naming its closure
-    def dilated(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & ((q_idx - kv_idx) % dilation == 0)
-    dilated.__name__ = f"dilated_{dilation}"
-    return dilated
+from user_mods import generate_dilated, lengths_window, spans_or_window  # noqa: E402
 
 
 @pytest.mark.parametrize("factory", [lengths_window, spans_or_window, generate_dilated])

@@ -16,6 +16,7 @@ from workbench.cli import main
 from workbench.define import WorkbenchError
 from workbench.run import Shape, make_inputs
 from workbench.verify import verify
+from workbench.run import PortBackend
 
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +70,7 @@ def test_rows_that_keep_nothing_give_zero_and_minus_inf():
     out, lse = port.run_file(path, inputs.q, inputs.k, inputs.v)
     assert torch.equal(out[0, 0, :10], torch.zeros(10, 16)) and torch.isneginf(lse[0, 0, :10]).all()
     assert torch.isfinite(lse[0, 0, 10:]).all() and not torch.isnan(out).any()
-    verdict = verify(mask, Shape(q_len=40, head_dim=16), dtype="float32", backend="port", port_path=path, seed=0)
+    verdict = verify(mask, Shape(q_len=40, head_dim=16), dtype="float32", seed=0, backend=PortBackend(path))
     assert verdict.passed and verdict.fully_masked_rows == 10, verdict.line
 
 
@@ -88,7 +89,7 @@ def test_a_parametric_port_runs_at_any_length(tmp_path):
     mask = make("causal_sliding_window", {"window": 50})
     path = port.build(mask, 128, 128, out_dir=tmp_path)
     for n in (77, 301):
-        verdict = verify(mask, Shape(q_len=n, head_dim=16), dtype="float32", backend="port", port_path=path, seed=1)
+        verdict = verify(mask, Shape(q_len=n, head_dim=16), dtype="float32", seed=1, backend=PortBackend(path))
         assert verdict.passed, verdict.line
 
 
@@ -107,7 +108,7 @@ def test_verify_backend_port_fails_a_wrong_port(tmp_path):
 
     path = port.build(make("causal_sliding_window", {"window": 16}), 64, 64, out_dir=tmp_path)
     verdict = verify(make("causal_sliding_window", {"window": 17}), Shape(q_len=64, head_dim=16), dtype="float32",
-                     backend="port", port_path=path, seed=0)
+                     seed=0, backend=PortBackend(path))
     assert not verdict.passed
 
 

@@ -10,31 +10,18 @@ import torch
 from torch.nn.attention.flex_attention import and_masks, create_block_mask, or_masks
 
 import decoders
-from test_export import resolve, variants
+from helpers import FIELDS, resolve, same_block_mask, variants  # noqa: F401
 from workbench import Mask, make
 from workbench.blocks import build_block_mask, dense_mask
 from workbench.define import WorkbenchError, index_reads, with_score
 from workbench.export import build_spec, conformance, load_spec, write_spec
 from workbench.run import Shape, make_inputs, run_flex
 from workbench.verify import verify
+from workbench.run import FlexBackend
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
-
-
-def same_block_mask(ours, ref):
-    for name in FIELDS:
-        a, b = getattr(ours, name), getattr(ref, name)
-        if a is None or b is None:
-            assert a is None and b is None, name
-            continue
-        a, b = torch.broadcast_tensors(a, b) if a.shape != b.shape else (a, b)
-        assert torch.equal(a, b), name
-
 
 # ---------------------------------------------------------------- per-head and per-sample mods
 
@@ -103,7 +90,7 @@ def nan_score(score, b, h, q, kv):
 
 def test_nan_in_the_reference_fails_and_names_its_source():
     mask = Mask("nan", mask_mod=lambda b, h, q, kv: kv <= q, score_mod=nan_score)
-    verdict = verify(mask, Shape(q_len=64, head_dim=16), dtype="float32", compile=False, seed=0)
+    verdict = verify(mask, Shape(q_len=64, head_dim=16), dtype="float32", seed=0, backend="eager")
     assert not verdict.passed
     finding = [f for f in verdict.findings if f.kind == "reference_nan"][0]
     assert finding.severity == "error" and "score_mod gives NaN at kept pair" in finding.message
@@ -301,7 +288,7 @@ def test_property_drawn_mods_verify_match_torch_and_export_truthfully(case):
     same_block_mask(ours, create_block_mask(mask.mask_mod, batch, heads, q_len, kv_len, device="cpu", BLOCK_SIZE=32))
     # FlexAttention (uncompiled here; compiled on the GPU) agrees with the reference
     shape = Shape(batch=batch, q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=16)
-    verdict = verify(mask, shape, dtype="float32", compile=False, seed=0, block_size=32)
+    verdict = verify(mask, shape, dtype="float32", seed=0, backend=FlexBackend(compile=False, block_size=32))
     assert verdict.passed, verdict.line
     # every section decodes, for every (b, h) it claims to cover, to exactly the mask
     spec = build_spec(mask, q_len, kv_len, heads=heads, batch=batch, golden=False, block_size=32)
@@ -331,7 +318,7 @@ def test_property_drawn_mods_verify_match_torch_and_export_truthfully(case):
             return inner(b, h, q, kv) & ~((b == bb) & (h == hh) & (q == qq))
 
         wrong = verify(Mask("mutant", mask_mod=mutant, score_mod=mask.score_mod), shape, dtype="float32",
-                       compile=False, seed=0, expected=mask, block_size=32)
+                       seed=0, expected=mask, backend=FlexBackend(compile=False, block_size=32))
         assert not wrong.passed
         dropped = ours
         n = dropped.kv_num_blocks.clone()
@@ -342,7 +329,7 @@ def test_property_drawn_mods_verify_match_torch_and_export_truthfully(case):
         from torch.nn.attention.flex_attention import BlockMask
         broken = BlockMask.from_kv_blocks(n, dropped.kv_indices, full, dropped.full_kv_indices,
                                           BLOCK_SIZE=32, mask_mod=mask.mask_mod, seq_lengths=(q_len, kv_len))
-        bad = verify(mask, shape, dtype="float32", compile=False, seed=0, block_mask=broken)
+        bad = verify(mask, shape, dtype="float32", seed=0, block_mask=broken, backend="eager")
         assert not bad.passed and any(f.kind == "block_mask_drops_pairs" for f in bad.findings)
 
 

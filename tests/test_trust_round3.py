@@ -13,22 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import cli
 from workbench import Mask, invariance, make, port
-from workbench.cli import main
 from workbench.define import WorkbenchError
 from workbench.run import Shape
 from workbench.verify import verify
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cli(capsys, *argv):
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out + err
 
 
 def refused(capsys, *argv, match):
@@ -222,7 +213,7 @@ def test_a_missing_optional_package_is_one_line_naming_the_extra(capsys, monkeyp
 
 def test_ray_that_cannot_start_is_reported_with_what_to_do(capsys, monkeypatch):
     ray = pytest.importorskip("ray")
-    from workbench import distribute
+    from workbench import cluster
 
     tries = []
 
@@ -233,11 +224,11 @@ def test_ray_that_cannot_start_is_reported_with_what_to_do(capsys, monkeypatch):
 
     monkeypatch.setattr(ray, "init", slow_node)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(distribute.time, "sleep", lambda s: None)
+    monkeypatch.setattr(cluster.time, "sleep", lambda s: None)
     text = refused(capsys, "verify", "causal", "--q-len", "64", "--head-dim", "16", "--dtype", "float32",
                    "--device", "cpu", "--workers", "2", match="Ray could not start on this machine")
     assert "timed out during startup" in text and "--address" in text
-    assert len(tries) == distribute.RAY_START_TRIES
+    assert len(tries) == cluster.RAY_START_TRIES
 
 
 # ---------------------------------------------------------------- conformance runs the spec's own port
@@ -313,7 +304,7 @@ def test_diff_reads_a_spec_whose_goldens_have_no_digests(capsys, tmp_path):
 def test_report_without_triton_says_port_not_checked(monkeypatch, tmp_path):
     from workbench import report
 
-    monkeypatch.setattr(port, "triton_installed", lambda: False)
+    monkeypatch.setattr(port.files, "triton_installed", lambda: False)
     result = report.MaskResult(target="causal", params={})
     result.mask = make("causal")
     report.port_target(result, 1, "cpu", tmp_path)

@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import drop_one_full_block
 from workbench import Mask
 from workbench.blocks import build_block_mask
 from workbench.cli import main
 from workbench.define import WorkbenchError, make, with_score
 from workbench.run import Shape, make_inputs, run_flex
 from workbench.verify import Tolerance, compare, reference_attention, verify
+from workbench.verify import ReferenceOptions  # noqa: E402
 
 
 def dense_attention_numpy(q, k, v, keep, bias=None):
@@ -93,7 +95,7 @@ def test_verify_passes_library_masks_eager(dtype):
         mask = make(name, params, q_len=200, kv_len=200)
         if name == "prefix_lm":
             mask = with_score(mask, make("alibi", {"num_heads": 4}, q_len=200, kv_len=200))
-        verdict = verify(mask, shape, dtype=dtype, compile=False, seed=11)
+        verdict = verify(mask, shape, dtype=dtype, seed=11, backend="eager")
         assert verdict.passed, verdict.line
         assert verdict.seed == 11 and {c.name for c in verdict.checks} == {"out", "lse"}
         assert verdict.to_frame().loc["out", "rel_err"] < {"float64": 1e-12, "float32": 1e-6}.get(dtype, 1e-2)
@@ -106,22 +108,13 @@ def test_verify_fresh_seed_each_run_and_inputs_never_zero():
     assert (a.q != 0).float().mean() > 0.99
 
 
-def _drop_one_full_block(bm, row, q_len, kv_len):
-    from torch.nn.attention.flex_attention import BlockMask
-
-    full_num = bm.full_kv_num_blocks.clone()
-    full_num[..., row] -= 1  # indices are listed in ascending order: drops the last full block
-    return BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, full_num, bm.full_kv_indices,
-                                    BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=bm.mask_mod, seq_lengths=(q_len, kv_len))
-
-
 def test_bug_dropped_kv_block_fails_with_location():
     mask = make("causal")
     shape = Shape(batch=1, q_heads=2, q_len=256, head_dim=16)
     good = build_block_mask(mask, 256, 256, block_size=64)
     assert int(good.full_kv_num_blocks[0, 0, 3]) == 3
-    broken = _drop_one_full_block(good, 3, 256, 256)  # q block 3 loses kv block 2
-    verdict = verify(mask, shape, dtype="float32", compile=False, block_mask=broken, seed=1)
+    broken = drop_one_full_block(good, 3, 256, 256)  # q block 3 loses kv block 2
+    verdict = verify(mask, shape, dtype="float32", block_mask=broken, seed=1, backend="eager")
     assert not verdict.passed
     drops = [f for f in verdict.findings if f.kind == "block_mask_drops_pairs"]
     assert drops and "q 192..255, kv 128..191" in drops[0].message
@@ -134,12 +127,12 @@ def test_bug_window_off_by_one_fails_against_intended():
     intended = make("causal_sliding_window", {"window": 16})
     draft = make("causal_sliding_window", {"window": 17})
     shape = Shape(q_heads=2, q_len=128, head_dim=16)
-    verdict = verify(draft, shape, dtype="float32", compile=False, expected=intended, seed=2)
+    verdict = verify(draft, shape, dtype="float32", expected=intended, seed=2, backend="eager")
     assert not verdict.passed
     out = verdict.checks[0]
     assert out.worst["q"] >= 16  # the first rows agree: the window does not reach past the start
     assert out.bad_count > 0 and "vs causal_sliding_window_16" in verdict.name
-    assert verify(intended, shape, dtype="float32", compile=False, expected=intended).passed
+    assert verify(intended, shape, dtype="float32", expected=intended, backend="eager").passed
 
 
 def test_bug_score_mod_wrong_sign_fails():
@@ -148,7 +141,7 @@ def test_bug_score_mod_wrong_sign_fails():
         return 2 * score - alibi.score_mod(score, b, h, q_idx, kv_idx)
     intended = with_score(make("causal"), alibi)
     verdict = verify(intended.replace(score_mod=alibi_wrong_sign), Shape(q_heads=2, q_len=64, head_dim=16),
-                     dtype="float32", compile=False, expected=intended, seed=4)
+                     dtype="float32", expected=intended, seed=4, backend="eager")
     assert not verdict.passed and verdict.checks[0].bad_count > 0
 
 
@@ -167,7 +160,7 @@ def test_fully_masked_rows_are_explained():
     def dead_rows(b, h, q_idx, kv_idx):
         return (q_idx >= 8) & (kv_idx <= q_idx)
     verdict = verify(Mask("dead_rows", mask_mod=dead_rows), Shape(q_heads=2, q_len=64, head_dim=16),
-                     dtype="float32", compile=False)
+                     dtype="float32", backend="eager")
     assert verdict.passed and verdict.fully_masked_rows == 2 * 8
     text = " ".join(f.message for f in verdict.findings if f.kind == "fully_masked_rows")
     assert "returns 0" in text and "NaN" in text
@@ -181,20 +174,19 @@ def test_captured_scalars_and_eager_vs_traced_findings():
     limit = 5
     def tensor_bool(b, h, q_idx, kv_idx):
         return (q_idx - kv_idx < limit) & (kv_idx <= q_idx)
-    verdict = verify(Mask("tb", mask_mod=tensor_bool), Shape(q_len=32, head_dim=8), dtype="float32", compile=False)
+    verdict = verify(Mask("tb", mask_mod=tensor_bool), Shape(q_len=32, head_dim=8), dtype="float32", backend="eager")
     assert any(f.kind == "captured_scalars" and "limit=5" in f.message for f in verdict.findings)
-    verdict = verify(Mask("r", mask_mod=reduces_over_queries), Shape(q_len=64, head_dim=8), dtype="float32",
-                     compile=False)
+    verdict = verify(Mask("r", mask_mod=reduces_over_queries), Shape(q_len=64, head_dim=8), dtype="float32", backend="eager")
     assert verdict.passed and any(f.kind == "eager_vs_traced" for f in verdict.findings)
     with pytest.raises(WorkbenchError, match="bool"):
-        verify(Mask("ri", mask_mod=returns_int), Shape(q_len=32, head_dim=8), dtype="float32", compile=False)
+        verify(Mask("ri", mask_mod=returns_int), Shape(q_len=32, head_dim=8), dtype="float32", backend="eager")
 
 
 def test_stale_block_mask_and_bad_inputs_fail_before_work():
     mask = make("causal")
     old = build_block_mask(mask, 128, 128)
     with pytest.raises(WorkbenchError, match="built for q_len=128.*rebuild"):
-        verify(mask, Shape(q_len=256, head_dim=8), dtype="float32", compile=False, block_mask=old)
+        verify(mask, Shape(q_len=256, head_dim=8), dtype="float32", block_mask=old, backend="eager")
     with pytest.raises(WorkbenchError, match="not a multiple of kv_heads"):
         Shape(q_heads=6, kv_heads=4)
     with pytest.raises(WorkbenchError, match="tf32"):
@@ -204,14 +196,13 @@ def test_stale_block_mask_and_bad_inputs_fail_before_work():
     with pytest.raises(WorkbenchError, match="no backward on the CPU"):
         verify(mask, Shape(q_len=16), dtype="float32", backward=True)
     with pytest.raises(WorkbenchError, match="defined for 3 heads"):
-        verify(make("per_head_window", {"windows": [1, 2, 3]}), Shape(q_heads=2, q_len=16), dtype="float32",
-               compile=False)
+        verify(make("per_head_window", {"windows": [1, 2, 3]}), Shape(q_heads=2, q_len=16), dtype="float32", backend="eager")
     with pytest.raises(WorkbenchError, match="one query row of the reference needs"):
-        verify(mask, Shape(q_heads=64, q_len=16, kv_len=1 << 20), dtype="float32", memory_budget=1 << 20)
+        verify(mask, Shape(q_heads=64, q_len=16, kv_len=1 << 20), dtype="float32", reference=ReferenceOptions(memory_budget=1 << 20))
     table = torch.zeros(4, device="meta")
     on_meta = Mask("meta", score_mod=lambda score, b, h, q_idx, kv_idx: score + table[h])
     with pytest.raises(WorkbenchError, match=r"captured tensor 'table' \(\(4,\), float32\) is on meta.*Fix: create 'table' on cpu"):
-        verify(on_meta, Shape(q_len=16), dtype="float32", compile=False)
+        verify(on_meta, Shape(q_len=16), dtype="float32", backend="eager")
     with pytest.raises(WorkbenchError, match="need about"):
         make_inputs(Shape(batch=1 << 12, q_heads=1 << 10, q_len=1 << 20, head_dim=128), "float32")
 
@@ -289,18 +280,18 @@ def test_sparse_reference_equals_dense_on_user_mods_with_gradients():
 def test_a_dropped_block_still_fails_with_the_sparse_reference(monkeypatch):
     # the reference takes its keys from the mask_mod, never from the block mask under test
     from workbench import make
-    from workbench import verify as verify_module
+    from workbench.verify import reference as verify_module
 
     monkeypatch.setattr(verify_module, "default_reference_budget", lambda device: 2 * 1024 * 8 * 8 * 32)
     mask = make("causal_sliding_window", {"window": 150})
     good = build_block_mask(mask, 1024, 1024, block_size=64)
     assert int(good.full_kv_num_blocks[0, 0, 10]) == 1  # q block 10: kv block 9 is full
-    broken = _drop_one_full_block(good, 10, 1024, 1024)
+    broken = drop_one_full_block(good, 10, 1024, 1024)
     verdict = verify(mask, Shape(q_heads=2, q_len=1024, head_dim=16), dtype="float32", block_mask=broken,
-                     compile=False, seed=0)
+                     seed=0, backend="eager")
     assert not verdict.passed and verdict.reference_fraction < 0.5  # chunks of 64 rows: a few hundred keys each
     assert verify(mask, Shape(q_heads=2, q_len=1024, head_dim=16), dtype="float32", block_mask=good,
-                  compile=False, seed=0).passed
+                  seed=0, backend="eager").passed
 
 
 def test_sparse_reference_equals_dense_on_combined_masks_and_spans():
@@ -327,7 +318,7 @@ def test_in_place_forward_softmax_equals_the_plain_one():
     """The forward reference masks and normalises its chunk in place, without the row-max shift
     when the row sums allow; it must equal the plain masked softmax, with rows that keep nothing
     giving 0 and lse -inf (never NaN), and hand back rows whose scores need the shift."""
-    from workbench.verify import _mask_in_place, _shifted_softmax_times_v, _softmax_times_v
+    from workbench.verify.reference import _mask_in_place, _shifted_softmax_times_v, _softmax_times_v
 
     g = torch.Generator().manual_seed(3)
     scores = torch.randn(2, 3, 9, 40, dtype=torch.float64, generator=g)
@@ -379,7 +370,7 @@ def test_a_shrinking_chunk_reuses_its_mask_and_gqa_copies_only_kept_keys(monkeyp
     """Causal rows keep more keys as they go, so the reference's chunks shrink: it must evaluate
     the mask_mod once per chunk it computes (not again for the smaller chunk), and still equal the
     dense reference -- here with grouped-query heads and a mod that ignores q_idx."""
-    import workbench.verify as V
+    import workbench.verify.reference as V
 
     evaluations, chunks = [], []
     real_eval, real_softmax = V.evaluate_mod, V._softmax_times_v
@@ -405,7 +396,7 @@ def test_a_shrinking_chunk_reuses_its_mask_and_gqa_copies_only_kept_keys(monkeyp
 def test_long_k_product_split_into_pieces_equals_the_plain_one(monkeypatch):
     """The forward reference's probabilities-times-v product over a long key axis runs as pieces
     summed (on CUDA); the split form must equal the plain product, with a remainder piece."""
-    import workbench.verify as V
+    import workbench.verify.reference as V
 
     g = torch.Generator().manual_seed(5)
     p = torch.rand(1, 3, 7, 8 * 37 + 5, dtype=torch.float64, generator=g)
@@ -428,7 +419,7 @@ def _per_head_user_mod():
 def test_compiled_mask_evaluation_equals_eager_and_says_so(monkeypatch):
     """At length on a GPU the reference computes the mask's booleans through torch.compile; forced
     here on the CPU (one compile), it must give the eager reference and report its checks."""
-    import workbench.verify as V
+    import workbench.verify.reference as V
 
     mask = Mask("user_window", mask_mod=_per_head_user_mod())
     shape = Shape(q_heads=3, q_len=301, kv_len=333, head_dim=8)
@@ -443,7 +434,7 @@ def test_compiled_mask_evaluation_equals_eager_and_says_so(monkeypatch):
 
 
 def test_a_compiled_mask_that_differs_falls_back_to_eager(monkeypatch):
-    import workbench.verify as V
+    import workbench.verify.reference as V
 
     mask = Mask("user_window", mask_mod=_per_head_user_mod())
     inputs = make_inputs(Shape(q_heads=3, q_len=301, kv_len=333, head_dim=8), "float32", seed=2)
@@ -463,7 +454,7 @@ def test_learned_table_gradient_tolerance_follows_the_pairs_it_sums():
     """A bias table's gradient sums up to B x H x Lq x Lk pairs per entry: the H200 measured 4.1e-5
     Frobenius error in float32 for 2 x 1024 x 1024 pairs, which must pass; a 1% error in the entry
     that collects most pairs must still fail."""
-    from workbench.verify import _grad_tolerance
+    from workbench.verify.compare import _grad_tolerance
 
     g = torch.Generator().manual_seed(0)
     ref = torch.randn(65, dtype=torch.float64, generator=g)

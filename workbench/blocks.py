@@ -13,8 +13,9 @@ Two engines count. Eager tiles evaluate mods on broadcast index tensors (b: [B,1
 h: [1,H,1,1], q: [1,1,Q,1], kv: [1,1,1,K]) -- the fastest exact form for the elementwise mods
 people write -- after checking them against FlexAttention's own semantics (vmap over scalars) on
 probe regions; a mod that does not broadcast the same way is evaluated under vmap instead. On
-CUDA the mod can also be translated to Triton and counted by one fused kernel (`kernels.py`),
-whose result is trusted only after three block rows recounted by the eager tiles agree exactly.
+CUDA the mod can also be translated to Triton (`workbench.translate`) and counted by one fused
+kernel (`workbench.kernels`), whose result is trusted only after three block rows recounted by
+the eager tiles agree exactly.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from workbench import compat, kernels
-from workbench.define import (Mask, WorkbenchError, broadcast_indices, cdiv, choose_evaluator, evaluate_mod,
-                              index_reads)
+from workbench.define import Mask, WorkbenchError, broadcast_indices, cdiv, choose_evaluator, evaluate_mod, index_reads
 
 DEFAULT_BLOCK = 128
 # Rough bytes of temporaries per evaluated pair (bool results, int32 intermediates of a mod).
@@ -201,9 +201,13 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
                 batch: int | None = None, block_size: int | tuple[int, int] = DEFAULT_BLOCK,
                 device: str | torch.device = "cpu", memory_budget: int | None = None,
                 keep_counts: bool = True, differences: bool = True, engine: str | None = None,
-                compile: bool | None = None, progress: bool | None = None,
-                background_compile: bool = False) -> BlockScan:
-    """Count kept pairs block by block.
+                progress: bool | None = None, background_compile: bool = False) -> BlockScan:
+    """Count kept pairs block by block: a BlockScan with `counts` [B', H', rows, cols] (kept pairs
+    of each q_block x kv_block block; B', H' are 1 where the mask does not depend on b / h),
+    `row_kept` [B', H', q_len] and totals, without ever holding q_len x kv_len.
+
+    mask:        a Mask or a bare mask_mod(b, h, q_idx, kv_idx)
+    block_size:  128, or (q_block, kv_block)
 
     heads / batch: None means broadcast (size 1), as in create_block_mask. keep_counts=False keeps
     only the totals (no per-block table), for lengths where even that table would not fit.
@@ -211,11 +215,16 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
     (it doubles the work of a per-head mask; a BlockMask does not need it).
     engine: "triton" (the mod translated into one fused kernel: CUDA), "compiled" (torch.compile'd
     tiles), "eager" (tiles that fit `memory_budget` bytes: any device), or None to pick:
-    triton on CUDA past ~8K x 8K pairs when the mod translates, else eager (compiled above
-    2^36 pairs). `compile=True/False` is the older spelling of engine="compiled"/"eager".
+    triton on CUDA past TRITON_ABOVE_PAIRS (2^33, e.g. 92K x 92K) when the mod translates, else
+    eager (compiled above COMPILE_ABOVE_PAIRS, 2^36).
     background_compile=True (the notebook app): a mod whose fused kernel is not compiled yet is
     scanned by the other engines now while its kernel compiles on a background thread, so no scan
     waits for a compile unless the problem is too large for eager tiles.
+    
+        >>> from workbench import make
+        >>> scan = scan_blocks(make("causal"), 256, 256, block_size=128)
+        >>> scan.counts[0, 0].tolist()          # a full block below the diagonal, partial on it
+        [[8256, 0], [16384, 8256]]
     """
     mask_mod = mask.mask_mod if isinstance(mask, Mask) else mask
     name = mask.name if isinstance(mask, Mask) else getattr(mask, "__name__", "mask_mod")
@@ -223,8 +232,6 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
     heads_n, batch_n = heads or 1, batch or 1
     _check_sizes(q_len, kv_len, batch_n, heads_n)
     q_block, kv_block = _block_sizes(block_size)
-    if engine is None and compile is not None:
-        engine = "compiled" if compile else "eager"
     if engine not in (None, "eager", "compiled", "triton"):
         raise WorkbenchError(f"unknown engine {engine!r}", "use engine='triton', 'compiled' or 'eager' (or None)", name)
     if engine == "triton" and device.type != "cuda" and not kernels.interpreting():
@@ -619,22 +626,27 @@ def block_mask_from_scan(scan: BlockScan, mask_mod: Callable | None, compute_q_b
     return bm
 
 
-def _attend_all(b, h, q_idx, kv_idx):
+def _attend_all(_b, _h, q_idx, _kv_idx):
     return q_idx >= 0
 
 
 def build_block_mask(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | None = None,
                      batch: int | None = None, block_size: int | tuple[int, int] = DEFAULT_BLOCK,
                      device: str | torch.device = "cpu", memory_budget: int | None = None,
-                     engine: str | None = None, compile: bool | None = None, progress: bool | None = None,
+                     engine: str | None = None, progress: bool | None = None,
                      compute_q_blocks: bool = True, shrink: bool = False):
     """Drop-in for `create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)`:
     the same BlockMask, built in bounded memory. compute_q_blocks=False: forward-only (no q-side
     tables; FlexAttention's backward needs them). shrink=True: axes the mask does not depend on
-    get size 1. heads / batch None (broadcast) are refused for a mod that reads h / b."""
+    get size 1. heads / batch None (broadcast) are refused for a mod that reads h / b.
+
+        >>> from workbench import make
+        >>> bm = build_block_mask(make("causal"), 256, 256)
+        >>> bm.kv_num_blocks[0, 0].tolist(), bm.full_kv_num_blocks[0, 0].tolist()   # partial, full per row
+        ([1, 1], [0, 1])
+    """
     scan = scan_blocks(mask, q_len, kv_len, heads=heads, batch=batch, block_size=block_size, device=device,
-                       memory_budget=memory_budget, differences=False, engine=engine, compile=compile,
-                       progress=progress)
+                       memory_budget=memory_budget, differences=False, engine=engine, progress=progress)
     mask_mod = mask.mask_mod if isinstance(mask, Mask) else mask
     return block_mask_from_scan(scan, mask_mod, compute_q_blocks=compute_q_blocks, release_counts=True,
                                 shrink=shrink)

@@ -21,7 +21,16 @@ import json
 import sys
 from pathlib import Path
 
-from workbench.define import WorkbenchError, library, parse_params, prepare
+from workbench import invariance, look, port, sweep
+from workbench.analyze import mask_stats
+from workbench.blocks import scan_blocks
+from workbench.define import WorkbenchError, check_device, factory_params, library, output_folder, parse_params, prepare
+from workbench.define import make as make_mask
+from workbench.export import build_spec, conformance, diff_specs, write_spec
+from workbench.invariance import BACKENDS, LAYOUT_KEYS
+from workbench.report import DEFAULT_LEN, default_device, library_targets, run_report
+from workbench.run import FlexBackend, Shape, check_mask_fits, dtype_name
+from workbench.verify import ReferenceOptions, verify
 
 
 def positive_int(text: str) -> int:
@@ -142,7 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_port)
 
-    from workbench.invariance import BACKENDS, LAYOUT_KEYS
 
     p = sub.add_parser("invariance", help="does one request get the same bits alone, batched, packed, chunked?",
                        description="Compute one request of --q-len tokens alone and under other layouts (batch "
@@ -217,8 +225,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _device(args) -> str:
-    from workbench.define import check_device
-    from workbench.report import default_device
 
     return str(check_device(args.device or default_device()))
 
@@ -242,8 +248,7 @@ def load_mask(args, q_len: int, kv_len: int, device: str, target: str | None = N
                    batch=getattr(args, "batch", None))
 
 
-def cmd_list(args) -> int:
-    from workbench.define import factory_params, make as make_mask
+def cmd_list(_args) -> int:
 
     for name, factory in library().items():
         try:
@@ -258,7 +263,6 @@ def cmd_list(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from workbench.report import DEFAULT_LEN, library_targets, run_report
 
     params = parse_params(args.param)
     targets = [(t, params) for t in args.targets] if args.targets else library_targets()
@@ -276,9 +280,6 @@ def cmd_report(args) -> int:
 
 
 def cmd_blocks(args) -> int:
-    from workbench import look
-    from workbench.analyze import mask_stats
-    from workbench.blocks import scan_blocks
 
     q_len, kv_len, device = args.q_len, args.kv_len or args.q_len, _device(args)
     mask = load_mask(args, q_len, kv_len, device)
@@ -286,14 +287,13 @@ def cmd_blocks(args) -> int:
                        block_size=_block_size(args), device=device, engine=args.engine)
     stats = mask_stats(scan)
     if args.out:
-        from workbench.define import output_folder
 
         out = output_folder(args.out, mask.name)
-        look.block_map(scan, title=mask.name).savefig(out / "block_map.png", dpi=100)
-        look.overview(mask, q_len, kv_len, device=device).savefig(out / "overview.png", dpi=100)
+        look.png(look.block_map(scan, title=mask.name), out / "block_map.png", close=True)
+        look.png(look.overview(mask, q_len, kv_len, device=device), out / "overview.png", close=True)
         where = look.focus(scan, 1024, mask=mask, device=device)
-        look.token_view(mask, where.q_range, where.kv_range, device=device, why=where.reason).savefig(
-            out / "token_view.png", dpi=100)
+        look.png(look.token_view(mask, where.q_range, where.kv_range, device=device, why=where.reason),
+                 out / "token_view.png", close=True)
     if args.json:
         record = stats.to_dict()
         record.update(name=mask.name, block_size=stats.block_size, seconds=round(scan.seconds, 4), device=device,
@@ -308,17 +308,16 @@ def cmd_blocks(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from workbench.run import Shape
-    from workbench.verify import verify
 
     q_len, kv_len, device = args.q_len, args.kv_len or args.q_len, _device(args)
     mask = load_mask(args, q_len, kv_len, device)
     heads = args.heads or mask.heads or 1
     shape = Shape(batch=args.batch or 1, q_heads=heads, kv_heads=args.kv_heads or heads, q_len=q_len,
                   kv_len=kv_len, head_dim=args.head_dim)
+    backend = args.backend if args.backend != "flex" else FlexBackend(compile=not args.eager,
+                                                                      block_size=_block_size(args) or 128)
     verdict = verify(mask, shape, dtype=args.dtype, device=device, backward=args.backward, seed=args.seed,
-                     compile=not args.eager, block_size=_block_size(args), backend=args.backend,
-                     workers=args.workers, address=args.address)
+                     backend=backend, reference=ReferenceOptions(workers=args.workers, address=args.address))
     if args.json:
         print(json.dumps(verdict.to_dict()))
     else:
@@ -334,7 +333,6 @@ def cmd_verify(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from workbench import sweep
 
     frame = sweep.run(args.sweep, args.out, address=args.address, resume=args.resume, num_cpus=args.cpus,
                        num_gpus=args.gpus)
@@ -351,14 +349,16 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_invariance(args) -> int:
-    from workbench import invariance
 
     _check_score_args(args)
-    result = invariance.check(args.target, parse_params(args.param), q_len=args.q_len, heads=args.heads,
-                              kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, device=_device(args),
-                              backend=args.backend, hold=args.hold, block_size=args.block_size, batch=args.batch,
-                              seed=args.seed, score=args.score, score_params=parse_params(args.score_param),
-                              layouts=args.layouts, segments=args.segments, progress=not args.json)
+    device = _device(args)
+    mask = load_mask(args, args.q_len, args.q_len, device) if args.q_len >= 4 else args.target
+    options = invariance.InvarianceOptions(batch=args.batch, block_size=args.block_size, seed=args.seed,
+                                           segments=args.segments)
+    result = invariance.check(mask, None if mask is not args.target else parse_params(args.param), q_len=args.q_len,
+                              heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
+                              device=device, backend=args.backend, hold=args.hold, layouts=args.layouts,
+                              options=options, progress=not args.json)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -371,47 +371,33 @@ def cmd_invariance(args) -> int:
 
 
 def cmd_port(args) -> int:
-    from workbench import port
-    from workbench.run import Shape, check_mask_fits, dtype_name
-    from workbench.verify import verify
 
-    if args.dtype:
-        dtype_name(args.dtype)  # an unknown dtype is an error before any work
     q_len, kv_len, device = args.q_len, args.kv_len or args.q_len, _device(args)
-    dtype = dtype_name(args.dtype) if args.dtype else ("bfloat16" if device.startswith("cuda") else "float32")
+    dtype = dtype_name(args.dtype) if args.dtype else None  # an unknown dtype is an error before any work
     port.check_supported(args.head_dim, None if args.no_verify else dtype)  # before anything is written
     mask = load_mask(args, q_len, kv_len, device)
     heads = args.heads or mask.heads or 1
     shape = Shape(batch=args.batch or 1, q_heads=heads, kv_heads=args.kv_heads or heads, q_len=q_len, kv_len=kv_len,
                   head_dim=args.head_dim)
     check_mask_fits(mask, shape)  # before anything is written
-    source = port.generate(mask, q_len, kv_len, heads=heads, batch=args.batch)
-    path = port.write(source, args.out)
-    record = {"file": str(path), "tensor_file": source.tensor_file, "valid_for": source.valid_for()}
-    lines = [f"wrote {path}" + (f" and {source.tensor_file}" if source.tensor_file else ""),
-             f"valid for: {source.valid_for()}"]
-    passed = True
-    if not args.no_verify:
-        verdict = verify(mask, shape, dtype=dtype, device=device, seed=args.seed, backend="port", port_path=path)
-        passed = verdict.passed
-        record["verify"] = verdict.to_dict()
-        lines.append(verdict.line)
-        if device.startswith("cuda") and passed:
-            from workbench.run import time_port_and_flex
-
-            timing = time_port_and_flex(mask, shape, path, dtype=dtype)
-            record["timing"] = timing
-            lines.append(f"forward {dtype}: port {timing['port_ms']:.3f} ms, compiled FlexAttention "
-                         f"{timing['flex_ms']:.3f} ms: the port runs at {timing['speed_vs_flex']:.2f}x Flex's speed")
+    result = port.check(mask, shape, device, dtype=dtype, out_dir=args.out, verify_it=not args.no_verify,
+                        seed=args.seed, progress=None)
     if args.json:
+        record = {"file": str(result.path), "tensor_file": result.source.tensor_file,
+                  "valid_for": result.source.valid_for()}
+        if result.verdict is not None:
+            record["verify"] = result.verdict.to_dict()
+        if result.timing:
+            record["timing"] = result.timing
+        if result.note:
+            record["note"] = result.note
         print(json.dumps(record))
     else:
-        print("\n".join(lines))
-    return 0 if passed else 1
+        print(result.line)
+    return 0 if result.passed is not False else 1
 
 
 def cmd_export(args) -> int:
-    from workbench.export import build_spec, write_spec
 
     q_len, kv_len, device = args.q_len, args.kv_len or args.q_len, _device(args)
     mask = load_mask(args, q_len, kv_len, device)
@@ -432,7 +418,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_conformance(args) -> int:
-    from workbench.export import conformance
 
     report = conformance(args.spec, args.impl, device=_device(args), dtype=args.dtype, timeout=args.timeout)
     if args.json:
@@ -446,7 +431,6 @@ def cmd_conformance(args) -> int:
 def cmd_diff(args) -> int:
     from dataclasses import asdict
 
-    from workbench.export import diff_specs
 
     d = diff_specs(args.a, args.b)
     if args.json:

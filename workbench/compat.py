@@ -138,3 +138,35 @@ def expandable_segments(device: torch.device):
     finally:
         setter("expandable_segments:False")
 
+
+def make_fx_trace(fn, *args):
+    """fn traced into an aten graph (`torch.fx.experimental.proxy_tensor.make_fx`, experimental
+    since torch 1.13 and unchanged in signature through 2.13), the way FlexAttention's tracer sees
+    a mod."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn)(*args)
+
+
+def aten_op_name(target) -> str:
+    """`aten.add.Tensor` -> 'add' (an OpOverload's private `_opname`, else its name)."""
+    name = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+# torch.compile's own failures (dynamo, inductor, a C++ / Triton build), told from the mods' errors
+# by the module their exception class lives in, or its name where torch re-raises it elsewhere
+_COMPILE_MODULES = ("torch._dynamo", "torch._inductor", "torch._subclasses")
+_COMPILE_ERRORS = ("InductorError", "BackendCompilerFailed", "CppCompileError", "Unsupported", "TorchRuntimeError",
+                   "CompilationError", "LoweringException")
+
+
+def is_compile_error(exc: BaseException) -> bool:
+    """Raised by torch.compile itself, not by the mods' own logic."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        if e is None:
+            continue
+        if (type(e).__module__ or "").startswith(_COMPILE_MODULES) or type(e).__name__ in _COMPILE_ERRORS:
+            return True
+    return False
+

@@ -22,8 +22,9 @@ from typing import Callable
 import pandas as pd
 import torch
 
+from workbench import port
 from workbench.define import Mask, WorkbenchError, prepare
-from workbench.run import Inputs, Shape, check_device_dtype, dtype_name, run_flex
+from workbench.run import Inputs, PortBackend, Shape, backend_for, check_device_dtype, dtype_name
 
 BACKENDS = ("flex", "eager", "port")
 LAYOUT_KEYS = ("run", "batch", "packed_aligned", "packed_unaligned", "padded", "chunked_aligned",
@@ -243,41 +244,60 @@ def compare(alone: torch.Tensor, here: torch.Tensor, q_offset: int = 0) -> tuple
 
 # ---------------------------------------------------------------- the check
 
-def _runner(backend: str, compile: bool, device: torch.device, segments: bool = False):
-    """call(mask, q, k, v, bounds=None) -> out. `bounds`: where packed requests start and end; only
-    the port with `segments` uses them (FlexAttention has no such argument)."""
-    if backend in ("flex", "eager"):
-        def run(mask, q, k, v, bounds=None):
-            shape = Shape(batch=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], q_len=q.shape[2],
-                          kv_len=k.shape[2], head_dim=q.shape[3])
-            inputs = Inputs(q=q, k=k, v=v, shape=shape, dtype=dtype_name(q.dtype), seed=0)
-            return run_flex(mask, inputs, compile=compile and backend == "flex").out
-        return run
-    from workbench import port
-
-    def run_port(mask, q, k, v, bounds=None):
-        path = port.build(mask, q.shape[2], k.shape[2], heads=q.shape[1], batch=q.shape[0])
+def _runner(backend, segments: bool = False):
+    """call(mask, q, k, v, bounds=None) -> out through `backend`. `bounds`: where packed requests
+    start and end; only the port with `segments` uses them (FlexAttention has no such argument)."""
+    def run(mask, q, k, v, bounds=None):
+        shape = Shape(batch=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], q_len=q.shape[2],
+                      kv_len=k.shape[2], head_dim=q.shape[3])
+        inputs = Inputs(q=q, k=k, v=v, shape=shape, dtype=dtype_name(q.dtype), seed=0)
+        if not isinstance(backend, PortBackend):
+            return backend.run(mask, inputs).out
         cu = torch.tensor(bounds) if (segments and bounds is not None) else None
         # one tile configuration for every layout: autotuning each shape on its own would pick
         # tiles by timing noise, and tiles set the order of the sums
-        return port.run_file(path, q, k, v, cu_seqlens=cu, config=port.pinned_config(q.dtype, q.shape[-1]))[0]
-    return run_port
+        return backend.run(mask, inputs, cu_seqlens=cu, config=port.pinned_config(q.dtype, q.shape[-1])).out
+    return run
+
+
+@dataclass(frozen=True)
+class InvarianceOptions:
+    """The layouts' settings: `batch` requests in a batch (the request is one of them), kv tiles of
+    `block_size`, the random inputs' `seed`, and `segments`: the port runs packed layouts with
+    `cu_seqlens` (its tiles start at each request's start)."""
+
+    batch: int = 8
+    block_size: int = 128
+    seed: int = 0
+    segments: bool = False
 
 
 def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: int, heads: int = 8,
           kv_heads: int | None = None, head_dim: int = 128, dtype: str = "bfloat16", device: str | None = None,
-          backend: str = "flex", hold: list[str] | None = None, block_size: int = 128, batch: int = 8,
-          seed: int = 0, compile: bool | None = None, score=None, score_params: dict | None = None,
-          layouts: list[str] | None = None, segments: bool = False, progress: bool = False) -> InvarianceResult:
+          backend="flex", hold: list[str] | None = None, layouts: list[str] | None = None,
+          options: InvarianceOptions | None = None, progress: bool = False) -> InvarianceResult:
     """The request (L = q_len tokens, the mask's own positions) alone and under every layout of
     LAYOUT_KEYS (or only those in `layouts`); `hold` names the layouts that must be bitwise
-    (default: all). `segments`: the port runs packed layouts with `cu_seqlens`, its tiles starting
-    at each request's start. The port runs one pinned tile configuration (workbench.port.pinned_config) in
-    every layout, as an engine that wants invariance would; FlexAttention is compiled on a GPU and
-    runs uncompiled on a CPU unless `compile` says otherwise."""
+    (default: all).
+
+    target:   a library name, "file.py:factory", a mod or a Mask (a mask + score: `with_score`)
+    q [1, heads, q_len, head_dim], k / v [1, kv_heads, q_len, head_dim] in `dtype`, drawn from options.seed
+    backend:  "flex" (compiled on a GPU, uncompiled on a CPU), "eager", "port" (one pinned tile
+              configuration in every layout, `port.pinned_config`, as an engine that wants
+              invariance would), or a backend object of workbench.run
+
+        >>> result = check("causal", q_len=64, heads=1, head_dim=16, dtype="float32", device="cpu",
+        ...                layouts=["run", "batch"], options=InvarianceOptions(batch=2))
+        >>> result.passed
+        True
+    """
+    options = options or InvarianceOptions()
+    block_size, batch, seed, segments = options.block_size, options.batch, options.seed, options.segments
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if backend not in BACKENDS:
-        raise WorkbenchError(f"unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
+    asked = backend if isinstance(backend, str) else None  # the result is named as asked
+    if isinstance(backend, str) and backend == "flex" and device.type != "cuda":
+        backend = "eager"  # FlexAttention compiles on a GPU; on a CPU its uncompiled path is the one to check
+    backend = backend_for(backend)
     if dtype not in TORCH_DTYPES:
         raise WorkbenchError(f"invariance compares {dtype!r} bits, which it cannot",
                              f"use one of {', '.join(TORCH_DTYPES)}")
@@ -296,8 +316,7 @@ def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: i
     check_device_dtype(device, dtype)
     kv_heads = kv_heads or heads
     shape = Shape(batch=1, q_heads=heads, kv_heads=kv_heads, q_len=q_len, head_dim=head_dim)
-    mask = prepare(target, params, q_len, q_len, device, score=score, score_params=score_params, heads=heads)
-    compile = device.type == "cuda" if compile is None else compile
+    mask = prepare(target, params, q_len, q_len, device, heads=heads)
     qb = kb = block_size
     gen = torch.Generator(device="cpu").manual_seed(seed)
     tdt = TORCH_DTYPES[dtype]
@@ -316,11 +335,11 @@ def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: i
               "v": rand(longest, kv_heads, span, head_dim)}
     chunk_aligned = qb * max(1, q_len // (6 * qb)) if q_len > qb else max(1, q_len // 3)
     chunks = (chunk_aligned, max(1, chunk_aligned - 12 if chunk_aligned > 12 else chunk_aligned // 2 + 1))
-    if segments and backend != "port":
+    if segments and not isinstance(backend, PortBackend):
         raise WorkbenchError("segments=True is a tiling of the generated port", "use backend='port' with segments")
-    run = _runner(backend, compile, device, segments)
+    run = _runner(backend, segments)
     alone = run(mask, q, k, v)[0]
-    result = InvarianceResult(mask.name, backend, dtype, str(device), shape, (qb, kb))
+    result = InvarianceResult(mask.name, asked or backend.name, dtype, str(device), shape, (qb, kb))
     plans = _plans(mask, q, k, v, others, (qb, kb), batch, chunks, packs, padded_len, min(4, q_len))
     plans = [p for p in plans if layouts is None or p.key in layouts]
     from tqdm.auto import tqdm

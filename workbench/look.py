@@ -15,8 +15,31 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator, NullLocator
 
+from workbench import compat
 from workbench.blocks import EMPTY, FULL, PARTIAL, BlockScan, block_classes, dense_mask, scan_blocks
 from workbench.define import Mask, WorkbenchError
+
+# Every figure the workbench writes or shows as a PNG (notebook, report, app, CLI, sweep summary)
+# goes through `png`, at one resolution.
+PNG_DPI = 90
+
+
+def png(fig, path=None, close: bool = False) -> bytes:
+    """The figure as PNG bytes (written to `path` too when given); `close`: free pyplot's copy."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=PNG_DPI, bbox_inches="tight", pad_inches=0.08)
+    data = buf.getvalue()
+    if path is not None:
+        with open(path, "wb") as f:
+            f.write(data)
+    if close:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    return data
+
 
 class ShownFigure(Figure):
     """A matplotlib Figure that shows itself as a PNG wherever a notebook displays it (JupyterLab,
@@ -24,11 +47,7 @@ class ShownFigure(Figure):
     `<Figure size 480x450 with 1 Axes>`."""
 
     def _repr_png_(self) -> bytes:
-        import io
-
-        buf = io.BytesIO()
-        self.savefig(buf, format="png", dpi=100, bbox_inches="tight", pad_inches=0.08)
-        return buf.getvalue()
+        return png(self)
 
 
 # Block classes and their colours: empty (skipped), partial (mask_mod applied), full (no mask).
@@ -83,7 +102,7 @@ class BlockGrid:
 
 
 def block_grid(scan: BlockScan, b: int = 0, h: int = 0, max_cells: int = 512) -> BlockGrid:
-    """The data behind an interactive block map (see `workbench.widgets.BlockMapWidget`)."""
+    """The data behind an interactive block map (see `workbench.app.widgets.BlockMapWidget`)."""
     if scan.counts is None:
         raise WorkbenchError("the scan kept no per-block table", "scan with keep_counts=True")
     bb, hh = min(b, scan.counts.shape[0] - 1), min(h, scan.counts.shape[1] - 1)
@@ -319,7 +338,6 @@ def overview(mask: Mask | Callable, q_len: int, kv_len: int, pixels: int = 512, 
 def score_values(mask: Mask, q_range, kv_range, b: int = 0, h: int = 0, device="cpu") -> torch.Tensor:
     """score_mod applied to a zero score (the probe where q.k = 0, so it shows the mod itself);
     masked pairs are NaN."""
-    from workbench import compat
 
     _check_window(q_range, kv_range)
     bb = torch.tensor([b], device=device, dtype=torch.int32)

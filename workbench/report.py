@@ -1,12 +1,12 @@
 """The main job: run the stages over masks and write an HTML report plus a JSON/CSV summary.
 
-This module only composes stages (define -> blocks -> look -> analyze); it holds no analysis."""
+This module only composes stages (define -> blocks -> look -> run -> verify -> analyze -> export,
+the port and the invariance check); it holds no analysis."""
 
 from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import time
 from dataclasses import dataclass, field
@@ -16,11 +16,25 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from workbench import look
+from workbench import invariance, look, port
 from workbench.analyze import mask_stats
 from workbench.blocks import scan_blocks
-from workbench.define import (Mask, TimedOut, WorkbenchError, bind, call_with_timeout, index_reads, library,
-                              library_variants, make, output_folder, prepare)
+from workbench.define import (
+    Mask,
+    TimedOut,
+    WorkbenchError,
+    bind,
+    call_with_timeout,
+    index_reads,
+    library,
+    library_variants,
+    make,
+    output_folder,
+    prepare,
+)
+from workbench.export import build_spec, write_spec
+from workbench.run import Shape, defaults_for
+from workbench.verify import verify
 
 DEFAULT_LEN = 4096
 DEFAULT_HEADS = 4
@@ -69,9 +83,7 @@ def default_device() -> str:
 
 
 def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight", pad_inches=0.08)
-    return buf.getvalue()
+    return look.png(fig, close=True)
 
 
 def analyze_target(target: str, params: dict, q_len: int, kv_len: int, heads: int | None, batch: int | None,
@@ -141,8 +153,6 @@ def _at_most(result: MaskResult, limit: int | None, device: str) -> tuple[Mask, 
 def verify_target(result: MaskResult, heads: int, device: str) -> None:
     """FlexAttention vs the float64 reference for this mask: compiled bf16 at the report's
     length on a GPU, uncompiled float32 at CPU_VERIFY_LEN on the CPU."""
-    from workbench.run import Shape
-    from workbench.verify import verify
 
     on_gpu = device.startswith("cuda")
     try:
@@ -150,23 +160,22 @@ def verify_target(result: MaskResult, heads: int, device: str) -> None:
     except WorkbenchError as exc:
         result.verify_note = f"not verified at a CPU-sized length: {exc.message}"
         return
-    shape = Shape(batch=1, q_heads=mask.heads or heads, q_len=q_len, kv_len=kv_len, head_dim=64 if on_gpu else 32)
-    result.verdict = verify(mask, shape, dtype="bfloat16" if on_gpu else "float32", device=device,
-                            compile=on_gpu, progress=False)
+    defaults = defaults_for(device)
+    shape = Shape(batch=1, q_heads=mask.heads or heads, q_len=q_len, kv_len=kv_len, head_dim=defaults.head_dim)
+    result.verdict = verify(mask, shape, dtype=defaults.dtype, device=device, progress=False, backend="flex" if on_gpu else "eager")
 
 
 def invariance_target(result: MaskResult, device: str) -> None:
     """Does the mask's request get the same bits batched and packed? A short check (see
     INVARIANCE_LAYOUTS); FlexAttention compiled on a GPU, uncompiled on the CPU."""
-    from workbench import invariance
 
     on_gpu = device.startswith("cuda")
     n = INVARIANCE_LEN["cuda" if on_gpu else "cpu"]
     try:
         mask = _at_length(result, n, n, device)
-        result.invariance = invariance.check(mask, q_len=n, heads=mask.heads or 4, head_dim=64 if on_gpu else 32,
-                                             dtype="bfloat16" if on_gpu else "float32", device=device,
-                                             batch=4, layouts=INVARIANCE_LAYOUTS)
+        result.invariance = invariance.check(mask, q_len=n, heads=mask.heads or 4,
+                                             head_dim=defaults_for(device).head_dim, dtype=defaults_for(device).dtype,
+                                             device=device, layouts=INVARIANCE_LAYOUTS, options=invariance.InvarianceOptions(batch=4))
     except WorkbenchError as exc:
         result.invariance_note = f"not checked at {n} tokens: {exc.message}"
 
@@ -183,33 +192,23 @@ def _invariance_cell(r: MaskResult) -> str:
 
 def port_target(result: MaskResult, heads: int, device: str, port_dir: Path) -> None:
     """The generated Triton port of this mask, verified against the float64 reference (and on a
-    GPU timed beside compiled FlexAttention)."""
-    from workbench import port
-    from workbench.run import Shape, time_port_and_flex
-    from workbench.verify import verify
+    GPU timed beside compiled FlexAttention): `port.check`."""
 
     on_gpu = device.startswith("cuda")
     try:
         mask, q_len, kv_len = _at_most(result, None if on_gpu else PORT_CPU_LEN, device)
         heads = mask.heads or heads
-        path = port.build(mask, q_len, kv_len, heads=heads, out_dir=port_dir)
+        shape = Shape(batch=1, q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=defaults_for(device).head_dim)
+        checked = port.check(mask, shape, device, out_dir=port_dir)
     except WorkbenchError as exc:
         result.port_note = f"no port: {exc.message}"
         return
-    if not port.triton_installed():
-        result.port_note = f"{path} (port not checked: Triton is not installed; pip install triton)"
-        return
-    shape = Shape(batch=1, q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=64 if on_gpu else 32)
-    result.port_verdict = verify(mask, shape, dtype="bfloat16" if on_gpu else "float32", device=device,
-                                 backend="port", port_path=path, seed=0, progress=False)
-    result.port_note = str(path)
-    if on_gpu and result.port_verdict.passed:
-        result.port_timing = time_port_and_flex(mask, shape, path, device=device)
+    result.port_verdict, result.port_timing = checked.verdict, checked.timing
+    result.port_note = str(checked.path) + (f" ({checked.note})" if checked.note else "")
 
 
 def export_target(result: MaskResult, heads: int | None, batch: int | None, device: str, spec_dir: Path) -> None:
     """The porting spec (with golden vectors) of this mask, written to spec_dir."""
-    from workbench.export import build_spec, write_spec
 
     try:
         mask, q_len, kv_len = _at_most(result, SPEC_LEN, device)
@@ -367,13 +366,13 @@ def _lengths_html(results: list[MaskResult], settings: dict) -> str:
     def lengths(items):
         return ", ".join(sorted({f"{q:,} x {k:,}" for q, k in items})) or "—"
 
-    verify = [(r.verdict.shape.q_len, r.verdict.shape.kv_len) for r in results if r.verdict is not None]
+    verified = [(r.verdict.shape.q_len, r.verdict.shape.kv_len) for r in results if r.verdict is not None]
     specs = [(r.spec.doc["shape"]["q_len"], r.spec.doc["shape"]["kv_len"]) for r in results if r.spec is not None]
     ports = [(r.port_verdict.shape.q_len, r.port_verdict.shape.kv_len) for r in results if r.port_verdict is not None]
-    invariance = [(r.invariance.shape.q_len, r.invariance.shape.q_len) for r in results if r.invariance is not None]
+    layouts = [(r.invariance.shape.q_len, r.invariance.shape.q_len) for r in results if r.invariance is not None]
     return (f"<p class='na'>Lengths (Lq x Lk): statistics and pictures {settings['q_len']:,} x {settings['kv_len']:,}; "
-            f"verification {esc(lengths(verify))}; porting specs {esc(lengths(specs))}; Triton ports "
-            f"{esc(lengths(ports))}; layout invariance {esc(lengths(invariance))}. Each section heading names its own.</p>")
+            f"verification {esc(lengths(verified))}; porting specs {esc(lengths(specs))}; Triton ports "
+            f"{esc(lengths(ports))}; layout invariance {esc(lengths(layouts))}. Each section heading names its own.</p>")
 
 
 def _shared_findings_html(results: list[MaskResult]) -> str:

@@ -22,8 +22,9 @@ from typing import Callable
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from workbench import compat
-from workbench.define import Mask, WorkbenchError, captured_scalars, captured_tensors
+from workbench import compat, port
+from workbench.blocks import build_block_mask, device_memory
+from workbench.define import Mask, WorkbenchError, captured_scalars, check_captured_devices, check_device
 
 DTYPES = {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "float64": torch.float64}
@@ -33,6 +34,30 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64
 SUPPORTED = {"cpu": {"float32", "bfloat16", "float16", "float64"},
              "cuda": {"float32", "tf32", "bfloat16", "float16"}}
 RECOMPILE_LIMIT = 512
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What the front ends run when the user does not say (the report, the app, `port`, sweeps):
+    on a GPU compiled FlexAttention in bfloat16 at sizes worth a compile; on a CPU float32 at
+    small sizes (FlexAttention runs uncompiled there, the port under Triton's interpreter, which
+    multiplies bfloat16 dot operands wrongly unless widened)."""
+
+    dtype: str
+    head_dim: int          # verifications and ports
+    invariance_heads: int  # the layout-invariance check's request
+    invariance_head_dim: int
+    invariance_batch: int
+    invariance_len: int
+
+
+GPU_DEFAULTS = Defaults("bfloat16", 64, 8, 128, 8, 3000)
+CPU_DEFAULTS = Defaults("float32", 32, 2, 32, 3, 256)
+
+
+def defaults_for(device: str | torch.device) -> Defaults:
+    """GPU_DEFAULTS on a CUDA device, else CPU_DEFAULTS."""
+    return GPU_DEFAULTS if torch.device(device).type == "cuda" else CPU_DEFAULTS
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -91,9 +116,9 @@ class Inputs:
 
 
 def check_device_dtype(device: torch.device, dtype: str) -> None:
-    kind = device.type
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise WorkbenchError("CUDA was asked for but torch sees no GPU", "use --device cpu")
+    """The device exists (`define.check_device`, the one device rule) and FlexAttention runs
+    `dtype` there."""
+    kind = check_device(device).type
     allowed = SUPPORTED.get(kind)
     if allowed is None:
         raise WorkbenchError(f"device {device} is not supported by the runner", "use cpu or cuda")
@@ -116,11 +141,8 @@ def input_bytes(shape: Shape, dtype: str, backward: bool) -> int:
 def make_inputs(shape: Shape, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu",
                 seed: int | None = None, backward: bool = False) -> Inputs:
     """q, k, v ~ N(0, 1) drawn with `seed` (a fresh one when None), on `device` in `dtype`."""
-    from workbench.define import check_device
-
     dtype, device = dtype_name(dtype), check_device(device)
     check_device_dtype(device, dtype)
-    from workbench.blocks import device_memory
 
     need, free = input_bytes(shape, dtype, backward), device_memory(device)
     if need > free * 0.8:
@@ -154,17 +176,6 @@ def compiled_flex_attention() -> Callable:
         compat.raise_recompile_limit(RECOMPILE_LIMIT)
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
-
-
-def check_captured_devices(mask: Mask, device: torch.device) -> None:
-    for name, tensor in captured_tensors(mask).items():
-        if tensor.device.type != device.type:
-            raise WorkbenchError(
-                f"captured tensor {name!r} ({tuple(tensor.shape)}, {str(tensor.dtype).removeprefix('torch.')}) is on "
-                f"{tensor.device}, the run is on {device}; a compiled kernel cannot read it",
-                f"create {name!r} on {device} (a factory with a `device` keyword gets it filled in: "
-                f"make(..., device={str(device)!r})), or move it with .to({str(device)!r}) before defining the mod",
-                mask.name)
 
 
 def graph_key(mask: Mask, inputs: Inputs, backward: bool, block_size: tuple[int, int]) -> tuple:
@@ -240,7 +251,6 @@ def run_flex(mask: Mask, inputs: Inputs, *, block_mask: BlockMask | None = None,
              scale: float | None = None) -> FlexRun:
     """Run `mask` through flex_attention on `inputs`. Builds the block mask (exactly, in bounded
     memory) unless one is given. Raises WorkbenchError for inputs the mask cannot take."""
-    from workbench.blocks import build_block_mask
 
     shape = inputs.shape
     if backward and inputs.grad_out is None:
@@ -282,7 +292,6 @@ def eager_bytes(shape: Shape, backward: bool) -> int:
 
 
 def check_eager_memory(shape: Shape, device: torch.device, backward: bool, name: str, why: str) -> None:
-    from workbench.blocks import device_memory
 
     need, free = eager_bytes(shape, backward), device_memory(device)
     if need > free * 0.7:
@@ -337,15 +346,7 @@ def _run(mask: Mask, inputs: Inputs, block_mask, block_size: tuple[int, int], ba
 
 def _is_compile_error(exc: BaseException) -> bool:
     """Raised by torch.compile (dynamo, inductor, a C++/Triton build), not by the mods' own logic."""
-    for e in (exc, exc.__cause__, exc.__context__):
-        if e is None:
-            continue
-        module = type(e).__module__ or ""
-        if module.startswith(("torch._dynamo", "torch._inductor", "torch._subclasses")) or \
-                type(e).__name__ in ("InductorError", "BackendCompilerFailed", "CppCompileError", "Unsupported",
-                                     "TorchRuntimeError", "CompilationError", "LoweringException"):
-            return True
-    return False
+    return compat.is_compile_error(exc)
 
 
 def check_mask_fits(mask: Mask, shape: Shape) -> None:
@@ -388,8 +389,6 @@ def time_port_and_flex(mask: Mask, shape: Shape, port_path, dtype: str = "bfloat
     side (triton.testing.do_bench medians, ms; block lists, autotuning and compiles done first)."""
     from triton.testing import do_bench
 
-    from workbench import port
-
     inputs = make_inputs(shape, dtype, device, seed=0)
     module = port.load(port_path)
     module.attention(inputs.q, inputs.k, inputs.v)  # block lists and autotuning, outside the timing
@@ -401,3 +400,69 @@ def time_port_and_flex(mask: Mask, shape: Shape, port_path, dtype: str = "bfloat
                                            block_mask=flex.block_mask, enable_gqa=shape.gqa), warmup=warmup, rep=rep)
     return {"port_ms": port_ms, "flex_ms": flex_ms, "speed_vs_flex": flex_ms / port_ms, "dtype": dtype,
             "device": torch.cuda.get_device_name(inputs.device), "torch": torch.__version__}
+
+
+# ---------------------------------------------------------------- backends: what runs a mask
+
+@dataclass(frozen=True)
+class FlexBackend:
+    """FlexAttention: compiled (`compile=True`, the default on any device) or its uncompiled math
+    path (`compile=False`: the `eager` backend)."""
+
+    compile: bool = True
+    block_size: int | tuple[int, int] = 128  # of the block mask it builds (when none is given)
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return "flex" if self.compile else "eager"
+
+    def run(self, mask: Mask, inputs: Inputs, *, backward: bool = False, block_mask: BlockMask | None = None,
+            cu_seqlens=None, config: int | None = None) -> FlexRun:  # noqa: ARG002 (cu_seqlens, config: the port's)
+        return run_flex(mask, inputs, block_mask=block_mask, block_size=self.block_size, backward=backward,
+                        compile=self.compile)
+
+
+@dataclass(frozen=True)
+class PortBackend:
+    """The generated Triton port (`workbench.port`): the file at `path`, or one generated for the
+    inputs' sizes. Forward only; `cu_seqlens` runs packed segments, `config` pins one tile
+    configuration (the invariance check's)."""
+
+    path: object = None
+    name: str = "port"
+    label: str = " (Triton port)"
+
+    def run(self, mask: Mask, inputs: Inputs, *, backward: bool = False, block_mask: BlockMask | None = None,  # noqa: ARG002
+            cu_seqlens=None, config: int | None = None) -> FlexRun:  # (a port builds its own block lists)
+        if backward:
+            raise WorkbenchError("the Triton port is forward only", "drop --backward, or verify FlexAttention's "
+                                 "backward (--backend flex)", mask.name)
+        shape = inputs.shape
+        path = self.path or port.build(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch)
+        start = time.perf_counter()
+        out, lse = port.run_file(path, inputs.q, inputs.k, inputs.v, cu_seqlens=cu_seqlens, config=config)
+        if inputs.device.type == "cuda":
+            torch.cuda.synchronize(inputs.device)
+        return FlexRun(out=out, lse=lse, compiled=False, compile_seconds=None, run_seconds=time.perf_counter() - start)
+
+
+BACKENDS = {"flex": FlexBackend(), "eager": FlexBackend(compile=False), "port": PortBackend()}
+__all__ = ["Shape", "Inputs", "FlexRun", "make_inputs", "run_flex", "dtype_name", "defaults_for", "Defaults",
+           "FlexBackend", "PortBackend", "BACKENDS", "backend_for", "time_port_and_flex", "check_device_dtype",
+           "check_mask_fits", "compiled_flex_attention"]
+
+
+def backend_for(backend, *, compile: bool | None = None, port_path=None):
+    """A backend object from a name ("flex", "eager", "port") or a backend object itself.
+    `compile=False` turns flex into eager; `port_path` names the port file to run."""
+    if not isinstance(backend, str):
+        return backend
+    if backend not in BACKENDS:
+        raise WorkbenchError(f"unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
+    if backend == "port":
+        return PortBackend(port_path) if port_path is not None else BACKENDS["port"]
+    if backend == "flex" and compile is False:
+        return BACKENDS["eager"]
+    return BACKENDS[backend]
+

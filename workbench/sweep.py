@@ -41,7 +41,15 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.define import WorkbenchError, library, output_folder
+from workbench import invariance, look, port
+from workbench.analyze import mask_stats
+from workbench.blocks import scan_blocks
+from workbench.cluster import import_ray, init_ray
+from workbench.define import WorkbenchError, library, output_folder, prepare
+from workbench.export import build_spec, write_spec
+from workbench.look import ShownFigure
+from workbench.run import Shape, dtype_name
+from workbench.verify import TOLERANCES, verify
 
 TASKS = ("blocks", "verify", "bench", "export", "invariance")
 CASE_KEYS = ("target", "params", "score", "score_params", "q_len", "kv_len", "heads", "kv_heads", "batch", "head_dim",
@@ -122,7 +130,6 @@ def _check_axes(spec: dict, file: str, number: int) -> None:
 
 def _check_case(case: dict, file: str, number: int) -> None:
     """Sizes positive integers, and task / backend / dtype known: a typo fails here, not on Ray."""
-    from workbench.run import dtype_name
 
     if case["task"] not in TASKS:
         raise WorkbenchError(f"{file}: unknown task {case['task']!r}", f"use one of {', '.join(TASKS)}")
@@ -219,8 +226,6 @@ def run_case(case: dict) -> dict:
 
 
 def _task(case: dict) -> dict[str, Any]:
-    from workbench.define import prepare
-    from workbench.run import Shape
 
     q_len, kv_len = case["q_len"], case["kv_len"] or case["q_len"]
     device = case["device"]
@@ -230,8 +235,6 @@ def _task(case: dict) -> dict[str, Any]:
     out: dict[str, Any] = {"name": mask.name}
     task = case["task"]
     if task == "blocks":
-        from workbench.analyze import mask_stats
-        from workbench.blocks import scan_blocks
 
         scan = scan_blocks(mask, q_len, kv_len, heads=heads, batch=case["batch"], device=device)
         stats = mask_stats(scan)
@@ -241,38 +244,38 @@ def _task(case: dict) -> dict[str, Any]:
     shape = Shape(batch=case["batch"], q_heads=heads, kv_heads=case["kv_heads"] or heads, q_len=q_len, kv_len=kv_len,
                   head_dim=case["head_dim"])
     if task == "verify":
-        from workbench.verify import verify
 
-        verdict = verify(mask, shape, dtype=case["dtype"], device=device, seed=case["seed"],
-                         backend="port" if case["backend"] == "port" else "flex",  # verify builds the port
-                         compile=case["backend"] != "eager" and device.startswith("cuda"), progress=False)
+        # verify builds the port; FlexAttention is compiled on a GPU, uncompiled on a CPU
+        backend = ("port" if case["backend"] == "port" else
+                   "flex" if case["backend"] != "eager" and device.startswith("cuda") else "eager")
+        verdict = verify(mask, shape, dtype=case["dtype"], device=device, seed=case["seed"], backend=backend,
+                         progress=False)
         out.update(passed=verdict.passed, rel_err=max(c.rel_err for c in verdict.checks),
                    max_abs_err=max(c.max_abs_err for c in verdict.checks), reference_seconds=verdict.reference_seconds,
                    reference_fraction=verdict.reference_fraction, line=verdict.line)
     elif task == "bench":
         if not device.startswith("cuda"):
             raise WorkbenchError("the bench task times kernels on a GPU", "run bench cases with device = \"cuda\"")
-        from workbench import port
-        from workbench.run import time_port_and_flex
 
-        path = port.build(mask, q_len, kv_len, heads=heads, batch=case["batch"])
-        timing = time_port_and_flex(mask, shape, path, dtype=case["dtype"], device=device)
+        checked = port.check(mask, shape, device, dtype=case["dtype"], time_it=True, seed=case["seed"])
+        if not checked.passed:
+            raise WorkbenchError(f"the port failed verification: {checked.verdict.line if checked.verdict else checked.note}",
+                                 "verify it with `python -m workbench verify --backend port` to see where", mask.name)
+        timing = checked.timing
         out.update(passed=True, port_ms=timing["port_ms"], flex_ms=timing["flex_ms"],
                    speed_vs_flex=timing["speed_vs_flex"])
     elif task == "export":
         import tempfile
 
-        from workbench.export import build_spec, write_spec
 
         spec = build_spec(mask, q_len, kv_len, heads=mask.heads, batch=None, head_dim=case["head_dim"], device=device,
                           seed=case["seed"])
         path, _ = write_spec(spec, tempfile.mkdtemp(prefix="workbench_sweep_spec_"))
         out.update(passed=True, exact_backends=" ".join(spec.supported), spec=str(path))
     elif task == "invariance":
-        from workbench import invariance
 
         result = invariance.check(mask, q_len=q_len, heads=heads, head_dim=case["head_dim"], dtype=case["dtype"],
-                                  device=device, backend=case["backend"], seed=case["seed"])
+                                  device=device, backend=case["backend"], options=invariance.InvarianceOptions(seed=case["seed"]))
         out.update(passed=result.passed, differs_under=" ".join(r.key for r in result.layouts if not r.bitwise),
                    line=result.line)
     return out
@@ -288,7 +291,6 @@ def run(sweep: str | Path | list[dict], out_dir: str | Path = "out/sweep", *, ad
     (default: all the machine has)."""
     from tqdm.auto import tqdm
 
-    from workbench.distribute import import_ray, init_ray
 
     ray = import_ray()
     _require_parquet()
@@ -355,11 +357,9 @@ def summary_html(frame: pd.DataFrame) -> str:
     """Counts, plots (verify error by dtype x length; port speed vs Flex by mask x length) and the
     failures with their errors."""
     import base64
-    import io
 
     import matplotlib.ticker
 
-    from workbench.look import ShownFigure
 
     esc = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>sweep</title><style>body{{font-family:"
@@ -374,14 +374,11 @@ def summary_html(frame: pd.DataFrame) -> str:
     def figure(draw) -> str:
         fig = ShownFigure(figsize=(6.8, 4.4), layout="constrained")
         draw(fig.subplots())
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=90)
-        return f"<img src='data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}'>"
+        return f"<img src='data:image/png;base64,{base64.b64encode(look.png(fig)).decode()}'>"
 
     verified = frame[(frame["task"] == "verify") & ok] if "rel_err" in frame else frame.iloc[:0]
     if len(verified):
         def draw_errors(ax):
-            from workbench.verify import TOLERANCES
 
             for (name, dtype), rows in verified.groupby(["name", "dtype"]):
                 rows = rows.sort_values("q_len")

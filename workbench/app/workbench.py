@@ -3,19 +3,13 @@
     from workbench import Workbench
     Workbench("document", q_len=4096)           # a library mask
     Workbench(my_mask_mod)                      # your own mod (or a Mask, or "file.py:factory")
-
-or, after `%load_ext workbench`, a cell that starts with `%%flexmask [--q-len N ...]` and
-defines `mask_mod(b, h, q_idx, kv_idx)` (and optionally `score_mod(score, b, h, q_idx, kv_idx)`).
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import contextlib
-import io
 import json
-import shlex
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -24,23 +18,24 @@ import ipywidgets as w
 import torch
 from IPython.display import display
 
-from workbench import look
-from workbench.widgets import BlockMapWidget
+from workbench import invariance, look, port
 from workbench.analyze import mask_stats
+from workbench.app.widgets import BlockMapWidget
 from workbench.blocks import scan_blocks
 from workbench.define import Mask, WorkbenchError, bind, factory_params, library, make, prepare
+from workbench.export import build_spec, write_spec
+from workbench.run import Shape, defaults_for, make_inputs, run_flex
+from workbench.verify import verify
+
+__all__ = ["Workbench", "CUSTOM", "TABS"]
+
 
 CUSTOM = "(your mod)"
 TABS = ["Block map", "Token zoom", "Scores", "Stats", "Verify", "Invariance", "Benchmark", "Export"]
 
 
 def _png(fig) -> bytes:
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight", pad_inches=0.08)
-    plt.close(fig)
-    return buf.getvalue()
+    return look.png(fig, close=True)
 
 
 def _param_widget(name: str, default: Any) -> w.Widget:
@@ -172,11 +167,11 @@ class Workbench:
 
     # ------------------------------------------------------------ events
 
-    def _on_pick(self, change):
+    def _on_pick(self, _change):
         self._build_params()
         self.refresh()
 
-    def _on_change(self, change):
+    def _on_change(self, _change):
         if not self._quiet:
             self.refresh()
 
@@ -302,7 +297,7 @@ class Workbench:
         if name == "Verify":
             self.verify_dtype = w.Dropdown(options=["float32", "bfloat16", "float16"] +
                                            (["tf32"] if torch.cuda.is_available() else ["float64"]),
-                                           value="bfloat16" if torch.cuda.is_available() else "float32",
+                                           value=defaults_for(self.device).dtype,
                                            description="dtype", layout=w.Layout(width="180px"))
             self.verify_len = w.IntText(value=512, description="verify at Lq=Lk", style={"description_width": "initial"},
                                         layout=w.Layout(width="200px"))
@@ -310,10 +305,9 @@ class Workbench:
             self.verify_button.on_click(lambda _: self.run_verify())
             return w.VBox([w.HBox([self.verify_dtype, self.verify_len, self.verify_button]), out])
         if name == "Invariance":
-            on_gpu = torch.cuda.is_available()
             self.inv_backend = w.Dropdown(options=["flex", "eager", "port"], value="flex", description="backend",
                                           layout=w.Layout(width="180px"))
-            self.inv_len = w.IntText(value=3000 if on_gpu else 256, description="request tokens",
+            self.inv_len = w.IntText(value=defaults_for(self.device).invariance_len, description="request tokens",
                                      style={"description_width": "initial"}, layout=w.Layout(width="200px"))
             self.inv_button = w.Button(description="Check layouts", icon="clone",
                                        tooltip="the request alone vs batched, packed, padded, chunked, decoded and "
@@ -415,8 +409,6 @@ class Workbench:
                 self._show_error(exc)
 
     def run_verify(self):
-        from workbench.run import Shape
-        from workbench.verify import verify
 
         with self._action("Verify"):
             if self.mask is None:
@@ -426,7 +418,7 @@ class Workbench:
             on_gpu = self.device.startswith("cuda")
             heads = self.mask.heads or self.heads.value
             verdict = verify(mask, Shape(batch=1, q_heads=heads, q_len=n, kv_len=n, head_dim=64),
-                             dtype=self.verify_dtype.value, device=self.device, compile=on_gpu, progress=True)
+                             dtype=self.verify_dtype.value, device=self.device, progress=True, backend="flex" if on_gpu else "eager")
             self.last_verdict = verdict
             colour = "#1e6b34" if verdict.passed else "#a4161a"
             display(w.HTML(f"<b style='color:{colour}'>{_esc(verdict.line)}</b>"))
@@ -437,18 +429,17 @@ class Workbench:
 
     def run_invariance(self):
         """The mask as one request under other layouts (workbench.invariance), bit for bit."""
-        from workbench import invariance
 
         with self._action("Invariance"):
             if self.mask is None:
                 return
-            on_gpu = self.device.startswith("cuda")
+            defaults = defaults_for(self.device)
             n = max(4, self.inv_len.value)
             target = self.custom if self.picker.value == CUSTOM else self.picker.value
             result = invariance.check(target, self.params() if self.picker.value != CUSTOM else None, q_len=n,
-                                      heads=self.mask.heads or (8 if on_gpu else 2), head_dim=128 if on_gpu else 32,
-                                      dtype="bfloat16" if on_gpu else "float32", device=self.device,
-                                      backend=self.inv_backend.value, batch=8 if on_gpu else 3, progress=True)
+                                      heads=self.mask.heads or defaults.invariance_heads,
+                                      head_dim=defaults.invariance_head_dim, dtype=defaults.dtype, device=self.device,
+                                      backend=self.inv_backend.value, progress=True, options=invariance.InvarianceOptions(batch=defaults.invariance_batch))
             self.last_invariance = result
             self.shown["Invariance"] = result.line
             colour = "#1e6b34" if result.passed else "#a4161a"
@@ -457,7 +448,6 @@ class Workbench:
                     .set_properties(**{"white-space": "pre-wrap", "text-align": "left", "font-size": "12px"}))
 
     def run_benchmark(self):
-        from workbench.run import Shape, make_inputs, run_flex
 
         with self._action("Benchmark"):
             if self.mask is None or not self.device.startswith("cuda"):
@@ -480,7 +470,6 @@ class Workbench:
             display(w.HTML(self.shown["Benchmark"]))
 
     def run_export(self):
-        from workbench.export import build_spec, write_spec
 
         with self._action("Export"):
             if self.mask is None:
@@ -502,10 +491,7 @@ class Workbench:
 
     def run_port_verify(self):
         """The exported port (exported now if it was not) against the float64 reference at the
-        verify length; on a GPU also timed beside compiled FlexAttention."""
-        from workbench import port
-        from workbench.run import Shape, time_port_and_flex
-        from workbench.verify import verify
+        verify length; on a GPU also timed beside compiled FlexAttention (`port.check`)."""
 
         with self._action("Export"):
             if self.mask is None:
@@ -513,17 +499,16 @@ class Workbench:
             n = max(1, min(self.q_len.value, 2048 if self.device.startswith("cuda") else 256))
             mask = bind(self.mask, n, n, self.device) if (self.q_len.value, self.kv_len.value) != (n, n) else self.mask
             heads = self.mask.heads or self.heads.value
-            path = port.build(mask, n, n, heads=heads, batch=self.batch.value)
-            on_gpu = self.device.startswith("cuda")
-            shape = Shape(batch=1, q_heads=heads, q_len=n, kv_len=n, head_dim=64 if on_gpu else 32)
-            verdict = verify(mask, shape, dtype="bfloat16" if on_gpu else "float32", device=self.device,
-                             backend="port", port_path=path, seed=0)
+            shape = Shape(batch=self.batch.value, q_heads=heads, q_len=n, kv_len=n,
+                          head_dim=defaults_for(self.device).head_dim)
+            result = port.check(mask, shape, self.device, progress=True)
+            verdict = result.verdict
             self.last_verdict = verdict
-            colour = "#1e6b34" if verdict.passed else "#a4161a"
-            self.shown["Port"] = verdict.line
-            display(w.HTML(f"<b style='color:{colour}'>{_esc(verdict.line)}</b>"))
-            if on_gpu and verdict.passed:
-                timing = time_port_and_flex(mask, shape, path, device=self.device)
+            self.shown["Port"] = verdict.line if verdict is not None else result.note
+            colour = "#1e6b34" if result.passed else "#a4161a"
+            display(w.HTML(f"<b style='color:{colour}'>{_esc(self.shown['Port'])}</b>"))
+            if result.timing:
+                timing = result.timing
                 self.shown["Port"] += (f"; port {timing['port_ms']:.3f} ms vs FlexAttention {timing['flex_ms']:.3f} ms "
                                        f"({timing['speed_vs_flex']:.2f}x)")
                 display(w.HTML(_esc(self.shown["Port"].split("; ")[-1])))
@@ -542,44 +527,3 @@ def _esc(text: str) -> str:
     import html
 
     return html.escape(str(text))
-
-
-# ---------------------------------------------------------------- %%flexmask
-
-def _magic_args(line: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="%%flexmask", add_help=False)
-    p.add_argument("name", nargs="?", default="my_mask")
-    p.add_argument("--q-len", type=int, default=1024)
-    p.add_argument("--kv-len", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--device")
-    return p.parse_args(shlex.split(line))
-
-
-def mask_from_cell(name: str, cell: str, namespace: dict) -> Mask:
-    """Run the cell in `namespace` and take `mask_mod` / `score_mod` from it."""
-    code = compile(cell, f"<flexmask {name}>", "exec")
-    exec(code, namespace)  # the user's own cell, as IPython would run it
-    mask_mod, score_mod = namespace.get("mask_mod"), namespace.get("score_mod")
-    if mask_mod is None and score_mod is None:
-        raise WorkbenchError("the %%flexmask cell defines neither `mask_mod` nor `score_mod`",
-                             "define def mask_mod(b, h, q_idx, kv_idx): ... in the cell")
-    return Mask(name=name, mask_mod=mask_mod, score_mod=score_mod, source=cell,
-                description=f"Defined in a %%flexmask cell ({name}).")
-
-
-def load_ipython_extension(ipython):
-    def flexmask(line, cell):
-        try:
-            args = _magic_args(line)
-            mask = mask_from_cell(args.name, cell, ipython.user_ns)
-            bench = Workbench(mask, q_len=args.q_len, kv_len=args.kv_len, heads=args.heads,
-                              block_size=args.block_size, device=args.device)
-        except WorkbenchError as exc:
-            display(w.HTML(f"<div style='background:#fdecea;padding:6px 10px'>{_esc(exc.message)}</div>"))
-            return None
-        ipython.user_ns[f"{args.name}_workbench"] = bench
-        return bench
-
-    ipython.register_magic_function(flexmask, magic_kind="cell", magic_name="flexmask")

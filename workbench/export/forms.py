@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from workbench.blocks import dense_mask
+from workbench.compat import getitem_as_index
 from workbench.define import Mask
 
 ROW_CHUNK_PAIRS = 1 << 24  # pairs per dense chunk while reading intervals or checking a form
@@ -362,7 +363,7 @@ def fit_vllm_triton(iv: Intervals, q_len: int, kv_len: int) -> tuple[dict | None
 FULL, CAUSAL, INVCAUSAL, BICAUSAL = 0, 1, 2, 3
 
 
-def decode_magi(section: dict, q_len: int, kv_len: int) -> Callable[[int, int], np.ndarray]:
+def decode_magi(section: dict, q_len: int, kv_len: int) -> Callable[[int, int], np.ndarray]:  # noqa: ARG001 (every decoder takes the lengths)
     """MagiAttention's reading: half-open slices; local a, b and slice lengths Lq_s, Lk_s: FULL
     keeps all; CAUSAL b <= a + Lk_s - Lq_s; INVCAUSAL b >= a; BICAUSAL both."""
     slices = list(zip(section["q_ranges"], section["k_ranges"], section["attn_type_map"]))
@@ -432,7 +433,7 @@ def fit_magi(iv: Intervals, q_len: int, kv_len: int) -> tuple[dict | None, str]:
 
 # ---------------------------------------------------------------- FlashMask
 
-def decode_flashmask(section: dict, q_len: int, kv_len: int, indices: np.ndarray) -> Callable[[int, int], np.ndarray]:
+def decode_flashmask(section: dict, q_len: int, kv_len: int, indices: np.ndarray) -> Callable[[int, int], np.ndarray]:  # noqa: ARG001 (the lengths, as every decoder)
     """FlashMask's reading of startend_row_indices [Lk, n] per key column j:
     causal n=1 [LTS]: keep iff j <= i < LTS; causal n=2 [LTS, LTE]: j <= i and not LTS <= i < LTE;
     non-causal n=2 [LTS, UTE]: UTE <= i < LTS; n=4 [LTS, LTE, UTS, UTE]: not in either range."""
@@ -577,7 +578,6 @@ def _kept_samples(mask: Mask, q_len: int, kv_len: int, heads: int, batch: int, n
                   device) -> tuple[torch.Tensor, ...]:
     """About n random (b, h, q, kv) pairs the mask keeps (all pairs when it has no mask_mod), the
     diagonal's edges among them: a score_mod only matters where the mask keeps a pair."""
-    from workbench.compat import getitem_as_index
 
     def draw(m):
         b = torch.randint(0, batch, (m,), generator=g, dtype=torch.int32)
@@ -626,7 +626,6 @@ def probe_score(mask: Mask, q_len: int, kv_len: int, heads: int, device="cpu", s
     s = torch.randn(n, generator=g, dtype=torch.float32) * 4
 
     def mod(score, hh=h, qq=qi, kk=kj, bb=None):
-        from workbench.compat import getitem_as_index
 
         fn = torch.vmap(mask.score_mod, in_dims=(0, 0, 0, 0, 0))
         with getitem_as_index(), torch.no_grad():

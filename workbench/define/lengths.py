@@ -36,7 +36,10 @@ from typing import Callable
 
 import torch
 
-from workbench.define import Mask, WorkbenchError, make
+from workbench.define.evaluate import evaluate_mod, probe_grid
+from workbench.define.mask import Mask, WorkbenchError, with_score
+from workbench.define.targets import make
+from workbench.define.trace import _NoScalarReads, trace_mod
 
 __all__ = ["LengthRule", "LengthPlan", "follow", "rebuild", "rebuildable", "relation", "relations_text", "RELATION_TEXT"]
 
@@ -226,7 +229,6 @@ def rebuildable(mask: Mask) -> bool:
 def rebuild(mask: Mask, q_len: int, kv_len: int) -> Mask:
     """The mask's factory called again at these lengths (on the CPU); a mask + score is rebuilt part
     by part. Raises what the factory raises."""
-    from workbench.define import with_score
 
     if mask.parts:
         base, score = (rebuild(p, q_len, kv_len) for p in mask.parts)
@@ -335,7 +337,6 @@ def _twin_agrees(mask: Mask, twin: Mask, q_len: int, kv_len: int) -> bool:
     """The twin gives the mask's values on probe regions (evaluated as FlexAttention does, under
     vmap), and traces without reading its numbers back into Python (a number in an `if` would be
     baked in again)."""
-    from workbench.define import _NoScalarReads, evaluate_mod, probe_grid, trace_mod
 
     one = torch.zeros(1, dtype=torch.int32)
     q, kv = probe_grid(min(q_len, 300), min(kv_len, 300), 24, "cpu")

@@ -1,34 +1,37 @@
-"""The port: a standalone Triton attention kernel for any mask, generated from its mods.
-
-`generate` translates the mask_mod and score_mod to Triton (`triton_gen`) and fills them into
-`templates/attention.py`, a FlashAttention-2-style forward kernel that visits only the kv blocks
+"""Generating the port: the mods translated to Triton (`workbench.translate`) and filled into
+`templates/forward.py`, a FlashAttention-2-style forward kernel that visits only the kv blocks
 holding kept pairs and evaluates the mask only in partial blocks. The result is one Python file
 (plus a safetensors file for captured tensors) that imports torch and triton only: no
-torch.compile, no FlexAttention. `write` puts it on disk, `load` imports it, `run` calls it on
-workbench inputs; `verify(..., backend="port")` judges it against the float64 reference.
+torch.compile, no FlexAttention.
 
 A mask that indexes captured per-token data (document ids, spans, a tree) is valid at the
 lengths of that data only; one that indexes per-head or per-sample tables, for as many heads or
-batch entries as the tables hold. The file states this and refuses other calls with a clear error.
+batch entries as the tables hold; numbers its factory derives from the lengths (the bottom-right
+offset) are computed per call. The file states this and refuses other calls with a clear error.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
-import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from workbench.define import Mask, WorkbenchError, data_indices, index_reads, output_folder
+from workbench.define import Mask, WorkbenchError, data_indices, index_reads
+from workbench.define.lengths import RELATION_TEXT, LengthRule, follow, rebuildable, relations_text
+from workbench.translate import Untranslatable, mod_functions
 
-TEMPLATE = Path(__file__).with_name("templates") / "attention.py"
+__all__ = ["PortSource", "generate", "check_supported", "pinned_config", "CONFIGS", "SEGMENT_CONFIGS", "DTYPES",
+           "ENTRY", "MAX_HEAD_DIM"]
+
+
+TEMPLATE = Path(__file__).with_name("templates") / "forward.py"
 ENTRY = "attention"
 DTYPES = ("bfloat16", "float16", "float32")
+
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner chooses from on a GPU. BLOCK_M 16 serves
 # calls with at most 16 queries (decode). The last WIDE_ROW_CONFIGS are tried only for float32 at
 # D > 64: compiled for sm_90, the others need 256-352 KB of shared memory there at D = 128 (an H200
@@ -36,6 +39,8 @@ DTYPES = ("bfloat16", "float16", "float32")
 CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2),
            (128, 64, 8, 2), (64, 32, 4, 1), (16, 64, 4, 1)]
 WIDE_ROW_CONFIGS = 3
+
+
 # Packed launches (cu_seqlens) use one fixed configuration, so a request's bits do not depend on
 # what it is packed with: the first of these the chip has room for (D = 256 and float32 need the
 # smaller ones). 128 x 128 was the fastest packed tiling on an H200 (docs/benchmarks.md).
@@ -77,7 +82,6 @@ class PortSource:
         return f"{self.module_name}.safetensors" if self.tensors else None
 
     def valid_for(self) -> str:
-        from workbench.lengths import RELATION_TEXT, LengthRule, relations_text
 
         if self.valid_q_len is None and self.valid_kv_len is None:
             lengths = relations_text(self.relations)
@@ -130,8 +134,6 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     (the bottom-right offset Lk - Lq) are computed by the file per call (`lengths.follow`); a mask
     whose meaning is tied to these lengths otherwise (per-token tables) is valid at them only.
     Raises a WorkbenchError naming the construct when a mod has no Triton translation."""
-    from workbench.lengths import follow, rebuildable
-    from workbench.triton_gen import Untranslatable, mod_functions
 
     kv_len = kv_len or q_len
     indexed = data_indices(mask.mask_mod) | data_indices(mask.score_mod, "score")
@@ -225,43 +227,6 @@ def check_supported(head_dim: int | None = None, dtype: str | None = None, name:
                              "against)", name)
 
 
-def write(port: PortSource, out_dir: str | Path) -> Path:
-    """Write NAME_attention.py (and NAME_attention.safetensors when the mask captures tensors)."""
-    out = output_folder(out_dir, port.name)
-    path = out / port.file_name
-    path.write_text(port.source)
-    if port.tensors:
-        from safetensors.torch import save_file
-
-        save_file(port.tensors, str(out / port.tensor_file), metadata={"port": port.file_name})
-    return path
-
-
-def build(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | None = None, batch: int | None = None,
-          out_dir: str | Path | None = None) -> Path:
-    """generate + write: the port's file (in a temporary folder unless `out_dir` is given)."""
-    import tempfile
-
-    port = generate(mask, q_len, kv_len, heads, batch)
-    folder = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="workbench_port_"))
-    return write(port, folder)
-
-
-def load(path: str | Path):
-    """Import a generated port from its file, the way a user would. On a machine without a GPU,
-    Triton runs kernels only under its CPU interpreter, which must be switched on
-    (TRITON_INTERPRET=1) before triton is first imported: use `run_file` there."""
-    path = Path(path)
-    if not path.is_file():
-        raise WorkbenchError(f"no port file at {path}", "generate it with `python -m workbench port ... -o DIR`")
-    name = f"{path.stem}_{abs(hash(str(path.resolve()))) % 10**8}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def pinned_config(dtype: torch.dtype, head_dim: int) -> int:
     """The index of CONFIGS that callers pinning one configuration for every call (the invariance
     check) use: CONFIGS[0] (128 x 64), or for float32 at D > 64 a smaller one that fits a Hopper
@@ -269,84 +234,3 @@ def pinned_config(dtype: torch.dtype, head_dim: int) -> int:
     if dtype == torch.float32 and head_dim > 64:
         return CONFIGS.index((128, 64, 8, 2) if head_dim <= 128 else (64, 32, 4, 1))
     return 0
-
-
-def _load_pinned(path, config: int | None):
-    """load(path), with the file's autotuner replaced by one configuration when `config` is given."""
-    if config is None:
-        return load(path)
-    before = os.environ.get("PORT_CONFIG")
-    os.environ["PORT_CONFIG"] = str(config)  # read once, when the file defines its kernel
-    try:
-        return load(path)
-    finally:
-        if before is None:
-            os.environ.pop("PORT_CONFIG", None)
-        else:
-            os.environ["PORT_CONFIG"] = before
-
-
-def triton_installed() -> bool:
-    """Can generated ports run here at all (on a CPU, under Triton's interpreter)?"""
-    return importlib.util.find_spec("triton") is not None
-
-
-def require_triton() -> None:
-    if not triton_installed():
-        raise WorkbenchError("running the port needs Triton, which is not installed",
-                             "pip install triton (CPU machines run it under Triton's interpreter), or "
-                             "pip install 'flex-workbench[dev]'")
-
-
-def in_process(device: torch.device) -> bool:
-    """Can this process run a port's kernels on `device`? On CUDA yes; on a CPU only when Triton's
-    interpreter was on from the start (TRITON_INTERPRET=1 in the environment)."""
-    from workbench.kernels import interpreting
-
-    return device.type == "cuda" or (device.type == "cpu" and interpreting())
-
-
-def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-             timeout: float = 1800, cu_seqlens: torch.Tensor | None = None,
-             config: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of the port at `path` on q, k, v (packed sequences: `cu_seqlens`). In this
-    process on a GPU; on a CPU in a fresh process under Triton's interpreter (the port's files
-    alone, as a user would run them). `config`: pin the kernel to CONFIGS[config] instead of
-    autotuning (the file's PORT_CONFIG switch), as an engine that needs fixed tiles would."""
-    if config is not None and (isinstance(config, bool) or not isinstance(config, int)
-                               or not 0 <= config < len(CONFIGS)):
-        raise WorkbenchError(f"config {config!r} is not one of the port's {len(CONFIGS)} tile configurations",
-                             f"pass an index 0..{len(CONFIGS) - 1} of workbench.port.CONFIGS, or None to autotune")
-    extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-    require_triton()
-    if in_process(q.device):
-        module = _load_pinned(path, config)
-        try:
-            return module.attention(q, k, v, scale=scale, return_lse=True, **extra)
-        except (ValueError, TypeError) as exc:  # the file's own checks: sizes it is not valid for
-            raise WorkbenchError(f"the port refused the call: {exc}",
-                                 "call it within what it is valid for (the file's docstring says so)") from exc
-    import subprocess
-    import tempfile
-
-    from safetensors.torch import load_file, save_file
-
-    folder = Path(tempfile.mkdtemp(prefix="workbench_port_run_"))
-    tensors = {"q": q.contiguous().cpu(), "k": k.contiguous().cpu(), "v": v.contiguous().cpu()}
-    if cu_seqlens is not None:
-        tensors["cu_seqlens"] = torch.as_tensor(cu_seqlens).cpu()  # as given: the file refuses non-integers
-    save_file(tensors, str(folder / "inputs.safetensors"))
-    cmd = [sys.executable, "-m", "workbench.port_runner", str(path), str(folder / "inputs.safetensors"),
-           str(folder / "outputs.safetensors")] + ([] if scale is None else [repr(float(scale))])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        if done.returncode == 3:
-            raise WorkbenchError(f"the port refused the call: {last}",
-                                 "call it within what it is valid for (the file's docstring says so)")
-        raise WorkbenchError(f"the port failed under Triton's interpreter: {last[:400]}",
-                             "run the port file by hand to see the traceback (TRITON_INTERPRET=1 on a CPU)")
-    result = load_file(str(folder / "outputs.safetensors"))
-    return result["out"].to(q.device), result["lse"].to(q.device)

@@ -1,7 +1,7 @@
 """Run a generated port on saved inputs, in a process of its own (on a CPU: under Triton's
 interpreter, which must be on before triton is imported). Used by `port.run_file`.
 
-    TRITON_INTERPRET=1 python -m workbench.port_runner PORT.py INPUTS.safetensors OUT.safetensors [SCALE]
+    TRITON_INTERPRET=1 python -m workbench.port.runner PORT.py INPUTS.safetensors OUT.safetensors [SCALE]
 
 Exit 0 with OUT holding `out` and `lse`; 3 when the port refuses the call (sizes it is not valid
 for), with the reason on the last line of stderr.

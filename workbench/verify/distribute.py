@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workbench.define import Mask, WorkbenchError
-from workbench.run import Inputs
-from workbench.verify import (Reference, ReferenceState, TensorCheck, Tolerance, compare, merge_checks,
-                              reference_attention)
+from workbench.cluster import import_ray, init_ray
+from workbench.define import Mask, WorkbenchError, bind
+from workbench.run import Inputs, make_inputs
+from workbench.verify.compare import TensorCheck, Tolerance, compare, merge_checks
+from workbench.verify.reference import Reference, ReferenceState, reference_attention
 
 RANGES_PER_WORKER = 8  # more ranges than workers: a causal mask's heavier last rows balance out
 AHEAD_PER_WORKER = 2  # ranges each actor computes before the kernel's output arrives
@@ -70,7 +71,6 @@ def _bound(mask: Mask, shape, device: str) -> Mask:
     """The mask with its captured tables on this worker's device."""
     if device == "cpu":
         return mask
-    from workbench.define import bind
 
     return bind(mask, shape.q_len, shape.kv_len, device)
 
@@ -82,49 +82,6 @@ def _rows_on_worker(mask: Mask, inputs: Inputs, rows: tuple[int, int], backward:
     ref.out, ref.lse = ref.out.cpu(), ref.lse.cpu()
     ref.grads = {k: v.cpu() for k, v in ref.grads.items()}
     return ref
-
-
-# Ray gives a new local node 30 s to register (a constant in Ray); on a busy 2-core machine its
-# processes can take longer to start. A failed start is retried this many times before giving up.
-RAY_START_TRIES = 3
-
-
-def import_ray(extra: str = "sweep"):
-    """Ray, or a WorkbenchError naming the extra that installs it."""
-    try:
-        import ray
-    except ModuleNotFoundError:
-        raise WorkbenchError("this needs Ray, which is not installed",
-                             f"pip install 'flex-workbench[{extra}]' (or pip install 'ray>=2.9')") from None
-    return ray
-
-
-def init_ray(address: str | None = None, **options):
-    """ray.init with the workbench's settings (no dashboard, workers' logs kept out of the
-    terminal); a local start that times out (a loaded machine) is tried again, then reported as
-    a WorkbenchError that says what to do. Returns the ray module."""
-    ray = import_ray()
-    last = None
-    for attempt in range(1 if address else RAY_START_TRIES):
-        try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                     **options)
-            return ray
-        except Exception as exc:  # Ray raises a bare Exception when its node times out
-            last = exc
-            try:
-                ray.shutdown()
-            except Exception:
-                pass
-            time.sleep(2 * (attempt + 1))
-    text = str(last).splitlines()[0][:300] if str(last) else type(last).__name__
-    if address:
-        raise WorkbenchError(f"could not join the Ray cluster at {address}: {text}",
-                             "check the address (ray://HOST:10001 or auto) and that the cluster is up") from None
-    raise WorkbenchError(f"Ray could not start on this machine ({RAY_START_TRIES} tries): {text}",
-                         "the machine is probably too busy for Ray's processes to start in time: retry when it is "
-                         "less loaded, or start Ray once yourself (`ray start --head`) and pass --address auto, or "
-                         "run without workers") from None
 
 
 def _start_ray(workers: int, gpu: bool, address: str | None):
@@ -212,7 +169,6 @@ class RowsWorker:
         """This verification's mask and inputs. The inputs are drawn here from their seed instead
         of crossing Ray's object store (3 GiB at 1M tokens); False when they do not match the
         caller's bits (then the caller sends them: `load_inputs`)."""
-        from workbench.run import make_inputs
 
         t0 = time.perf_counter()
         self._forget()  # (the last verification's k, v and kept rows go)

@@ -502,11 +502,32 @@ def _check(q, k, v):
 
 
 def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None):
-    """Attention of q [B, Hq, Lq, D] over k, v [B, Hkv, Lk, D] under this file's mask and score.
-    Returns out [B, Hq, Lq, D] in q's dtype, and with return_lse=True also lse [B, Hq, Lq] float32.
-    cu_seqlens: optional 1-d integer boundaries [0, end_1, ..., L] of packed sequences (Lq = Lk = L)
-    whose mask keeps no pair across a boundary; one launch runs them all, each tiled from its start.
-    A list or tuple costs nothing per call; a GPU tensor is read back to the host (a device sync)."""
+    """Attention under this file's mask and score, with FlexAttention's semantics.
+
+    q:           [B, Hq, Lq, D]   bfloat16, float16 or float32, on a CUDA GPU (or the CPU under
+                                  Triton's interpreter); D <= 256
+    k, v:        [B, Hkv, Lk, D]  same dtype and device; Hq a multiple of Hkv (grouped-query:
+                                  query head h reads kv head h // (Hq / Hkv))
+    scale:       multiplies q . k before the score_mod; default 1 / sqrt(D)
+    return_lse:  also return lse [B, Hq, Lq] float32 (natural log; -inf for rows that keep nothing)
+    cu_seqlens:  optional 1-d integer boundaries [0, end_1, ..., L] of packed sequences (Lq = Lk = L)
+                 whose mask keeps no pair across a boundary; one launch runs them all, each tiled
+                 from its start. A list or tuple costs nothing per call; a GPU tensor is read back
+                 to the host (a device sync).
+    Returns out [B, Hq, Lq, D] in q's dtype (and lse). Rows that keep no key give out = 0.
+
+    The mods see q_idx = 0 .. Lq-1 and kv_idx = 0 .. Lk-1, as FlexAttention calls them. Numbers the
+    mask's factory derived from the lengths (LENGTH_RULES, e.g. the bottom-right offset Lk - Lq of
+    the library's masks) are computed for each call, so at Lq < Lk the queries are the last Lq
+    tokens, as in decoding and chunked prefill. For a bottom-right causal mask, Lq = 2, Lk = 5
+    (1 = kept):
+                     kv 0 1 2 3 4
+            q 0  ->     1 1 1 1 0
+            q 1  ->     1 1 1 1 1
+
+        out = attention(q, k, v)                       # q [1, 8, 2, 64], k/v [1, 8, 5, 64] on cuda
+        out, lse = attention(q, k, v, return_lse=True)
+    """
     B, Hq, Lq, D, Hkv, Lk = _check(q, k, v)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     bounds = None if cu_seqlens is None else _segments(cu_seqlens, Lq, Lk)

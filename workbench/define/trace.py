@@ -1,0 +1,326 @@
+"""What a mod reads, read off its traced graph: the tensors and numbers it captures, its aten graph
+(make_fx, as FlexAttention's tracer sees it), which indices flow into its result and into table
+reads, and whether it stays elementwise. Facts are kept per mod, and per *structure* (the same code
+with other numbers: a knob being turned) once its numbers were lifted."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from workbench import compat
+from workbench.define.mask import Mask
+
+__all__ = ["captured_scalars", "captured_tensors", "structure_key", "structure_fact", "forget_structures",
+           "trace_mod", "op_name", "index_reads", "data_indices", "elementwise", "MASK_ARGS", "SCORE_ARGS"]
+
+
+# ---------------------------------------------------------------- what a mod captures and reads
+
+def _closure(fn: Callable | None) -> dict[str, object]:
+    """The values a function reads from outside: its closure cells, and the module globals it
+    names that hold data (tensors, arrays, numbers), by name."""
+    code = getattr(fn, "__code__", None)
+    out = {}
+    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    module_globals = getattr(fn, "__globals__", {})
+    for name in getattr(code, "co_names", ()):
+        value = module_globals.get(name)
+        if isinstance(value, torch.Tensor) or (hasattr(value, "shape") and hasattr(value, "dtype")):
+            out.setdefault(name, value)
+    return out
+
+
+def captured_scalars(fn: Callable | None) -> dict[str, object]:
+    """Python numbers a mod captures from its enclosing scope. Dynamo bakes them into the
+    compiled kernel, so each new value compiles a new graph."""
+    return {k: v for k, v in _closure(fn).items() if isinstance(v, (bool, int, float))}
+
+
+class _NoScalarReads(torch.overrides.TorchFunctionMode):
+    """Refuses every read of a tensor's value back into Python (item, bool, int, float, index,
+    tolist) while a lifted mod is traced: such a read bakes the value of the number it came from
+    into the graph (`int(window)`, `if window > 0`), so the graph would not serve other values."""
+
+    READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+             torch.Tensor.__index__, torch.Tensor.tolist}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            raise ValueError("the mod reads a tensor's value back into Python")
+        return func(*args, **(kwargs or {}))
+
+
+def _trace_without_scalar_reads(twin: Callable) -> None:
+    """Trace the lifted mod as FlexAttention traces it (a number in an `if` fails here), refusing
+    reads of values into Python; the graph is kept as the twin's trace."""
+    def guarded(*args):
+        with _NoScalarReads():
+            return twin(*args)
+
+    graph = trace_mod(guarded, "mask")
+    _traces.setdefault(twin, {})["mask"] = graph
+
+
+def captured_tensors(mask: Mask) -> dict[str, torch.Tensor]:
+    """Tensors the mods read: `Mask.data` plus any tensor in the mods' closures, and in the
+    closures of mods they wrap (torch's and_masks / or_masks, attention-gym's factories)."""
+    found = {k: t for k, t in mask.data.items() if isinstance(t, torch.Tensor)}
+    seen: set[int] = set()
+
+    def walk(fn, depth=0):
+        if fn is None or id(fn) in seen or depth > 8:
+            return
+        seen.add(id(fn))
+        for name, value in _closure(fn).items():
+            if isinstance(value, torch.Tensor):
+                if not any(value is t for t in found.values()):
+                    found.setdefault(name if name not in found else f"{name}_{len(found)}", value)
+            elif callable(value):
+                walk(value, depth + 1)
+            elif isinstance(value, (tuple, list)):
+                for item in value:
+                    if isinstance(item, torch.Tensor) and not any(item is t for t in found.values()):
+                        found.setdefault(f"{name}_{len(found)}", item)
+                    elif callable(item):
+                        walk(item, depth + 1)
+
+    walk(mask.mask_mod)
+    walk(mask.score_mod)
+    return found
+
+
+MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
+SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
+
+
+# ops that read only the dtype, device or shape of their tensor argument, never its value
+_SHAPE_ONLY_OPS = {"new_ones", "new_zeros", "new_full", "new_empty", "empty_like", "zeros_like", "ones_like",
+                   "full_like", "sym_size", "size", "new_empty_strided"}
+
+
+# ---------------------------------------------------------------- facts shared by every value of a knob
+
+# A researcher turning a knob makes a new mod per value: the same code, other numbers in its
+# closure. Once that code's numbers have been lifted into tensors (lift_scalars) and it still
+# traced, its graph, and every fact read off it, cannot depend on them: facts are then kept per
+# *structure* (structure_key) and a new value skips the traces. Entries hold the objects their
+# key names by id, so an id cannot be reused while its entry lives.
+_STRUCTURES_KEPT = 16
+_structures: dict = {}  # key -> {"keep": [...], "liftable": bool, "facts": {...}}
+
+
+def _structure_parts(fn: Callable | None) -> tuple[tuple, list] | None:
+    """(key, the objects it names by id). The key is what a mod's traced graph can depend on, with
+    the Python numbers of its own closure (those lift_scalars lifts) by type only: code objects,
+    closure cells, defaults and the module globals they name (numbers, strings, lists by value;
+    tensors by identity, in-place version, shape, dtype and device; functions walked the same
+    way; other objects by identity). None: not a plain function, or something unhashable."""
+    if getattr(fn, "__code__", None) is None:
+        return None
+    keep: list = []
+    seen: set = set()
+
+    def names_of(code) -> set:
+        names = set(code.co_names)
+        for const in code.co_consts:
+            if hasattr(const, "co_names"):
+                names |= names_of(const)
+        return names
+
+    def classify(value, depth: int, top_number: bool = False):
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            return ("val", value)
+        if isinstance(value, (int, float)):
+            if top_number and abs(value) < 2 ** 31:  # lifted: any value shares the structure
+                return ("num", type(value).__name__)
+            return ("val", type(value).__name__, value)
+        if isinstance(value, torch.Tensor):
+            keep.append(value)
+            return ("tensor", id(value), compat.tensor_version(value), tuple(value.shape), value.dtype,
+                    str(value.device))
+        if isinstance(value, (tuple, list)) and len(value) <= 256:  # a list by value: it can change in place
+            return (type(value).__name__,) + tuple(classify(v, depth) for v in value)
+        if isinstance(value, dict) and len(value) <= 256:
+            return ("dict",) + tuple((k, classify(v, depth)) for k, v in sorted(value.items(), key=repr))
+        if hasattr(value, "tobytes") and getattr(value, "nbytes", 1 << 30) <= 1 << 20:  # a numpy array
+            keep.append(value)
+            return ("array", id(value), hash(value.tobytes()))
+        if type(value).__name__ == "module":
+            return ("module", value.__name__)
+        if getattr(value, "__code__", None) is not None and depth < 4:
+            return walk(value, depth + 1)
+        keep.append(value)
+        return ("obj", id(value))
+
+    def walk(f, depth: int):
+        if id(f) in seen:
+            return ("seen", id(f))
+        seen.add(id(f))
+        keep.append(f)
+        code = f.__code__
+        cells = []
+        for cell in f.__closure__ or ():
+            try:
+                cells.append(classify(cell.cell_contents, depth, top_number=depth == 0))
+            except ValueError:  # an empty cell
+                cells.append(("empty",))
+        module_globals = getattr(f, "__globals__", {})
+        named = tuple((n, classify(module_globals[n], depth)) for n in sorted(names_of(code)) if n in module_globals)
+        defaults = tuple(classify(v, depth) for v in (f.__defaults__ or ()))
+        return ("fn", code, tuple(cells), named, defaults)
+
+    try:
+        key = walk(fn, 0)
+        hash(key)
+    except Exception:  # something unhashable on the way: no sharing
+        return None
+    return key, keep
+
+
+def structure_key(fn: Callable | None) -> tuple | None:
+    """What a mod's traced graph can depend on (see _structure_parts); None: nothing to share."""
+    parts = _structure_parts(fn)
+    return None if parts is None else parts[0]
+
+
+def _structure(fn: Callable | None) -> dict | None:
+    """The entry of fn's structure (made on first sight; the least recently used one goes)."""
+    parts = _structure_parts(fn)
+    if parts is None:
+        return None
+    key, keep = parts
+    entry = _structures.pop(key, None) or {"keep": keep, "liftable": False, "facts": {}}
+    _structures[key] = entry  # (the most recently used last)
+    while len(_structures) > _STRUCTURES_KEPT:
+        _structures.pop(next(iter(_structures)))
+    return entry
+
+
+def structure_fact(fn: Callable | None, fact: tuple, compute: Callable[[], Any]):
+    """compute(), or the value it gave for another mod of the same structure whose numbers were
+    lifted (see structure_key); kept for the next value of the knob either way."""
+    entry = _structure(fn)
+    if entry is not None and entry["liftable"] and fact in entry["facts"]:
+        return entry["facts"][fact]
+    value = compute()
+    if entry is not None:
+        entry["facts"][fact] = value
+    return value
+
+
+def forget_structures() -> None:
+    _structures.clear()
+
+
+_traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mod -> {role: graph, or the exception tracing raised}
+
+
+def trace_mod(fn: Callable, role: str = "mask"):
+    """The mod traced with make_fx on 0-d int32 index tensors (float32 score), the way
+    FlexAttention's tracer sees it: an aten graph (tensor[idx] becomes aten.index). Traced once
+    per mod object (the stages ask for it often); a mod that cannot be traced raises each time."""
+    try:
+        cached = _traces.setdefault(fn, {})
+    except TypeError:  # not weak-referenceable (a builtin): trace every time
+        cached = {}
+    if role not in cached:
+        args = [torch.tensor(0, dtype=torch.int32) for _ in range(4)]
+        if role == "score":
+            args = [torch.tensor(0.0, dtype=torch.float32)] + args
+        try:
+            with compat.getitem_as_index():
+                cached[role] = compat.make_fx_trace(fn, *args)
+        except Exception as exc:
+            cached[role] = exc
+    if isinstance(cached[role], Exception):
+        raise cached[role]
+    return cached[role]
+
+
+def op_name(target) -> str:
+    """`aten.add.Tensor` -> 'add'."""
+    return compat.aten_op_name(target)
+
+
+def _data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
+    """(arguments the result depends on, arguments that index a captured tensor), by data flow
+    over the traced graph. A mod that cannot be traced reads (and indexes with) everything."""
+    return structure_fact(mod, ("data_flow", role), lambda: _traced_data_flow(mod, role))
+
+
+def _traced_data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
+    names = MASK_ARGS if role == "mask" else SCORE_ARGS
+    try:
+        gm = trace_mod(mod, role)
+    except Exception:
+        return frozenset(names), frozenset(names)
+    deps: dict[str, frozenset] = {}
+    placeholders = iter(names)
+    result: frozenset = frozenset()
+    indexing: frozenset = frozenset()
+
+    def inputs_of(args) -> frozenset:
+        out: frozenset = frozenset()
+        for a in args:
+            if isinstance(a, (list, tuple)):
+                out |= inputs_of(a)
+            elif hasattr(a, "name") and a.name in deps:
+                out |= deps[a.name]
+        return out
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            deps[node.name] = frozenset([next(placeholders, node.name)])
+        elif node.op == "call_function":
+            op = op_name(node.target)
+            deps[node.name] = frozenset() if op in _SHAPE_ONLY_OPS else \
+                inputs_of(list(node.args) + list(node.kwargs.values()))
+            if op in ("index", "select", "slice", "gather", "index_select", "take"):
+                indexing |= inputs_of(list(node.args[1:]) + list(node.kwargs.values()))
+        elif node.op == "output":
+            result = inputs_of(node.args)
+        else:
+            deps[node.name] = frozenset()
+    return result, indexing
+
+
+def index_reads(mod: Callable | None, role: str = "mask") -> frozenset[str]:
+    """Which of the mod's arguments (b, h, q_idx, kv_idx; score) its result depends on, read off
+    its traced graph by data flow. An argument used only for its dtype or device (torch's
+    `and_masks` calls b.new_ones) does not count. A mod that cannot be traced reads them all."""
+    return frozenset() if mod is None else _data_flow(mod, role)[0]
+
+
+def data_indices(mod: Callable | None, role: str = "mask") -> frozenset[str]:
+    """Which arguments index a captured tensor (w[h], lens[b], doc_id[q_idx]...): the mask is then
+    bound to the sizes of that data (heads, batch entries, tokens)."""
+    return frozenset() if mod is None else _data_flow(mod, role)[1]
+
+
+def elementwise(mod: Callable, role: str = "mask") -> bool:
+    """Does every value in the mod's traced graph stay one value per pair? A mod that builds a
+    vector per pair (`q_idx >= starts` against a captured table) and reduces it (`.any()`) means
+    something else when called once on broadcast index tensors: the reduction would run over the
+    whole tile. Such mods are evaluated under vmap, whatever a probe region shows."""
+    return structure_fact(mod, ("elementwise", role), lambda: _elementwise(mod, role))
+
+
+def _elementwise(mod: Callable, role: str) -> bool:
+    try:
+        gm = trace_mod(mod, role)
+    except Exception:
+        return False
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() > 0:
+            return False
+    return True

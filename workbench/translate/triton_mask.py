@@ -1,0 +1,329 @@
+"""Triton for a mask_mod / score_mod, pair by pair: `mask_mod_triton(b, h, q_idx, kv_idx, *tables)`
+and `score_mod_triton(score, b, h, q_idx, kv_idx, *tables)`, one line per aten op of the traced mod.
+
+Captured tensors become pointer arguments read with tl.load where they are indexed. Python
+semantics are kept where Triton's differ: integer `//` and `%` round toward minus infinity in
+Python and toward zero in Triton, so both get helpers (skipped where both operands are known to be
+>= 0). Values that carry a trailing dimension (a comparison against a whole captured table, a row
+of a 2-d table) stay symbolic until a reduction (`.any()`, `.all()`, `.sum()`, max / min)
+consumes them; the reduction is unrolled over the table's entries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workbench.define import cdiv
+from workbench.translate.emitter import K, Emitter, Untranslatable, Vec, View, literal
+
+__all__ = ["TritonMaskEmitter", "translate_mod", "HELPERS", "MAX_UNROLLED"]
+
+_BINARY = {
+    "__rshift__": "({a} >> {b})", "__lshift__": "({a} << {b})", "bitwise_right_shift": "({a} >> {b})",
+    "bitwise_left_shift": "({a} << {b})", "true_divide": "({a} / {b})", "logical_xor": "({a} ^ {b})",
+    "add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})", "div": "({a} / {b})",
+    "ge": "({a} >= {b})", "gt": "({a} > {b})", "le": "({a} <= {b})", "lt": "({a} < {b})",
+    "eq": "({a} == {b})", "ne": "({a} != {b})",
+    "bitwise_and": "({a} & {b})", "bitwise_or": "({a} | {b})", "bitwise_xor": "({a} ^ {b})",
+    "logical_and": "({a} & {b})", "logical_or": "({a} | {b})",
+    "minimum": "tl.minimum({a}, {b})", "maximum": "tl.maximum({a}, {b})",
+    "floor_divide": "_py_floordiv({a}, {b})", "remainder": "_py_mod({a}, {b})",
+    "pow": "tl.exp(tl.log({a}) * {b})",
+}
+_UNARY = {
+    "abs": "tl.abs({a})", "neg": "(-{a})", "bitwise_not": "(~{a})", "logical_not": "({a} == 0)",
+    "exp": "tl.exp({a})", "log": "tl.log({a})", "sqrt": "tl.sqrt({a})", "sigmoid": "tl.sigmoid({a})",
+    "tanh": "(2.0 * tl.sigmoid(2.0 * {a}) - 1.0)",  # portable tanh
+    "sin": "tl.sin({a})", "cos": "tl.cos({a})", "floor": "tl.floor({a})", "ceil": "tl.ceil({a})",
+    "exp2": "tl.exp2({a})", "log2": "tl.log2({a})", "rsqrt": "tl.rsqrt({a})", "erf": "tl.erf({a})",
+    "log1p": "tl.log(1.0 + {a})", "expm1": "(tl.exp({a}) - 1.0)", "reciprocal": "(1.0 / {a})",
+    "square": "({a} * {a})",
+}
+IDENTITY = {"clone", "alias", "view", "expand", "lift_fresh_copy", "detach", "contiguous", "_unsafe_view",
+            "reshape", "squeeze", "unsqueeze"}
+FILLS = ("new_ones", "new_zeros", "new_full", "ones_like", "zeros_like", "full_like", "scalar_tensor", "full")
+CASTS = ("_to_copy", "to", "type_as", "convert_element_type")
+CLAMPS = ("clamp", "clip", "clamp_min", "clamp_max")
+TL_DTYPES = {torch.int32: "tl.int32", torch.int64: "tl.int64", torch.float32: "tl.float32", torch.bool: "tl.int1",
+             torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float64: "tl.float64",
+             torch.int8: "tl.int8", torch.int16: "tl.int16", torch.uint8: "tl.uint8"}
+# Reductions over a vector (a captured 1-d table, or a row of a 2-d one): how elements combine.
+_REDUCE = {"any": "({a} | {b})", "all": "({a} & {b})", "sum": "({a} + {b})", "amax": "tl.maximum({a}, {b})",
+           "amin": "tl.minimum({a}, {b})", "max": "tl.maximum({a}, {b})", "min": "tl.minimum({a}, {b})",
+           "prod": "({a} * {b})"}
+MAX_UNROLLED = 256  # entries a reduction is unrolled over (spans, documents... are far fewer)
+# ops whose result is >= 0 when their arguments are
+_KEEPS_NONNEG = {"add", "mul", "floor_divide", "abs", "bitwise_and", "clone", "alias", "view", "expand",
+                 "lift_fresh_copy", "detach", "_to_copy", "to", "index", "select", "maximum", "minimum"}
+
+HELPERS = '''@triton.jit
+def _py_floordiv(a, b):
+    # Python floor division (Triton's // truncates toward zero)
+    q = a // b
+    return q - ((a % b != 0) & ((a < 0) != (b < 0))).to(q.dtype)
+
+
+@triton.jit
+def _py_mod(a, b):
+    # Python modulo: the result takes the sign of b (Triton's % takes the sign of a)
+    r = a % b
+    return r + b * ((r != 0) & ((r < 0) != (b < 0))).to(r.dtype)
+'''
+
+
+class TritonMaskEmitter(Emitter):
+    """A mod pair by pair. Values are scalar expressions (one per lane), Vecs or Views."""
+
+    def __init__(self, gm, arg_names: list[str], captured: dict[str, torch.Tensor],
+                 lifted: frozenset = frozenset()):
+        super().__init__(gm, captured, lifted)
+        self.arg_names = iter(arg_names)
+        # values known to be >= 0 (index arguments, sums and products of such, tables whose entries
+        # are all >= 0): Python's floor division and modulo then equal Triton's plain // and %,
+        # which saves the sign fix-ups in the hot loop (a 2-D neighbourhood divides every pair)
+        self.nonneg: set[str] = set()
+
+    # ------------------------------------------------------------ values
+
+    def value(self, a):
+        """An argument as a scalar expression, a Vec, or a View."""
+        if hasattr(a, "name") and a.name in self.env:
+            return self.env[a.name]
+        if isinstance(a, (int, float, bool)):
+            return literal(a)
+        if isinstance(a, torch.dtype):
+            return TL_DTYPES.get(a, "tl.float32")
+        if a is None:
+            return "None"
+        raise Untranslatable(f"argument {a!r} of type {type(a).__name__}")
+
+    def as_elementwise(self, v):
+        """A scalar expression, or a Vec; views are loaded (0-d) or become vectors (1-d)."""
+        if isinstance(v, View):
+            if len(v.shape) == 0:
+                name = self.fresh("ld")
+                self.lines.append(f"    {name} = tl.load({v.ptr} + {v.offset})")
+                return name
+            if len(v.shape) == 1:
+                if v.shape[0] > MAX_UNROLLED:
+                    raise Untranslatable(f"a captured table of {v.shape[0]} entries is used whole "
+                                         f"(at most {MAX_UNROLLED} are unrolled)")
+                step = f" * {v.strides[0]}" if v.strides[0] != 1 else ""
+                return Vec(v.shape[0], f"tl.load({v.ptr} + {v.offset} + ({K}){step})")
+            raise Untranslatable("a captured tensor with two or more dimensions is used whole")
+        return v
+
+    def combine(self, template: str, *vals):
+        """`template` ({a}, {b}, {c}) filled with the values, elementwise or per vector element."""
+        vals = [self.as_elementwise(v) for v in vals]
+        sizes = {v.n for v in vals if isinstance(v, Vec)}
+        if len(sizes) > 1:
+            raise Untranslatable(f"vectors of different lengths {sorted(sizes)} are combined")
+        exprs = [v.expr if isinstance(v, Vec) else v for v in vals]
+        expr = template.format(**dict(zip("abc", exprs)))
+        return Vec(sizes.pop(), expr) if sizes else expr
+
+    def is_nonneg(self, a) -> bool:
+        if isinstance(a, bool):
+            return True
+        if isinstance(a, (int, float)):
+            return a >= 0
+        return hasattr(a, "name") and a.name in self.nonneg
+
+    # ------------------------------------------------------------ hooks
+
+    def placeholder(self, node):
+        name = next(self.arg_names)
+        if name != "score":
+            self.nonneg.add(node.name)
+        return name
+
+    def constant(self, node, tensor):
+        if self.is_lifted(tensor):
+            # a lifted parameter: a kernel argument, so its value never enters the source (and
+            # nothing is assumed of its sign)
+            return self.view_of(tensor, node.target)
+        if tensor.numel() and not tensor.is_floating_point() and not tensor.is_complex() and int(tensor.min()) >= 0:
+            self.nonneg.add(node.name)
+        return literal(tensor.item()) if tensor.dim() == 0 else self.view_of(tensor, node.target)
+
+    def output(self, node):
+        result = self.as_elementwise(self.value(self.returned(node)))
+        if isinstance(result, Vec):
+            raise Untranslatable("the mod returns a vector, not one value per pair")
+        self.lines.append(f"    return {result}")
+
+    def call(self, op, node):
+        args = node.args
+        args_nonneg = all(self.is_nonneg(a) for a in args if not isinstance(a, (list, tuple, torch.dtype)))
+        if op in ("floor_divide", "remainder") and args_nonneg and not (
+                isinstance(args[1], (int, float)) and args[1] == 0):
+            result = self.combine("({a} // {b})" if op == "floor_divide" else "({a} % {b})", self.value(args[0]),
+                                  self.value(args[1]))
+        else:
+            result = self.op(op, node)
+        min_arg = args[1] if len(args) > 1 else node.kwargs.get("min")
+        if (op in _KEEPS_NONNEG and args_nonneg) or op == "abs" or (op == "remainder" and self.is_nonneg(args[1])) or (
+                op in ("clamp", "clamp_min") and self.is_nonneg(min_arg)):
+            self.nonneg.add(node.name)
+        if isinstance(result, (View, Vec)):
+            return result
+        self.lines.append(f"    v_{node.name} = {result}")
+        return f"v_{node.name}"
+
+    # ------------------------------------------------------------ aten ops, by family
+
+    def op(self, op: str, node):
+        """One aten op as a scalar expression, a Vec or a View."""
+        args, kwargs = node.args, node.kwargs
+        if op == "index":
+            return self.index(node)
+        if op == "select":
+            return self.select(node)
+        if op == "slice":
+            return self.slice(node)
+        if op in IDENTITY:
+            return self.value(args[0])
+        if op in FILLS:
+            return self.fill(op, node)
+        if op in CASTS:
+            return self.cast(node)
+        if op == "where":
+            return self.combine("tl.where({a}, {b}, {c})", *(self.value(a) for a in args[:3]))
+        if op in CLAMPS:
+            return self.clamp(op, node)
+        if op == "rsub":
+            return self.combine("({b} - {a})", self.value(args[0]), self.value(args[1]))
+        if op == "div" and kwargs.get("rounding_mode") in ("floor", "trunc"):
+            template = "_py_floordiv({a}, {b})" if kwargs["rounding_mode"] == "floor" else "({a} // {b})"
+            return self.combine(template, self.value(args[0]), self.value(args[1]))
+        if op == "pow" and isinstance(args[1], int) and 0 <= args[1] <= 8:
+            if args[1] == 0:
+                return self.combine("({a} * 0 + 1)", self.value(args[0]))
+            return self.combine("(" + " * ".join(["{a}"] * args[1]) + ")", self.value(args[0]))
+        if op in ("max", "min") and len(args) == 2 and not isinstance(args[1], int):
+            return self.combine(_BINARY["maximum" if op == "max" else "minimum"], self.value(args[0]),
+                                self.value(args[1]))
+        if op in _REDUCE and (len(args) == 1 or (len(args) >= 2 and args[1] in (0, -1, [0], [-1]))):
+            return self.reduce(op, node)
+        if op in _BINARY and len(args) >= 2:
+            return self.combine(_BINARY[op], self.value(args[0]), self.value(args[1]))
+        if op in _UNARY:
+            return self.combine(_UNARY[op], self.value(args[0]))
+        if op == "gelu":
+            if kwargs.get("approximate", "none") == "tanh":
+                return self.combine("(0.5 * {a} * (1.0 + (2.0 * tl.sigmoid(2.0 * (0.7978845608028654 * ({a} + "
+                                    "0.044715 * {a} * {a} * {a}))) - 1.0)))", self.value(args[0]))
+            return self.combine("(0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476)))", self.value(args[0]))
+        raise Untranslatable(f"aten op `{op}` has no Triton translation here")
+
+    def index(self, node):
+        """table[i, j, ...]: a load, a smaller View, or (a vector index) a Vec of loads."""
+        base = self.value(node.args[0])
+        if not isinstance(base, View):
+            raise Untranslatable("indexing something other than a captured tensor")
+        idx = list(node.args[1])
+        if any(i is None for i in idx):
+            raise Untranslatable("an index that skips a dimension (tensor[:, i])")
+        if len(idx) > len(base.shape):
+            raise Untranslatable("more indices than the captured tensor has dimensions")
+        parts, vec_n = [base.offset], None
+        for i, stride in zip(idx, base.strides):
+            v = self.as_elementwise(self.value(i))
+            if isinstance(v, Vec):
+                vec_n = v.n
+                v = v.expr
+            parts.append(f"({v}) * {stride}" if stride != 1 else f"({v})")
+        rest_shape, rest_strides = base.shape[len(idx):], base.strides[len(idx):]
+        offset = " + ".join(p for p in parts if p != "0") or "0"
+        if vec_n is not None:
+            if rest_shape:
+                raise Untranslatable("a vector index into a table with dimensions left over")
+            return Vec(vec_n, f"tl.load({base.ptr} + {offset})")
+        return View(base.ptr, offset, rest_shape, rest_strides) if rest_shape else f"tl.load({base.ptr} + {offset})"
+
+    def select(self, node):
+        base, dim, i = self.value(node.args[0]), node.args[1], node.args[2]
+        if not isinstance(base, View):
+            raise Untranslatable("select on a computed vector")
+        dim = dim % len(base.shape)
+        i = i % base.shape[dim] if isinstance(i, int) else i
+        shape = base.shape[:dim] + base.shape[dim + 1:]
+        strides = base.strides[:dim] + base.strides[dim + 1:]
+        offset = f"{base.offset} + {literal(i) if isinstance(i, int) else self.value(i)} * {base.strides[dim]}"
+        return View(base.ptr, offset, shape, strides)
+
+    def slice(self, node):
+        args = node.args
+        base = self.value(args[0])
+        dim = args[1] if len(args) > 1 else 0
+        if not isinstance(base, View):
+            raise Untranslatable("slice of a computed vector")
+        dim = dim % len(base.shape)
+        size = base.shape[dim]
+        start = args[2] if len(args) > 2 and args[2] is not None else 0
+        end = args[3] if len(args) > 3 and args[3] is not None else size
+        step = args[4] if len(args) > 4 else 1
+        start, end = (x + size if x < 0 else x for x in (start, min(end, size)))
+        n = max(0, cdiv(end - start, step))
+        shape = base.shape[:dim] + (n,) + base.shape[dim + 1:]
+        strides = base.strides[:dim] + (base.strides[dim] * step,) + base.strides[dim + 1:]
+        return View(base.ptr, f"{base.offset} + {start * base.strides[dim]}", shape, strides)
+
+    def fill(self, op: str, node):
+        args, dtype = node.args, node.kwargs.get("dtype")
+        fill = {"new_ones": 1, "ones_like": 1, "new_zeros": 0, "zeros_like": 0}.get(op)
+        if fill is None:
+            fill = args[-1] if op == "scalar_tensor" else args[1]
+        if dtype is torch.bool or isinstance(fill, bool):
+            return literal(bool(fill))
+        return literal(float(fill) if dtype is not None and dtype.is_floating_point else fill)
+
+    def cast(self, node):
+        args = node.args
+        dtype = node.kwargs.get("dtype") or (args[1] if len(args) > 1 and isinstance(args[1], torch.dtype) else None)
+        if dtype in TL_DTYPES:
+            return self.combine("({a}).to(" + TL_DTYPES[dtype] + ")", self.value(args[0]))
+        return self.as_elementwise(self.value(args[0]))
+
+    def clamp(self, op: str, node):
+        args, kwargs = node.args, node.kwargs
+        lo = args[1] if len(args) > 1 else kwargs.get("min")
+        hi = args[2] if len(args) > 2 else kwargs.get("max")
+        if op == "clamp_max":
+            lo, hi = None, lo
+        expr, vals = "{a}", [self.value(args[0])]
+        if lo is not None:
+            expr, vals = "tl.maximum(" + expr + ", {b})", vals + [self.value(lo)]
+        if hi is not None:
+            key = "c" if lo is not None else "b"
+            expr, vals = "tl.minimum(" + expr + ", {" + key + "})", vals + [self.value(hi)]
+        return self.combine(expr, *vals)
+
+    def reduce(self, op: str, node):
+        """.any() / .all() / .sum() / max / min over a vector, unrolled over its entries."""
+        v = self.as_elementwise(self.value(node.args[0]))
+        if not isinstance(v, Vec):  # a reduction over a 0-d value is the value
+            return f"(({v}) != 0)" if op in ("any", "all") else v
+        val = node.meta.get("val")
+        src = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+        elem = v.expr
+        if op in ("any", "all") and src is not None and src.dtype != torch.bool:
+            elem = f"(({elem}) != 0)"
+        if op == "sum" and src is not None and src.dtype == torch.bool:
+            elem = f"({elem}).to(tl.int64)"
+        terms = [elem.replace(K, str(k)) for k in range(v.n)]
+        expr = terms[0]
+        for term in terms[1:]:
+            expr = _REDUCE[op].format(a=expr, b=term)
+        if val is not None and tuple(val.shape) != ():
+            raise Untranslatable("a reduction that keeps dimensions")
+        return expr
+
+
+def translate_mod(gm, fn_name: str, arg_names: list[str], captured: dict[str, torch.Tensor],
+                  lifted: frozenset = frozenset()) -> tuple[str, list[str]]:
+    """Triton source of one traced mod; returns (source, pointer argument names in order)."""
+    emitter = TritonMaskEmitter(gm, arg_names, captured, lifted)
+    emitter.walk()
+    return emitter.function(fn_name, arg_names + emitter.pointers), emitter.pointers

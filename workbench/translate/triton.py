@@ -11,13 +11,18 @@ harnesses (on the GPU, or on the CPU under TRITON_INTERPRET=1); loading a spec n
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from workbench.define import Mask, captured_tensors, cdiv, trace_mod
-from workbench.define.util import load_module
+from workbench.define.util import fill_template, load_module, template_body
 from workbench.translate.emitter import Untranslatable
 from workbench.translate.triton_bounds import range_pointers, table_ranges, translate_bounds
 from workbench.translate.triton_mask import HELPERS, MAX_UNROLLED, translate_mod
+
+# the test-harness kernels appended to the translated mods (templates in the @@ dialect)
+HARNESS = Path(__file__).with_name("templates")
 
 __all__ = ["Untranslatable", "mod_functions", "generate", "unsupported_reason", "triton_section", "load_source",
            "run_bounds", "run_grid", "range_pointers", "table_ranges", "HELPERS", "MAX_UNROLLED"]
@@ -51,44 +56,15 @@ def generate(mask: Mask, lifted: frozenset = frozenset(), bounds: bool = False
     captured 0-d tensors (see define.lift_scalars) read as kernel arguments, not written in.
     `bounds`: also mask_mod_bounds (what the mask gives over a block) and bounds_grid_kernel."""
     parts, mask_ptrs, score_ptrs, captured = mod_functions(mask, lifted, bounds)
+    def harness(name: str, pointers: list[str]) -> str:
+        return fill_template(template_body(HARNESS / f"{name}.py"), {"@@PTRS@@": "".join(f", {p}" for p in pointers)})
+
     if mask.mask_mod is not None:
-        ptr_params = "".join(f", {p}" for p in mask_ptrs)
-        parts.append(f'''@triton.jit
-def mask_grid_kernel(out_ptr, b, h, Lq, Lk{ptr_params}, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
-    # writes the mask of (b, h) as int8 [Lq, Lk]: a test harness and an example call
-    q_idx = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)[:, None]
-    kv_idx = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-    inside = (q_idx < Lq) & (kv_idx < Lk)
-    # indices past the end are clamped so table reads stay in bounds; they are not stored
-    keep = mask_mod_triton(b, h, tl.minimum(q_idx, Lq - 1), tl.minimum(kv_idx, Lk - 1){ptr_params})
-    tl.store(out_ptr + q_idx * Lk + kv_idx, keep.to(tl.int8), mask=inside)
-''')
+        parts.append(harness("mask_grid", mask_ptrs))
     if bounds and mask.mask_mod is not None:
-        ptr_params = "".join(f", {p}" for p in mask_ptrs + range_pointers(mask_ptrs))
-        parts.append(f'''@triton.jit
-def bounds_grid_kernel(out_ptr, boxes_ptr, b, h{ptr_params}):
-    # mask_mod_bounds of box i = (q_lo, q_hi, kv_lo, kv_hi) as out[i] = (all, any): a test harness
-    i = tl.program_id(0)
-    q_lo = tl.load(boxes_ptr + 4 * i)
-    q_hi = tl.load(boxes_ptr + 4 * i + 1)
-    kv_lo = tl.load(boxes_ptr + 4 * i + 2)
-    kv_hi = tl.load(boxes_ptr + 4 * i + 3)
-    all_kept, any_kept = mask_mod_bounds(b, h, q_lo, q_hi, kv_lo, kv_hi{ptr_params})
-    tl.store(out_ptr + 2 * i, all_kept)
-    tl.store(out_ptr + 2 * i + 1, any_kept)
-''')
+        parts.append(harness("bounds_grid", mask_ptrs + range_pointers(mask_ptrs)))
     if mask.score_mod is not None:
-        ptr_params = "".join(f", {p}" for p in score_ptrs)
-        parts.append(f'''@triton.jit
-def score_grid_kernel(score_ptr, out_ptr, b, h, Lq, Lk{ptr_params}, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
-    # applies score_mod_triton to a float32 [Lq, Lk] score matrix of (b, h): a test harness
-    q_idx = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)[:, None]
-    kv_idx = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-    inside = (q_idx < Lq) & (kv_idx < Lk)
-    score = tl.load(score_ptr + q_idx * Lk + kv_idx, mask=inside, other=0.0)
-    out = score_mod_triton(score, b, h, tl.minimum(q_idx, Lq - 1), tl.minimum(kv_idx, Lk - 1){ptr_params})
-    tl.store(out_ptr + q_idx * Lk + kv_idx, out.to(tl.float32), mask=inside)
-''')
+        parts.append(harness("score_grid", score_ptrs))
     return "import triton\nimport triton.language as tl\n\n\n" + "\n\n".join(parts), mask_ptrs, score_ptrs, captured
 
 

@@ -76,6 +76,7 @@ MASK_POINTERS = @@MASK_POINTERS@@  # captured tensors the mask_mod reads, in arg
 ALL_POINTERS = @@ALL_POINTERS@@  # those of the mask_mod and the score_mod, as the attention kernel takes them
 TENSOR_FILE = @@TENSOR_FILE_NAME@@
 TABLE_M, TABLE_N = 128, 128  # the block lists' granularity (queries x keys)
+EMPTY, PARTIAL, FULL = 0, 1, 2  # a block's class in the scan (_block_class_kernel) and in block_lists
 
 
 def _read_safetensors(path: str, device) -> dict:
@@ -163,7 +164,7 @@ def _block_class_kernel(classes, Lq, Lk, n_cols, n_heads_tab, q_off, kv_off,
         # cut short by the last query is full when every pair of its rows is kept: the rows past
         # the end are loaded as zeros and never stored (a packed segment's last row of blocks)
         rows = tl.minimum(Lq - r * TABLE_M, TABLE_M)
-        cls = tl.where(total == rows * TABLE_N, 2, tl.where(total > 0, 1, 0))
+        cls = tl.where(total == rows * TABLE_N, 2, tl.where(total > 0, 1, 0))  # FULL, PARTIAL, EMPTY
         tl.store(classes + (bh * tl.num_programs(0) + r) * n_cols + c, cls.to(tl.int8))
         c += 1
 
@@ -200,7 +201,7 @@ def _scan_block_lists(b_tab, h_tab, q_len, kv_len, device, q_off, kv_off, length
         if kv_len % TABLE_N:
             classes[:, :, :, -1] = 1
     lists = []
-    for kind in (1, 2):
+    for kind in (PARTIAL, FULL):
         hit = classes == kind
         num = hit.sum(-1, dtype=torch.int32)
         # the blocks of this kind first, in ascending order (a stable sort of 1s before 0s)
@@ -389,16 +390,17 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
     # full blocks (every pair kept: the mask is not evaluated), then partial blocks (the mask is
     # applied pair by pair). On a GPU, `for` loops let Triton pipeline the loads; Triton's CPU
     # interpreter cannot run `range` to a runtime bound, so there the same steps run in `while`.
-    for kind in tl.static_range(2):
-        num = full_num if kind == 0 else partial_num
-        idx = full_idx if kind == 0 else partial_idx
+    for visit in tl.static_range(2):  # visit 0: the FULL blocks, visit 1: the PARTIAL ones
+        masked = visit == 1
+        num = full_num if not masked else partial_num
+        idx = full_idx if not masked else partial_idx
         n_blocks = tl.load(num + row)
         # only a row's last block can run past the last key (the lists ascend, and such a block
         # is never full), and only if it is the sequence's (segment's) last block: the loop runs
         # the others without bounds checks, which keeps it within the registers (checks in the
         # loop made the packed-segment kernel spill), and that block runs on its own after it
         n_even = n_blocks
-        if kind == 1 and not EVEN_N:
+        if masked and not EVEN_N:
             last = tl.load(idx + row * n_cols + tl.maximum(n_blocks - 1, 0))
             n_even = tl.where((n_blocks > 0) & ((last + 1) * TABLE_N > Lk), n_blocks - 1, n_blocks)
         if INTERPRET:
@@ -409,7 +411,7 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
                     acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
                                                   c * TABLE_N + sub * BLOCK_N, rows, offs_d, b, h, Lq, Lk, D,
                                                   sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
-                                                  MASKED=kind == 1, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
+                                                  MASKED=masked, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
                                                   EVEN_N=True, EVEN_D=EVEN_D, WIDEN=WIDEN)
                 j += 1
         else:
@@ -419,9 +421,9 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
                     acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
                                                   c * TABLE_N + sub * BLOCK_N, rows, offs_d, b, h, Lq, Lk, D,
                                                   sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
-                                                  MASKED=kind == 1, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
+                                                  MASKED=masked, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
                                                   EVEN_N=True, EVEN_D=EVEN_D, WIDEN=WIDEN)
-        if kind == 1 and not EVEN_N:
+        if masked and not EVEN_N:
             if n_blocks > n_even:
                 c = tl.load(idx + row * n_cols + n_even)
                 for sub in tl.static_range(TABLE_N // BLOCK_N):

@@ -8,7 +8,8 @@ grammar, and run each from its files alone against the float64 reference. Usage:
 bf16 and fp32 whatever DTYPEs say). `shard=I/N` runs every N-th case from the I-th (the cases
 compile one kernel each: N processes, one per GPU, share the work).
 
-Prints OK / FAIL per mod and dtype, then a SUMMARY line; exits 1 on any failure."""
+Prints `CASE <id> OK|FAIL detail` per mod and dtype (ids: `case_ids`), then a SUMMARY line; exits 1
+on any failure."""
 
 import os
 import random
@@ -84,28 +85,42 @@ def check(mask, shape, dtype, device, folder) -> str | None:
                                           f"{c.bad_count} bad, {c.nan_count} NaN" for c in bad)
 
 
+def cases(n_random: int) -> list[tuple[str, Mask, Shape]]:
+    """(case id, mask, shape): the corpus at its lengths (GQA where the heads allow it), then
+    n_random mods drawn from the trust grammar. Deterministic: the test collects the ids."""
+    out = []
+    for mask, batch, heads in corpus():
+        n = mask.q_len or 96
+        out.append((mask, Shape(batch=batch, q_heads=heads, kv_heads=1 if heads % 2 else heads // 2 or 1,
+                                q_len=n, kv_len=mask.kv_len or n, head_dim=32)))
+    rng = random.Random(1)
+    for n in range(n_random):
+        q_len = rng.randint(1, 200) if n else 256  # the first at whole blocks (no bounds checks compiled)
+        kv_len = q_len + (rng.randint(0, 60) if n else 128)
+        batch, heads = rng.randint(1, 3), rng.randint(1, 4)
+        out.append((random_mod(rng, q_len, kv_len, batch, heads),
+                    Shape(batch=batch, q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=rng.choice([16, 40, 64]))))
+    return [(f"{n}-{mask.name}".replace(" ", ""), mask, shape) for n, (mask, shape) in enumerate(out)]
+
+
+def case_ids(n_random: int, dtypes: list[str], conformance: bool, device: str = "cpu") -> list[str]:
+    ids = [f"{case}-{dtype}" for case, _, _ in cases(n_random) for dtype in dtypes]
+    if conformance:
+        golden = ["bfloat16", "float32"] if device == "cuda" else dtypes
+        ids += [f"conformance-{name}{'+' + score if score else ''}-{dtype}"
+                for name, _, score in CONFORMANCE_CASES for dtype in golden]
+    return ids
+
+
 def main(argv):
     device = argv[0] if argv else "cpu"
     n_random = int(argv[1]) if len(argv) > 1 else 10
     shard = next((tuple(map(int, a[6:].split("/"))) for a in argv[2:] if a.startswith("shard=")), (0, 1))
     dtypes = [a for a in argv[2:] if a != "conformance" and not a.startswith("shard=")] or (["float32"] if device == "cpu" else ["bfloat16", "float32"])
     folder = Path(tempfile.mkdtemp(prefix="port_corpus_"))
-    cases = []
-    for mask, batch, heads in corpus():
-        n = mask.q_len or 96
-        # the corpus is written for LENGTH x LENGTH; GQA where the heads allow it
-        cases.append((mask, Shape(batch=batch, q_heads=heads, kv_heads=1 if heads % 2 else heads // 2 or 1,
-                                  q_len=n, kv_len=mask.kv_len or n, head_dim=32)))
-    rng = random.Random(1)
-    for n in range(n_random):
-        q_len = rng.randint(1, 200) if n else 256  # the first at whole blocks (no bounds checks compiled)
-        kv_len = q_len + (rng.randint(0, 60) if n else 128)
-        batch, heads = rng.randint(1, 3), rng.randint(1, 4)
-        cases.append((random_mod(rng, q_len, kv_len, batch, heads),
-                      Shape(batch=batch, q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=rng.choice([16, 40, 64]))))
     failed = 0
-    cases = [(n, mask, shape) for n, (mask, shape) in enumerate(cases) if n % shard[1] == shard[0]]
-    for n, mask, shape in cases:
+    todo = [(n, case) for n, case in enumerate(cases(n_random)) if n % shard[1] == shard[0]]
+    for n, (case, mask, shape) in todo:
         for dtype in dtypes:
             sub = folder / f"case{n}{dtype}"
             # on a GPU each case pins one autotuning configuration, in turn: all of them get exercised
@@ -116,9 +131,9 @@ def main(argv):
                 problem = f"raised {type(exc).__name__}: {str(exc)[:300]}"
             failed += problem is not None
             size = f"B={shape.batch} Hq={shape.q_heads} Hkv={shape.kv_heads} {shape.q_len}x{shape.kv_len} D={shape.head_dim}"
-            print(f"{'OK' if problem is None else 'FAIL'} {mask.name} {dtype} {size}" + (f": {problem}" if problem else ""),
+            print(f"CASE {case}-{dtype} {'OK' if problem is None else 'FAIL'} {size}" + (f": {problem}" if problem else ""),
                   flush=True)
-    total = len(cases) * len(dtypes)
+    total = len(todo) * len(dtypes)
     if "conformance" in sys.argv:
         golden_dtypes = ["bfloat16", "float32"] if device == "cuda" else dtypes
         failed += conformance_of_the_library(device, golden_dtypes, folder)
@@ -158,7 +173,8 @@ def conformance_of_the_library(device, dtypes, folder) -> int:
                 return module.attention(q.to(device, real), k.to(device, real), v.to(device, real)).cpu()
 
             report = conformance(json_path, impl)
-            print(f"{'OK' if report.passed else 'FAIL'} conformance {spec.name} {dtype}: {report.line}", flush=True)
+            case = f"conformance-{name}{'+' + score if score else ''}-{dtype}"
+            print(f"CASE {case} {'OK' if report.passed else 'FAIL'} {report.line}", flush=True)
             failed += not report.passed
     return failed
 

@@ -12,6 +12,8 @@ import torch
 
 from workbench.blocks import BlockScan
 
+__all__ = ["MaskStats", "mask_stats"]
+
 MAX_LISTED_ROWS = 32
 
 

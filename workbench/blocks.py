@@ -31,6 +31,10 @@ from tqdm.auto import tqdm
 from workbench import compat, kernels
 from workbench.define import Mask, WorkbenchError, broadcast_indices, cdiv, choose_evaluator, evaluate_mod, index_reads
 
+__all__ = ["BlockScan", "scan_blocks", "build_block_mask", "block_mask_from_scan", "block_classes", "dense_mask",
+           "device_memory", "default_budget", "pick_engine", "check_index_sizes", "EMPTY", "PARTIAL", "FULL",
+           "DEFAULT_BLOCK"]
+
 DEFAULT_BLOCK = 128
 # Rough bytes of temporaries per evaluated pair (bool results, int32 intermediates of a mod).
 BYTES_PER_PAIR = 16

@@ -32,6 +32,8 @@ from workbench.report import DEFAULT_LEN, default_device, library_targets, run_r
 from workbench.run import FlexBackend, Shape, check_mask_fits, dtype_name
 from workbench.verify import ReferenceOptions, verify
 
+__all__ = ["main", "build_parser"]
+
 
 def positive_int(text: str) -> int:
     """argparse type: a whole number >= 1 (0 or a negative is an error, never a default)."""

@@ -8,6 +8,10 @@ import inspect
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+__all__ = ["TORCH_VERSION", "getitem_as_index", "vmap_bhqkv", "block_mask_from_kv_blocks", "raise_recompile_limit",
+           "flex_with_lse", "reset_compiled", "float32_matmul", "tensor_version", "expandable_segments",
+           "make_fx_trace", "aten_op_name", "is_compile_error"]
+
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 if TORCH_VERSION < (2, 6):
     raise ImportError(f"flex-workbench needs torch >= 2.6 (FlexAttention), found {torch.__version__}")

@@ -26,6 +26,8 @@ from workbench import port
 from workbench.define import Mask, WorkbenchError, prepare
 from workbench.run import Inputs, PortBackend, Shape, backend_for, check_device_dtype, dtype_name
 
+__all__ = ["check", "InvarianceOptions", "InvarianceResult", "LayoutResult", "compare", "LAYOUT_KEYS", "BACKENDS"]
+
 BACKENDS = ("flex", "eager", "port")
 LAYOUT_KEYS = ("run", "batch", "packed_aligned", "packed_unaligned", "padded", "chunked_aligned",
                "chunked_unaligned", "decode")

@@ -19,6 +19,10 @@ from workbench import compat
 from workbench.blocks import EMPTY, FULL, PARTIAL, BlockScan, block_classes, dense_mask, scan_blocks
 from workbench.define import Mask, WorkbenchError
 
+__all__ = ["png", "ShownFigure", "BlockGrid", "block_grid", "block_map", "token_view", "Focus", "focus", "overview",
+           "overview_fractions", "score_view", "score_values", "diff_view", "diff_codes", "count_differences",
+           "BLOCK_COLOURS", "BLOCK_LABELS"]
+
 # Every figure the workbench writes or shows as a PNG (notebook, report, app, CLI, sweep summary)
 # goes through `png`, at one resolution.
 PNG_DPI = 90

@@ -36,6 +36,10 @@ from workbench.export import build_spec, write_spec
 from workbench.run import Shape, defaults_for
 from workbench.verify import verify
 
+__all__ = ["run_report", "MaskResult", "analyze_target", "verify_target", "invariance_target", "port_target",
+           "export_target", "library_targets", "summary_frame", "render_html", "default_device", "DEFAULT_LEN",
+           "DEFAULT_HEADS"]
+
 DEFAULT_LEN = 4096
 DEFAULT_HEADS = 4
 # The CPU verifies with uncompiled FlexAttention (its unfused path) at a short length; a GPU

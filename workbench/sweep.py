@@ -51,6 +51,8 @@ from workbench.look import ShownFigure
 from workbench.run import Shape, dtype_name
 from workbench.verify import TOLERANCES, verify
 
+__all__ = ["run", "load_sweep", "run_case", "case_key", "mask_source", "summary_html", "TASKS", "CASE_KEYS"]
+
 TASKS = ("blocks", "verify", "bench", "export", "invariance")
 CASE_KEYS = ("target", "params", "score", "score_params", "q_len", "kv_len", "heads", "kv_heads", "batch", "head_dim",
              "dtype", "device", "backend", "task", "seed")

@@ -13,6 +13,8 @@ import traitlets
 from workbench.look import BLOCK_COLOURS, BLOCK_LABELS, BlockGrid
 from workbench.blocks import EMPTY, FULL, PARTIAL
 
+__all__ = ["BlockMapWidget"]
+
 _ESM = r"""
 const CLASS_NAMES = {NAMES};
 const CLASS_COLOURS = {COLOURS};

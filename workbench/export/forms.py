@@ -24,6 +24,10 @@ from workbench.blocks import dense_mask
 from workbench.compat import getitem_as_index
 from workbench.define import Mask
 
+__all__ = ["Intervals", "mask_intervals", "check_section", "fit_flash_attn", "decode_flash_attn", "fit_vllm_triton",
+           "decode_vllm_triton", "fit_magi", "decode_magi", "fit_flashmask", "decode_flashmask",
+           "decode_row_intervals", "row_intervals_table", "decode_block_sparse", "probe_score"]
+
 ROW_CHUNK_PAIRS = 1 << 24  # pairs per dense chunk while reading intervals or checking a form
 MAX_SLICES = 1 << 16
 

@@ -24,6 +24,9 @@ from workbench.define import Mask, captured_tensors, cdiv, lift_scalars, same_de
 from workbench.define.util import fill_template, template_body
 from workbench.translate import Untranslatable, generate, load_source, range_pointers, table_ranges
 
+__all__ = ["ScanKernel", "scan_kernel", "block_scan", "available", "interpreting", "forget", "is_compiled",
+           "compile_in_background", "background_compiles", "compiling", "times_requested", "tile_shape", "TEMPLATE"]
+
 # The kernel, appended to the translated mod (see the template's docstring for its @@ markers).
 TEMPLATE = Path(__file__).with_name("templates") / "scan.py"
 

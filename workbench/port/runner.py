@@ -10,6 +10,8 @@ for), with the reason on the last line of stderr.
 import importlib.util
 import sys
 
+__all__ = ["main"]
+
 
 def main(argv: list[str]) -> int:
     from safetensors.torch import load_file, save_file

@@ -31,6 +31,9 @@ from workbench.run import Inputs, make_inputs
 from workbench.verify.compare import TensorCheck, Tolerance, compare, merge_checks
 from workbench.verify.reference import Reference, ReferenceState, reference_attention
 
+__all__ = ["compare_on_ray", "reference_on_ray", "start_rows_workers", "RowsPool", "RowsWorker", "row_ranges",
+           "fingerprint", "RANGES_PER_WORKER"]
+
 RANGES_PER_WORKER = 8  # more ranges than workers: a causal mask's heavier last rows balance out
 AHEAD_PER_WORKER = 2  # ranges each actor computes before the kernel's output arrives
 

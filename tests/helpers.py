@@ -52,8 +52,8 @@ def variants(section, B, H):
         yield 0, 0, section
 
 
-def cli(capsys, *argv):
-    """(exit code, stdout + stderr) of `python -m workbench ARGV`, run in this process."""
+def run_cli(capsys, *argv):
+    """(exit code, stdout, stderr) of `python -m workbench ARGV`, run in this process."""
     from workbench.cli import main
 
     try:
@@ -61,4 +61,10 @@ def cli(capsys, *argv):
     except SystemExit as exc:  # argparse's usage errors
         rc = exc.code
     out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def cli(capsys, *argv):
+    """(exit code, stdout + stderr) of `python -m workbench ARGV`."""
+    rc, out, err = run_cli(capsys, *argv)
     return rc, out + err

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import run_cli
 from workbench import Mask, make
-from workbench.cli import main
 from workbench.define import WorkbenchError, parse_params
 
 HERE = Path(__file__).resolve().parent / "bad_inputs"
@@ -19,14 +19,7 @@ MODS = HERE / "mods.py"
 IMPLS = HERE / "impls.py"
 
 
-def cli(capsys, *argv):
-    """(exit code, stdout, stderr) of `python -m workbench ARGV`, run in this process."""
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exc:  # argparse's usage errors
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
+cli = run_cli
 
 
 def bad(capsys, *argv, match, rc=2):

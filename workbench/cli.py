@@ -367,7 +367,9 @@ def cmd_invariance(args) -> int:
         import pandas as pd
 
         with pd.option_context("display.max_colwidth", 90, "display.width", 250):
-            print(result.to_frame()[["bitwise", "max_abs_diff", "max_ulp", "why"]].to_string())
+            # last-bit differences print as such (1.79e-07), never as 0.000000 next to bitwise False
+            print(result.to_frame()[["bitwise", "same_attention", "max_abs_diff", "max_ulp", "why"]].to_string(
+                float_format=lambda x: f"{x:.3g}"))
         print(result.line)
     return 0 if result.passed else 1
 

@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 
 from workbench import port
+from workbench.blocks import dense_mask
 from workbench.define import Mask, WorkbenchError, prepare
 from workbench.run import Inputs, PortBackend, Shape, backend_for, check_device_dtype, dtype_name
 
@@ -46,6 +47,9 @@ class LayoutResult:
     first_diff: dict | None  # {"h", "q", "d", "alone", "here"} of the first differing element
     why: str
     held: bool = True  # the user asked this layout to hold
+    # False: the layout does not compute the same attention (a chunk sees only the keys so far, but
+    # the mask keeps later ones), so a difference says nothing of the kernel's bits
+    same_attention: bool = True
 
 
 @dataclass
@@ -59,20 +63,29 @@ class InvarianceResult:
     layouts: list[LayoutResult] = field(default_factory=list)
     unrun: list[str] = field(default_factory=list)  # layouts that had to hold but did not run
 
+    explicit_hold: bool = False  # the user named the layouts that must hold
+
+    def _counted(self) -> list[LayoutResult]:
+        """The held layouts a verdict counts: those computing the same attention as alone (all
+        held ones when the user named them)."""
+        return [r for r in self.layouts if r.held and (r.same_attention or self.explicit_hold)]
+
     @property
     def passed(self) -> bool:
         """Every held layout ran and was bitwise; a check of nothing does not pass."""
-        held = [r for r in self.layouts if r.held]
+        held = self._counted()
         return bool(held) and not self.unrun and all(r.bitwise for r in held)
 
     @property
     def line(self) -> str:
-        held = [r for r in self.layouts if r.held]
+        held = self._counted()
         broken = [r.key for r in held if not r.bitwise]
+        other = sorted({r.key for r in self.layouts if not r.same_attention})
         verdict = "INVARIANT" if self.passed else "NOT CHECKED" if not held else "NOT INVARIANT"
         return (f"{verdict} {self.name} ({self.backend}, {self.dtype} on {self.device}, L={self.shape.q_len} "
                 f"H={self.shape.q_heads} D={self.shape.head_dim}): {len(held) - len(broken)}/{len(held)} layouts "
                 f"bitwise" + (f"; differs under {', '.join(broken)}" if broken else "")
+                + (f"; not the same attention (the mask keeps later keys): {', '.join(other)}" if other else "")
                 + (f"; held but not run: {', '.join(self.unrun)}" if self.unrun else "")
                 + ("; no layout that must hold ran" if not held else ""))
 
@@ -156,6 +169,7 @@ class _Plan:
     q_rows: tuple[int, int]  # which of the request's rows the layout computes
     same: str   # why it can hold
     differs: str  # why it may not
+    not_same: str = ""  # why this layout computes another attention than alone ("" when it does not)
 
 
 def _plans(mask: Mask, q, k, v, others, block: tuple[int, int], batch: int, chunks: tuple[int, int],
@@ -199,6 +213,7 @@ def _plans(mask: Mask, q, k, v, others, block: tuple[int, int], batch: int, chun
                        "partial) tiles after them",
                        "the masked tail changes the tiles the request's keys are reduced in, or the kernel's "
                        "split of the keys"))
+    later = _later_keys(mask, L, q.shape[1], q.device)
     for size, key in zip(chunks, ("chunked_aligned", "chunked_unaligned")):
         starts = list(range(0, L, size))
         calls = [(Mask(mask.name, mask_mod=_shifted(mask.mask_mod, s, 0), score_mod=_shifted(mask.score_mod, s, 0, True),
@@ -207,7 +222,8 @@ def _plans(mask: Mask, q, k, v, others, block: tuple[int, int], batch: int, chun
                            calls, lambda o: torch.cat([x[0] for x in o], dim=1), (0, L),
                            "a query row's keys are tiled from key 0 in every chunk, as alone; only the query tiles "
                            "move" + ("" if size % qb == 0 else f" (chunks of {size} are not a multiple of the q block {qb})"),
-                           "the kernel picks its tiling or key split by the query count or the kv length of each call"))
+                           "the kernel picks its tiling or key split by the query count or the kv length of each call",
+                           _not_same(later, [(st, min(L, st + size)) for st in starts])))
     first = L - decode_rows
     calls = [(Mask(mask.name, mask_mod=_shifted(mask.mask_mod, t, 0), score_mod=_shifted(mask.score_mod, t, 0, True),
                    heads=mask.heads), q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1]) for t in range(first, L)]
@@ -215,8 +231,37 @@ def _plans(mask: Mask, q, k, v, others, block: tuple[int, int], batch: int, chun
                        lambda o: torch.cat([x[0] for x in o], dim=1), (first, L),
                        "one query against the same keys, tiled from key 0",
                        "one query per call takes a decode path that splits the keys (split-KV) and adds the parts "
-                       "in another order"))
+                       "in another order", _not_same(later, [(t, t + 1) for t in range(first, L)])))
     return plans
+
+
+def _later_keys(mask: Mask, L: int, heads: int, device) -> torch.Tensor:
+    """last[q]: the last key any head of the request keeps for row q (-1: none), from the mask_mod
+    itself, a block of rows at a time."""
+    last = torch.full((L,), -1, dtype=torch.int64)
+    if mask.mask_mod is None:
+        return torch.full((L,), L - 1, dtype=torch.int64)
+    kv = torch.arange(L, device=device)
+    step = max(1, (1 << 24) // max(1, L * heads))
+    for q0 in range(0, L, step):
+        keep = dense_mask(mask, (q0, min(L, q0 + step)), (0, L), heads=heads, device=device)[0].any(0)
+        kept_at = torch.where(keep, kv, -1)
+        last[q0:q0 + keep.shape[0]] = kept_at.max(-1).values.cpu()
+    return last
+
+
+def _not_same(last: torch.Tensor, calls: list[tuple[int, int]]) -> str:
+    """Why calls over these row ranges (each seeing the keys before its range's end) compute another
+    attention than alone, or ""."""
+    for start, stop in calls:
+        rows = last[start:stop]
+        beyond = (rows >= stop).nonzero()
+        if len(beyond):
+            q = start + int(beyond[0])
+            return (f"this layout does not compute the same attention: query {q} keeps key {int(last[q])}, after the "
+                    f"last key its call sees ({stop - 1}); a chunk or decode step sees only the keys so far, while the "
+                    "mask keeps later ones (bidirectional spans, prefixes). The difference is the mask, not tiling")
+    return ""
 
 
 # ---------------------------------------------------------------- comparing bits
@@ -341,7 +386,8 @@ def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: i
         raise WorkbenchError("segments=True is a tiling of the generated port", "use backend='port' with segments")
     run = _runner(backend, segments)
     alone = run(mask, q, k, v)[0]
-    result = InvarianceResult(mask.name, asked or backend.name, dtype, str(device), shape, (qb, kb))
+    result = InvarianceResult(mask.name, asked or backend.name, dtype, str(device), shape, (qb, kb),
+                              explicit_hold=hold is not None)
     plans = _plans(mask, q, k, v, others, (qb, kb), batch, chunks, packs, padded_len, min(4, q_len))
     plans = [p for p in plans if layouts is None or p.key in layouts]
     from tqdm.auto import tqdm
@@ -351,12 +397,12 @@ def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: i
         here = plan.rows(outs)
         mine = alone[:, plan.q_rows[0]:plan.q_rows[1]]
         bitwise, max_abs, max_ulp, first = compare(mine, here, plan.q_rows[0])
-        layout, why = plan.layout, plan.same if bitwise else plan.differs
+        layout, why = plan.layout, plan.not_same or (plan.same if bitwise else plan.differs)
         if segments and plan.key.startswith("packed"):
             layout += ", cu_seqlens"
             why = ("kv tiles start at each request's start (cu_seqlens), so the request's keys fall into the same "
                    "tiles as alone" if bitwise else "the segment-relative tiles still changed the order (unexpected)")
         result.layouts.append(LayoutResult(plan.key, layout, bitwise, max_abs, max_ulp, first, why,
-                                           held=hold is None or plan.key in hold))
+                                           held=hold is None or plan.key in hold, same_attention=not plan.not_same))
     result.unrun = sorted(set(hold or []) - {r.key for r in result.layouts})
     return result

@@ -22,7 +22,8 @@ from workbench import invariance, look, port
 from workbench.analyze import mask_stats
 from workbench.app.widgets import BlockMapWidget
 from workbench.blocks import scan_blocks
-from workbench.define import Mask, WorkbenchError, bind, factory_params, library, make, prepare
+from workbench.define import (Mask, WorkbenchError, bind, factory_params, implied_size, index_reads, library, make,
+                              prepare)
 from workbench.export import build_spec, write_spec
 from workbench.run import Shape, defaults_for, make_inputs, run_flex
 from workbench.verify import verify
@@ -119,7 +120,7 @@ class Workbench:
         self.picker.observe(self._on_pick, names="value")
         for widget in (self.q_len, self.kv_len, self.block, self.heads, self.head, self.batch):
             widget.observe(self._on_change, names="value")
-        self.heads_default = self.heads.value
+        self.heads_default, self.batch_default = self.heads.value, self.batch.value
         self._stale: set[str] = set()
         self.tabs.observe(self._on_tab, names="selected_index")
         self.widget = w.VBox([
@@ -161,9 +162,16 @@ class Workbench:
         return {k: _param_value(v) for k, v in self.param_widgets.items()}
 
     def build(self) -> Mask:
+        """The mask at the fields' sizes. A mod that reads `h` (or `b`) through a table of its own
+        (`w[h]`) opens with as many heads (batch entries) as the table holds."""
         q_len, kv_len = self.q_len.value, self.kv_len.value
         target = self.custom if self.picker.value == CUSTOM else self.picker.value
-        return prepare(target, self.params(), q_len, kv_len, self.device)
+        mask = prepare(target, self.params(), q_len, kv_len, self.device)
+        if mask.heads is None and (heads := implied_size(mask, "h")):
+            mask = mask.replace(heads=heads)
+        if mask.batch is None and (batch := implied_size(mask, "b")):
+            mask = mask.replace(batch=batch)
+        return mask
 
     # ------------------------------------------------------------ events
 
@@ -229,8 +237,8 @@ class Workbench:
             heads = self.mask.heads or self.heads.value  # a per-head mask shows all its heads
             # a new mod's fused kernel compiles on the side: this scan does not wait for it
             self.scan = scan_blocks(self.mask, self.q_len.value, self.kv_len.value, heads=heads,
-                                    batch=self.batch.value, block_size=self.block.value, device=self.device,
-                                    background_compile=True)
+                                    batch=self.mask.batch or self.batch.value, block_size=self.block.value,
+                                    device=self.device, background_compile=True)
             steps["scan"] = time.perf_counter() - start - sum(steps.values())
             self.message.value = ""
             self._focus_zoom()
@@ -248,22 +256,38 @@ class Workbench:
         self.redraws += 1
         if self.mask is not None:
             s = self.scan
-            varies = [f"{n} {what} differ" for n, what, flag in ((s.heads, "heads", s.depends_on_head),
-                                                                 (s.batch, "batch entries", s.depends_on_batch)) if flag]
             self.status.value = (f"<span style='color:#5a6776;font-size:12px'>{_esc(self.mask.name)} · Lq {s.q_len:,} x "
-                                 f"Lk {s.kv_len:,} · {', '.join(varies) or 'same for every head and batch entry'} · block scan "
+                                 f"Lk {s.kv_len:,} · {_esc(self._dependence())} · block scan "
                                  f"{s.engine} · redrawn in {self.last_redraw_seconds:.2f} s on {self.device}</span>")
+
+    def _dependence(self) -> str:
+        """What the status line says of heads and batch entries: only what the scan and the mod's
+        graph show (a mod that reads h is never called the same for every head)."""
+        s = self.scan
+        reads = index_reads(self.mask.mask_mod) | index_reads(self.mask.score_mod, "score")
+        parts = []
+        for index, n, what, one, field, differs in (
+                ("h", s.heads, "heads", "head", "heads", s.depends_on_head),
+                ("b", s.batch, "batch entries", "batch entry", "batch", s.depends_on_batch)):
+            if differs:
+                parts.append(f"{n} {what} differ")
+            elif index in reads:
+                parts.append(f"reads {index}: {n} {one if n == 1 else what} shown"
+                             + (f", set {field} to see more" if n == 1 else ", alike here"))
+        return ", ".join(parts) or "same for every head and batch entry (the mods read neither h nor b)"
 
     def _show_mask_fields(self):
         """The fields say what the mask really is: a mask defined for N heads shows N (and fixes
         it), a parameter left to its default shows the value the factory picked."""
-        if self.mask.heads:
-            self._set_quietly(self.heads, self.mask.heads)
-            self.heads.disabled = True
-            self.heads.description_tooltip = "set by the mask"
-        elif self.heads.disabled:
-            self.heads.disabled = False
-            self._set_quietly(self.heads, self.heads_default)
+        for field, size, default in ((self.heads, self.mask.heads, self.heads_default),
+                                     (self.batch, self.mask.batch, self.batch_default)):
+            if size:
+                self._set_quietly(field, size)
+                field.disabled = True
+                field.description_tooltip = "set by the mask (its tables hold this many)"
+            elif field.disabled:
+                field.disabled = False
+                self._set_quietly(field, default)
         for name, widget in self.param_widgets.items():
             if isinstance(widget, w.Text) and not widget.value.strip() and name in self.mask.params:
                 widget.placeholder = json.dumps(self.mask.params[name])
@@ -444,7 +468,8 @@ class Workbench:
             self.shown["Invariance"] = result.line
             colour = "#1e6b34" if result.passed else "#a4161a"
             display(w.HTML(f"<b style='color:{colour}'>{_esc(result.line)}</b>"))
-            display(result.to_frame()[["bitwise", "max_abs_diff", "max_ulp", "first_diff", "why"]].style
+            display(result.to_frame()[["bitwise", "same_attention", "max_abs_diff", "max_ulp", "first_diff", "why"]]
+                    .style.format({"max_abs_diff": "{:.3g}"})  # last-bit differences read as such, not 0.000000
                     .set_properties(**{"white-space": "pre-wrap", "text-align": "left", "font-size": "12px"}))
 
     def run_benchmark(self):
@@ -474,7 +499,10 @@ class Workbench:
         with self._action("Export"):
             if self.mask is None:
                 return
-            spec = build_spec(self.mask, self.q_len.value, self.kv_len.value, heads=self.mask.heads,
+            reads = index_reads(self.mask.mask_mod) | index_reads(self.mask.score_mod, "score")
+            spec = build_spec(self.mask, self.q_len.value, self.kv_len.value,
+                              heads=self.mask.heads or (self.heads.value if "h" in reads else None),
+                              batch=self.mask.batch or (self.batch.value if "b" in reads else None),
                               device=self.device, seed=0, progress=True)
             path, _ = write_spec(spec, Path(self.export_dir.value))
             self.last_spec = spec

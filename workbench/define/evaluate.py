@@ -15,7 +15,7 @@ from workbench.define.mask import Mask, WorkbenchError
 from workbench.define.trace import _closure, elementwise
 
 __all__ = ["explain_mod_error", "probe", "broadcast_indices", "evaluate_mod", "probe_grid", "probe_regions",
-           "EvaluatorChoice", "choose_evaluator"]
+           "EvaluatorChoice", "choose_evaluator", "implied_size"]
 
 
 # ---------------------------------------------------------------- probing a mod
@@ -221,3 +221,37 @@ def choose_evaluator(mod: Callable, q_len: int, kv_len: int, batch: int = 1, hea
         _, _, i, j = (int(x) for x in differ.nonzero()[0])
         how, differs_at = "vmap", _region_of(int(q[i]), int(kv[j]), q_len, kv_len, size)
     return EvaluatorChoice(how, differs_at)
+
+
+def implied_size(mask: Mask, axis: str, limit: int = 4096, device="cpu") -> int | None:
+    """How many heads (axis "h") or batch entries ("b") a mask's tables define, for a mod that
+    reads that index: the largest n for which the mods evaluate at index n - 1 (a per-head table
+    `w[h]` of 4 entries gives 4). None when the mods do not read the index, or evaluate at every
+    index up to `limit` (`h % 4`: any number)."""
+    from workbench.define.trace import index_reads
+
+    mods = [(m, role) for m, role in ((mask.mask_mod, "mask"), (mask.score_mod, "score")) if m is not None]
+    if not any(axis in index_reads(m, role) for m, role in mods):
+        return None
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def works(n: int) -> bool:
+        i = torch.tensor([n - 1], dtype=torch.int32, device=device)
+        b, h = (i, zero) if axis == "b" else (zero, i)
+        try:
+            with torch.no_grad():
+                for mod, role in mods:
+                    score = torch.zeros(1, 1, 1, 1, device=device) if role == "score" else None
+                    evaluate_mod(mod, "vmap", b, h, zero, zero, score)
+        except Exception:
+            return False
+        return True
+
+    if works(limit):
+        return None
+    lo, hi = 0, limit  # works(lo) or lo == 0; not works(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if works(mid) else (lo, mid)
+    return lo or None
+

@@ -87,14 +87,21 @@ def tensor_digest(array: np.ndarray) -> str:
 
 # ---------------------------------------------------------------- files
 
-def spec_stem(doc: dict) -> str:
-    """NAME-DIGEST: the mask's name and 8 hex digits of its parameters, score parameters and shape,
-    so specs of one factory at other parameters or lengths get their own files."""
+def spec_stem(doc: dict, tensors: dict | None = None) -> str:
+    """NAME-DIGEST: the mask's name and 8 hex digits of everything that makes two masks differ --
+    parameters, shape, the mods' source, every exact form and the bytes of every table the spec
+    carries (golden vectors, timings and the file's own bookkeeping excluded) -- so one export never
+    replaces another's file (two span masks of one name with other spans, say)."""
     import hashlib
 
-    key = json.dumps({"params": doc.get("params"), "score": (doc.get("score") or {}).get("params"),
-                      "shape": doc.get("shape")}, sort_keys=True, default=str)
-    return f"{_safe_name(doc['name'])}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+    kept = {k: v for k, v in doc.items() if k not in ("golden", "cost", "tensor_file", "tensors")}
+    digest = hashlib.sha256(json.dumps(_json_ready(kept), sort_keys=True, default=str).encode())
+    for name in sorted(tensors or {}):
+        if not name.startswith("golden."):
+            array = np.ascontiguousarray(tensors[name])
+            digest.update(f"{name}{array.dtype.str}{list(array.shape)}".encode())
+            digest.update(array.tobytes())
+    return f"{_safe_name(doc['name'])}-{digest.hexdigest()[:8]}"
 
 
 def _safe_name(name: str) -> str:
@@ -120,7 +127,7 @@ def write_spec(spec: PortingSpec, out_dir: str | Path) -> tuple[Path, Path]:
     from safetensors.numpy import save_file
 
     out = output_folder(out_dir, spec.name)
-    base = spec_stem(spec.doc)
+    base = spec_stem(spec.doc, spec.tensors)
     doc = dict(spec.doc)
     doc["tensor_file"] = f"{base}.golden.safetensors"
     doc["tensors"] = {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in sorted(spec.tensors.items())}

@@ -1,0 +1,92 @@
+"""The notebook and the report, round three: your own mask gets the same care as the library's.
+Each test reproduces a reported case (`%%flexmask` mods, the app's fields) and fails on the code
+before the fix."""
+
+import json
+
+import torch
+
+from workbench import Mask, invariance
+from workbench.app import Workbench, mask_from_cell
+from workbench.export import build_spec, write_spec
+
+HEAD_WINDOW = """
+import torch
+w = torch.tensor([16, 64, 128, 256])
+def mask_mod(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < w[h])
+"""
+
+
+def test_your_per_head_mask_opens_with_its_heads_and_exports(tmp_path):
+    """%%flexmask head_window with w[h]: the app opens it with 4 heads, says the heads differ, and
+    Export writes a per-head spec (it said "no heads count was given")."""
+    app = Workbench(mask_from_cell("head_window", HEAD_WINDOW, {}), q_len=1024)
+    assert app.heads.value == 4 and app.heads.disabled
+    assert "4 heads differ" in app.status.value and "same for every head" not in app.status.value
+    app.export_dir.value = str(tmp_path)
+    app.run_export()
+    assert app.last_spec.doc["shape"]["H"] == 4 and app.last_spec.doc["pattern"]["kind"] == "per_head"
+
+
+def test_a_mod_that_reads_h_is_never_called_the_same_for_every_head():
+    """h % 4 reads h but implies no count: one head is shown, and the status says so."""
+    cell = "def mask_mod(b, h, q_idx, kv_idx):\n    return q_idx + h % 4 >= kv_idx\n"
+    app = Workbench(mask_from_cell("mod_heads", cell, {}), q_len=256)
+    assert app.heads.value == 1 and "same for every head" not in app.status.value
+    assert "reads h: 1 head shown, set heads to see more" in app.status.value
+    app.heads.value = 4
+    assert "4 heads differ" in app.status.value
+
+
+def test_a_per_sample_table_opens_with_its_batch_entries():
+    cell = "import torch\nlens = torch.tensor([100, 200, 300])\ndef mask_mod(b, h, q_idx, kv_idx):\n    return kv_idx < lens[b]\n"
+    app = Workbench(mask_from_cell("lengths", cell, {}), q_len=512)
+    assert app.batch.value == 3 and app.batch.disabled and "3 batch entries differ" in app.status.value
+
+
+def _spans_mask(spans):
+    starts, ends = torch.tensor([s for s, _ in spans]), torch.tensor([e for _, e in spans])
+
+    def gemma_images(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) | (((q_idx >= starts) & (q_idx <= ends) & (kv_idx >= starts) & (kv_idx <= ends)).any())
+
+    return Mask("gemma_images", mask_mod=gemma_images)
+
+
+def test_spec_files_of_different_masks_never_share_a_name(tmp_path):
+    """Two span masks of one name and lengths but other spans wrote one file; now each has its own,
+    and the same mask exported twice still has one."""
+    a = write_spec(build_spec(_spans_mask([(10, 40)]), 256, 256, golden=False), tmp_path)[0]
+    b = write_spec(build_spec(_spans_mask([(100, 140)]), 256, 256, golden=False), tmp_path)[0]
+    again = write_spec(build_spec(_spans_mask([(10, 40)]), 256, 256, golden=False), tmp_path)[0]
+    assert a != b and a == again
+    assert json.loads(a.read_text())["backends"] != json.loads(b.read_text())["backends"]
+
+
+def test_a_layout_that_computes_another_attention_is_said_so():
+    """Bidirectional spans cut by a chunk boundary: chunked prefill and decode see only the keys so
+    far, so they compute another attention -- the why says that, not tiling or split-KV, and the
+    verdict does not count them as tiling differences."""
+    result = invariance.check("image_spans", {"spans": [[100, 160], [230, 255]]}, q_len=256, heads=1, head_dim=16,
+                              dtype="float32", device="cpu", layouts=["run", "chunked_aligned", "decode"])
+    by_key = {r.key: r for r in result.layouts}
+    for key in ("chunked_aligned", "decode"):
+        r = by_key[key]
+        assert not r.same_attention and not r.bitwise and "does not compute the same attention" in r.why
+        assert "split" not in r.why and "tiling" in r.why  # ("the difference is the mask, not tiling")
+    assert by_key["run"].same_attention and result.passed
+    assert "not the same attention (the mask keeps later keys): chunked_aligned, decode" in result.line
+    causal = invariance.check("causal", q_len=256, heads=1, head_dim=16, dtype="float32", device="cpu",
+                              layouts=["run", "chunked_aligned"])
+    assert all(r.same_attention for r in causal.layouts)
+
+
+def test_last_bit_differences_do_not_print_as_zero(capsys):
+    from workbench.cli import main
+
+    main(["invariance", "causal", "--q-len", "256", "--heads", "1", "--head-dim", "16", "--dtype", "float32",
+          "--device", "cpu", "--layouts", "run", "decode"])
+    out = capsys.readouterr().out
+    decode = next(line for line in out.splitlines() if line.startswith("decode"))
+    assert "False" in decode and "0.000000" not in decode and "e-0" in decode, decode

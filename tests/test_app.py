@@ -37,6 +37,7 @@ def test_user_errors_show_and_the_app_recovers():
 
 def test_lengths_block_size_and_tabs():
     app = Workbench("prefix_lm", q_len=1024)
+    app.same_len.value = False  # (Lk follows Lq by default)
     app.q_len.value = 700
     app.block.value = 64
     assert (app.scan.q_len, app.scan.q_block) == (700, 64)

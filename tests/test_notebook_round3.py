@@ -90,3 +90,55 @@ def test_last_bit_differences_do_not_print_as_zero(capsys):
     out = capsys.readouterr().out
     decode = next(line for line in out.splitlines() if line.startswith("decode"))
     assert "False" in decode and "0.000000" not in decode and "e-0" in decode, decode
+
+
+def test_results_belong_to_their_mask_and_settings():
+    """Verify's PASS does not stay on screen for another mask; an error leaves no picture or status of
+    the previous state; the Export banner goes with the next action; Verify port keeps the spec."""
+    from workbench.app import TABS
+
+    app = Workbench("causal", q_len=512)
+    app.verify_len.value = 128
+    app.run_verify()
+    assert app.last_verdict.passed
+    app.picker.value = "sliding_window"
+    assert app.last_verdict is None and app.outputs["Verify"].outputs == ()
+    app.same_len.value = False
+    app.q_len.value = 4096  # above Lk: the library refuses it
+    assert app.mask is None and "no mask at these settings" in app.status.value
+    assert app.block_widget.rows == 0 and app.block_widget.classes == b""
+    assert "tick Lk = Lq" in app.message.value
+    app.same_len.value = True  # Lk follows Lq again
+    assert app.kv_len.value == 4096 and app.mask is not None and app.message.value == ""
+    assert "Port" in app.outputs and app.outputs["Port"] is not app.outputs["Export"]
+    assert app.settings_text().startswith("sliding_window_l128_r128 (") and "Lq 4,096 x Lk 4,096" in app.settings_text()
+    app.tabs.selected_index = TABS.index("Verify")
+
+
+def test_lk_follows_lq_until_set_on_its_own():
+    app = Workbench("causal", q_len=256)
+    app.q_len.value = 1024
+    assert app.kv_len.value == 1024
+    app.kv_len.value = 2048  # set on purpose: the toggle turns off
+    assert not app.same_len.value
+    app.q_len.value = 512
+    assert app.kv_len.value == 2048 and app.scan.q_len == 512 and app.scan.kv_len == 2048
+
+
+def test_token_zoom_size_comes_back_after_a_close_view():
+    from workbench.app import TABS
+
+    app = Workbench("tree", q_len=1024)
+    app.tabs.selected_index = TABS.index("Token zoom")
+    assert app.zoom_size.value == 64  # the tree's few tokens: a closer view
+    app.picker.value = "causal_sliding_window"
+    assert app.zoom_size.value == 256  # the size the user had, not the last close view
+
+
+def test_token_zoom_shows_where_an_image_span_starts():
+    """image_spans at 16K: the view used to centre on the block (1568..1631) and miss the span's first
+    token (1638)."""
+    app = Workbench("image_spans", q_len=16384)
+    start = app.mask.params["spans"][0][0]
+    assert app.focus.q_range[0] <= start < app.focus.q_range[1]
+    assert app.focus.kv_range[0] <= start < app.focus.kv_range[1]

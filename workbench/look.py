@@ -277,6 +277,9 @@ def focus(scan: BlockScan, size: int = 512, b: int = 0, h: int = 0, mask: Mask |
             nq, nk = min(n, scan.q_len), min(n, scan.kv_len)
             q_centre, kv_centre = (box[0] + box[1]) // 2, (box[2] + box[3]) // 2
             reason += f"; the difference spans only q {box[0]}..{box[1] - 1}, kv {box[2]}..{box[3] - 1}, so a closer view"
+        elif box is not None:  # larger than the window: show where it starts (an image span's first token)
+            q_centre, kv_centre = box[0] + nq // 2 - nq // 8, box[2] + nk // 2 - nk // 8
+            reason += f"; the difference starts at q {box[0]}, kv {box[2]}"
     return Focus(window(q_centre, nq, scan.q_len), window(kv_centre, nk, scan.kv_len), reason, (r, c))
 
 

@@ -18,6 +18,7 @@ __all__ = ["BlockMapWidget"]
 _ESM = r"""
 const CLASS_NAMES = {NAMES};
 const CLASS_COLOURS = {COLOURS};
+const CLASS_LEGEND = {LEGEND};
 
 function bytesOf(view) {
   // a synced Bytes trait arrives as a DataView (or ArrayBuffer): copy it to an aligned buffer
@@ -42,8 +43,28 @@ function render({ model, el }) {
   const hint = document.createElement("div");
   hint.style.cssText = "font:11px system-ui,sans-serif;color:#5a6776;margin-top:3px";
   hint.textContent = "hover: a block's numbers · click: Token zoom there · drag: zoom into a box · double-click: whole map";
+  // axes (keys across, queries down, as in the static figures) and the colour legend
+  const top = document.createElement("div");
+  top.className = "wb-blockmap-axis";
+  top.style.cssText = "font:11px system-ui,sans-serif;color:#5a6776;display:flex;justify-content:space-between";
+  const left = document.createElement("div");
+  left.className = "wb-blockmap-axis";
+  left.style.cssText = "font:11px system-ui,sans-serif;color:#5a6776;writing-mode:vertical-rl;" +
+    "display:flex;justify-content:space-between;margin-right:3px";
+  const row = document.createElement("div");
+  row.style.cssText = "display:flex;align-items:stretch";
+  const legend = document.createElement("div");
+  legend.className = "wb-blockmap-legend";
+  legend.style.cssText = "font:11px system-ui,sans-serif;color:#1d2733;margin-top:3px";
+  for (const k of [2, 1, 0]) {
+    const sw = document.createElement("span");
+    sw.style.cssText = `display:inline-block;width:10px;height:10px;margin:0 4px 0 10px;vertical-align:-1px;` +
+      `border:1px solid #c0c6cc;background:${CLASS_COLOURS[k]}`;
+    legend.append(sw, document.createTextNode(CLASS_LEGEND[k]));
+  }
   wrap.append(canvas, tip);
-  el.append(caption, wrap, hint);
+  row.append(left, wrap);
+  el.append(caption, top, row, legend, hint);
 
   let grid = null;  // {rows, cols, classes, kept}
   let view = null;  // [r0, r1, c0, c1) in cells
@@ -66,6 +87,11 @@ function render({ model, el }) {
   }
 
   function draw() {
+    if (!grid.rows || !grid.cols) {  // nothing to show: the mask did not build at these settings
+      canvas.width = 1; canvas.height = 1; top.textContent = ""; left.textContent = "";
+      caption.textContent = model.get("title") || "no block map";
+      return;
+    }
     const [w, h] = size();
     canvas.width = w; canvas.height = h;
     const ctx = canvas.getContext("2d");
@@ -98,6 +124,11 @@ function render({ model, el }) {
     }
     const qb = model.get("q_block") * model.get("pool_q"), kb = model.get("kv_block") * model.get("pool_kv");
     const tok = (i, n, len) => Math.min(i * n, len);
+    top.innerHTML = `<span>kv ${tok(c0, kb, model.get("kv_len"))}</span><span>keys (kv_idx) →</span>` +
+      `<span>${tok(c1, kb, model.get("kv_len")) - 1}</span>`;
+    left.innerHTML = `<span>q ${tok(r0, qb, model.get("q_len"))}</span><span>queries (q_idx) →</span>` +
+      `<span>${tok(r1, qb, model.get("q_len")) - 1}</span>`;
+    top.style.width = `${w}px`; top.style.marginLeft = "16px";
     caption.textContent = `${model.get("title")} · ${model.get("panel")} · q ${tok(r0, qb, model.get("q_len"))}..` +
       `${tok(r1, qb, model.get("q_len")) - 1}, kv ${tok(c0, kb, model.get("kv_len"))}..${tok(c1, kb, model.get("kv_len")) - 1}` +
       ` · ${grid.rows} x ${grid.cols} ${model.get("pool_q") * model.get("pool_kv") > 1 ? "cells" : "blocks"}` +
@@ -126,6 +157,7 @@ function render({ model, el }) {
   }
 
   canvas.addEventListener("mousemove", (ev) => {
+    if (!grid.rows) return;
     const { r, c, x, y } = cellAt(ev);
     if (drag) { drag.x1 = x; drag.y1 = y; drag.moved = drag.moved || Math.abs(x - drag.x0) + Math.abs(y - drag.y0) > 6; draw(); }
     tip.textContent = describe(r, c);
@@ -137,7 +169,7 @@ function render({ model, el }) {
   canvas.addEventListener("mousedown", (ev) => { const { x, y } = cellAt(ev); drag = { x0: x, y0: y, x1: x, y1: y, moved: false }; });
   canvas.addEventListener("mouseup", (ev) => {
     const d = drag; drag = null;
-    if (!d) return;
+    if (!d || !grid.rows) return;
     const end = cellAt(ev);
     if (d.moved) {  // zoom into the dragged box
       const a = cellAt({ clientX: d.x0 * canvas.getBoundingClientRect().width / canvas.width + canvas.getBoundingClientRect().left,
@@ -174,7 +206,8 @@ class BlockMapWidget(anywidget.AnyWidget):
 
     _esm = _ESM.replace("{NAMES}", repr({EMPTY: BLOCK_LABELS[EMPTY].split(" ")[0], PARTIAL: "partial", FULL: "full"})
                         .replace("'", '"')).replace(
-        "{COLOURS}", repr({k: BLOCK_COLOURS[k] for k in (EMPTY, PARTIAL, FULL)}).replace("'", '"'))
+        "{COLOURS}", repr({k: BLOCK_COLOURS[k] for k in (EMPTY, PARTIAL, FULL)}).replace("'", '"')).replace(
+        "{LEGEND}", repr({k: BLOCK_LABELS[k] for k in (EMPTY, PARTIAL, FULL)}).replace("'", '"'))
     rows = traitlets.Int(0).tag(sync=True)
     cols = traitlets.Int(0).tag(sync=True)
     classes = traitlets.Bytes(b"").tag(sync=True)
@@ -202,3 +235,11 @@ class BlockMapWidget(anywidget.AnyWidget):
             self.pool_q, self.pool_kv = grid.pool_q, grid.pool_kv
             self.title, self.panel = title, f"b={grid.b}, h={grid.h}"
             self.zoom = []
+            self.clicked = {}  # a block picked at other settings would mark another block
+
+    def clear(self, title: str = "no block map: the mask did not build at these settings") -> None:
+        """Show nothing (rather than the last mask's blocks) while the settings give no mask."""
+        with self.hold_sync():
+            self.rows = self.cols = 0
+            self.classes, self.kept = b"", b""
+            self.title, self.zoom, self.clicked = title, [], {}

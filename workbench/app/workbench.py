@@ -113,18 +113,24 @@ class Workbench:
         self.param_widgets: dict[str, w.Widget] = {}
         self.status = w.HTML()
         self.message = w.HTML()
-        self.outputs = {name: w.Output() for name in TABS}
+        self.outputs = {name: w.Output() for name in TABS + ["Port"]}
         self.tabs = w.Tab(children=[self._tab_body(name) for name in TABS])
         for i, name in enumerate(TABS):
             self.tabs.set_title(i, name)
         self.picker.observe(self._on_pick, names="value")
-        for widget in (self.q_len, self.kv_len, self.block, self.heads, self.head, self.batch):
+        # Lk follows Lq while this is on (users raise Lq first; Lq > Lk is an error for most masks)
+        self.same_len = w.Checkbox(value=kv_len is None or kv_len == q_len, description="Lk = Lq", indent=False,
+                                   layout=w.Layout(width="80px"))
+        self.q_len.observe(self._on_q_len, names="value")
+        self.kv_len.observe(self._on_kv_len, names="value")
+        self.same_len.observe(self._on_q_len, names="value")
+        for widget in (self.block, self.heads, self.head, self.batch):
             widget.observe(self._on_change, names="value")
         self.heads_default, self.batch_default = self.heads.value, self.batch.value
         self._stale: set[str] = set()
         self.tabs.observe(self._on_tab, names="selected_index")
         self.widget = w.VBox([
-            w.HBox([self.picker, self.q_len, self.kv_len, self.block, self.heads, self.head, self.batch],
+            w.HBox([self.picker, self.q_len, self.kv_len, self.same_len, self.block, self.heads, self.head, self.batch],
                    layout=w.Layout(flex_flow="row wrap")),
             self.params_box, self.message, self.status, self.tabs])
         self._build_params(params)
@@ -183,6 +189,20 @@ class Workbench:
         if not self._quiet:
             self.refresh()
 
+    def _on_q_len(self, _change):
+        if self._quiet:
+            return
+        if self.same_len.value and self.kv_len.value != self.q_len.value:
+            self._set_quietly(self.kv_len, self.q_len.value)
+        self.refresh()
+
+    def _on_kv_len(self, _change):
+        if self._quiet:
+            return
+        if self.kv_len.value != self.q_len.value:
+            self._set_quietly(self.same_len, False)  # the user set Lk on purpose
+        self.refresh()
+
     def _on_block_click(self, change):
         """A block clicked in the map: Token zoom opens on it."""
         clicked = change["new"]
@@ -204,7 +224,9 @@ class Workbench:
     def _on_zoom_field(self, change):
         if self._quiet:
             return
-        if change["owner"] is not self.zoom_size:
+        if change["owner"] is self.zoom_size:
+            self.zoom_chosen = self.zoom_size.value
+        else:
             self.zoom_why.value = "<span style='color:#5a6776;font-size:12px'>where: as you set it</span>"
         self._draw_tab("Token zoom")
 
@@ -222,6 +244,8 @@ class Workbench:
 
     def _show_error(self, exc: Exception):
         text = exc.message if isinstance(exc, WorkbenchError) else f"{type(exc).__name__}: {exc}"
+        if "kv_len" in text and "< q_len" in text:
+            text += " In the app: tick Lk = Lq (Lk then follows Lq), or raise Lk first."
         self.message.value = (f"<div style='background:#fdecea;border-left:4px solid #d62828;padding:6px 10px'>"
                               f"{_esc(text)}</div>")
 
@@ -230,6 +254,7 @@ class Workbench:
         start = time.perf_counter()
         self._generation += 1
         steps = {}
+        self._clear_results()
         try:
             self.mask = self.build()
             self._show_mask_fields()
@@ -247,6 +272,9 @@ class Workbench:
             self.mask, self.scan = None, None
             self._show_error(exc)
             self.panels_image.layout.display = "none"  # no picture of the mask that was before
+            self.status.value = ("<span style='color:#a4161a;font-size:12px'>no mask at these settings: the error above "
+                                 "says why; nothing below describes them</span>")
+            self.block_widget.clear()
         # draw the tab on screen now; the others when they are opened
         self._stale = {"Block map", "Stats", "Token zoom", "Scores"}
         self._draw_tab(TABS[self.tabs.selected_index or 0])
@@ -294,10 +322,11 @@ class Workbench:
 
     def _focus_zoom(self):
         """Token zoom and Scores look where the mask's structure is (look.focus), and say why."""
-        where = look.focus(self.scan, self.zoom_size.value, h=self._head(), mask=self.mask, device=self.device)
+        # the size the user chose; a closer view (a few differing tokens) shrinks it for this mask only
+        where = look.focus(self.scan, self.zoom_chosen, h=self._head(), mask=self.mask, device=self.device)
         n = max(where.q_range[1] - where.q_range[0], where.kv_range[1] - where.kv_range[0])
-        if n < self.zoom_size.value:  # a closer view (a few differing tokens): the size follows
-            self._set_quietly(self.zoom_size, min(o for o in self.zoom_size.options if o >= n))
+        fitting = min((o for o in self.zoom_size.options if o >= n), default=self.zoom_chosen)
+        self._set_quietly(self.zoom_size, min(fitting, self.zoom_chosen))
         self._set_quietly(self.zoom_q, where.q_range[0])
         self._set_quietly(self.zoom_kv, where.kv_range[0])
         self.focus = where
@@ -312,6 +341,7 @@ class Workbench:
         if name == "Token zoom":
             self.zoom_q = w.IntText(value=0, description="q from", layout=w.Layout(width="160px"))
             self.zoom_kv = w.IntText(value=0, description="kv from", layout=w.Layout(width="160px"))
+            self.zoom_chosen = 256
             self.zoom_size = w.Dropdown(options=[64, 128, 256, 512, 1024, 2048], value=256, description="size",
                                         layout=w.Layout(width="160px"))
             self.zoom_why = w.HTML()
@@ -351,7 +381,9 @@ class Workbench:
                                                tooltip="the generated Triton attention file against the float64 "
                                                        "reference (on a GPU also timed against FlexAttention)")
             self.port_verify_button.on_click(lambda _: self.run_port_verify())
-            return w.VBox([w.HBox([self.export_dir, self.export_button, self.port_verify_button]), out])
+            # the port's verdict has an area of its own: verifying the port keeps the exported spec on screen
+            return w.VBox([w.HBox([self.export_dir, self.export_button, self.port_verify_button]), out,
+                           self.outputs["Port"]])
         return out
 
     def _draw_tab(self, name):
@@ -423,14 +455,34 @@ class Workbench:
 
     @contextlib.contextmanager
     def _action(self, tab: str):
-        """Output of a button's action goes to its tab; a failure becomes the app's message."""
+        """Output of a button's action goes to its tab, under a line naming the mask and settings it
+        belongs to; a failure becomes the app's message, and a later action clears it."""
         out = self.outputs[tab]
         out.clear_output()
+        self.message.value = ""
         with out:
+            if self.mask is not None:
+                display(w.HTML(f"<div style='color:#5a6776;font-size:12px'>{_esc(self.settings_text())}</div>"))
             try:
                 yield
             except Exception as exc:  # user code: show it, keep the app alive
                 self._show_error(exc)
+
+    def settings_text(self) -> str:
+        """What a result on screen belongs to: the mask and the fields it was computed at."""
+        params = ", ".join(f"{k}={v}" for k, v in self.params().items() if v not in (None, "")) if \
+            self.picker.value != CUSTOM else ""
+        return (f"{self.mask.name}" + (f" ({params})" if params else "") + f" · Lq {self.q_len.value:,} x Lk "
+                f"{self.kv_len.value:,} · heads {self.mask.heads or self.heads.value} · batch "
+                f"{self.mask.batch or self.batch.value} · block {self.block.value} · {self.device}")
+
+    def _clear_results(self):
+        """Results of the buttons (Verify, Invariance, Benchmark, Export, Port) belong to the mask and
+        settings they ran at: a change clears them rather than leave them standing for another."""
+        for tab in ("Verify", "Invariance", "Benchmark", "Export", "Port"):
+            self.outputs[tab].clear_output()
+            self.shown.pop(tab, None)
+        self.last_verdict = self.last_invariance = self.last_spec = self.last_port = None
 
     def run_verify(self):
 
@@ -521,7 +573,7 @@ class Workbench:
         """The exported port (exported now if it was not) against the float64 reference at the
         verify length; on a GPU also timed beside compiled FlexAttention (`port.check`)."""
 
-        with self._action("Export"):
+        with self._action("Port"):
             if self.mask is None:
                 return
             n = max(1, min(self.q_len.value, 2048 if self.device.startswith("cuda") else 256))

@@ -47,7 +47,7 @@ bench-gpu:
 
 ## JupyterLab on notebooks/
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab notebooks/ $$( [ "$$(id -u)" = 0 ] && echo --allow-root )
 
 clean:
 	rm -rf out .pytest_cache

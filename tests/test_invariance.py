@@ -81,6 +81,7 @@ def test_cli_json_and_exit_code(capsys):
     assert [l["held"] for l in record["layouts"]] == [True, True, True, False, False]
     assert {l["layout"].split(" ")[0] for l in record["layouts"]} >= {"run", "position", "chunked", "decode"}
     assert set(record["layouts"][0]) == {"key", "layout", "bitwise", "max_abs_diff", "max_ulp", "first_diff", "why",
+                                         "same_attention",
                                          "held"}
 
 

@@ -142,3 +142,22 @@ def test_token_zoom_shows_where_an_image_span_starts():
     start = app.mask.params["spans"][0][0]
     assert app.focus.q_range[0] <= start < app.focus.q_range[1]
     assert app.focus.kv_range[0] <= start < app.focus.kv_range[1]
+
+
+def test_spec_views_summarise_and_show_source_as_code():
+    from workbench import make
+
+    spec = build_spec(make("document"), 1024, 1024, golden=False)
+    frame = spec.backends_frame()
+    assert frame["arguments"].str.len().max() < 2000  # was 15,426 characters of row intervals
+    assert "1,024 entries in all" in frame.loc["row_intervals", "arguments"]
+    assert "lines of source" in frame.loc["triton", "arguments"] and "\\n" not in frame.loc["triton", "arguments"]
+    assert spec.source("triton").startswith("import triton\n") and "def mask_mod_triton" in spec.source("triton")
+
+
+def test_uncompiled_flex_says_its_differences_are_expected():
+    result = invariance.check("causal", q_len=200, heads=1, head_dim=16, dtype="float32", device="cpu",
+                              layouts=["run", "packed_aligned"])
+    packed = next(r for r in result.layouts if r.key == "packed_aligned")
+    assert not packed.bitwise and packed.why.startswith("expected for uncompiled FlexAttention")
+    assert "(unexpected)" not in result.line and "expected there" in result.line

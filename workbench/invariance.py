@@ -25,7 +25,7 @@ import torch
 from workbench import port
 from workbench.blocks import dense_mask
 from workbench.define import Mask, WorkbenchError, prepare
-from workbench.run import Inputs, PortBackend, Shape, backend_for, check_device_dtype, dtype_name
+from workbench.run import FlexBackend, Inputs, PortBackend, Shape, backend_for, check_device_dtype, dtype_name
 
 __all__ = ["check", "InvarianceOptions", "InvarianceResult", "LayoutResult", "compare", "LAYOUT_KEYS", "BACKENDS"]
 
@@ -64,6 +64,7 @@ class InvarianceResult:
     unrun: list[str] = field(default_factory=list)  # layouts that had to hold but did not run
 
     explicit_hold: bool = False  # the user named the layouts that must hold
+    note: str = ""  # what the verdict means for this backend (uncompiled FlexAttention: differences expected)
 
     def _counted(self) -> list[LayoutResult]:
         """The held layouts a verdict counts: those computing the same attention as alone (all
@@ -87,7 +88,8 @@ class InvarianceResult:
                 f"bitwise" + (f"; differs under {', '.join(broken)}" if broken else "")
                 + (f"; not the same attention (the mask keeps later keys): {', '.join(other)}" if other else "")
                 + (f"; held but not run: {', '.join(self.unrun)}" if self.unrun else "")
-                + ("; no layout that must hold ran" if not held else ""))
+                + ("; no layout that must hold ran" if not held else "")
+                + (f" ({self.note})" if self.note and broken else ""))
 
     def to_frame(self) -> pd.DataFrame:
         rows = [{k: v for k, v in asdict(r).items()} for r in self.layouts]
@@ -405,4 +407,18 @@ def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: i
         result.layouts.append(LayoutResult(plan.key, layout, bitwise, max_abs, max_ulp, first, why,
                                            held=hold is None or plan.key in hold, same_attention=not plan.not_same))
     result.unrun = sorted(set(hold or []) - {r.key for r in result.layouts})
+    if isinstance(backend, FlexBackend) and not backend.compile:
+        result.note = UNCOMPILED_NOTE
+        for r in result.layouts:
+            if not r.bitwise and r.same_attention:
+                r.why = UNCOMPILED_WHY
     return result
+
+
+# FlexAttention without torch.compile (its math path: what a CPU runs) is no kernel an engine uses
+UNCOMPILED_NOTE = ("uncompiled FlexAttention: last-bit differences between layouts are expected there; check the "
+                   "compiled kernel on a GPU")
+UNCOMPILED_WHY = ("expected for uncompiled FlexAttention (the math path a CPU runs): it computes each call's scores "
+                  "and softmax over all of the call's keys at once, so a call of another shape (a bigger batch, "
+                  "packing, padding, chunks) adds in another order; the compiled kernel on a GPU is what an engine "
+                  "runs, and what this check is for")

@@ -174,7 +174,8 @@ def block_map(scan: BlockScan, title: str | None = None, max_panels: int = 16) -
         height = fig.get_figheight()
         fig.subplots_adjust(left=0.95 / fig.get_figwidth(), right=0.98, top=1 - 0.55 / height, bottom=0.85 / height,
                             wspace=0.08, hspace=0.2 * side / max(1.0, height / nrows))
-    fig.suptitle((title or "block map") + f"  ·  {scan.q_block}x{scan.kv_block} blocks{pooled_note}", fontsize=10)
+    fig.suptitle((title or "block map") + f"  ·  Lq {scan.q_len:,} x Lk {scan.kv_len:,}  ·  block size "
+                 f"{scan.q_block} x {scan.kv_block}{pooled_note}", fontsize=10)
     return fig
 
 
@@ -258,7 +259,8 @@ def focus(scan: BlockScan, size: int = 512, b: int = 0, h: int = 0, mask: Mask |
         r, c = (int(i) for i in pick.nonzero()[0])
         kind = "partial block" if pick is partial_differs else "block"
         reason = (f"centred on the first {kind} that differs from plain causal attention: q block {r}, kv block {c} "
-                  f"(tokens q {r * scan.q_block}.., kv {c * scan.kv_block}..)")
+                  f"(tokens q {r * scan.q_block}..{min(scan.q_len, (r + 1) * scan.q_block) - 1}, kv "
+                  f"{c * scan.kv_block}..{min(scan.kv_len, (c + 1) * scan.kv_block) - 1})")
     else:
         off = scan.kv_len - scan.q_len
         r, c = 0, min(off // scan.kv_block, scan.block_cols - 1)
@@ -277,7 +279,10 @@ def focus(scan: BlockScan, size: int = 512, b: int = 0, h: int = 0, mask: Mask |
             nq, nk = min(n, scan.q_len), min(n, scan.kv_len)
             q_centre, kv_centre = (box[0] + box[1]) // 2, (box[2] + box[3]) // 2
             reason += f"; the difference spans only q {box[0]}..{box[1] - 1}, kv {box[2]}..{box[3] - 1}, so a closer view"
-        elif box is not None:  # larger than the window: show where it starts (an image span's first token)
+        elif box is not None and not (window(q_centre, nq, scan.q_len)[0] <= box[0] < window(q_centre, nq, scan.q_len)[1]
+                                      and window(kv_centre, nk, scan.kv_len)[0] <= box[2]
+                                      < window(kv_centre, nk, scan.kv_len)[1]):
+            # the block's centre would miss where the difference starts (an image span's first token)
             q_centre, kv_centre = box[0] + nq // 2 - nq // 8, box[2] + nk // 2 - nk // 8
             reason += f"; the difference starts at q {box[0]}, kv {box[2]}"
     return Focus(window(q_centre, nq, scan.q_len), window(kv_centre, nk, scan.kv_len), reason, (r, c))

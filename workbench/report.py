@@ -191,7 +191,8 @@ def _invariance_cell(r: MaskResult) -> str:
         return "—"
     broken = list(dict.fromkeys(x.key for x in inv.layouts if not x.bitwise))
     same = sum(x.bitwise for x in inv.layouts)
-    return f"{same}/{len(inv.layouts)} bitwise" + (f"; differs: {', '.join(broken)}" if broken else "")
+    expected = " (expected: uncompiled FlexAttention)" if inv.note and broken else ""
+    return f"{same}/{len(inv.layouts)} bitwise" + (f"; differs: {', '.join(broken)}{expected}" if broken else "")
 
 
 def port_target(result: MaskResult, heads: int, device: str, port_dir: Path) -> None:
@@ -402,7 +403,9 @@ def _invariance_html(r: MaskResult) -> str:
     inv = r.invariance
     if inv is None:
         return f"<h3>Layout invariance</h3><p class='na'>{esc(r.invariance_note or 'not checked')}</p>"
-    table = _plain_table(inv.to_frame()[["bitwise", "max_abs_diff", "max_ulp", "why"]])
+    frame = inv.to_frame()[["bitwise", "max_abs_diff", "max_ulp", "why"]].copy()
+    frame["max_abs_diff"] = frame["max_abs_diff"].map(lambda x: f"{x:.3g}")  # last-bit differences, not 0.000000
+    table = _plain_table(frame)
     return (f"<h3>Layout invariance at L={inv.shape.q_len:,}, {inv.shape.q_heads} heads, {inv.dtype}</h3>"
             f"<p>{esc(inv.line)}</p>{table}<p class='na'>All layouts: <code>python -m workbench invariance "
             f"{esc(r.target)} --q-len N</code></p>")

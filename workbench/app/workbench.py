@@ -560,7 +560,15 @@ class Workbench:
             self.last_spec = spec
             display(w.HTML(f"wrote <code>{_esc(str(path))}</code>; pattern <b>{_esc(spec.doc['pattern']['kind'])}"
                            f"</b>, score <b>{_esc(spec.doc['score']['kind'])}</b>"))
-            display(spec.backends_view())
+            display(spec.backends_view())  # a summary: long lists cut, source as a line count
+            details = [w.HTML(f"<pre style='font-size:11px;max-height:320px;overflow:auto'>"
+                              f"{_esc(json.dumps(spec.doc['backends'], indent=1, default=str))}</pre>")]
+            titles = ["every section in full (JSON)"]
+            if "triton" in spec.doc["backends"]:
+                details.append(w.HTML(f"<pre style='font-size:11px;max-height:320px;overflow:auto'>"
+                                      f"{_esc(spec.source('triton'))}</pre>"))
+                titles.append("the mods in Triton (backends.triton.source)")
+            display(w.Accordion(children=details, titles=tuple(titles)))
             self.last_port = None
             if spec.port is not None:
                 self.last_port = path.with_name(spec.port.file_name)

@@ -17,7 +17,7 @@ import pandas as pd
 from workbench import port
 from workbench.define import WorkbenchError, cdiv, output_folder
 
-__all__ = ["PortingSpec", "SPEC_VERSION", "TARGETS", "write_spec", "load_spec", "validate_doc", "check_shapes",
+__all__ = ["PortingSpec", "summarize", "SPEC_VERSION", "TARGETS", "write_spec", "load_spec", "validate_doc", "check_shapes",
            "check_golden", "tensor_digest", "spec_stem", "doc_file"]
 
 
@@ -48,9 +48,20 @@ class PortingSpec:
     def unsupported(self) -> dict[str, str]:
         return dict(self.doc["unsupported"])
 
+    def source(self, target: str = "triton") -> str:
+        """The generated source a section carries (the Triton mods; the port's file), as text."""
+        if target == "triton_attention" and self.port is not None:
+            return self.port.source
+        section = self.doc["backends"].get(target)
+        if not isinstance(section, dict) or "source" not in section:
+            raise WorkbenchError(f"the spec has no {target} source",
+                                 f"sections with source: {', '.join(k for k, v in self.doc['backends'].items() if isinstance(v, dict) and 'source' in v) or 'none'}")
+        return section["source"]
+
     def backends_frame(self) -> pd.DataFrame:
         """One row per backend: exact or not, the arguments of an exact one (its spec section as
-        compact JSON; arrays appear as {"$tensor": name} references) and, if not, the reason."""
+        compact JSON, long lists as their first entries and a count, source as its line count;
+        arrays appear as {"$tensor": name} references) and, if not, the reason."""
         rows = [dict(backend=t, exact=t in self.doc["backends"],
                      arguments=_compact(self.doc["backends"][t]) if t in self.doc["backends"] else "",
                      reason=self.doc["unsupported"].get(t, "")) for t in TARGETS]
@@ -68,8 +79,25 @@ class PortingSpec:
 ARGUMENTS_SHOWN = 4000  # characters of a section shown in a table; the spec file has all of it
 
 
+LIST_SHOWN = 4  # entries of a long list shown in a summary (the spec file has all of them)
+
+
+def summarize(value):
+    """A section as a person reads it in a table: long lists as their first entries and a count,
+    source text as its line count (`PortingSpec.source` shows it as code)."""
+    if isinstance(value, dict):
+        return {k: summarize(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        if len(value) > 2 * LIST_SHOWN:
+            return [summarize(v) for v in value[:LIST_SHOWN]] + [f"... {len(value):,} entries in all"]
+        return [summarize(v) for v in value]
+    if isinstance(value, str) and value.count("\n") > 2:
+        return f"<{value.count(chr(10)) + 1} lines of source: spec.source(...)>"
+    return value
+
+
 def _compact(section) -> str:
-    text = json.dumps(section, separators=(", ", ": "))
+    text = json.dumps(summarize(section), separators=(", ", ": "))
     if len(text) <= ARGUMENTS_SHOWN:
         return text
     return text[:ARGUMENTS_SHOWN] + f" ... ({len(text):,} characters; all of it in the spec file)"

@@ -264,7 +264,7 @@ def test_conformance_calls_a_three_argument_attention_without_the_spec(tmp_path)
 
 # ---------------------------------------------------------------- verify judges a mod that changes
 
-def test_a_mod_that_drifts_between_calls_fails_with_its_cause():
+def test_a_mod_that_drifts_between_calls_is_named_before_any_kernel_runs():
     calls = [0]
 
     def drifting(b, h, q_idx, kv_idx):
@@ -273,10 +273,28 @@ def test_a_mod_that_drifts_between_calls_fails_with_its_cause():
 
     for backend in ("eager", "port") if port.triton_installed() else ("eager",):
         calls[0] = 0
-        verdict = verify(Mask("drifting", mask_mod=drifting), Shape(q_len=64, head_dim=16), dtype="float32",
-                         backend=backend, seed=0)
-        assert not verdict.passed
-        assert any(f.kind == "stateful_mod" for f in verdict.findings), (backend, verdict.line)
+        with pytest.raises(WorkbenchError, match="gives other values when called again.*changes between calls"):
+            verify(Mask("drifting", mask_mod=drifting), Shape(q_len=64, head_dim=16), dtype="float32",
+                   backend=backend, seed=0)
+
+
+def test_a_mod_that_changes_during_the_run_fails_with_its_cause():
+    """A mod whose global is changed while the kernel runs (a slower drift than the probe sees):
+    the verdict fails and names the cause, whatever the comparison says."""
+    from workbench.verify import findings
+
+    state = {"shift": 0}
+
+    def shifting(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + state["shift"]
+
+    mask = Mask("shifting", mask_mod=shifting)
+    shape = Shape(q_len=64, head_dim=16)
+    before = findings._mod_snapshot(mask, shape, "cpu")
+    state["shift"] = 3  # what a run that changes it would leave
+    assert findings._changed_roles(mask, before) == ["mask_mod"]
+    state["shift"] = 0
+    assert findings._changed_roles(mask, findings._mod_snapshot(mask, shape, "cpu")) == []
 
 
 def test_a_pure_mod_has_no_stateful_finding():

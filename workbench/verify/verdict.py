@@ -210,6 +210,12 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
     inputs = make_inputs(shape, dtype, device, seed=seed, backward=backward)
     findings = mod_findings(mask, shape, device)
     before = _mod_snapshot(mask, shape, device)
+    drifted = [role for role, values in before["values"].items() if values is None]
+    if drifted:  # it changed while being called a few times: no kernel can be judged against it
+        raise WorkbenchError(f"the {' and the '.join(drifted)} gives other values when called again on the same "
+                             "indices: it reads something that changes between calls (a global counter, the clock, "
+                             "random numbers)", "make it a pure function of its arguments and of tensors captured once",
+                             mask.name)
     if block_mask is not None:
 
         check_block_mask(block_mask, shape, mask.name)

@@ -104,7 +104,10 @@ def test_tour_runs_in_jupyterlab_and_the_block_map_answers_the_mouse(lab):
         status = page.locator("text=redrawn in").last
         first_status = status.inner_text()
 
-        # change one widget, the query length: the map redraws
+        # untick Lk = Lq (Lk would follow Lq), then change the query length: the map redraws
+        same = page.locator(".widget-checkbox", has_text="Lk = Lq").locator("input").first
+        assert same.is_checked()
+        same.uncheck()
         lq = page.locator(".widget-inline-hbox", has=page.locator("label", has_text="Lq")).locator("input").first
         lq.fill("600")
         lq.press("Tab")  # the text box commits its value when it loses focus

@@ -1,7 +1,7 @@
 """Translate every mod of the corpus to Triton and compare the generated functions with torch
 on every pair, batch entry and head. Usage: python tests/run_triton_corpus.py DEVICE; with
-TRITON_INTERPRET=1 it runs on the CPU. Prints one line per mod and a COVERAGE line; exits 1 if a
-translated mod disagrees with torch."""
+TRITON_INTERPRET=1 it runs on the CPU. Prints `CASE <id> OK|WRONG|UNTRANSLATED detail` per mod
+(ids: `case_ids`) and a COVERAGE line; exits 1 if a translated mod disagrees with torch."""
 
 import sys
 from pathlib import Path
@@ -40,22 +40,27 @@ def check(mask, batch, heads, device):
     return None
 
 
+def case_ids() -> list[str]:
+    """One id per corpus mod, in order (the test collects them)."""
+    return [f"{i}-{mask.name}".replace(" ", "") for i, (mask, _, _) in enumerate(corpus())]
+
+
 def main():
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     translated, wrong, total = 0, 0, 0
-    for mask, batch, heads in corpus():
+    for case, (mask, batch, heads) in zip(case_ids(), corpus()):
         total += 1
         try:
             problem = check(mask, batch, heads, device)
         except Untranslatable as exc:
-            print(f"UNTRANSLATED {mask.name}: {exc}")
+            print(f"CASE {case} UNTRANSLATED {exc}")
             continue
         translated += 1
         if problem:
             wrong += 1
-            print(f"WRONG {mask.name}: {problem}")
+            print(f"CASE {case} WRONG {problem}")
         else:
-            print(f"OK {mask.name}")
+            print(f"CASE {case} OK")
     print(f"COVERAGE {translated}/{total} translated, {wrong} wrong")
     sys.exit(1 if wrong else 0)
 

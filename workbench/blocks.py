@@ -20,6 +20,7 @@ the eager tiles agree exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from tqdm.auto import tqdm
 from workbench import compat, kernels
 from workbench.define import Mask, WorkbenchError, broadcast_indices, cdiv, choose_evaluator, evaluate_mod, index_reads
 
-__all__ = ["BlockScan", "scan_blocks", "build_block_mask", "block_mask_from_scan", "block_classes", "dense_mask",
+__all__ = ["BlockScan", "ScanOptions", "scan_blocks", "build_block_mask", "block_mask_from_scan", "block_classes", "dense_mask",
            "device_memory", "default_budget", "pick_engine", "check_index_sizes", "EMPTY", "PARTIAL", "FULL",
            "DEFAULT_BLOCK"]
 
@@ -201,11 +202,25 @@ def _check_sizes(q_len, kv_len, batch, heads):
             raise WorkbenchError(f"{name} = {value!r} must be a positive integer", f"pass a positive {name}")
 
 
+@dataclass(frozen=True)
+class ScanOptions:
+    """How a scan counts, where the defaults do not suit: `memory_budget` bytes of temporaries per
+    eager tile (None: a share of what is free); `keep_counts=False` keeps only totals (no per-block
+    table, for lengths where even that table would not fit); `differences=False` skips counting the
+    pairs where heads / batch entries differ from the first (half the work of a per-head mask; a
+    BlockMask does not need them); `background_compile=True` (the notebook app) scans a mod whose
+    fused kernel is not compiled yet with the other engines while it compiles on a background thread."""
+
+    memory_budget: int | None = None
+    keep_counts: bool = True
+    differences: bool = True
+    background_compile: bool = False
+
+
 def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | None = None,
                 batch: int | None = None, block_size: int | tuple[int, int] = DEFAULT_BLOCK,
-                device: str | torch.device = "cpu", memory_budget: int | None = None,
-                keep_counts: bool = True, differences: bool = True, engine: str | None = None,
-                progress: bool | None = None, background_compile: bool = False) -> BlockScan:
+                device: str | torch.device = "cpu", engine: str | None = None, progress: bool | None = None,
+                options: ScanOptions | None = None, **settings) -> BlockScan:
     """Count kept pairs block by block: a BlockScan with `counts` [B', H', rows, cols] (kept pairs
     of each q_block x kv_block block; B', H' are 1 where the mask does not depend on b / h),
     `row_kept` [B', H', q_len] and totals, without ever holding q_len x kv_len.
@@ -213,23 +228,25 @@ def scan_blocks(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: int | 
     mask:        a Mask or a bare mask_mod(b, h, q_idx, kv_idx)
     block_size:  128, or (q_block, kv_block)
 
-    heads / batch: None means broadcast (size 1), as in create_block_mask. keep_counts=False keeps
-    only the totals (no per-block table), for lengths where even that table would not fit.
-    differences=False skips counting the pairs where heads / batch entries differ from the first
-    (it doubles the work of a per-head mask; a BlockMask does not need it).
+    heads / batch: None means broadcast (size 1), as in create_block_mask.
     engine: "triton" (the mod translated into one fused kernel: CUDA), "compiled" (torch.compile'd
-    tiles), "eager" (tiles that fit `memory_budget` bytes: any device), or None to pick:
+    tiles), "eager" (tiles that fit the memory budget: any device), or None to pick:
     triton on CUDA past TRITON_ABOVE_PAIRS (2^33, e.g. 92K x 92K) when the mod translates, else
     eager (compiled above COMPILE_ABOVE_PAIRS, 2^36).
-    background_compile=True (the notebook app): a mod whose fused kernel is not compiled yet is
-    scanned by the other engines now while its kernel compiles on a background thread, so no scan
-    waits for a compile unless the problem is too large for eager tiles.
-    
+    options: ScanOptions (memory budget, totals only, no head / batch differences, background
+    compiles); its fields are taken as keywords too (`keep_counts=False`).
+
         >>> from workbench import make
         >>> scan = scan_blocks(make("causal"), 256, 256, block_size=128)
         >>> scan.counts[0, 0].tolist()          # a full block below the diagonal, partial on it
         [[8256, 0], [16384, 8256]]
     """
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(ScanOptions)})
+    if unknown:
+        raise TypeError(f"scan_blocks() got an unexpected keyword argument {unknown[0]!r}")
+    options = dataclasses.replace(options or ScanOptions(), **settings)
+    memory_budget, keep_counts = options.memory_budget, options.keep_counts
+    differences, background_compile = options.differences, options.background_compile
     mask_mod = mask.mask_mod if isinstance(mask, Mask) else mask
     name = mask.name if isinstance(mask, Mask) else getattr(mask, "__name__", "mask_mod")
     device = torch.device(device)
@@ -650,7 +667,8 @@ def build_block_mask(mask: Mask | Callable, q_len: int, kv_len: int, *, heads: i
         ([1, 1], [0, 1])
     """
     scan = scan_blocks(mask, q_len, kv_len, heads=heads, batch=batch, block_size=block_size, device=device,
-                       memory_budget=memory_budget, differences=False, engine=engine, progress=progress)
+                       engine=engine, progress=progress,
+                       options=ScanOptions(memory_budget=memory_budget, differences=False))
     mask_mod = mask.mask_mod if isinstance(mask, Mask) else mask
     return block_mask_from_scan(scan, mask_mod, compute_q_blocks=compute_q_blocks, release_counts=True,
                                 shrink=shrink)

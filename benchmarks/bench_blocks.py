@@ -107,7 +107,7 @@ def main():
                     help="scan kernel setting: an index into SETTINGS (0 = the default)")
     args = ap.parse_args()
     for key, value in SETTINGS[args.setting].items():
-        setattr(kernels, key, value)
+        setattr(kernels.scan, key, value)  # (the scan module's globals)
     if args.knob:
         knob_turning(args.knob_length, profile=args.profile)
         return
@@ -260,7 +260,7 @@ SETTINGS = [dict(SCAN_INTERIOR=True, SCAN_WARPS=4, TILE_ELEMENTS=2048, SCAN_ROWS
                  SCAN_BOUNDS=False),  # every pair evaluated
             dict(SCAN_INTERIOR=False, SCAN_WARPS=8, TILE_ELEMENTS=4096, SCAN_ROWS_AT_END=False,
                  SCAN_BOUNDS=False)]  # the first kernel
-assert SETTINGS[0] == {key: getattr(kernels, key) for key in SETTINGS[0]}
+assert SETTINGS[0] == {key: getattr(kernels.scan, key) for key in SETTINGS[0]}
 
 
 def tune(lengths, only, device: str = "cuda") -> None:
@@ -278,7 +278,7 @@ def tune(lengths, only, device: str = "cuda") -> None:
             cells = []
             for setting in SETTINGS:
                 for key, value in setting.items():
-                    setattr(kernels, key, value)
+                    setattr(kernels.scan, key, value)  # (the scan module's globals)
                 build = lambda: build_block_mask(mask, length, length, heads=heads, device=device,  # noqa: E731
                                                  progress=False, engine="triton")
                 measure(build, device)  # compiles
@@ -286,7 +286,7 @@ def tune(lengths, only, device: str = "cuda") -> None:
                 cells.append(f"{times[1]:.3f}")
             print(f"| {name} | {length:,} | " + " | ".join(cells) + " |", flush=True)
     for key, value in SETTINGS[0].items():
-        setattr(kernels, key, value)
+        setattr(kernels.scan, key, value)  # (the scan module's globals)
 
 
 if __name__ == "__main__":

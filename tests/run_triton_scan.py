@@ -20,7 +20,7 @@ from workbench.define import index_reads  # noqa: E402
 # (q_len, kv_len, heads, batch, block): odd lengths, Lq != Lk, small / uneven / tall blocks
 CASES = [(200, 333, 4, 2, (32, 64)), (260, 300, None, None, (160, 48)), (300, 330, 2, None, (128, 128)),
          (320, 330, None, 2, (256, 64))]
-# each kernel switch (kernels.SCAN_INTERIOR, SCAN_ROWS_AT_END, SCAN_BOUNDS) turned the other way:
+# each kernel switch (kernels.scan.SCAN_INTERIOR, SCAN_ROWS_AT_END, SCAN_BOUNDS) turned the other way:
 # every case on a GPU, the one with two interior rows and columns of 128-blocks under the CPU
 # interpreter, where it is slow. (The last case: interior blocks in row slices of 64.)
 INTERIOR_CASES = {"cuda": CASES, "cpu": CASES[2:3]}
@@ -112,7 +112,7 @@ def turn_knobs(device: str) -> int:
 
 
 def main(device: str) -> int:
-    from workbench import kernels
+    from workbench.kernels import scan as kernels  # the switches are the scan module's globals
 
     masks = [make(f, q_len=q, kv_len=k, device=device) for name, f in library().items()
              for q, k, *_ in CASES[:1]]

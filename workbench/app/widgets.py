@@ -29,33 +29,27 @@ function bytesOf(view) {
 
 function render({ model, el }) {
   el.classList.add("wb-blockmap");
-  const caption = document.createElement("div");
-  caption.className = "wb-blockmap-caption";
-  caption.style.cssText = "font:12px system-ui,sans-serif;color:#1d2733;margin:2px 0 4px";
-  const wrap = document.createElement("div");
-  wrap.style.cssText = "position:relative;display:inline-block";
+  const div = (css, cls) => {  // an element of the widget: its style, and a class tests can find
+    const d = document.createElement("div");
+    d.style.cssText = css;
+    if (cls) d.className = cls;
+    return d;
+  };
+  const small = "font:11px system-ui,sans-serif;color:#5a6776";
+  const caption = div("font:12px system-ui,sans-serif;color:#1d2733;margin:2px 0 4px", "wb-blockmap-caption");
+  const wrap = div("position:relative;display:inline-block");
   const canvas = document.createElement("canvas");
   canvas.style.cssText = "border:1px solid #c0c6cc;cursor:crosshair;display:block";
-  const tip = document.createElement("div");
-  tip.className = "wb-blockmap-tip";
-  tip.style.cssText = "position:absolute;pointer-events:none;background:#1d2733;color:#fff;font:11px monospace;" +
-    "padding:3px 6px;border-radius:4px;white-space:pre;display:none;z-index:10";
-  const hint = document.createElement("div");
-  hint.style.cssText = "font:11px system-ui,sans-serif;color:#5a6776;margin-top:3px";
+  const tip = div("position:absolute;pointer-events:none;background:#1d2733;color:#fff;font:11px monospace;" +
+    "padding:3px 6px;border-radius:4px;white-space:pre;display:none;z-index:10", "wb-blockmap-tip");
+  const hint = div(small + ";margin-top:3px");
   hint.textContent = "hover: a block's numbers · click: Token zoom there · drag: zoom into a box · double-click: whole map";
   // axes (keys across, queries down, as in the static figures) and the colour legend
-  const top = document.createElement("div");
-  top.className = "wb-blockmap-axis";
-  top.style.cssText = "font:11px system-ui,sans-serif;color:#5a6776;display:flex;justify-content:space-between";
-  const left = document.createElement("div");
-  left.className = "wb-blockmap-axis";
-  left.style.cssText = "font:11px system-ui,sans-serif;color:#5a6776;writing-mode:vertical-rl;" +
-    "display:flex;justify-content:space-between;margin-right:3px";
-  const row = document.createElement("div");
-  row.style.cssText = "display:flex;align-items:stretch";
-  const legend = document.createElement("div");
-  legend.className = "wb-blockmap-legend";
-  legend.style.cssText = "font:11px system-ui,sans-serif;color:#1d2733;margin-top:3px";
+  const top = div(small + ";display:flex;justify-content:space-between", "wb-blockmap-axis");
+  const left = div(small + ";writing-mode:vertical-rl;display:flex;justify-content:space-between;margin-right:3px",
+                   "wb-blockmap-axis");
+  const row = div("display:flex;align-items:stretch");
+  const legend = div("font:11px system-ui,sans-serif;color:#1d2733;margin-top:3px", "wb-blockmap-legend");
   for (const k of [2, 1, 0]) {
     const sw = document.createElement("span");
     sw.style.cssText = `display:inline-block;width:10px;height:10px;margin:0 4px 0 10px;vertical-align:-1px;` +

@@ -118,9 +118,9 @@ function render({ model, el }) {
     }
     const qb = model.get("q_block") * model.get("pool_q"), kb = model.get("kv_block") * model.get("pool_kv");
     const tok = (i, n, len) => Math.min(i * n, len);
-    top.innerHTML = `<span>kv ${tok(c0, kb, model.get("kv_len"))}</span><span>keys (kv_idx) →</span>` +
+    top.innerHTML = `<span>kv ${tok(c0, kb, model.get("kv_len"))}</span><span>keys (kv_idx)</span>` +
       `<span>${tok(c1, kb, model.get("kv_len")) - 1}</span>`;
-    left.innerHTML = `<span>q ${tok(r0, qb, model.get("q_len"))}</span><span>queries (q_idx) →</span>` +
+    left.innerHTML = `<span>q ${tok(r0, qb, model.get("q_len"))}</span><span>queries (q_idx)</span>` +
       `<span>${tok(r1, qb, model.get("q_len")) - 1}</span>`;
     top.style.width = `${w}px`; top.style.marginLeft = "16px";
     caption.textContent = `${model.get("title")} · ${model.get("panel")} · q ${tok(r0, qb, model.get("q_len"))}..` +

@@ -21,13 +21,15 @@ import torch
 
 from workbench.define import Mask, WorkbenchError, data_indices, index_reads
 from workbench.define.lengths import RELATION_TEXT, LengthRule, follow, rebuildable, relations_text
-from workbench.translate import Untranslatable, mod_functions
+from workbench.define.util import fill_template, template_body
+from workbench.translate import Untranslatable, mod_functions, range_pointers
 
 __all__ = ["PortSource", "generate", "check_supported", "pinned_config", "CONFIGS", "SEGMENT_CONFIGS", "DTYPES",
            "ENTRY", "MAX_HEAD_DIM"]
 
 
 TEMPLATE = Path(__file__).with_name("templates") / "forward.py"
+PAGED_TEMPLATE = Path(__file__).with_name("templates") / "paged.py"  # attention_paged, appended
 ENTRY = "attention"
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -142,8 +144,14 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     per_token = (bool(indexed & {"q_idx", "kv_idx"}) or plan.kind == "fixed"
                  or (mask.q_len is not None and not rebuildable(mask)))
     rules = {} if per_token else plan.rules
+    source_mask = plan.mask if rules else mask
+    has_bounds = mask.mask_mod is not None  # mask_mod_bounds too: the paged kernel skips tiles by them
     try:
-        parts, mask_ptrs, score_ptrs, captured = mod_functions(plan.mask if rules else mask, frozenset(rules))
+        try:
+            parts, mask_ptrs, score_ptrs, captured = mod_functions(source_mask, frozenset(rules), bounds=has_bounds)
+        except Untranslatable:
+            has_bounds = False
+            parts, mask_ptrs, score_ptrs, captured = mod_functions(source_mask, frozenset(rules))
     except Untranslatable as exc:
         raise WorkbenchError(f"the mods cannot be written as Triton: {exc}",
                              "rewrite that part with elementwise torch ops (comparisons, arithmetic, torch.where, "
@@ -157,6 +165,12 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     if mask.score_mod is None:
         parts.append("@triton.jit\ndef score_mod_triton(score, b, h, q_idx, kv_idx):\n    # no score_mod\n"
                      "    return score\n")
+    range_ptrs = range_pointers(mask_ptrs)
+    if not has_bounds:
+        parts.append("@triton.jit\ndef mask_mod_bounds(b, h, q_lo, q_hi, kv_lo, kv_hi"
+                     + "".join(f", {p}" for p in mask_ptrs + range_ptrs) + "):\n"
+                     "    # no bounds for this mask: nothing is decided over a tile (all = 0, any = 1)\n"
+                     "    return q_lo * 0, q_lo * 0 + 1\n")
     reads = index_reads(mask.mask_mod)
     port = PortSource(
         name=mask.name, source="",
@@ -178,7 +192,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     def args(ptrs):
         return "".join(f", {p}" for p in ptrs)
 
-    text = TEMPLATE.read_text()
+    text = TEMPLATE.read_text() + "\n\n" + template_body(PAGED_TEMPLATE)
     source_comment = textwrap.indent(mask.source.strip() or "(source not available)", "    ")
     fills = {
         "@@TITLE@@": f"{mask.name}: attention with this mask and score as one standalone Triton kernel.",
@@ -203,9 +217,10 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@CONFIGS@@": repr(CONFIGS),
         "@@SEGMENT_CONFIGS@@": repr(SEGMENT_CONFIGS),
         "@@WIDE_ROW_CONFIGS@@": repr(WIDE_ROW_CONFIGS),
+        "@@HAS_BOUNDS@@": repr(has_bounds),
+        "@@RANGE_PTR_PARAMS@@": params(range_ptrs), "@@RANGE_PTR_ARGS@@": args(range_ptrs),
     }
-    for key, value in fills.items():
-        text = text.replace(key, value)
+    text = fill_template(text, fills)
     text = re.sub(r"\n[ ]+\n", "\n", text)  # parameter lines left empty by masks without tables
     port.source = text
     return port

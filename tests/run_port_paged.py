@@ -1,0 +1,157 @@
+"""attention_paged: one engine step (prefill chunks and decodes) over a paged KV cache, against the
+float64 reference of each request. Usage:
+
+    TRITON_INTERPRET=1 python tests/run_port_paged.py cpu [SEED]
+    python tests/run_port_paged.py cuda [SEED]
+
+For each case (a mask, a dtype, a page size) a random step is drawn: requests with other query
+counts (decodes of 1, chunks of a few to ~100) and contexts, pages shuffled across the cache, and
+garbage in the block table past each request's pages. Request r's rows must equal the reference of
+the mask seen from the request: b = r, q_idx = its positions seq_len - n_q + i, kv_idx = 0 ..
+seq_len - 1. Prints `CASE <id> OK|FAIL detail` per case (ids: `case_ids`), then a SUMMARY line."""
+
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workbench import Mask, make, port, with_score  # noqa: E402
+from workbench.define.lengths import rebuild, rebuildable  # noqa: E402
+from workbench.run import Inputs, Shape  # noqa: E402
+from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention  # noqa: E402
+
+W = torch.tensor([8, 40, 300, 1000])  # a user's per-head windows
+
+
+def head_window(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < W[h])
+
+
+LENS = torch.tensor([50, 120, 500])  # a user's per-request lengths (the step's requests read lens[b])
+
+
+def per_request_prefix(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) | (kv_idx < LENS[b])
+
+
+def masks():
+    """(name, mask, heads): library masks, score mods, users' mods."""
+    out = [(n, make(n), 4) for n in ("causal", "sinks_window", "prefix_lm", "dilated_window", "chunked_local")]
+    out.append(("causal_sliding_window_50", make("causal_sliding_window", {"window": 50}), 4))
+    out.append(("causal+alibi", with_score(make("causal"), make("alibi", {"num_heads": 4})), 4))
+    out.append(("rswa+softcap", with_score(make("rswa", {"prefix_len": 16, "window": 64}), make("softcap")), 4))
+    out.append(("full", make("full"), 2))
+    out.append(("users_head_window", Mask("users_head_window", mask_mod=head_window), 4))
+    out.append(("users_per_request_prefix", Mask("users_per_request_prefix", mask_mod=per_request_prefix), 2))
+    return out
+
+
+def cases():
+    for name, mask, heads in masks():
+        for dtype, page in (("float32", 16), ("float32", 64)) + ((("bfloat16", 32),) if name == "causal" else ()):
+            yield f"{name}-{dtype}-p{page}", mask, heads, dtype, page
+
+
+def case_ids():
+    return [c[0] for c in cases()]
+
+
+def draw_step(rng: random.Random, num_seqs: int, page: int, heads: int, kv_heads: int, d: int, dtype):
+    """q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens and each request's (n_q, seq_len)."""
+    reqs = []
+    for _ in range(num_seqs):
+        n_q = rng.choice([1, 1, rng.randint(2, 40), rng.randint(40, 100)])
+        reqs.append((n_q, n_q + rng.choice([0, rng.randint(0, 60), rng.randint(60, 400)])))
+    pages_of = [-(-length // page) for _, length in reqs]
+    max_pages = max(pages_of) + 2
+    physical = list(range(sum(pages_of) + 3))  # a few unused pages too
+    rng.shuffle(physical)
+    table = torch.full((num_seqs, max_pages), 10**6, dtype=torch.int32)  # garbage past each request's pages
+    it = iter(physical)
+    for r, n in enumerate(pages_of):
+        table[r, :n] = torch.tensor([next(it) for _ in range(n)], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(rng.randint(0, 10**6))
+    total_q = sum(n for n, _ in reqs)
+    q = torch.randn(total_q, heads, d, generator=gen).to(dtype)
+    k_cache = torch.randn(len(physical), page, kv_heads, d, generator=gen).to(dtype)
+    v_cache = torch.randn(len(physical), page, kv_heads, d, generator=gen).to(dtype)
+    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor([n for n, _ in reqs]), 0)), dtype=torch.int32)
+    lens = torch.tensor([length for _, length in reqs], dtype=torch.int32)
+    return q, k_cache, v_cache, table, cu, lens, reqs
+
+
+def request_view(mask: Mask, r: int, n_q: int, length: int) -> Mask:
+    """The mask seen from request r of a step, as a contiguous call of its n_q queries against its
+    `length` keys: b -> r, q_idx -> its positions (length - n_q + i)."""
+    base = rebuild(mask, length, length) if rebuildable(mask) else mask
+    off = length - n_q
+
+    def mask_mod(b, h, q_idx, kv_idx, _m=base.mask_mod):
+        return _m(b + r, h, q_idx + off, kv_idx)
+
+    def score_mod(score, b, h, q_idx, kv_idx, _s=base.score_mod):
+        return _s(score, b + r, h, q_idx + off, kv_idx)
+
+    return Mask(f"{mask.name}@request{r}", mask_mod=mask_mod if base.mask_mod else None,
+                score_mod=score_mod if base.score_mod else None)
+
+
+def gather(cache, table_row, length):
+    """A request's keys in order, read through its block table: [Hkv, length, D]."""
+    page = cache.shape[1]
+    idx = torch.arange(length)
+    return cache[table_row[idx // page].long(), idx % page].permute(1, 0, 2)
+
+
+def check(case, mask, heads, dtype, page, device, folder, rng) -> str | None:
+    real = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    kv_heads = heads // 2 if heads % 2 == 0 else heads
+    num_seqs = 3 if "per_request" in case else rng.randint(2, 5)
+    q, kc, vc, table, cu, lens, reqs = draw_step(rng, num_seqs, page, heads, kv_heads, 16, real)
+    source = port.generate(mask, 256, 256, heads=heads, batch=num_seqs)
+    module = port.load(port.write(source, folder / case.replace("+", "_")))
+    with torch.no_grad():
+        out, lse = module.attention_paged(*(t.to(device) for t in (q, kc, vc, table, cu, lens)), return_lse=True,
+                                          check=True)
+    out, lse = out.cpu(), lse.cpu()
+    problems = []
+    for r, (n_q, length) in enumerate(reqs):
+        start = int(cu[r])
+        shape = Shape(batch=1, q_heads=heads, kv_heads=kv_heads, q_len=n_q, kv_len=length, head_dim=16)
+        qr = q[start:start + n_q].permute(1, 0, 2)[None].float()
+        kr, vr = gather(kc, table[r], length)[None].float(), gather(vc, table[r], length)[None].float()
+        ref = reference_attention(request_view(mask, r, n_q, length),
+                                  Inputs(q=qr, k=kr, v=vr, shape=shape, dtype="float32", seed=0), progress=False)
+        got = out[start:start + n_q].permute(1, 0, 2)[None]
+        checks = [compare("out", got, ref.out, TOLERANCES[dtype]),
+                  compare("lse", lse[start:start + n_q].permute(1, 0)[None], ref.lse, LSE_TOLERANCE[dtype])]
+        bad = [c for c in checks if not c.passed]
+        if bad:
+            problems.append(f"request {r} (n_q {n_q}, seq_len {length}): " + "; ".join(
+                f"{c.name} max abs err {c.max_abs_err:.3g}, {c.bad_count} bad, {c.nan_count} NaN" for c in bad))
+    return "; ".join(problems) or None
+
+
+def main(argv) -> int:
+    device = argv[0] if argv else "cpu"
+    rng = random.Random(int(argv[1]) if len(argv) > 1 else 0)
+    folder = Path(tempfile.mkdtemp(prefix="port_paged_"))
+    failed = total = 0
+    for case, mask, heads, dtype, page in cases():
+        total += 1
+        try:
+            problem = check(case, mask, heads, dtype, page, device, folder, rng)
+        except Exception as exc:
+            problem = f"raised {type(exc).__name__}: {str(exc)[:300]}"
+        failed += problem is not None
+        print(f"CASE {case} {'OK' if problem is None else 'FAIL'}" + (f" {problem}" if problem else ""), flush=True)
+    print(f"SUMMARY {total - failed}/{total} paged steps equal the reference")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,266 @@
+"""The port's serving entry point, appended to forward.py by `port.generate`: one launch for a whole
+engine step (prefill chunks and decodes) over a paged KV cache, in vLLM's layouts. Markers:
+@@MASK_PTR_PARAMS@@ / @@MASK_PTR_ARGS@@ / @@SCORE_PTR_ARGS@@ / @@ALL_PTR_PARAMS@@ / @@ALL_PTR_ARGS@@
+(the mods' table pointers), @@RANGE_PTR_PARAMS@@ / @@RANGE_PTR_ARGS@@ (each table's (sorted, min,
+max), which mask_mod_bounds reads), @@HAS_BOUNDS@@."""
+
+import torch
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------- serving: a paged KV cache
+
+HAS_BOUNDS = @@HAS_BOUNDS@@  # mask_mod_bounds exists: tiles the mask decides are skipped or run unmasked
+# a number that follows the sequence's length even when Lq = Lk (a prefix of Lk // 4) differs by
+# request in a paged step: such masks take their values per request (tables=) or attention()
+HAS_LENGTH_RULES_IN_PAGES = any(a + b != 0 for a, b, c, d in LENGTH_RULES.values())
+PAGED_BLOCK_M, PAGED_BLOCK_N = 16, 16  # query rows per program, keys per tile (pages are multiples of 16)
+
+
+def _table_ranges(tables: list) -> list:
+    """Per table, int64 (sorted, min, max): what mask_mod_bounds reads to bound a table read at a
+    varying index (1 = the entries never decrease). On the tables' device, without a sync."""
+    out = []
+    for t in tables:
+        flat = t.reshape(-1)
+        if flat.numel() == 0 or flat.is_floating_point() or flat.is_complex():
+            out.append(torch.zeros(3, dtype=torch.int64, device=t.device))
+            continue
+        flat = flat.to(torch.int64)
+        rising = (flat[1:] >= flat[:-1]).all() if flat.numel() > 1 else torch.ones((), dtype=torch.bool, device=t.device)
+        out.append(torch.stack([rising.to(torch.int64), flat.min(), flat.max()]).contiguous())
+    return out
+
+
+@triton.jit
+def _paged_kernel(Q, K_cache, V_cache, Out, Lse, block_table, cu_seqlens_q, seq_lens, block_starts,
+                  s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, s_bt,
+                  page_size, num_seqs, Hq, group, D, sm_scale,
+                  @@ALL_PTR_PARAMS@@
+                  @@RANGE_PTR_PARAMS@@
+                  D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr,
+                  IEEE: tl.constexpr, WIDEN: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # one program = BLOCK_M query rows of one request, for one query head. The grid's first axis is
+    # an upper bound on the step's row blocks (from shapes only: a CUDA graph can replay it);
+    # programs past the last block return at once.
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_h = h // group  # grouped-query attention
+    if pid >= tl.load(block_starts + num_seqs):
+        return
+    # 1. which request: the last r with block_starts[r] <= pid (a binary search)
+    lo = pid * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        here = tl.load(block_starts + mid) <= pid
+        lo = tl.where(here, mid, lo)
+        hi = tl.where(here, hi, mid)
+    req = lo
+    q_start = tl.load(cu_seqlens_q + req)
+    n_q = tl.load(cu_seqlens_q + req + 1) - q_start
+    L = tl.load(seq_lens + req)
+    # 2. this program's rows: the request's queries are its last n_q tokens (positions L - n_q ..)
+    first = (pid - tl.load(block_starts + req)) * BLOCK_M
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_q
+    rows_in = tl.minimum(rows, n_q - 1)  # rows past the end repeat the last one, never stored
+    q_pos = L - n_q + rows_in
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    q = tl.load(Q + (q_start + rows_in).to(tl.int64)[:, None] * s_qt + h * s_qh + offs_d[None, :] * s_qd,
+                mask=d_ok[None, :], other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e): the softmax runs in base 2
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    q_lo = L - n_q + first
+    q_hi = L - n_q + tl.minimum(first + BLOCK_M, n_q) - 1
+    # 3. the request's keys in tiles of BLOCK_N, each read through the block table
+    start = L * 0
+    while start < L:
+        kv_lo = start
+        kv_hi = tl.minimum(start + BLOCK_N, L) - 1
+        visit = start == start  # (True)
+        masked = HAS_MASK
+        if BOUNDS:
+            # what the mask gives over the whole tile: none kept -> skip it; all kept -> no mask
+            all_kept, any_kept = mask_mod_bounds(req, h, q_lo, q_hi, kv_lo, kv_hi@@MASK_PTR_ARGS@@@@RANGE_PTR_ARGS@@)
+            visit = any_kept != 0
+            masked = all_kept == 0
+        if visit:
+            keys = start + tl.arange(0, BLOCK_N)
+            key_ok = keys < L
+            keys_in = tl.minimum(keys, L - 1)
+            page = tl.load(block_table + req.to(tl.int64) * s_bt + keys_in // page_size).to(tl.int64)
+            slot = keys_in % page_size
+            k = tl.load(K_cache + page[None, :] * s_kp + slot[None, :] * s_ks + kv_h * s_kh + offs_d[:, None] * s_kd,
+                        mask=d_ok[:, None], other=0.0)
+            v = tl.load(V_cache + page[:, None] * s_vp + slot[:, None] * s_vs + kv_h * s_vh + offs_d[None, :] * s_vd,
+                        mask=d_ok[None, :], other=0.0)
+            if WIDEN:  # Triton's CPU interpreter multiplies bf16 dot operands wrongly: widen (exact)
+                qk = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+            elif IEEE:
+                qk = tl.dot(q, k, input_precision="ieee")
+            else:
+                qk = tl.dot(q, k)
+            q_idx = q_pos[:, None]
+            kv_idx = keys_in[None, :]
+            if HAS_SCORE:
+                s = score_mod_triton(qk * sm_scale, req, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
+            else:
+                s = qk * qk_scale
+            keep = key_ok[None, :] & (q_idx >= 0)
+            if HAS_MASK:
+                if masked:
+                    keep = keep & (mask_mod_triton(req, h, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0)
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing kept yet stay at 0
+            alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            if IEEE:
+                acc = tl.dot(p, v, acc, input_precision="ieee")
+            elif WIDEN:
+                acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
+        start += BLOCK_N
+    # 4. rows that kept nothing: out 0 and lse -inf
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    out_rows = (q_start + rows_in).to(tl.int64)
+    tl.store(Out + out_rows[:, None] * (Hq * D) + h * D + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE:
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        tl.store(Lse + out_rows * Hq + h, lse, mask=row_ok)
+
+
+def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens):
+    """Shapes, dtypes and devices of an attention_paged call, each refusal naming its argument."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
+                    ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor; got {type(t).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [total_q, Hq, D]; got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must be [num_pages, page_size, Hkv, D] and equal; got "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    total_q, Hq, D = q.shape
+    num_pages, page_size, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"k_cache's head dim {Dk} is not q's {D}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"Hq = {Hq} must be a multiple of Hkv = {Hkv} (k_cache's third axis)")
+    if page_size % 16:
+        raise ValueError(f"page_size = {page_size} (k_cache's second axis) must be a multiple of 16")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k_cache.dtype != q.dtype or \
+            v_cache.dtype != q.dtype:
+        raise TypeError(f"q, k_cache, v_cache must share one dtype of bfloat16, float16, float32; got {q.dtype}, "
+                        f"{k_cache.dtype}, {v_cache.dtype}")
+    if D > 256:
+        raise ValueError(f"head dimension {D} is over 256")
+    for name, t in (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must hold int32 (or int64) entries; got {t.dtype}")
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table must be [num_seqs, max_pages]; got {tuple(block_table.shape)}")
+    num_seqs = block_table.shape[0]
+    if cu_seqlens_q.shape != (num_seqs + 1,) or seq_lens.shape != (num_seqs,):
+        raise ValueError(f"cu_seqlens_q must be [num_seqs + 1] and seq_lens [num_seqs] for num_seqs = {num_seqs} "
+                         f"(block_table's rows); got {tuple(cu_seqlens_q.shape)}, {tuple(seq_lens.shape)}")
+    devices = {t.device for t in (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"every tensor must be on one device; got {sorted(map(str, devices))}")
+    if q.device.type == "cpu" and not _INTERPRET:
+        raise RuntimeError("the tensors are on the CPU: this kernel runs on a CUDA GPU, or on a CPU under Triton's "
+                           "interpreter (TRITON_INTERPRET=1 before this file is imported)")
+    if torch.is_grad_enabled() and q.requires_grad:
+        raise RuntimeError("q requires grad, but this kernel is forward only: call it under torch.no_grad()")
+    if HAS_LENGTH_RULES_IN_PAGES:
+        raise ValueError(f"{NAME}'s mask reads numbers that follow the sequence's length ({LENGTH_RULES}); in "
+                         "paged calls every request has its own length: pass them per request with tables=, or "
+                         "use attention() per request")
+    return total_q, Hq, D, Hkv, page_size, num_seqs
+
+
+def check_paged_contents(q, block_table, cu_seqlens_q, seq_lens, k_cache) -> None:
+    """The checks that read the tensors' values (a device sync, so attention_paged leaves them out
+    and a CUDA graph can replay it): cu_seqlens_q rises from 0 to total_q, each seq_len holds its
+    queries, and each request's pages exist. Call it while testing an engine's integration."""
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    if cu[0] != 0 or cu[-1] != q.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens_q must rise from 0 to total_q = {q.shape[0]}; got {cu[:8]}")
+    page_size, num_pages = k_cache.shape[1], k_cache.shape[0]
+    for r, (n, length) in enumerate(zip([b - a for a, b in zip(cu, cu[1:])], lens)):
+        if length < n:
+            raise ValueError(f"seq_lens[{r}] = {length} is shorter than the request's {n} queries in this step")
+        pages = -(-length // page_size)
+        if pages > block_table.shape[1]:
+            raise ValueError(f"block_table has {block_table.shape[1]} pages per request; request {r} needs {pages} "
+                             f"for seq_len {length} at page_size {page_size}")
+        used = block_table[r, :pages]
+        if pages and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+            raise ValueError(f"block_table[{r}, :{pages}] points outside the cache's {num_pages} pages")
+
+
+def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, scale=None, return_lse=False,
+                    tables=None, check=False):
+    """One engine step through this file's mask and score, over a paged KV cache (vLLM's layouts).
+
+    q:             [total_q, Hq, D]   the step's query tokens, request after request
+    k_cache, v_cache: [num_pages, page_size, Hkv, D]   page_size a multiple of 16
+    block_table:   [num_seqs, max_pages] int32   logical page -> physical page; entries past a
+                   request's pages are never read
+    cu_seqlens_q:  [num_seqs + 1] int32   where each request's queries start in q
+    seq_lens:      [num_seqs] int32   each request's whole length (context + this step's queries)
+    tables:        {name: tensor} replacing the file's captured tensors for this call (same shapes)
+    check:         also run check_paged_contents (a device sync; for tests, not for graphs)
+    Returns out [total_q, Hq, D] in q's dtype (and lse [total_q, Hq] float32 with return_lse).
+
+    The mods see b = the request's index in the step, q_idx = the query's position in its request
+    (its queries are the last ones: seq_len - n_q + i) and kv_idx = the key's position. One launch,
+    no device-to-host sync and no allocation whose size depends on the tensors' contents.
+    """
+    total_q, Hq, D, Hkv, page_size, num_seqs = _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q,
+                                                            seq_lens)
+    if check:
+        check_paged_contents(q, block_table, cu_seqlens_q, seq_lens, k_cache)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    captured = dict(_tables(q.device, 1, 1))
+    if tables:
+        for name, t in tables.items():
+            if name not in captured:
+                raise ValueError(f"tables: {NAME} reads no tensor named {name!r}; it reads {sorted(captured) or 'none'}")
+            if not isinstance(t, torch.Tensor) or t.shape != captured[name].shape or t.dtype != captured[name].dtype:
+                raise ValueError(f"tables[{name!r}] must be a {captured[name].dtype} tensor of shape "
+                                 f"{tuple(captured[name].shape)}; got {getattr(t, 'dtype', type(t).__name__)} "
+                                 f"{tuple(getattr(t, 'shape', ()))}")
+            captured[name] = t.to(q.device).contiguous()
+    pointers = [captured[n] for n in ALL_POINTERS]
+    ranges = _table_ranges([captured[n] for n in MASK_POINTERS]) if HAS_BOUNDS else []
+    out = torch.empty(total_q, Hq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(total_q, Hq, dtype=torch.float32, device=q.device) if return_lse else out
+    if total_q == 0 or num_seqs == 0:
+        return (out, lse) if return_lse else out
+    # the row blocks of each request, prefix-summed on the device (a fixed-size tensor)
+    n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32)
+    block_starts = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
+    block_starts[1:] = torch.cumsum((n_q + PAGED_BLOCK_M - 1) // PAGED_BLOCK_M, 0)
+    grid = (total_q // PAGED_BLOCK_M + num_seqs, Hq)  # an upper bound from shapes alone
+    D_PAD = max(16, triton.next_power_of_2(D))
+    _paged_kernel[grid](q, k_cache, v_cache, out, lse, block_table, cu_seqlens_q, seq_lens, block_starts,
+                        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+                        page_size, num_seqs, Hq, Hq // Hkv, D, scale, *pointers, *ranges,
+                        D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=HAS_BOUNDS and HAS_MASK,
+                        IEEE=q.dtype == torch.float32, WIDEN=_INTERPRET and q.dtype == torch.bfloat16,
+                        RETURN_LSE=return_lse, INTERPRET=_INTERPRET, BLOCK_M=PAGED_BLOCK_M,
+                        BLOCK_N=PAGED_BLOCK_N, num_warps=4)
+    return (out, lse) if return_lse else out

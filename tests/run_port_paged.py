@@ -8,7 +8,8 @@ For each case (a mask, a dtype, a page size) a random step is drawn: requests wi
 counts (decodes of 1, chunks of a few to ~100) and contexts, pages shuffled across the cache, and
 garbage in the block table past each request's pages. Request r's rows must equal the reference of
 the mask seen from the request: b = r, q_idx = its positions seq_len - n_q + i, kv_idx = 0 ..
-seq_len - 1. Prints `CASE <id> OK|FAIL detail` per case (ids: `case_ids`), then a SUMMARY line."""
+seq_len - 1. Page size 16 runs split-KV (pieces of SPLIT_KEYS keys folded by a second kernel),
+the others one piece. Prints `CASE <id> OK|FAIL detail` per case (ids: `case_ids`), then a SUMMARY line."""
 
 import random
 import sys
@@ -114,6 +115,8 @@ def check(case, mask, heads, dtype, page, device, folder, rng) -> str | None:
     q, kc, vc, table, cu, lens, reqs = draw_step(rng, num_seqs, page, heads, kv_heads, 16, real)
     source = port.generate(mask, 256, 256, heads=heads, batch=num_seqs)
     module = port.load(port.write(source, folder / case.replace("+", "_")))
+    # half the cases with split-KV (pieces of the keys folded by a second kernel), half without
+    module.SPLIT_WHEN_PROGRAMS_BELOW = 1 << 30 if "-p16" in case or "bfloat16" in case else 0
     with torch.no_grad():
         out, lse = module.attention_paged(*(t.to(device) for t in (q, kc, vc, table, cu, lens)), return_lse=True,
                                           check=True)

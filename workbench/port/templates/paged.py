@@ -14,7 +14,13 @@ HAS_BOUNDS = @@HAS_BOUNDS@@  # mask_mod_bounds exists: tiles the mask decides ar
 # a number that follows the sequence's length even when Lq = Lk (a prefix of Lk // 4) differs by
 # request in a paged step: such masks take their values per request (tables=) or attention()
 HAS_LENGTH_RULES_IN_PAGES = any(a + b != 0 for a, b, c, d in LENGTH_RULES.values())
-PAGED_BLOCK_M, PAGED_BLOCK_N = 16, 16  # query rows per program, keys per tile (pages are multiples of 16)
+PAGED_BLOCK_M = 16  # query rows per program
+PAGED_BLOCK_N = 16 if _INTERPRET else 64  # keys per tile (each key is read through the block table)
+# Split-KV: a request's keys are cut at fixed positions, every SPLIT_KEYS keys, and each piece is a
+# program of its own, so one long request fills the GPU; a second kernel folds the pieces. The
+# number of pieces comes from the shapes alone (the block table's capacity), never from contents.
+SPLIT_KEYS = 4096 if not _INTERPRET else 64
+SPLIT_WHEN_PROGRAMS_BELOW = 1024  # only calls with fewer (row block, head) programs than this split
 
 
 def _table_ranges(tables: list) -> list:
@@ -33,19 +39,21 @@ def _table_ranges(tables: list) -> list:
 
 
 @triton.jit
-def _paged_kernel(Q, K_cache, V_cache, Out, Lse, block_table, cu_seqlens_q, seq_lens, block_starts,
-                  s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, s_bt,
-                  page_size, num_seqs, Hq, group, D, sm_scale,
+def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table, cu_seqlens_q, seq_lens,
+                  block_starts, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, s_bt,
+                  page_size, num_seqs, Hq, group, D, sm_scale, total_q, split_keys,
                   @@ALL_PTR_PARAMS@@
                   @@RANGE_PTR_PARAMS@@
                   D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr,
                   IEEE: tl.constexpr, WIDEN: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # one program = BLOCK_M query rows of one request, for one query head. The grid's first axis is
-    # an upper bound on the step's row blocks (from shapes only: a CUDA graph can replay it);
-    # programs past the last block return at once.
+                  SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # one program = BLOCK_M query rows of one request, for one query head, over one piece of its
+    # keys (SPLIT: keys [split * split_keys, (split + 1) * split_keys), else all of them). The grid's
+    # first axis is an upper bound on the step's row blocks (from shapes only: a CUDA graph can
+    # replay it); programs past the last block return at once.
     pid = tl.program_id(0)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     kv_h = h // group  # grouped-query attention
     if pid >= tl.load(block_starts + num_seqs):
         return
@@ -77,9 +85,14 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, block_table, cu_seqlens_q, seq_
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     q_lo = L - n_q + first
     q_hi = L - n_q + tl.minimum(first + BLOCK_M, n_q) - 1
-    # 3. the request's keys in tiles of BLOCK_N, each read through the block table
-    start = L * 0
-    while start < L:
+    # 3. the request's keys (of this piece) in tiles of BLOCK_N, each read through the block table
+    if SPLIT:
+        start = split * split_keys
+        stop = tl.minimum(L, start + split_keys)
+    else:
+        start = L * 0
+        stop = L
+    while start < stop:
         kv_lo = start
         kv_hi = tl.minimum(start + BLOCK_N, L) - 1
         visit = start == start  # (True)
@@ -130,15 +143,64 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, block_table, cu_seqlens_q, seq_
                 acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
         start += BLOCK_N
+    out_rows = (q_start + rows_in).to(tl.int64)
+    if SPLIT:  # this piece's (acc, m, l), folded by _paged_fold
+        at = (split * total_q + out_rows) * Hq + h
+        tl.store(Part_acc + at[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(Part_ml + at * 2, m_i, mask=row_ok)
+        tl.store(Part_ml + at * 2 + 1, l_i, mask=row_ok)
+        return
     # 4. rows that kept nothing: out 0 and lse -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    out_rows = (q_start + rows_in).to(tl.int64)
     tl.store(Out + out_rows[:, None] * (Hq * D) + h * D + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
     if RETURN_LSE:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
         tl.store(Lse + out_rows * Hq + h, lse, mask=row_ok)
+
+
+@triton.jit
+def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D, num_splits, split_keys,
+                D_PAD: tl.constexpr, RETURN_LSE: tl.constexpr):
+    # one program = one (query token, head): the pieces of its keys folded in order, from the
+    # first, with the online softmax's rescaling (base 2): m = max m_s, l = sum l_s 2^(m_s - m),
+    # out = sum acc_s 2^(m_s - m) / l. Pieces past the request's keys were never written: skipped.
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    lo = t * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:  # the token's request: the last r with cu_seqlens_q[r] <= t
+        mid = (lo + hi) // 2
+        here = tl.load(cu_seqlens_q + mid) <= t
+        lo = tl.where(here, mid, lo)
+        hi = tl.where(here, hi, mid)
+    pieces = (tl.load(seq_lens + lo) + split_keys - 1) // split_keys
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    m = tl.full([1], float("-inf"), tl.float32)
+    l_sum = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D_PAD], tl.float32)
+    s = pieces * 0
+    while s < pieces:
+        at = (s * total_q + t) * Hq + h
+        m_s = tl.load(Part_ml + at * 2 + tl.zeros([1], tl.int32))
+        l_s = tl.load(Part_ml + at * 2 + 1 + tl.zeros([1], tl.int32))
+        a_s = tl.load(Part_acc + at * D + offs_d, mask=d_ok, other=0.0)
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale_old = tl.math.exp2(m - m_safe)
+        scale_new = tl.math.exp2(m_s - m_safe)
+        l_sum = l_sum * scale_old + l_s * scale_new
+        acc = acc * scale_old + a_s * scale_new
+        m = m_new
+        s += 1
+    l_safe = tl.where(l_sum == 0.0, 1.0, l_sum)
+    out = acc / l_safe
+    tl.store(Out + (t.to(tl.int64) * Hq + h) * D + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
+    if RETURN_LSE:
+        lse = tl.where(l_sum == 0.0, float("-inf"), (m + tl.math.log2(l_safe)) * 0.6931471805599453)
+        tl.store(Lse + t.to(tl.int64) * Hq + h + tl.zeros([1], tl.int32), lse)
 
 
 def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens):
@@ -254,13 +316,27 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
     n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32)
     block_starts = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
     block_starts[1:] = torch.cumsum((n_q + PAGED_BLOCK_M - 1) // PAGED_BLOCK_M, 0)
-    grid = (total_q // PAGED_BLOCK_M + num_seqs, Hq)  # an upper bound from shapes alone
+    row_blocks = total_q // PAGED_BLOCK_M + num_seqs  # an upper bound from shapes alone
     D_PAD = max(16, triton.next_power_of_2(D))
-    _paged_kernel[grid](q, k_cache, v_cache, out, lse, block_table, cu_seqlens_q, seq_lens, block_starts,
-                        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
-                        page_size, num_seqs, Hq, Hq // Hkv, D, scale, *pointers, *ranges,
-                        D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=HAS_BOUNDS and HAS_MASK,
-                        IEEE=q.dtype == torch.float32, WIDEN=_INTERPRET and q.dtype == torch.bfloat16,
-                        RETURN_LSE=return_lse, INTERPRET=_INTERPRET, BLOCK_M=PAGED_BLOCK_M,
-                        BLOCK_N=PAGED_BLOCK_N, num_warps=4)
+    # split the keys when the call has too few programs to fill the GPU (decode, short chunks); the
+    # number of pieces from the block table's capacity: a shape, not a content
+    capacity = block_table.shape[1] * page_size
+    splits = -(-capacity // SPLIT_KEYS) if row_blocks * Hq < SPLIT_WHEN_PROGRAMS_BELOW else 1
+    split = splits > 1
+    if split:
+        part_acc = torch.empty(splits, total_q, Hq, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(splits, total_q, Hq, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # (not read)
+    _paged_kernel[(row_blocks, Hq, splits)](
+        q, k_cache, v_cache, out, lse, part_acc, part_ml, block_table, cu_seqlens_q, seq_lens, block_starts,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+        page_size, num_seqs, Hq, Hq // Hkv, D, scale, total_q, SPLIT_KEYS, *pointers, *ranges,
+        D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=HAS_BOUNDS and HAS_MASK,
+        IEEE=q.dtype == torch.float32, WIDEN=_INTERPRET and q.dtype == torch.bfloat16,
+        RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, BLOCK_M=PAGED_BLOCK_M,
+        BLOCK_N=PAGED_BLOCK_N, num_warps=4)
+    if split:
+        _paged_fold[(total_q, Hq)](out, lse, part_acc, part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D,
+                                   splits, SPLIT_KEYS, D_PAD=D_PAD, RETURN_LSE=return_lse, num_warps=1)
     return (out, lse) if return_lse else out

@@ -44,10 +44,14 @@ CALLS = textwrap.dedent('''
     table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
     cu = torch.tensor([0, 4, 5], dtype=torch.int32); lens = torch.tensor([20, 40], dtype=torch.int32)
     def call(**changes):
-        args = dict(q=q, k_cache=kc, v_cache=vc, block_table=table, cu_seqlens_q=cu, seq_lens=lens)
+        args = dict(q=q, k_cache=kc, v_cache=vc, block_table=table, cu_seqlens_q=cu, seq_lens=lens, check=True)
         args.update(changes)
         return m.attention_paged(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("block_table"),
-                                 args.pop("cu_seqlens_q"), args.pop("seq_lens"), check=True, **args)
+                                 args.pop("cu_seqlens_q"), args.pop("seq_lens"), **args)
+    def nan_rows(**changes):  # without check=True: which of the 5 rows come back NaN
+        with torch.no_grad():
+            out = call(check=False, **changes)
+        return out.isnan().any(-1).any(-1).tolist()
     cases = {
         "ok": lambda: call(),
         "q_rank": lambda: call(q=q[None]),
@@ -61,6 +65,15 @@ CALLS = textwrap.dedent('''
         "bad_page": lambda: call(block_table=torch.tensor([[0, 1, 2], [3, 4, 99]], dtype=torch.int32)),
         "tables_name": lambda: call(tables={"nope": torch.zeros(3)}),
     }
+    unchecked = {
+        "nan_bad_page": lambda: nan_rows(block_table=torch.tensor([[0, 1, 2], [3, 4, 99]], dtype=torch.int32)),
+        "nan_narrow_table": lambda: nan_rows(seq_lens=torch.tensor([20, 60], dtype=torch.int32)),
+        "nan_short_seq": lambda: nan_rows(seq_lens=torch.tensor([3, 40], dtype=torch.int32)),
+        "nan_cu_past_q": lambda: nan_rows(cu_seqlens_q=torch.tensor([0, 4, 9], dtype=torch.int32)),
+        "nan_none": lambda: nan_rows(),
+    }
+    for name, fn in unchecked.items():
+        print(json.dumps({"case": name, "ok": True, "nan_rows": fn()}))
     for name, fn in cases.items():
         try:
             out = fn()
@@ -96,6 +109,81 @@ def test_bad_paged_calls_name_the_argument(bad_calls, case, match):
     r = bad_calls[case]
     assert not r["ok"] and match in r["message"], r
     assert bad_calls["ok"]["ok"] and bad_calls["ok"]["shape"] == [5, 4, 16]
+
+
+@pytest.mark.parametrize("case, rows", [
+    ("nan_none", [False] * 5),
+    ("nan_bad_page", [False] * 4 + [True]),  # request 1's last page points outside the cache
+    ("nan_narrow_table", [False] * 4 + [True]),  # its seq_len runs past its block table row
+    ("nan_short_seq", [True] * 4 + [False]),  # request 0: 4 queries, seq_len 3
+    ("nan_cu_past_q", [False] * 4 + [True]),  # request 1 claims rows 4..8 of a 5-row q
+])
+def test_inconsistent_contents_without_check_give_nan_rows_and_read_nothing_out_of_bounds(bad_calls, case, rows):
+    """Without check=True (a sync), the kernel cannot raise: a request whose numbers do not hold
+    together must come back NaN, never as a plausible number, and never fault. Requests that are
+    fine are untouched."""
+    record = bad_calls[case]
+    assert record["nan_rows"] == rows, record
+
+
+FIXED = textwrap.dedent('''
+    import json, sys, torch
+    sys.path.insert(0, sys.argv[2])
+    from workbench import port
+    from workbench.port.layout import paged_step
+    m = port.load(sys.argv[1])
+    g = torch.Generator().manual_seed(2)
+    out = {}
+    q, k, v = (torch.randn(2, 2, 96, 16, generator=g) for _ in range(3))
+    step = paged_step(q, k, v, page_size=16, seed=3)
+    with torch.no_grad():
+        out["equal_to_attention"] = (step.unpack(m.attention_paged(*step.args(), check=True))
+                                     - m.attention(q, k, v)).abs().max().item()
+        long = paged_step(*(torch.randn(1, 2, 120, 16, generator=g) for _ in range(3)), page_size=16)
+        out["long_nan"] = bool(m.attention_paged(*long.args()).isnan().all())
+        for name, call in (("long_checked", lambda: m.attention_paged(*long.args(), check=True)),
+                           ("more_heads", lambda: m.attention_paged(torch.randn(192, 4, 16), *step.args()[1:]))):
+            try:
+                call()
+                out[name] = "ran"
+            except ValueError as exc:
+                out[name] = str(exc)
+    print(json.dumps(out))
+''')
+
+DOC = None
+W = None
+
+
+def test_a_fixed_length_mask_in_paged_calls_holds_inside_its_tables_and_refuses_past_them(tmp_path):
+    """A user's per-token document table and per-head windows: the port is valid at its lengths
+    and heads only. Requests inside them equal attention(); a longer request is refused with
+    check=True and NaN without; more heads than the table are refused (a shape, no sync)."""
+    import torch
+
+    from workbench import Mask, port
+
+    global DOC, W
+    DOC, W = torch.tensor([0] * 30 + [1] * 40 + [2] * 26), torch.tensor([7, 50])
+
+    def docs_by_head(b, h, q_idx, kv_idx):
+        return (DOC[q_idx] == DOC[kv_idx]) & (kv_idx <= q_idx) & (q_idx - kv_idx < W[h])
+
+    source = port.generate(Mask("docs_by_head", mask_mod=docs_by_head), 96, 96, heads=2, batch=2)
+    assert source.valid_q_len == 96 and source.valid_heads == 2, source.valid_for()
+    path = port.write(source, tmp_path)
+    script = tmp_path / "fixed.py"
+    script.write_text(FIXED)
+    done = subprocess.run([sys.executable, str(script), str(path), str(ROOT.parent)], capture_output=True, text=True,
+                          env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stdout[-2000:] + done.stderr[-3000:]
+    out = json.loads(lines[-1])
+    assert out["equal_to_attention"] < 1e-5, out
+    assert out["long_nan"] is True, out
+    assert "seq_lens[0] = 120" in out["long_checked"] and "Generate the port for the longest request" in \
+        out["long_checked"], out
+    assert "defined for 2 query heads" in out["more_heads"], out
 
 
 def test_a_mask_whose_numbers_follow_each_requests_length_is_refused_in_paged_calls(tmp_path):
@@ -169,3 +257,104 @@ def test_tables_replace_the_captured_tensors_per_call(tmp_path):
     done = subprocess.run([sys.executable, str(script), str(a), str(b), str(ROOT.parent)], capture_output=True,
                           text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
     assert "SAME CHANGED" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- verify(..., backend="port-paged")
+
+PW = None
+PLENS = None
+
+
+def _users_mods():
+    import torch
+
+    from workbench import Mask
+
+    global PW, PLENS
+    PW, PLENS = torch.tensor([8, 40, 3, 100]), torch.tensor([20, 50])
+
+    def head_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < PW[h])
+
+    def lens_prefix(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (kv_idx < PLENS[b])
+
+    return {"users_head_window": Mask("users_head_window", mask_mod=head_window),
+            "users_lens_prefix": Mask("users_lens_prefix", mask_mod=lens_prefix)}
+
+
+def _paged_case(name):
+    from workbench import make, with_score
+
+    if name == "sinks_window":
+        return make("sinks_window"), 40, 100, "float32", "all"
+    if name == "causal_decode":  # built for (1, 100): bottom-right, a decode at position 99
+        return make("causal", q_len=1, kv_len=100), 1, 100, "float32", "last"
+    if name == "causal_top_left":  # built without lengths: offset 0, query 0 sees key 0 alone
+        return make("causal"), 1, 100, "float32", "all"
+    if name == "sliding_window_chunk_bf16":
+        return make("causal_sliding_window", {"window": 20}, q_len=30, kv_len=100), 30, 100, "bfloat16", "last"
+    if name == "causal+alibi":
+        return with_score(make("causal"), make("alibi", {"num_heads": 4})), 17, 50, "float32", "all"
+    return _users_mods()[name], {"users_head_window": 33, "users_lens_prefix": 70}[name], 70, "float32", "all"
+
+
+@pytest.mark.parametrize("name", ["sinks_window", "causal_decode", "causal_top_left", "sliding_window_chunk_bf16",
+                                  "causal+alibi", "users_head_window", "users_lens_prefix"])
+def test_verify_judges_the_paged_port_against_the_float64_reference(monkeypatch, name):
+    """verify(..., backend="port-paged") lays the inputs over a shuffled paged cache, runs
+    attention_paged and compares each request with FlexAttention's view of the mask. A bottom-right
+    mask runs as a real chunk / decode (Lq queries at the request's end), others as a whole prefill."""
+    from workbench import port
+    from workbench.run import Shape
+    from workbench.verify import verify
+
+    mask, lq, lk, dtype, queries = _paged_case(name)
+    seen = []
+    real = port.run_paged_file
+
+    def spy(path, step, **kw):
+        seen.append(step)
+        return real(path, step, **kw)
+
+    monkeypatch.setattr(port, "run_paged_file", spy)
+    verdict = verify(mask, Shape(batch=2, q_heads=4, kv_heads=2, q_len=lq, kv_len=lk, head_dim=16), dtype=dtype,
+                     backend="port-paged", seed=5, progress=False)
+    assert verdict.passed, verdict.line
+    assert all(c.nan_count == 0 for c in verdict.checks)
+    assert len(seen) == 1 and seen[0].cu_seqlens_q.tolist() == [0, (lq if queries == "last" else lk),
+                                                                2 * (lq if queries == "last" else lk)]
+    assert seen[0].block_table[:, -1].tolist() == [1 << 30] * 2  # garbage past the pages: never read
+
+
+def test_the_paged_verdict_can_fail():
+    """Judged against another mask (a window the port does not have), the same run fails."""
+    from workbench import make
+    from workbench.run import Shape
+    from workbench.verify import verify
+
+    verdict = verify(make("causal", q_len=1, kv_len=100), Shape(batch=1, q_heads=2, kv_heads=2, q_len=1, kv_len=100,
+                                                                head_dim=16),
+                     dtype="float32", backend="port-paged", seed=0, progress=False,
+                     expected=make("causal_sliding_window", {"window": 10}, q_len=1, kv_len=100))
+    assert not verdict.passed
+    assert max(c.max_abs_err for c in verdict.checks) > 1e-2
+
+
+def test_paged_verify_refuses_more_queries_than_keys():
+    from workbench import WorkbenchError, make
+    from workbench.run import Shape
+    from workbench.verify import verify
+
+    with pytest.raises(WorkbenchError, match="never more queries than keys"):
+        verify(make("full"), Shape(q_len=64, kv_len=32, head_dim=16), dtype="float32", backend="port-paged",
+               progress=False)
+
+
+def test_the_cli_verifies_the_paged_port():
+    done = subprocess.run([sys.executable, "-m", "workbench", "verify", "causal_sliding_window", "--param", "window=9",
+                           "--q-len", "3", "--kv-len", "80", "--heads", "2", "--head-dim", "16", "--dtype", "float32",
+                           "--backend", "port-paged", "--seed", "1"], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT.parent)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "PASS" in done.stdout.splitlines()[0], done.stdout

@@ -13,16 +13,20 @@ session that tries many masks lifts the limit (compat.raise_recompile_limit) and
 
 from __future__ import annotations
 
+import ast
 import secrets
+import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from workbench import compat, port
+from workbench.port.layout import paged_step
 from workbench.blocks import build_block_mask, device_memory
 from workbench.define import Mask, WorkbenchError, captured_scalars, check_captured_devices, check_device
 
@@ -447,21 +451,81 @@ class PortBackend:
         return FlexRun(out=out, lse=lse, compiled=False, compile_seconds=None, run_seconds=time.perf_counter() - start)
 
 
-BACKENDS = {"flex": FlexBackend(), "eager": FlexBackend(compile=False), "port": PortBackend()}
+@dataclass(frozen=True)
+class PortPagedBackend:
+    """The generated port's serving entry point, `attention_paged`: the inputs laid out as one step
+    over a paged KV cache (`workbench.port.layout.paged_step`: each batch element a request, its
+    pages shuffled, garbage in the unused pages and block-table entries), the step's rows laid back.
+    A mask whose offset follows Lk - Lq (the library's bottom-right masks) runs its Lq queries as
+    each request's last positions, a chunk or a decode as an engine runs it; any other mask runs a
+    whole prefill of Lk queries (generated at Lk, Lk) and keeps the first Lq rows, FlexAttention's
+    view. Needs Lq <= Lk; forward only."""
+
+    path: object = None
+    page_size: int = 16
+    name: str = "port-paged"
+    label: str = " (Triton port, paged)"
+
+    def run(self, mask: Mask, inputs: Inputs, *, backward: bool = False, block_mask: BlockMask | None = None,  # noqa: ARG002
+            cu_seqlens=None, config: int | None = None) -> FlexRun:  # noqa: ARG002 (the contiguous port's)
+        if backward:
+            raise WorkbenchError("the Triton port is forward only", "drop --backward, or verify FlexAttention's "
+                                 "backward (--backend flex)", mask.name)
+        shape = inputs.shape
+        if shape.q_len > shape.kv_len:
+            raise WorkbenchError(f"q_len {shape.q_len} is over kv_len {shape.kv_len}: in a paged step a request's "
+                                 "queries are its last positions, so there are never more queries than keys",
+                                 "verify the paged port with q_len <= kv_len", mask.name)
+        path, queries = self.path, "all"
+        if path is None:
+            source = port.generate(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch)
+            if source.length_rules and all(a + b == 0 for a, b, _, _ in source.length_rules.values()):
+                queries = "last"  # the port computes the offset: q sits at the request's last positions
+            else:
+                source = port.generate(mask, shape.kv_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch)
+            path = port.write(source, tempfile.mkdtemp(prefix="workbench_port_"))
+        else:
+            queries = "last" if port_offset_rules(path) else "all"
+        try:
+            step = paged_step(inputs.q, inputs.k, inputs.v, page_size=self.page_size, seed=inputs.seed or 0,
+                              queries=queries)
+        except WorkbenchError as exc:
+            raise exc.for_mask(mask.name) from None
+        start = time.perf_counter()
+        out, lse = port.run_paged_file(path, step)
+        if inputs.device.type == "cuda":
+            torch.cuda.synchronize(inputs.device)
+        return FlexRun(out=step.unpack(out).contiguous(), lse=step.unpack(lse).contiguous(), compiled=False,
+                       compile_seconds=None, run_seconds=time.perf_counter() - start)
+
+
+def port_offset_rules(path) -> bool:
+    """Does the port file at `path` compute an offset that follows Lk - Lq (its LENGTH_RULES, read
+    as a literal: the file is not run)?"""
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("LENGTH_RULES = "):
+            rules = ast.literal_eval(line.split("=", 1)[1].split("#")[0].strip())
+            return bool(rules) and all(a + b == 0 for a, b, _, _ in rules.values())
+    raise WorkbenchError(f"{path} is not a generated port (it defines no LENGTH_RULES)",
+                         "generate one with `python -m workbench port ... -o DIR`")
+
+
+BACKENDS = {"flex": FlexBackend(), "eager": FlexBackend(compile=False), "port": PortBackend(),
+            "port-paged": PortPagedBackend()}
 __all__ = ["Shape", "Inputs", "FlexRun", "make_inputs", "run_flex", "dtype_name", "defaults_for", "Defaults",
-           "FlexBackend", "PortBackend", "BACKENDS", "backend_for", "time_port_and_flex", "check_device_dtype",
+           "FlexBackend", "PortBackend", "PortPagedBackend", "BACKENDS", "backend_for", "time_port_and_flex", "check_device_dtype",
            "check_mask_fits", "compiled_flex_attention"]
 
 
 def backend_for(backend, *, compile: bool | None = None, port_path=None):
-    """A backend object from a name ("flex", "eager", "port") or a backend object itself.
-    `compile=False` turns flex into eager; `port_path` names the port file to run."""
+    """A backend object from a name ("flex", "eager", "port", "port-paged") or a backend object
+    itself. `compile=False` turns flex into eager; `port_path` names the port file to run."""
     if not isinstance(backend, str):
         return backend
     if backend not in BACKENDS:
         raise WorkbenchError(f"unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
-    if backend == "port":
-        return PortBackend(port_path) if port_path is not None else BACKENDS["port"]
+    if backend in ("port", "port-paged"):
+        return replace(BACKENDS[backend], path=port_path) if port_path is not None else BACKENDS[backend]
     if backend == "flex" and compile is False:
         return BACKENDS["eager"]
     return BACKENDS[backend]

@@ -16,7 +16,8 @@ from workbench.define.util import load_module
 from workbench.kernels import interpreting
 from workbench.port.generate import CONFIGS, PortSource, generate
 
-__all__ = ["write", "build", "load", "run_file", "in_process", "triton_installed", "require_triton"]
+__all__ = ["write", "build", "load", "run_file", "run_paged_file", "in_process", "triton_installed",
+           "require_triton"]
 
 
 def write(port: PortSource, out_dir: str | Path) -> Path:
@@ -100,25 +101,48 @@ def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     require_triton()
     if in_process(q.device):
         module = _load_pinned(path, config)
-        try:
-            return module.attention(q, k, v, scale=scale, return_lse=True, **extra)
-        except (ValueError, TypeError) as exc:  # the file's own checks: sizes it is not valid for
-            raise WorkbenchError(f"the port refused the call: {exc}",
-                                 "call it within what it is valid for (the file's docstring says so)") from exc
+        return _refusals(lambda: module.attention(q, k, v, scale=scale, return_lse=True, **extra))
+    tensors = {"q": q, "k": k, "v": v}
+    if cu_seqlens is not None:
+        tensors["cu_seqlens"] = torch.as_tensor(cu_seqlens)  # as given: the file refuses non-integers
+    return _run_interpreted(path, tensors, scale, timeout, q.device)
+
+
+def run_paged_file(path: str | Path, step, scale: float | None = None,
+                   timeout: float = 1800) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) [total_q, Hq, D] / [total_q, Hq] of the port's `attention_paged` on `step` (a
+    `workbench.port.layout.PagedStep`), with its content checks on (`check=True`). Where it runs
+    as `run_file` says."""
+    require_triton()
+    if in_process(step.q.device):
+        module = load(path)
+        return _refusals(lambda: module.attention_paged(*step.args(), scale=scale, return_lse=True, check=True))
+    from workbench.port.runner import PAGED_ARGS
+
+    return _run_interpreted(path, dict(zip(PAGED_ARGS, step.args())), scale, timeout, step.q.device)
+
+
+def _refusals(call):
+    try:
+        return call()
+    except (ValueError, TypeError) as exc:  # the file's own checks: sizes it is not valid for
+        raise WorkbenchError(f"the port refused the call: {exc}",
+                             "call it within what it is valid for (the file's docstring says so)") from exc
+
+
+def _run_interpreted(path, tensors: dict, scale, timeout, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The port's file run on `tensors` in a fresh process under Triton's interpreter."""
     import subprocess
     import tempfile
 
     from safetensors.torch import load_file, save_file
 
     folder = Path(tempfile.mkdtemp(prefix="workbench_port_run_"))
-    tensors = {"q": q.contiguous().cpu(), "k": k.contiguous().cpu(), "v": v.contiguous().cpu()}
-    if cu_seqlens is not None:
-        tensors["cu_seqlens"] = torch.as_tensor(cu_seqlens).cpu()  # as given: the file refuses non-integers
-    save_file(tensors, str(folder / "inputs.safetensors"))
+    save_file({name: t.contiguous().cpu() for name, t in tensors.items()}, str(folder / "inputs.safetensors"))
     cmd = [sys.executable, "-m", "workbench.port.runner", str(path), str(folder / "inputs.safetensors"),
            str(folder / "outputs.safetensors")] + ([] if scale is None else [repr(float(scale))])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -128,4 +152,4 @@ def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise WorkbenchError(f"the port failed under Triton's interpreter: {last[:400]}",
                              "run the port file by hand to see the traceback (TRITON_INTERPRET=1 on a CPU)")
     result = load_file(str(folder / "outputs.safetensors"))
-    return result["out"].to(q.device), result["lse"].to(q.device)
+    return result["out"].to(device), result["lse"].to(device)

@@ -3,14 +3,17 @@ interpreter, which must be on before triton is imported). Used by `port.run_file
 
     TRITON_INTERPRET=1 python -m workbench.port.runner PORT.py INPUTS.safetensors OUT.safetensors [SCALE]
 
-Exit 0 with OUT holding `out` and `lse`; 3 when the port refuses the call (sizes it is not valid
+INPUTS holds q, k, v (and cu_seqlens), or the six tensors of attention_paged (PAGED_ARGS). Exit 0
+with OUT holding `out` and `lse`; 3 when the port refuses the call (sizes it is not valid
 for), with the reason on the last line of stderr.
 """
 
 import importlib.util
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "PAGED_ARGS"]
+
+PAGED_ARGS = ("q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens")
 
 
 def main(argv: list[str]) -> int:
@@ -23,8 +26,12 @@ def main(argv: list[str]) -> int:
     spec.loader.exec_module(module)
     inputs = load_file(inputs_path)
     try:
-        extra = {"cu_seqlens": inputs["cu_seqlens"]} if "cu_seqlens" in inputs else {}
-        out, lse = module.attention(inputs["q"], inputs["k"], inputs["v"], scale=scale, return_lse=True, **extra)
+        if "block_table" in inputs:  # one serving step over a paged cache
+            out, lse = module.attention_paged(*(inputs[n] for n in PAGED_ARGS), scale=scale, return_lse=True,
+                                              check=True)
+        else:
+            extra = {"cu_seqlens": inputs["cu_seqlens"]} if "cu_seqlens" in inputs else {}
+            out, lse = module.attention(inputs["q"], inputs["k"], inputs["v"], scale=scale, return_lse=True, **extra)
     except (ValueError, TypeError) as exc:
         print(str(exc), file=sys.stderr)
         return 3

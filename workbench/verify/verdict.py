@@ -15,6 +15,7 @@ from workbench.define import Mask, WorkbenchError
 from workbench.run import (
     FlexBackend,
     PortBackend,
+    PortPagedBackend,
     Shape,
     backend_for,
     check_backward_device,
@@ -173,8 +174,9 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
     shape:      `Shape(batch, q_heads, kv_heads, q_len, kv_len, head_dim)`: q [B, Hq, Lq, D], k / v [B, Hkv, Lk, D]
     dtype:      the kernel's dtype: bfloat16, float16, float32, tf32 (CUDA) or float64 (CPU)
     backend:    "flex" (compiled FlexAttention), "eager" (its uncompiled math path), "port" (the generated
-                Triton port, workbench.port), or a backend object of workbench.run (FlexBackend,
-                PortBackend(path) for a port file you have)
+                Triton port, workbench.port), "port-paged" (its attention_paged, the inputs laid out
+                over a shuffled paged KV cache), or a backend object of workbench.run (FlexBackend,
+                PortBackend(path) / PortPagedBackend(path, page_size) for a port file you have)
     backward:   also compare dq, dk, dv (and gradients of captured tensors that require grad)
     block_mask: run with this block mask instead of building one (it is checked against the mask)
     expected:   the attention the run should equal -- e.g. the intended mask when `mask` is a draft
@@ -203,7 +205,7 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
         backend = backend_for(backend)
     except WorkbenchError as exc:
         raise exc.for_mask(mask.name) from None
-    if isinstance(backend, PortBackend):
+    if isinstance(backend, (PortBackend, PortPagedBackend)):
         port.check_supported(shape.head_dim, dtype, mask.name)
     budget, _ = reference_budget(shape, backward, reference_dtype, device, memory_budget, mask.name)
     check_backward_device(backward, device, mask.name)

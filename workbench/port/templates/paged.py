@@ -41,8 +41,8 @@ def _table_ranges(tables: list) -> list:
 @triton.jit
 def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table, cu_seqlens_q, seq_lens,
                   block_starts, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, s_bt,
-                  page_size, num_seqs, Hq, group, D, sm_scale, total_q, split_keys,
-                  @@ALL_PTR_PARAMS@@
+                  page_size, num_seqs, Hq, group, D, sm_scale, total_q, split_keys, valid_q_len, valid_kv_len,
+                  num_pages, max_keys, @@ALL_PTR_PARAMS@@
                   @@RANGE_PTR_PARAMS@@
                   D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr,
                   IEEE: tl.constexpr, WIDEN: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
@@ -69,15 +69,24 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
     q_start = tl.load(cu_seqlens_q + req)
     n_q = tl.load(cu_seqlens_q + req + 1) - q_start
     L = tl.load(seq_lens + req)
+    # a mask whose tables are sized for fixed lengths is defined only for positions inside them: a
+    # request past them reads nothing and gets NaN rows (check=True refuses it with the reason)
+    inside = (L <= valid_kv_len) & (L - 1 < valid_q_len)
+    # so do requests whose contents are inconsistent (check=True names them): queries past q's end,
+    # more queries than the request's length, pages outside the cache
+    inside = inside & (n_q >= 0) & (q_start >= 0) & (q_start + n_q <= total_q) & (n_q <= L) & (L <= max_keys)
     # 2. this program's rows: the request's queries are its last n_q tokens (positions L - n_q ..)
     first = (pid - tl.load(block_starts + req)) * BLOCK_M
     rows = first + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
-    rows_in = tl.minimum(rows, n_q - 1)  # rows past the end repeat the last one, never stored
+    rows_in = tl.maximum(tl.minimum(rows, n_q - 1), 0)  # rows past the end repeat the last one, never stored
+    q_row = q_start + rows_in
+    row_ok = row_ok & (q_row >= 0) & (q_row < total_q)
+    q_row = tl.minimum(tl.maximum(q_row, 0), total_q - 1).to(tl.int64)
     q_pos = L - n_q + rows_in
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    q = tl.load(Q + (q_start + rows_in).to(tl.int64)[:, None] * s_qt + h * s_qh + offs_d[None, :] * s_qd,
+    q = tl.load(Q + q_row[:, None] * s_qt + h * s_qh + offs_d[None, :] * s_qd,
                 mask=d_ok[None, :], other=0.0)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): the softmax runs in base 2
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -92,6 +101,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
     else:
         start = L * 0
         stop = L
+    stop = tl.where(inside, stop, start)
     while start < stop:
         kv_lo = start
         kv_hi = tl.minimum(start + BLOCK_N, L) - 1
@@ -107,6 +117,9 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
             key_ok = keys < L
             keys_in = tl.minimum(keys, L - 1)
             page = tl.load(block_table + req.to(tl.int64) * s_bt + keys_in // page_size).to(tl.int64)
+            page_ok = (page >= 0) & (page < num_pages)
+            inside = inside & (tl.min(page_ok.to(tl.int32), 0) == 1)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
             slot = keys_in % page_size
             k = tl.load(K_cache + page[None, :] * s_kp + slot[None, :] * s_ks + kv_h * s_kh + offs_d[:, None] * s_kd,
                         mask=d_ok[:, None], other=0.0)
@@ -143,7 +156,8 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
                 acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
         start += BLOCK_N
-    out_rows = (q_start + rows_in).to(tl.int64)
+    out_rows = q_row
+    acc = tl.where(inside, acc, float("nan"))
     if SPLIT:  # this piece's (acc, m, l), folded by _paged_fold
         at = (split * total_q + out_rows) * Hq + h
         tl.store(Part_acc + at[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
@@ -157,6 +171,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
              mask=row_ok[:, None] & d_ok[None, :])
     if RETURN_LSE:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        lse = tl.where(inside, lse, float("nan"))
         tl.store(Lse + out_rows * Hq + h, lse, mask=row_ok)
 
 
@@ -200,6 +215,7 @@ def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, t
     tl.store(Out + (t.to(tl.int64) * Hq + h) * D + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
     if RETURN_LSE:
         lse = tl.where(l_sum == 0.0, float("-inf"), (m + tl.math.log2(l_safe)) * 0.6931471805599453)
+        lse = tl.where(tl.sum(acc, 0) == tl.sum(acc, 0), lse, float("nan"))  # NaN rows (see _paged_kernel)
         tl.store(Lse + t.to(tl.int64) * Hq + h + tl.zeros([1], tl.int32), lse)
 
 
@@ -245,6 +261,11 @@ def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens):
                            "interpreter (TRITON_INTERPRET=1 before this file is imported)")
     if torch.is_grad_enabled() and q.requires_grad:
         raise RuntimeError("q requires grad, but this kernel is forward only: call it under torch.no_grad()")
+    if VALID_HEADS is not None and Hq > VALID_HEADS:
+        raise ValueError(f"{NAME} is defined for {VALID_HEADS} query heads (a per-head table); q has {Hq}")
+    if VALID_BATCH is not None and num_seqs > VALID_BATCH:
+        raise ValueError(f"{NAME} is defined for {VALID_BATCH} batch entries (a per-sample table, read per "
+                         f"request in a paged step); the step has {num_seqs} requests (block_table's rows)")
     if HAS_LENGTH_RULES_IN_PAGES:
         raise ValueError(f"{NAME}'s mask reads numbers that follow the sequence's length ({LENGTH_RULES}); in "
                          "paged calls every request has its own length: pass them per request with tables=, or "
@@ -255,7 +276,9 @@ def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens):
 def check_paged_contents(q, block_table, cu_seqlens_q, seq_lens, k_cache) -> None:
     """The checks that read the tensors' values (a device sync, so attention_paged leaves them out
     and a CUDA graph can replay it): cu_seqlens_q rises from 0 to total_q, each seq_len holds its
-    queries, and each request's pages exist. Call it while testing an engine's integration."""
+    queries, each request's pages exist, and (for a mask with tables sized for fixed lengths) each
+    request fits in them; without it such a request's rows are NaN. Call it while testing an
+    engine's integration."""
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     if cu[0] != 0 or cu[-1] != q.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
@@ -268,6 +291,10 @@ def check_paged_contents(q, block_table, cu_seqlens_q, seq_lens, k_cache) -> Non
         if pages > block_table.shape[1]:
             raise ValueError(f"block_table has {block_table.shape[1]} pages per request; request {r} needs {pages} "
                              f"for seq_len {length} at page_size {page_size}")
+        if VALID_KV_LEN is not None and (length > VALID_KV_LEN or length > VALID_Q_LEN):
+            raise ValueError(f"seq_lens[{r}] = {length}: {NAME} reads tables sized for Lq = {VALID_Q_LEN}, Lk = "
+                             f"{VALID_KV_LEN} (captured per-token tables), so its positions stop there. Generate the "
+                             "port for the longest request (python -m workbench port ... --q-len/--kv-len)")
         used = block_table[r, :pages]
         if pages and (int(used.min()) < 0 or int(used.max()) >= num_pages):
             raise ValueError(f"block_table[{r}, :{pages}] points outside the cache's {num_pages} pages")
@@ -290,6 +317,12 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
     The mods see b = the request's index in the step, q_idx = the query's position in its request
     (its queries are the last ones: seq_len - n_q + i) and kv_idx = the key's position. One launch,
     no device-to-host sync and no allocation whose size depends on the tensors' contents.
+
+    Contents are not checked without `check=True` (that would sync). A request whose numbers do not
+    hold together (queries past q's end, more queries than its seq_len, a seq_len past the block
+    table, or a seq_len past the tables of a fixed-length mask) reads nothing out of bounds and gets
+    NaN rows; so do the rows that would read a page outside the cache. Rows of q that no request
+    covers are left unwritten.
     """
     total_q, Hq, D, Hkv, page_size, num_seqs = _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q,
                                                             seq_lens)
@@ -331,7 +364,9 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
     _paged_kernel[(row_blocks, Hq, splits)](
         q, k_cache, v_cache, out, lse, part_acc, part_ml, block_table, cu_seqlens_q, seq_lens, block_starts,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
-        page_size, num_seqs, Hq, Hq // Hkv, D, scale, total_q, SPLIT_KEYS, *pointers, *ranges,
+        page_size, num_seqs, Hq, Hq // Hkv, D, scale, total_q, SPLIT_KEYS,
+        VALID_Q_LEN if VALID_KV_LEN is not None else 1 << 30, VALID_KV_LEN if VALID_KV_LEN is not None else 1 << 30,
+        k_cache.shape[0], block_table.shape[1] * page_size, *pointers, *ranges,
         D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=HAS_BOUNDS and HAS_MASK,
         IEEE=q.dtype == torch.float32, WIDEN=_INTERPRET and q.dtype == torch.bfloat16,
         RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, BLOCK_M=PAGED_BLOCK_M,

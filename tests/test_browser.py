@@ -1,6 +1,7 @@
 """End to end in a real browser: JupyterLab serves the tour notebook, headless Chromium (Debian's
 package, driven by Playwright) runs it, changes one widget of the app and sees the block map
-change. The screenshot lands in out/browser/tour.png."""
+change; and a notebook of a user's own per-head mask (`%%flexmask`, a `w[h]` table) opens with
+its heads and exports its spec. The screenshots land in out/browser/."""
 
 import json
 import os
@@ -41,6 +42,24 @@ def disable_news():
     path.write_text(json.dumps(data))
 
 
+OWN_MASK_CELL = """%%flexmask head_window --q-len 1024
+w = torch.tensor([16, 64, 128, 256])  # each head's window
+
+def mask_mod(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= w[h])
+"""
+
+
+def write_own_mask_notebook(path: Path) -> None:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext workbench\nimport torch"),
+                nbformat.v4.new_code_cell(OWN_MASK_CELL)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nbformat.write(nb, str(path))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,6 +72,7 @@ def lab(tmp_path_factory):
     disable_news()
     root = tmp_path_factory.mktemp("lab")
     shutil.copy(ROOT / "notebooks" / "01_tour.ipynb", root / "01_tour.ipynb")
+    write_own_mask_notebook(root / "own_mask.ipynb")
     port, token = free_port(), "workbench-test"
     env = dict(os.environ, PYTHONPATH=str(ROOT), JUPYTERLAB_SETTINGS_DIR=str(root / ".settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(root / ".workspaces"), MPLBACKEND="module://matplotlib_inline.backend_inline")
@@ -155,4 +175,44 @@ def test_tour_runs_in_jupyterlab_and_the_block_map_answers_the_mouse(lab):
         assert int(q_from.input_value()) == max(0, min(4 * 128 + 64 - size // 2, 600 - size))
         page.wait_for_timeout(500)
         page.screenshot(path=str(shots / "tour.png"))
+        browser.close()
+
+
+def test_your_own_per_head_mask_opens_with_its_heads_and_exports(lab, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    base, token = lab
+    shots = ROOT / "out" / "browser"
+    shots.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page.goto(f"{base}/lab/tree/own_mask.ipynb?token={token}")
+        page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=90_000)
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.get_by_text("Run All Cells", exact=True).click()
+        page.locator(".wb-blockmap canvas").first.wait_for(timeout=240_000)
+        page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=240_000)
+        assert page.locator("text=Traceback").count() == 0
+        heads = page.locator(".widget-inline-hbox", has=page.locator("label", has_text="heads")).locator("input").first
+        assert heads.input_value() == "4"  # the heads its table defines, not 1
+        status = page.locator("text=redrawn in").last.inner_text()
+        assert "4 heads differ" in status and "same for every head" not in status
+        caption = page.locator(".wb-blockmap-caption").first.inner_text()
+        assert "q 0..1023" in caption
+        page.screenshot(path=str(shots / "own_mask.png"))
+
+        page.locator(".widget-tab .lm-TabBar-tab", has_text="Export").first.click()
+        folder = page.locator(".widget-inline-hbox", has=page.locator("label", has_text="folder")).locator("input").first
+        folder.fill(str(tmp_path / "specs"))
+        folder.press("Tab")
+        page.get_by_role("button", name="Export spec").click()
+        page.get_by_text("wrote ").first.wait_for(timeout=240_000)
+        assert page.locator("text=pass heads=N").count() == 0 and page.locator("text=Traceback").count() == 0
+        specs = list((tmp_path / "specs").glob("head_window-*.spec.json"))
+        assert len(specs) == 1
+        doc = json.loads(specs[0].read_text())
+        assert doc["shape"]["H"] == 4 and doc["shape"]["q_len"] == 1024
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(shots / "own_mask_export.png"), full_page=True)
         browser.close()

@@ -107,3 +107,26 @@ def test_segment_relative_tiles_make_the_port_invariant_to_packing():
     assert all("cu_seqlens" in r.layout and "each request's start" in r.why for r in result.layouts)
     with pytest.raises(WorkbenchError, match="tiling of the generated port"):
         invariance.check("causal", q_len=64, heads=1, head_dim=8, dtype="float32", device="cpu", options=invariance.InvarianceOptions(segments=True))
+
+
+def test_a_mask_compiled_flex_cannot_build_says_its_bits_are_the_uncompiled_ones():
+    # what happens on a GPU when torch.compile fails for a mod (relative_bias on an H200, torch 2.11):
+    # run_flex falls back to the uncompiled path, and the check must not call those the kernel's bits
+    from dataclasses import dataclass
+
+    from workbench.run import FlexBackend, run_flex
+
+    @dataclass(frozen=True)
+    class CompileFails(FlexBackend):
+        def run(self, mask, inputs, **kwargs):
+            done = run_flex(mask, inputs, compile=False)
+            done.compile_error = "InductorError: No valid triton configs (out of resource)"
+            return done
+
+    result = invariance.check("causal", q_len=64, heads=1, head_dim=16, dtype="float32", device="cpu",
+                              backend=CompileFails(), layouts=["run", "packed_unaligned"])
+    assert result.note.startswith("torch.compile could not build this mask's FlexAttention (InductorError")
+    assert "uncompiled path" in result.note
+    plain = invariance.check("causal", q_len=64, heads=1, head_dim=16, dtype="float32", device="cpu",
+                             backend=FlexBackend(compile=False), layouts=["run"])
+    assert "torch.compile could not" not in (plain.note or "")

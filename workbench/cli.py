@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", default="out", help="output folder (default: out)")
     p.add_argument("--timeout", type=positive_float, default=900.0, metavar="SECONDS",
                    help="give up on a mask after this long and go on with the others (default 900)")
+    p.add_argument("--workers", type=positive_int, default=None, metavar="N",
+                   help="processes analyzing masks side by side (default: several on a GPU, where a mask's time "
+                        "is mostly compiling; 1 on a CPU)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("blocks", help="block statistics and pictures of one mask",
@@ -274,7 +277,7 @@ def cmd_report(args) -> int:
     _check_score_args(args)
     results = run_report(targets, args.out, q_len=args.q_len or DEFAULT_LEN, kv_len=args.kv_len,
                          heads=args.heads if args.heads else 4, batch=args.batch, block_size=_block_size(args),
-                         device=_device(args), timeout=args.timeout)
+                         device=_device(args), timeout=args.timeout, workers=args.workers)
     failed = [r for r in results if r.error]
     for r in failed:
         print(f"error: {r.error}", file=sys.stderr)

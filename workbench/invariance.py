@@ -301,11 +301,15 @@ def _runner(backend, segments: bool = False):
                       kv_len=k.shape[2], head_dim=q.shape[3])
         inputs = Inputs(q=q, k=k, v=v, shape=shape, dtype=dtype_name(q.dtype), seed=0)
         if not isinstance(backend, PortBackend):
-            return backend.run(mask, inputs).out
+            done = backend.run(mask, inputs)
+            if getattr(done, "compile_error", None):  # torch.compile failed: run_flex ran it uncompiled
+                run.compile_errors.append(done.compile_error)
+            return done.out
         cu = torch.tensor(bounds) if (segments and bounds is not None) else None
         # one tile configuration for every layout: autotuning each shape on its own would pick
         # tiles by timing noise, and tiles set the order of the sums
         return backend.run(mask, inputs, cu_seqlens=cu, config=port.pinned_config(q.dtype, q.shape[-1])).out
+    run.compile_errors = []  # calls where compiled FlexAttention fell back to its uncompiled path
     return run
 
 
@@ -407,8 +411,10 @@ def check(target: str | Mask | Callable, params: dict | None = None, *, q_len: i
         result.layouts.append(LayoutResult(plan.key, layout, bitwise, max_abs, max_ulp, first, why,
                                            held=hold is None or plan.key in hold, same_attention=not plan.not_same))
     result.unrun = sorted(set(hold or []) - {r.key for r in result.layouts})
-    if isinstance(backend, FlexBackend) and not backend.compile:
-        result.note = UNCOMPILED_NOTE
+    if isinstance(backend, FlexBackend) and (not backend.compile or run.compile_errors):
+        result.note = (UNCOMPILED_NOTE if not backend.compile else
+                       f"torch.compile could not build this mask's FlexAttention ({run.compile_errors[0][:200]}), so "
+                       f"these are the bits of its uncompiled path: " + UNCOMPILED_NOTE.split(": ", 1)[1])
         for r in result.layouts:
             if not r.bitwise and r.same_attention:
                 r.why = UNCOMPILED_WHY

@@ -8,7 +8,9 @@ from __future__ import annotations
 import base64
 import html
 import json
+import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,8 +37,9 @@ from workbench.define import (
 from workbench.export import build_spec, write_spec
 from workbench.run import Shape, defaults_for
 from workbench.verify import verify
+from workbench.workers import Pool, WorkerDied, WorkerFailed, default_workers
 
-__all__ = ["run_report", "MaskResult", "analyze_target", "verify_target", "invariance_target", "port_target",
+__all__ = ["run_report", "MaskResult", "MaskInfo", "analyze_target", "verify_target", "invariance_target", "port_target",
            "export_target", "library_targets", "summary_frame", "render_html", "default_device", "DEFAULT_LEN",
            "DEFAULT_HEADS"]
 
@@ -55,7 +58,7 @@ PORT_CPU_LEN = 256
 # Layout invariance in the report: the request alone vs run again, batched and packed at a
 # block-aligned and an unaligned offset (the full set: `python -m workbench invariance`).
 INVARIANCE_LAYOUTS = ["run", "batch", "packed_aligned", "packed_unaligned"]
-INVARIANCE_LEN = {"cpu": 200, "cuda": 1000}
+INVARIANCE_LEN = {"cpu": 200, "cuda": 1000}  # on a GPU, for masks with Lq != Lk (others: the report length)
 
 
 @dataclass
@@ -80,6 +83,24 @@ class MaskResult:
     port_note: str = ""
     invariance: object = None  # invariance.InvarianceResult
     invariance_note: str = ""
+    stage_seconds: dict = field(default_factory=dict)  # stage -> seconds spent in it (where the time goes)
+    port_job: tuple | None = field(default=None, repr=False)  # (mask, shape, path, dtype, device): timing to do
+
+
+@dataclass
+class MaskInfo:
+    """What the report shows of a mask analyzed in a worker process (the mods stay there): the
+    stand-in for a Mask when the mask cannot be rebuilt here."""
+
+    name: str
+    params: dict
+    description: str
+    source: str
+    heads: int | None = None
+
+    @classmethod
+    def of(cls, mask: Mask) -> MaskInfo:
+        return cls(mask.name, dict(mask.params or {}), mask.description, mask.source, mask.heads)
 
 
 def default_device() -> str:
@@ -91,40 +112,63 @@ def _png(fig) -> bytes:
 
 
 def analyze_target(target: str, params: dict, q_len: int, kv_len: int, heads: int | None, batch: int | None,
-                   block_size, device: str, factory=None, spec_dir: Path | None = None) -> MaskResult:
-    """All stages for one mask; any user error is caught and kept on the result."""
+                   block_size, device: str, factory=None, spec_dir: Path | None = None, time_port: bool = True,
+                   on_stage=None) -> MaskResult:
+    """All stages for one mask; any user error is caught and kept on the result. Each stage's time
+    is kept in `stage_seconds` (`on_stage(target, stage)` is called as one starts). `time_port=False`
+    leaves the port's timing for later (`result.port_job`: the report's worker processes time one
+    mask at a time, with the GPU to themselves)."""
     result = MaskResult(target=target, params=params)
     start = time.perf_counter()
+
+    @contextmanager
+    def stage(name):
+        if on_stage is not None:
+            on_stage(target, name)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            result.stage_seconds[name] = result.stage_seconds.get(name, 0.0) + time.perf_counter() - t0
+
     try:
-        mask = prepare(factory or target, params, q_len, kv_len, device)
+        with stage("define"):
+            mask = prepare(factory or target, params, q_len, kv_len, device)
         result.mask = mask
         n_heads = mask.heads or heads  # a mask defined per head is shown with all its heads
         at = f"Lq={q_len:,} Lk={kv_len:,}"
         if mask.mask_mod is not None:
-            scan = scan_blocks(mask, q_len, kv_len, heads=n_heads, batch=batch, block_size=block_size, device=device)
-            result.stats = mask_stats(scan)
-            result.figures["block map"] = _png(look.block_map(scan, title=mask.name))
-            result.captions["block map"] = f"block map at {at}, {scan.batch} x {scan.heads} (batch x heads)"
-            where = look.focus(scan, 512, mask=mask, device=device)
-            result.figures["token view"] = _png(look.token_view(mask, where.q_range, where.kv_range, device=device,
-                                                                why=where.reason))
-            result.captions["token view"] = f"token view at {at}; where: {where.reason}"
+            with stage("blocks and pictures"):
+                scan = scan_blocks(mask, q_len, kv_len, heads=n_heads, batch=batch, block_size=block_size,
+                                   device=device)
+                result.stats = mask_stats(scan)
+                result.figures["block map"] = _png(look.block_map(scan, title=mask.name))
+                result.captions["block map"] = f"block map at {at}, {scan.batch} x {scan.heads} (batch x heads)"
+                where = look.focus(scan, 512, mask=mask, device=device)
+                result.figures["token view"] = _png(look.token_view(mask, where.q_range, where.kv_range,
+                                                                    device=device, why=where.reason))
+                result.captions["token view"] = f"token view at {at}; where: {where.reason}"
         if mask.score_mod is not None:
-            h = 1 if (mask.heads or n_heads or 1) > 1 else 0
-            if mask.mask_mod is not None:
-                where = look.focus(scan, 256, h=h, mask=mask, device=device)
-                q_zoom, kv_zoom, why = where.q_range, where.kv_range, where.reason
-            else:  # a score_mod alone: the start of the diagonal
-                n = min(q_len, kv_len, 256)
-                q_zoom, kv_zoom = (0, n), (kv_len - q_len, kv_len - q_len + n) if kv_len > q_len else (0, n)
-                why = "the start of the diagonal"
-            result.figures["score view"] = _png(look.score_view(mask, q_zoom, kv_zoom, h=h, device=device))
-            result.captions["score view"] = f"score view at {at}, head {h}; where: {why}"
-        verify_target(result, n_heads or 1, device)
-        invariance_target(result, device)
+            with stage("blocks and pictures"):
+                h = 1 if (mask.heads or n_heads or 1) > 1 else 0
+                if mask.mask_mod is not None:
+                    where = look.focus(scan, 256, h=h, mask=mask, device=device)
+                    q_zoom, kv_zoom, why = where.q_range, where.kv_range, where.reason
+                else:  # a score_mod alone: the start of the diagonal
+                    n = min(q_len, kv_len, 256)
+                    q_zoom, kv_zoom = (0, n), (kv_len - q_len, kv_len - q_len + n) if kv_len > q_len else (0, n)
+                    why = "the start of the diagonal"
+                result.figures["score view"] = _png(look.score_view(mask, q_zoom, kv_zoom, h=h, device=device))
+                result.captions["score view"] = f"score view at {at}, head {h}; where: {why}"
+        with stage("verify"):
+            verify_target(result, n_heads or 1, device)
+        with stage("invariance"):
+            invariance_target(result, device, n_heads or 1)
         if spec_dir is not None:
-            export_target(result, n_heads, batch, device, spec_dir)
-            port_target(result, n_heads or 1, device, spec_dir.parent / "ports")
+            with stage("spec"):
+                export_target(result, n_heads, batch, device, spec_dir)
+            with stage("port"):
+                port_target(result, n_heads or 1, device, spec_dir.parent / "ports", time_it=time_port)
     except WorkbenchError as exc:
         result.error = exc.message
     except Exception as exc:  # user code can fail in any way; keep going with the others
@@ -169,15 +213,19 @@ def verify_target(result: MaskResult, heads: int, device: str) -> None:
     result.verdict = verify(mask, shape, dtype=defaults.dtype, device=device, progress=False, backend="flex" if on_gpu else "eager")
 
 
-def invariance_target(result: MaskResult, device: str) -> None:
+def invariance_target(result: MaskResult, device: str, heads: int = 4) -> None:
     """Does the mask's request get the same bits batched and packed? A short check (see
-    INVARIANCE_LAYOUTS); FlexAttention compiled on a GPU, uncompiled on the CPU."""
+    INVARIANCE_LAYOUTS); FlexAttention compiled on a GPU, uncompiled on the CPU. On a GPU a
+    self-attention mask is checked at the report's length and heads: the request alone is then
+    the very call the port's timing makes, so FlexAttention compiles it once for both."""
 
     on_gpu = device.startswith("cuda")
-    n = INVARIANCE_LEN["cuda" if on_gpu else "cpu"]
+    mask = result.mask
+    same = on_gpu and mask.q_len is not None and mask.q_len == mask.kv_len and mask.q_len >= 4
+    n = mask.q_len if same else INVARIANCE_LEN["cuda" if on_gpu else "cpu"]
     try:
-        mask = _at_length(result, n, n, device)
-        result.invariance = invariance.check(mask, q_len=n, heads=mask.heads or 4,
+        mask = mask if same else _at_length(result, n, n, device)
+        result.invariance = invariance.check(mask, q_len=n, heads=mask.heads or (heads if same else 4),
                                              head_dim=defaults_for(device).head_dim, dtype=defaults_for(device).dtype,
                                              device=device, layouts=INVARIANCE_LAYOUTS, options=invariance.InvarianceOptions(batch=4))
     except WorkbenchError as exc:
@@ -195,21 +243,24 @@ def _invariance_cell(r: MaskResult) -> str:
     return f"{same}/{len(inv.layouts)} bitwise" + (f"; differs: {', '.join(broken)}{expected}" if broken else "")
 
 
-def port_target(result: MaskResult, heads: int, device: str, port_dir: Path) -> None:
+def port_target(result: MaskResult, heads: int, device: str, port_dir: Path, time_it: bool = True) -> None:
     """The generated Triton port of this mask, verified against the float64 reference (and on a
-    GPU timed beside compiled FlexAttention): `port.check`."""
+    GPU timed beside compiled FlexAttention, now or, with time_it=False, later: `result.port_job`
+    holds what `run.prepare_timing` needs): `port.check`."""
 
     on_gpu = device.startswith("cuda")
     try:
         mask, q_len, kv_len = _at_most(result, None if on_gpu else PORT_CPU_LEN, device)
         heads = mask.heads or heads
         shape = Shape(batch=1, q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=defaults_for(device).head_dim)
-        checked = port.check(mask, shape, device, out_dir=port_dir)
+        checked = port.check(mask, shape, device, out_dir=port_dir, time_it=on_gpu and time_it)
     except WorkbenchError as exc:
         result.port_note = f"no port: {exc.message}"
         return
     result.port_verdict, result.port_timing = checked.verdict, checked.timing
     result.port_note = str(checked.path) + (f" ({checked.note})" if checked.note else "")
+    if on_gpu and not time_it and checked.passed:
+        result.port_job = (mask, shape, checked.path, checked.verdict.dtype, device)
 
 
 def export_target(result: MaskResult, heads: int | None, batch: int | None, device: str, spec_dir: Path) -> None:
@@ -235,35 +286,151 @@ def library_targets() -> list[tuple[str, dict]]:
 def run_report(targets: list[tuple[str, dict]] | None = None, out_dir: str | Path = "out", q_len: int = DEFAULT_LEN,
                kv_len: int | None = None, heads: int | None = DEFAULT_HEADS, batch: int | None = None,
                block_size=128, device: str | None = None, progress: bool = True,
-               timeout: float | None = None) -> list[MaskResult]:
+               timeout: float | None = None, workers: int | None = None) -> list[MaskResult]:
     """Analyze each target and write out_dir/report.html, summary.json and summary.csv. A mask that
-    takes longer than `timeout` seconds is recorded as an error and the report goes on."""
+    takes longer than `timeout` seconds is recorded as an error and the report goes on.
+
+    `workers`: processes that analyze masks side by side (None: `default_workers`, several on a
+    GPU, where a mask's time is mostly compiling; 1: all in this process). With workers, the ports'
+    timings beside FlexAttention run afterwards, one mask at a time, so no other work shares the
+    GPU while one is timed."""
     device = device or default_device()
     kv_len = kv_len or q_len
     targets = targets if targets is not None else library_targets()
     out = output_folder(out_dir)
-    results = []
-    for t, p in tqdm(targets, desc="report", disable=not progress):
-        try:
-            results.append(call_with_timeout(lambda: analyze_target(t, p, q_len, kv_len, heads, batch, block_size,
-                                                                    device, spec_dir=out / "specs"), timeout))
-        except TimedOut:
-            results.append(MaskResult(target=t, params=p, seconds=timeout,
-                                      error=f"{t}: timed out after {timeout:g} s (the factory or a stage did not "
-                                            "return). Fix: look for an endless loop in it, or raise --timeout"))
+    workers = default_workers(len(targets), device) if workers is None else max(1, int(workers))
+    started = time.perf_counter()
+    bar = tqdm(total=len(targets), desc="report", disable=not progress)
+    args = (q_len, kv_len, heads, batch, block_size, device, out / "specs", timeout)
+    if workers == 1:
+        results = []
+        for t, p in targets:
+            results.append(_analyze_job(t, p, *args, time_port=True,
+                                        on_stage=lambda name, stage: bar.set_postfix_str(f"{name}: {stage}")))
+            bar.update()
+            bar.set_postfix_str(_time_line(results))
+    else:
+        results = _run_in_workers(targets, args, workers, bar)
+    bar.close()
+    wall = time.perf_counter() - started
     summary = summary_frame(results)
     summary.to_csv(out / "summary.csv", index=False)
+    settings = dict(q_len=q_len, kv_len=kv_len, heads=heads, batch=batch, block_size=block_size, device=device,
+                    workers=workers, wall_seconds=round(wall, 1))
     (out / "summary.json").write_text(json.dumps(
-        dict(q_len=q_len, kv_len=kv_len, heads=heads, batch=batch, block_size=block_size, device=device,
-             torch=torch.__version__, masks=[_result_record(r) for r in results]), indent=2))
-    (out / "report.html").write_text(render_html(results, dict(q_len=q_len, kv_len=kv_len, heads=heads, batch=batch,
-                                                                block_size=block_size, device=device)))
+        dict(**settings, torch=torch.__version__, stage_seconds=_stage_totals(results),
+             masks=[_result_record(r) for r in results]), indent=2))
+    (out / "report.html").write_text(render_html(results, settings))
     return results
+
+
+def _analyze_job(target, params, q_len, kv_len, heads, batch, block_size, device, spec_dir, timeout,
+                 time_port=True, on_stage=None) -> MaskResult:
+    """analyze_target within `timeout` seconds (a mask that takes longer becomes an error)."""
+    try:
+        return call_with_timeout(lambda: analyze_target(target, params, q_len, kv_len, heads, batch, block_size,
+                                                        device, spec_dir=spec_dir, time_port=time_port,
+                                                        on_stage=on_stage), timeout)
+    except TimedOut:
+        return MaskResult(target=target, params=params, seconds=timeout,
+                          error=f"{target}: timed out after {timeout:g} s (the factory or a stage did not "
+                                "return). Fix: look for an endless loop in it, or raise --timeout")
+
+
+# in a worker process: the port timings left to do, by job key
+_TIMING_JOBS: dict = {}
+
+
+def _worker_analyze(key, target, params, *args) -> MaskResult:
+    """One mask in a worker: everything but the port's timing (kept here for `_worker_time`);
+    the mask goes back as a MaskInfo (its mods stay in this process)."""
+    from workbench.run import prepare_timing
+
+    result = _analyze_job(target, params, *args, time_port=False)
+    if result.port_job is not None:  # compile and tune now, beside the other workers; time later, alone
+        start = time.perf_counter()
+        try:
+            _TIMING_JOBS[key] = prepare_timing(*result.port_job)
+            result.port_job = ()  # "a timing is waiting in the worker"
+        except WorkbenchError as exc:
+            result.port_job = None
+            result.port_note += f" (not timed: {exc.message})"
+        except Exception as exc:  # noqa: BLE001 -- the port is verified; say why it has no timing
+            result.port_job = None
+            result.port_note += f" (not timed: {type(exc).__name__}: {str(exc)[:300]})"
+        result.stage_seconds["port timing"] = time.perf_counter() - start
+        result.seconds += result.stage_seconds["port timing"]
+    if result.mask is not None:
+        result.mask = MaskInfo.of(result.mask)
+    return result
+
+
+def _worker_time(key) -> dict:
+    return _TIMING_JOBS.pop(key).measure()
+
+
+def _run_in_workers(targets, args, workers: int, bar) -> list[MaskResult]:
+    q_len, kv_len, heads, batch = args[:4]
+    timeout = args[-1]
+    threads = max(1, (os.cpu_count() or 2) // workers)
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
+           "TOKENIZERS_PARALLELISM": "false"}
+    results: list[MaskResult | None] = [None] * len(targets)
+    owner: dict[int, int] = {}
+    with Pool(workers, env=env) as pool:
+        bar.set_postfix_str(f"{workers} worker processes compiling")
+        jobs = {i: (i, t, p, *args) for i, (t, p) in enumerate(targets)}
+        for i, worker, value in pool.map("workbench.report:_worker_analyze", jobs):
+            t, p = targets[i]
+            if isinstance(value, (WorkerDied, WorkerFailed)):
+                value = MaskResult(target=t, params=p, error=f"{t}: {value}")
+            results[i], owner[i] = value, worker
+            bar.update()
+            bar.set_postfix_str(_time_line([r for r in results if r is not None]))
+        # the timings, one at a time: nothing else runs on the GPU meanwhile
+        for i, r in enumerate(results):
+            if r.port_job is None:
+                continue
+            r.port_job = None
+            bar.set_postfix_str(f"timing {r.target}'s port beside FlexAttention")
+            t0 = time.perf_counter()
+            timing = pool.call(owner[i], "workbench.report:_worker_time", i, timeout=timeout)
+            spent = time.perf_counter() - t0
+            r.stage_seconds["port timing"] = r.stage_seconds.get("port timing", 0.0) + spent
+            r.seconds += spent
+            if isinstance(timing, (WorkerDied, WorkerFailed)):
+                r.port_note += f" (not timed: {timing})"
+            else:
+                r.port_timing = timing
+    for r in results:  # the mods again, here, for whoever reads the results
+        if isinstance(r.mask, MaskInfo):
+            try:
+                r.mask = prepare(r.target, r.params, q_len, kv_len, "cpu", heads=heads, batch=batch)
+            except Exception:  # noqa: BLE001 -- the stand-in says all the report shows
+                pass
+    return results
+
+
+def _stage_totals(results: list[MaskResult]) -> dict:
+    totals: dict[str, float] = {}
+    for r in results:
+        for name, sec in r.stage_seconds.items():
+            totals[name] = totals.get(name, 0.0) + sec
+    return {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def _time_line(results: list[MaskResult]) -> str:
+    """Where the time went so far, e.g. "port 41%, verify 30%, invariance 17%, ..." (of the
+    seconds spent in stages, summed over masks)."""
+    totals = _stage_totals(results)
+    whole = sum(totals.values()) or 1.0
+    return ", ".join(f"{k} {v / whole:.0%}" for k, v in list(totals.items())[:4])
 
 
 def _result_record(r: MaskResult) -> dict:
     rec = dict(target=r.target, params=_params(r), given_params=r.params, name=r.mask.name if r.mask else None,
-               status=status(r), error=r.error, seconds=round(r.seconds, 3))
+               status=status(r), error=r.error, seconds=round(r.seconds, 3),
+               stage_seconds={k: round(v, 3) for k, v in r.stage_seconds.items()})
     if r.stats is not None:
         rec["stats"] = r.stats.to_dict()
     if r.verdict is not None:
@@ -465,6 +632,16 @@ details pre{background:#f4f6f8;padding:10px;font-size:12px;overflow:auto}
 """
 
 
+def _time_html(results: list[MaskResult], settings: dict) -> str:
+    """E.g. "made in 98 s by 8 worker processes; time in stages: port 41%, verify 30%, ..."."""
+    if "wall_seconds" not in settings:
+        return ""
+    workers = settings.get("workers", 1)
+    by = f" by {workers} worker processes" if workers > 1 else ""
+    return (f"<p>made in {settings['wall_seconds']:.0f} s{by}; time in stages (summed over masks): "
+            f"{html.escape(_time_line(results)) or '—'}</p>")
+
+
 def render_html(results: list[MaskResult], settings: dict) -> str:
     esc = html.escape
     n_err = sum(r.error is not None for r in results)
@@ -472,7 +649,7 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
              f"<style>{_CSS}</style></head><body><header><h1>flex-workbench report</h1>"
              f"<p>{len(results)} masks · Lq={settings['q_len']:,} Lk={settings['kv_len']:,} · heads={settings['heads']} · "
              f"block {settings['block_size']} · device {esc(str(settings['device']))} · torch {esc(torch.__version__)}"
-             f"{' · ' + str(n_err) + ' failed' if n_err else ''}</p></header><main>"]
+             f"{' · ' + str(n_err) + ' failed' if n_err else ''}</p>{_time_html(results, settings)}</header><main>"]
     parts.append("<h2>Overview</h2><table><tr><th>mask</th><th>density</th><th>block sparsity</th>"
                  "<th>full / partial / empty blocks</th><th>wasted in partial blocks</th><th>fully masked rows</th>"
                  "<th>varies by head</th><th>verified (largest relative error)</th><th>exact backends</th>"
@@ -496,7 +673,8 @@ def render_html(results: list[MaskResult], settings: dict) -> str:
         pv = r.port_verdict
         ported = ("—" if pv is None else f"<span class='pill {'ok' if pv.passed else 'bad'}'>"
                   f"{'pass' if pv.passed else 'FAIL'}</span> rel err {max(c.rel_err for c in pv.checks):.1e}"
-                  + (f", {r.port_timing['speed_vs_flex']:.2f}x" if r.port_timing else ", speed: GPU only"))
+                  + (f", {r.port_timing['speed_vs_flex']:.2f}x" if r.port_timing else
+                     ", not timed (see its section)" if "not timed" in r.port_note else ", speed: GPU only"))
         parts.append(f"<tr><td><a href='#m{i}'>{esc(name)}</a></td>{cells}<td class='nw'>{verified}</td>"
                      f"<td>{backends}</td><td class='nw'>{ported}</td><td>{esc(_invariance_cell(r))}</td><td>{pill}</td></tr>")
     parts.append("</table>")

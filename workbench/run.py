@@ -18,6 +18,7 @@ import secrets
 import tempfile
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -391,19 +392,65 @@ def time_port_and_flex(mask: Mask, shape: Shape, port_path, dtype: str = "bfloat
                        warmup: int = 25, rep: int = 100) -> dict:
     """Forward times of the generated port and of compiled FlexAttention on the same inputs, side by
     side (triton.testing.do_bench medians, ms; block lists, autotuning and compiles done first)."""
-    from triton.testing import do_bench
+    return prepare_timing(mask, shape, port_path, dtype, device).measure(warmup, rep)
 
+
+@dataclass
+class PreparedTiming:
+    """The port and compiled FlexAttention, compiled, tuned and run once on the same inputs:
+    `measure()` only times them (so the compiling can happen elsewhere, or earlier)."""
+
+    port_call: Callable
+    flex_call: Callable
+    dtype: str
+    device: torch.device
+
+    @contextmanager
+    def flex_state(self):
+        """The state run_flex calls FlexAttention in (no grad, its float32 matmul precision): the
+        compiled graph it made is the one timed."""
+        with compat.float32_matmul("tf32" if self.dtype == "tf32" else "ieee"), torch.no_grad():
+            yield
+
+    def measure(self, warmup: int = 25, rep: int = 100) -> dict:
+        from triton.testing import do_bench
+
+        port_ms = do_bench(self.port_call, warmup=warmup, rep=rep)
+        with self.flex_state():
+            flex_ms = do_bench(self.flex_call, warmup=warmup, rep=rep)
+        return {"port_ms": port_ms, "flex_ms": flex_ms, "speed_vs_flex": flex_ms / port_ms, "dtype": self.dtype,
+                "device": torch.cuda.get_device_name(self.device), "torch": torch.__version__}
+
+
+def prepare_timing(mask: Mask, shape: Shape, port_path, dtype: str = "bfloat16", device="cuda") -> PreparedTiming:
+    """Everything `time_port_and_flex` does before it times: inputs, the port loaded (as run_file
+    loads it: a port verified in this process keeps its compiled, autotuned kernels), its block
+    lists built, FlexAttention's block mask built and its forward compiled (the call run_flex
+    makes, so a graph compiled for a run of the same shape serves here too). Both calls return
+    out and the log-sum-exp."""
     inputs = make_inputs(shape, dtype, device, seed=0)
-    module = port.load(port_path)
-    module.attention(inputs.q, inputs.k, inputs.v)  # block lists and autotuning, outside the timing
-    port_ms = do_bench(lambda: module.attention(inputs.q, inputs.k, inputs.v), warmup=warmup, rep=rep)
+    module = port.loaded(port_path)
+
+    def port_call():
+        return module.attention(inputs.q, inputs.k, inputs.v, return_lse=True)
+
+    port_call()  # block lists and autotuning, outside the timing
     flex = run_flex(mask, inputs)  # builds the block mask and compiles, outside the timing
+    if flex.compile_error:
+        raise WorkbenchError(f"torch.compile could not build FlexAttention's forward for this mask "
+                             f"({flex.compile_error[:160]}), so there is no compiled kernel to time the port against",
+                             "time it against the uncompiled path yourself, or simplify the mods", mask.name)
     flex_fn = compiled_flex_attention()
-    with torch.no_grad():
-        flex_ms = do_bench(lambda: flex_fn(inputs.q, inputs.k, inputs.v, score_mod=mask.score_mod,
-                                           block_mask=flex.block_mask, enable_gqa=shape.gqa), warmup=warmup, rep=rep)
-    return {"port_ms": port_ms, "flex_ms": flex_ms, "speed_vs_flex": flex_ms / port_ms, "dtype": dtype,
-            "device": torch.cuda.get_device_name(inputs.device), "torch": torch.__version__}
+
+    def flex_call():  # what run_flex's forward calls (timed within the same matmul precision, no grad)
+        return compat.flex_with_lse(flex_fn, inputs.q, inputs.k, inputs.v, mask.score_mod, flex.block_mask, None,
+                                    shape.gqa, True)
+
+    timing = PreparedTiming(port_call, flex_call, dtype, inputs.device)
+    with timing.flex_state():
+        flex_call()
+    torch.cuda.synchronize(inputs.device)
+    return timing
 
 
 # ---------------------------------------------------------------- backends: what runs a mask
@@ -513,7 +560,7 @@ def port_offset_rules(path) -> bool:
 BACKENDS = {"flex": FlexBackend(), "eager": FlexBackend(compile=False), "port": PortBackend(),
             "port-paged": PortPagedBackend()}
 __all__ = ["Shape", "Inputs", "FlexRun", "make_inputs", "run_flex", "dtype_name", "defaults_for", "Defaults",
-           "FlexBackend", "PortBackend", "PortPagedBackend", "BACKENDS", "backend_for", "time_port_and_flex", "check_device_dtype",
+           "FlexBackend", "PortBackend", "PortPagedBackend", "BACKENDS", "backend_for", "time_port_and_flex", "prepare_timing", "PreparedTiming", "check_device_dtype",
            "check_mask_fits", "compiled_flex_attention"]
 
 

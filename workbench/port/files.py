@@ -16,7 +16,7 @@ from workbench.define.util import load_module
 from workbench.kernels import interpreting
 from workbench.port.generate import CONFIGS, PortSource, generate
 
-__all__ = ["write", "build", "load", "run_file", "run_paged_file", "in_process", "triton_installed",
+__all__ = ["write", "build", "load", "loaded", "run_file", "run_paged_file", "in_process", "triton_installed",
            "require_triton"]
 
 
@@ -50,6 +50,30 @@ def load(path: str | Path):
     if not path.is_file():
         raise WorkbenchError(f"no port file at {path}", "generate it with `python -m workbench port ... -o DIR`")
     return load_module(path, f"{path.stem}_{abs(hash(str(path.resolve()))) % 10**8}")
+
+
+# the ports run_file has loaded in this process, by (path, contents, pinned config): a file run
+# again keeps its compiled kernels and its tile choices, as an engine that imported it once would
+_LOADED: dict = {}
+_LOADED_MAX = 32
+
+
+def loaded(path: str | Path, config: int | None = None):
+    """The port at `path` as run_file runs it in this process: loaded once per contents (and
+    pinned `config`), so later calls reuse its compiled, autotuned kernels. A changed file is
+    loaded again."""
+    import hashlib
+
+    path = Path(path)
+    if not path.is_file():
+        raise WorkbenchError(f"no port file at {path}", "generate it with `python -m workbench port ... -o DIR`")
+    key = (str(path.resolve()), hashlib.sha256(path.read_bytes()).hexdigest(), config,
+           os.environ.get("PORT_CONFIG"), os.environ.get("TRITON_INTERPRET"))
+    if key not in _LOADED:
+        if len(_LOADED) >= _LOADED_MAX:
+            _LOADED.pop(next(iter(_LOADED)))  # the oldest
+        _LOADED[key] = _load_pinned(path, config)
+    return _LOADED[key]
 
 
 def _load_pinned(path, config: int | None):
@@ -100,7 +124,7 @@ def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     require_triton()
     if in_process(q.device):
-        module = _load_pinned(path, config)
+        module = loaded(path, config)
         return _refusals(lambda: module.attention(q, k, v, scale=scale, return_lse=True, **extra))
     tensors = {"q": q, "k": k, "v": v}
     if cu_seqlens is not None:
@@ -115,7 +139,7 @@ def run_paged_file(path: str | Path, step, scale: float | None = None,
     as `run_file` says."""
     require_triton()
     if in_process(step.q.device):
-        module = load(path)
+        module = loaded(path)
         return _refusals(lambda: module.attention_paged(*step.args(), scale=scale, return_lse=True, check=True))
     from workbench.port.runner import PAGED_ARGS
 

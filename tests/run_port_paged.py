@@ -39,8 +39,16 @@ def per_request_prefix(b, h, q_idx, kv_idx):
     return (kv_idx <= q_idx) | (kv_idx < LENS[b])
 
 
+W6 = torch.tensor([8, 40, 300, 1000, 3, 64])  # six heads' windows (three query heads per kv head)
+
+
+def head_window6(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < W6[h])
+
+
 def masks():
-    """(name, mask, heads): library masks, score mods, users' mods."""
+    """(name, mask, heads[, kv_heads]): library masks, score mods, users' mods; kv heads half the
+    query heads unless given (GQA groups of 1, 2, 3 and 32 query heads per kv head)."""
     out = [(n, make(n), 4) for n in ("causal", "sinks_window", "prefix_lm", "dilated_window", "chunked_local")]
     out.append(("causal_sliding_window_50", make("causal_sliding_window", {"window": 50}), 4))
     out.append(("causal+alibi", with_score(make("causal"), make("alibi", {"num_heads": 4})), 4))
@@ -48,13 +56,16 @@ def masks():
     out.append(("full", make("full"), 2))
     out.append(("users_head_window", Mask("users_head_window", mask_mod=head_window), 4))
     out.append(("users_per_request_prefix", Mask("users_per_request_prefix", mask_mod=per_request_prefix), 2))
+    out.append(("users_head_window_gqa3", Mask("users_head_window_gqa3", mask_mod=head_window6), 6, 2))
+    out.append(("causal_mha", make("causal"), 3, 3))
+    out.append(("sinks_window_mqa32", make("sinks_window"), 32, 1))
     return out
 
 
 def cases():
-    for name, mask, heads in masks():
+    for name, mask, heads, *kv in masks():
         for dtype, page in (("float32", 16), ("float32", 64)) + ((("bfloat16", 32),) if name == "causal" else ()):
-            yield f"{name}-{dtype}-p{page}", mask, heads, dtype, page
+            yield f"{name}-{dtype}-p{page}", mask, heads, (kv[0] if kv else heads // 2), dtype, page
 
 
 def case_ids():
@@ -108,9 +119,8 @@ def gather(cache, table_row, length):
     return cache[table_row[idx // page].long(), idx % page].permute(1, 0, 2)
 
 
-def check(case, mask, heads, dtype, page, device, folder, rng) -> str | None:
+def check(case, mask, heads, kv_heads, dtype, page, device, folder, rng) -> str | None:
     real = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    kv_heads = heads // 2 if heads % 2 == 0 else heads
     num_seqs = 3 if "per_request" in case else rng.randint(2, 5)
     q, kc, vc, table, cu, lens, reqs = draw_step(rng, num_seqs, page, heads, kv_heads, 16, real)
     source = port.generate(mask, 256, 256, heads=heads, batch=num_seqs)
@@ -144,10 +154,10 @@ def main(argv) -> int:
     rng = random.Random(int(argv[1]) if len(argv) > 1 else 0)
     folder = Path(tempfile.mkdtemp(prefix="port_paged_"))
     failed = total = 0
-    for case, mask, heads, dtype, page in cases():
+    for case, mask, heads, kv_heads, dtype, page in cases():
         total += 1
         try:
-            problem = check(case, mask, heads, dtype, page, device, folder, rng)
+            problem = check(case, mask, heads, kv_heads, dtype, page, device, folder, rng)
         except Exception as exc:
             problem = f"raised {type(exc).__name__}: {str(exc)[:300]}"
         failed += problem is not None

@@ -191,7 +191,10 @@ def test_your_own_per_head_mask_opens_with_its_heads_and_exports(lab, tmp_path):
         page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=90_000)
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_text("Run All Cells", exact=True).click()
-        page.locator(".wb-blockmap canvas").first.wait_for(timeout=240_000)
+        try:
+            page.locator(".wb-blockmap canvas").first.wait_for(timeout=240_000)
+        finally:
+            page.screenshot(path=str(shots / "own_mask.png"))  # what the user saw, also when it failed
         page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=240_000)
         assert page.locator("text=Traceback").count() == 0
         heads = page.locator(".widget-inline-hbox", has=page.locator("label", has_text="heads")).locator("input").first

@@ -163,7 +163,7 @@ def analyze_target(target: str, params: dict, q_len: int, kv_len: int, heads: in
         with stage("verify"):
             verify_target(result, n_heads or 1, device)
         with stage("invariance"):
-            invariance_target(result, device, n_heads or 1)
+            invariance_target(result, device, n_heads or 1, q_len, kv_len)
         if spec_dir is not None:
             with stage("spec"):
                 export_target(result, n_heads, batch, device, spec_dir)
@@ -213,7 +213,8 @@ def verify_target(result: MaskResult, heads: int, device: str) -> None:
     result.verdict = verify(mask, shape, dtype=defaults.dtype, device=device, progress=False, backend="flex" if on_gpu else "eager")
 
 
-def invariance_target(result: MaskResult, device: str, heads: int = 4) -> None:
+def invariance_target(result: MaskResult, device: str, heads: int = 4, q_len: int | None = None,
+                      kv_len: int | None = None) -> None:
     """Does the mask's request get the same bits batched and packed? A short check (see
     INVARIANCE_LAYOUTS); FlexAttention compiled on a GPU, uncompiled on the CPU. On a GPU a
     self-attention mask is checked at the report's length and heads: the request alone is then
@@ -221,8 +222,9 @@ def invariance_target(result: MaskResult, device: str, heads: int = 4) -> None:
 
     on_gpu = device.startswith("cuda")
     mask = result.mask
-    same = on_gpu and mask.q_len is not None and mask.q_len == mask.kv_len and mask.q_len >= 4
-    n = mask.q_len if same else INVARIANCE_LEN["cuda" if on_gpu else "cpu"]
+    q_len, kv_len = q_len or mask.q_len, kv_len or mask.kv_len  # the report's lengths (the mask is bound there)
+    same = on_gpu and q_len is not None and q_len == kv_len and q_len >= 4
+    n = q_len if same else INVARIANCE_LEN["cuda" if on_gpu else "cpu"]
     try:
         mask = mask if same else _at_length(result, n, n, device)
         result.invariance = invariance.check(mask, q_len=n, heads=mask.heads or (heads if same else 4),

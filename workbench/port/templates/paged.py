@@ -14,13 +14,13 @@ HAS_BOUNDS = @@HAS_BOUNDS@@  # mask_mod_bounds exists: tiles the mask decides ar
 # a number that follows the sequence's length even when Lq = Lk (a prefix of Lk // 4) differs by
 # request in a paged step: such masks take their values per request (tables=) or attention()
 HAS_LENGTH_RULES_IN_PAGES = any(a + b != 0 for a, b, c, d in LENGTH_RULES.values())
-PAGED_BLOCK_M = 16  # query rows per program
+PAGED_BLOCK_M = 16  # query rows per program: (token, head) pairs of one kv head's group (GQA packing)
 PAGED_BLOCK_N = 16 if _INTERPRET else 64  # keys per tile (each key is read through the block table)
 # Split-KV: a request's keys are cut at fixed positions, every SPLIT_KEYS keys, and each piece is a
 # program of its own, so one long request fills the GPU; a second kernel folds the pieces. The
 # number of pieces comes from the shapes alone (the block table's capacity), never from contents.
 SPLIT_KEYS = 4096 if not _INTERPRET else 64
-SPLIT_WHEN_PROGRAMS_BELOW = 1024  # only calls with fewer (row block, head) programs than this split
+SPLIT_WHEN_PROGRAMS_BELOW = 512  # only calls with fewer (row block, kv head) programs than this split
 
 
 def _table_ranges(tables: list) -> list:
@@ -41,20 +41,21 @@ def _table_ranges(tables: list) -> list:
 @triton.jit
 def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table, cu_seqlens_q, seq_lens,
                   block_starts, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, s_bt,
-                  page_size, num_seqs, Hq, group, D, sm_scale, total_q, split_keys, valid_q_len, valid_kv_len,
+                  page_size, num_seqs, Hq, group, tokens, D, sm_scale, total_q, split_keys, valid_q_len, valid_kv_len,
                   num_pages, max_keys, @@ALL_PTR_PARAMS@@
                   @@RANGE_PTR_PARAMS@@
                   D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr,
                   IEEE: tl.constexpr, WIDEN: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # one program = BLOCK_M query rows of one request, for one query head, over one piece of its
-    # keys (SPLIT: keys [split * split_keys, (split + 1) * split_keys), else all of them). The grid's
+    # one program = `tokens` query tokens of one request times the `group` query heads that share
+    # kv head kv_h (grouped-query attention: row r is token r // group, head kv_h * group + r % group,
+    # so each K/V tile is read once for the whole group), over one piece of the request's keys
+    # (SPLIT: keys [split * split_keys, (split + 1) * split_keys), else all of them). The grid's
     # first axis is an upper bound on the step's row blocks (from shapes only: a CUDA graph can
     # replay it); programs past the last block return at once.
     pid = tl.program_id(0)
-    h = tl.program_id(1)
+    kv_h = tl.program_id(1)
     split = tl.program_id(2)
-    kv_h = h // group  # grouped-query attention
     if pid >= tl.load(block_starts + num_seqs):
         return
     # 1. which request: the last r with block_starts[r] <= pid (a binary search)
@@ -76,9 +77,11 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
     # more queries than the request's length, pages outside the cache
     inside = inside & (n_q >= 0) & (q_start >= 0) & (q_start + n_q <= total_q) & (n_q <= L) & (L <= max_keys)
     # 2. this program's rows: the request's queries are its last n_q tokens (positions L - n_q ..)
-    first = (pid - tl.load(block_starts + req)) * BLOCK_M
-    rows = first + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_q
+    first = (pid - tl.load(block_starts + req)) * tokens
+    slot_r = tl.arange(0, BLOCK_M)
+    rows = first + slot_r // group  # each row's token in the request
+    h = kv_h * group + slot_r % group  # each row's query head
+    row_ok = (rows < n_q) & (slot_r < tokens * group)
     rows_in = tl.maximum(tl.minimum(rows, n_q - 1), 0)  # rows past the end repeat the last one, never stored
     q_row = q_start + rows_in
     row_ok = row_ok & (q_row >= 0) & (q_row < total_q)
@@ -86,14 +89,14 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
     q_pos = L - n_q + rows_in
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    q = tl.load(Q + q_row[:, None] * s_qt + h * s_qh + offs_d[None, :] * s_qd,
+    q = tl.load(Q + q_row[:, None] * s_qt + h[:, None] * s_qh + offs_d[None, :] * s_qd,
                 mask=d_ok[None, :], other=0.0)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): the softmax runs in base 2
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     q_lo = L - n_q + first
-    q_hi = L - n_q + tl.minimum(first + BLOCK_M, n_q) - 1
+    q_hi = L - n_q + tl.minimum(first + tokens, n_q) - 1
     # 3. the request's keys (of this piece) in tiles of BLOCK_N, each read through the block table
     if SPLIT:
         start = split * split_keys
@@ -108,8 +111,15 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
         visit = start == start  # (True)
         masked = HAS_MASK
         if BOUNDS:
-            # what the mask gives over the whole tile: none kept -> skip it; all kept -> no mask
-            all_kept, any_kept = mask_mod_bounds(req, h, q_lo, q_hi, kv_lo, kv_hi@@MASK_PTR_ARGS@@@@RANGE_PTR_ARGS@@)
+            # what the mask gives over the whole tile, for every head of the group: none kept ->
+            # skip it; all kept -> no mask
+            all_kept, any_kept = mask_mod_bounds(req, kv_h * group, q_lo, q_hi, kv_lo, kv_hi@@MASK_PTR_ARGS@@@@RANGE_PTR_ARGS@@)
+            g = kv_h * 0 + 1
+            while g < group:
+                all_g, any_g = mask_mod_bounds(req, kv_h * group + g, q_lo, q_hi, kv_lo, kv_hi@@MASK_PTR_ARGS@@@@RANGE_PTR_ARGS@@)
+                all_kept = all_kept & all_g
+                any_kept = any_kept | any_g
+                g += 1
             visit = any_kept != 0
             masked = all_kept == 0
         if visit:
@@ -133,14 +143,15 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
                 qk = tl.dot(q, k)
             q_idx = q_pos[:, None]
             kv_idx = keys_in[None, :]
+            h_idx = h[:, None]
             if HAS_SCORE:
-                s = score_mod_triton(qk * sm_scale, req, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
+                s = score_mod_triton(qk * sm_scale, req, h_idx, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
             else:
                 s = qk * qk_scale
             keep = key_ok[None, :] & (q_idx >= 0)
             if HAS_MASK:
                 if masked:
-                    keep = keep & (mask_mod_triton(req, h, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0)
+                    keep = keep & (mask_mod_triton(req, h_idx, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0)
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing kept yet stay at 0
@@ -167,7 +178,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
     # 4. rows that kept nothing: out 0 and lse -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    tl.store(Out + out_rows[:, None] * (Hq * D) + h * D + offs_d[None, :], out.to(Out.dtype.element_ty),
+    tl.store(Out + out_rows[:, None] * (Hq * D) + h[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
     if RETURN_LSE:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
@@ -345,31 +356,35 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
     lse = torch.empty(total_q, Hq, dtype=torch.float32, device=q.device) if return_lse else out
     if total_q == 0 or num_seqs == 0:
         return (out, lse) if return_lse else out
+    # a program's rows are (token, head) pairs of one kv head's group: `tokens` tokens x `group` heads
+    group = Hq // Hkv
+    block_m = max(PAGED_BLOCK_M, triton.next_power_of_2(group))
+    tokens = block_m // group
     # the row blocks of each request, prefix-summed on the device (a fixed-size tensor)
     n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32)
     block_starts = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
-    block_starts[1:] = torch.cumsum((n_q + PAGED_BLOCK_M - 1) // PAGED_BLOCK_M, 0)
-    row_blocks = total_q // PAGED_BLOCK_M + num_seqs  # an upper bound from shapes alone
+    block_starts[1:] = torch.cumsum((n_q + tokens - 1) // tokens, 0)
+    row_blocks = total_q // tokens + num_seqs  # an upper bound from shapes alone
     D_PAD = max(16, triton.next_power_of_2(D))
     # split the keys when the call has too few programs to fill the GPU (decode, short chunks); the
     # number of pieces from the block table's capacity: a shape, not a content
     capacity = block_table.shape[1] * page_size
-    splits = -(-capacity // SPLIT_KEYS) if row_blocks * Hq < SPLIT_WHEN_PROGRAMS_BELOW else 1
+    splits = -(-capacity // SPLIT_KEYS) if row_blocks * Hkv < SPLIT_WHEN_PROGRAMS_BELOW else 1
     split = splits > 1
     if split:
         part_acc = torch.empty(splits, total_q, Hq, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits, total_q, Hq, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # (not read)
-    _paged_kernel[(row_blocks, Hq, splits)](
+    _paged_kernel[(row_blocks, Hkv, splits)](
         q, k_cache, v_cache, out, lse, part_acc, part_ml, block_table, cu_seqlens_q, seq_lens, block_starts,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
-        page_size, num_seqs, Hq, Hq // Hkv, D, scale, total_q, SPLIT_KEYS,
+        page_size, num_seqs, Hq, group, tokens, D, scale, total_q, SPLIT_KEYS,
         VALID_Q_LEN if VALID_KV_LEN is not None else 1 << 30, VALID_KV_LEN if VALID_KV_LEN is not None else 1 << 30,
         k_cache.shape[0], block_table.shape[1] * page_size, *pointers, *ranges,
         D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=HAS_BOUNDS and HAS_MASK,
         IEEE=q.dtype == torch.float32, WIDEN=_INTERPRET and q.dtype == torch.bfloat16,
-        RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, BLOCK_M=PAGED_BLOCK_M,
+        RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, BLOCK_M=block_m,
         BLOCK_N=PAGED_BLOCK_N, num_warps=4)
     if split:
         _paged_fold[(total_q, Hq)](out, lse, part_acc, part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D,

@@ -98,19 +98,27 @@ def lab(tmp_path_factory):
         server.kill()
 
 
+SHOTS = ROOT / "out" / "browser"
+
+
+def run_all_cells(playwright, lab, notebook: str):
+    """Headless Chromium on `notebook` in the test's JupyterLab, Run All Cells clicked: (browser, page)."""
+    base, token = lab
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=FLAGS)
+    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    page.goto(f"{base}/lab/tree/{notebook}?token={token}")
+    page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=90_000)
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_text("Run All Cells", exact=True).click()
+    return browser, page
+
+
 def test_tour_runs_in_jupyterlab_and_the_block_map_answers_the_mouse(lab):
     from playwright.sync_api import sync_playwright
 
-    base, token = lab
-    shots = ROOT / "out" / "browser"
-    shots.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1500, "height": 1100})
-        page.goto(f"{base}/lab/tree/01_tour.ipynb?token={token}")
-        page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=90_000)
-        page.get_by_role("menuitem", name="Run", exact=True).click()
-        page.get_by_text("Run All Cells", exact=True).click()
+        browser, page = run_all_cells(p, lab, "01_tour.ipynb")
         canvas = page.locator(".wb-blockmap canvas").first
         canvas.wait_for(timeout=240_000)
         page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=240_000)
@@ -149,7 +157,7 @@ def test_tour_runs_in_jupyterlab_and_the_block_map_answers_the_mouse(lab):
         tip = page.locator(".wb-blockmap-tip").first
         tip.wait_for(state="visible", timeout=10_000)
         assert "q block 3, kv block 2" in tip.inner_text() and "pairs kept" in tip.inner_text()
-        page.screenshot(path=str(shots / "tour_hover.png"))
+        page.screenshot(path=str(SHOTS / "tour_hover.png"))
 
         # drag a box: the map zooms into it
         page.mouse.move(*at(0, 0))
@@ -174,27 +182,19 @@ def test_tour_runs_in_jupyterlab_and_the_block_map_answers_the_mouse(lab):
         size = 256
         assert int(q_from.input_value()) == max(0, min(4 * 128 + 64 - size // 2, 600 - size))
         page.wait_for_timeout(500)
-        page.screenshot(path=str(shots / "tour.png"))
+        page.screenshot(path=str(SHOTS / "tour.png"))
         browser.close()
 
 
 def test_your_own_per_head_mask_opens_with_its_heads_and_exports(lab, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    base, token = lab
-    shots = ROOT / "out" / "browser"
-    shots.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1500, "height": 1100})
-        page.goto(f"{base}/lab/tree/own_mask.ipynb?token={token}")
-        page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=90_000)
-        page.get_by_role("menuitem", name="Run", exact=True).click()
-        page.get_by_text("Run All Cells", exact=True).click()
+        browser, page = run_all_cells(p, lab, "own_mask.ipynb")
         try:
             page.locator(".wb-blockmap canvas").first.wait_for(timeout=240_000)
         finally:
-            page.screenshot(path=str(shots / "own_mask.png"))  # what the user saw, also when it failed
+            page.screenshot(path=str(SHOTS / "own_mask.png"))  # what the user saw, also when it failed
         page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=240_000)
         assert page.locator("text=Traceback").count() == 0
         heads = page.locator(".widget-inline-hbox", has=page.locator("label", has_text="heads")).locator("input").first
@@ -203,7 +203,7 @@ def test_your_own_per_head_mask_opens_with_its_heads_and_exports(lab, tmp_path):
         assert "4 heads differ" in status and "same for every head" not in status
         caption = page.locator(".wb-blockmap-caption").first.inner_text()
         assert "q 0..1023" in caption
-        page.screenshot(path=str(shots / "own_mask.png"))
+        page.screenshot(path=str(SHOTS / "own_mask.png"))
 
         page.locator(".widget-tab .lm-TabBar-tab", has_text="Export").first.click()
         folder = page.locator(".widget-inline-hbox", has=page.locator("label", has_text="folder")).locator("input").first
@@ -217,5 +217,5 @@ def test_your_own_per_head_mask_opens_with_its_heads_and_exports(lab, tmp_path):
         doc = json.loads(specs[0].read_text())
         assert doc["shape"]["H"] == 4 and doc["shape"]["q_len"] == 1024
         page.wait_for_timeout(500)
-        page.screenshot(path=str(shots / "own_mask_export.png"), full_page=True)
+        page.screenshot(path=str(SHOTS / "own_mask_export.png"), full_page=True)
         browser.close()

@@ -296,11 +296,14 @@ def run_report(targets: list[tuple[str, dict]] | None = None, out_dir: str | Pat
     GPU, where a mask's time is mostly compiling; 1: all in this process). With workers, the ports'
     timings beside FlexAttention run afterwards, one mask at a time, so no other work shares the
     GPU while one is timed."""
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise WorkbenchError(f"workers = {workers!r} is not a number of processes",
+                             "pass a whole number >= 1 (1: all in this process), or None for the default")
     device = device or default_device()
     kv_len = kv_len or q_len
     targets = targets if targets is not None else library_targets()
     out = output_folder(out_dir)
-    workers = default_workers(len(targets), device) if workers is None else max(1, int(workers))
+    workers = default_workers(len(targets), device) if workers is None else workers
     started = time.perf_counter()
     bar = tqdm(total=len(targets), desc="report", disable=not progress)
     args = (q_len, kv_len, heads, batch, block_size, device, out / "specs", timeout)

@@ -253,6 +253,13 @@ def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, st
         if not EVEN_N:
             keep = keep & (offs_n < Lk)[None, :]
         s = tl.where(keep, s, float("-inf"))
+    return _online_softmax_step(acc, l_i, m_i, s, v, IEEE=IEEE, WIDEN=WIDEN)
+
+
+@triton.jit
+def _online_softmax_step(acc, l_i, m_i, s, v, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    # one tile of the online softmax (base 2), the same formula in every kernel of this file:
+    # s [M, N] the tile's scores (-inf where dropped), v [N, D]; returns (acc, l, m) after it
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # rows with nothing kept yet stay at -inf; shift them by 0 so exp2 gives 0, not NaN
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

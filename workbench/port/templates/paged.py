@@ -153,19 +153,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
                 if masked:
                     keep = keep & (mask_mod_triton(req, h_idx, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0)
             s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing kept yet stay at 0
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            if IEEE:
-                acc = tl.dot(p, v, acc, input_precision="ieee")
-            elif WIDEN:
-                acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc)
-            m_i = m_new
+            acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, IEEE=IEEE, WIDEN=WIDEN)  # (forward.py's)
         start += BLOCK_N
     out_rows = q_row
     acc = tl.where(inside, acc, float("nan"))

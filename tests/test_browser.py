@@ -107,7 +107,9 @@ def run_all_cells(playwright, lab, notebook: str):
     SHOTS.mkdir(parents=True, exist_ok=True)
     browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=FLAGS)
     page = browser.new_page(viewport={"width": 1500, "height": 1100})
-    page.goto(f"{base}/lab/tree/{notebook}?token={token}")
+    # a workspace of its own: JupyterLab would reopen the other tests' notebooks (their hidden widgets
+    # would match this test's locators)
+    page.goto(f"{base}/lab/workspaces/{Path(notebook).stem}/tree/{notebook}?token={token}")
     page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=90_000)
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_text("Run All Cells", exact=True).click()

@@ -234,12 +234,7 @@ def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, st
     else:
         k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-    if WIDEN:  # see WIDEN in the attention kernel
-        qk = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-    elif IEEE:
-        qk = tl.dot(q, k, input_precision="ieee")
-    else:
-        qk = tl.dot(q, k)
+    qk = _qk_dot(q, k, IEEE=IEEE, WIDEN=WIDEN)
     # rows and keys past the end are the last ones again (clamped), so captured tables are read
     # in bounds; those pairs are never stored / are dropped
     q_idx = offs_m[:, None] + q_off
@@ -256,6 +251,25 @@ def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, st
     return _online_softmax_step(acc, l_i, m_i, s, v, IEEE=IEEE, WIDEN=WIDEN)
 
 
+# Under Triton's CPU interpreter a tl.dot is a numpy matmul, whose sums can round differently by a
+# row's place in the tile; there the dots are written as explicit sums over the shared axis, the
+# same order for every row, so a row's bits never depend on which slot of a tile it fills.
+_ROWWISE_DOTS = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _qk_dot(q, k, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    # q [M, D] . k [D, N] in float32. WIDEN: see the attention kernel
+    if _ROWWISE_DOTS:
+        return tl.sum(q.to(tl.float32)[:, :, None] * k.to(tl.float32)[None, :, :], 1)
+    elif WIDEN:
+        return tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(q, k, input_precision="ieee")
+    else:
+        return tl.dot(q, k)
+
+
 @triton.jit
 def _online_softmax_step(acc, l_i, m_i, s, v, IEEE: tl.constexpr, WIDEN: tl.constexpr):
     # one tile of the online softmax (base 2), the same formula in every kernel of this file:
@@ -267,13 +281,73 @@ def _online_softmax_step(acc, l_i, m_i, s, v, IEEE: tl.constexpr, WIDEN: tl.cons
     p = tl.math.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if IEEE:
+    if _ROWWISE_DOTS:
+        pv = p if IEEE else p.to(v.dtype)
+        acc = acc + tl.sum(pv.to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+    elif IEEE:
         acc = tl.dot(p, v, acc, input_precision="ieee")
     elif WIDEN:
         acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
+
+
+@triton.jit
+def _fold_piece(acc, l_i, m_i, acc_s, l_s, m_s):
+    # one piece of a row's keys (its unnormalized acc_s, sum l_s and max m_s, base 2) folded into
+    # the running (acc, l, m): the same formula, with explicit fused multiply-adds, wherever pieces
+    # meet (the invariant kernels in registers, _paged_fold from memory), so a row's bits do not
+    # depend on where its pieces were computed. acc [M, D], l and m [M]. An empty piece (m_s =
+    # -inf, l_s = 0, acc_s = 0) leaves the total as it is, bit for bit.
+    m_new = tl.maximum(m_i, m_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    scale_old = tl.math.exp2(m_i - m_safe)
+    scale_new = tl.math.exp2(m_s - m_safe)
+    l_i = tl.fma(l_i, scale_old, l_s * scale_new)
+    acc = tl.fma(acc, scale_old[:, None], acc_s * scale_new[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _invariant_block(acc, l_i, m_i, t_acc, t_l, t_m, piece, i, j, n_p, n_f, p_row, f_row, q, K_block, V_block,
+                     s_kn, s_kd, s_vn, s_vd, rows, offs_d, b, h, Lq, Lk, D, sm_scale, qk_scale, q_off, kv_off,
+                     split_keys, @@ALL_PTR_PARAMS@@
+                     BLOCK_N: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, EVEN_N: tl.constexpr,
+                     EVEN_D: tl.constexpr, WIDEN: tl.constexpr, TABLE_N: tl.constexpr):
+    # invariant mode, one step: the next kv block in ascending order, merged from the partial list
+    # (at i) and the full list (at j). Keys are cut into pieces at fixed positions (every
+    # split_keys); a piece starts from an empty state and is folded into the total (t_*) when the
+    # next one begins, the same arithmetic as attention_paged's pieces: a row's bits depend only on
+    # its kept keys, never on how a call tiles, splits or orders its work.
+    cp = tl.load(p_row + tl.maximum(tl.minimum(i, n_p - 1), 0), mask=i < n_p, other=1 << 30)
+    cf = tl.load(f_row + tl.maximum(tl.minimum(j, n_f - 1), 0), mask=j < n_f, other=1 << 30)
+    take_p = cp < cf
+    c = tl.minimum(cp, cf)
+    here = (c * TABLE_N) // split_keys
+    if here != piece:
+        t_acc, t_l, t_m = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
+        acc = tl.zeros_like(acc)
+        l_i = tl.zeros_like(l_i)
+        m_i = tl.full(m_i.shape, float("-inf"), tl.float32)
+        piece = here
+    for sub in tl.static_range(TABLE_N // BLOCK_N):
+        start_n = c * TABLE_N + sub * BLOCK_N
+        if take_p:
+            if start_n < Lk:
+                acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, start_n,
+                                              rows, offs_d, b, h, Lq, Lk, D, sm_scale, qk_scale, q_off,
+                                              kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N, MASKED=True,
+                                              HAS_SCORE=HAS_SCORE, IEEE=IEEE, EVEN_N=EVEN_N, EVEN_D=EVEN_D,
+                                              WIDEN=WIDEN)
+        else:  # a full block is never cut by the last key
+            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, start_n,
+                                          rows, offs_d, b, h, Lq, Lk, D, sm_scale, qk_scale, q_off,
+                                          kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N, MASKED=False,
+                                          HAS_SCORE=HAS_SCORE, IEEE=IEEE, EVEN_N=True, EVEN_D=EVEN_D, WIDEN=WIDEN)
+    i += take_p.to(tl.int32)
+    j += 1 - take_p.to(tl.int32)
+    return acc, l_i, m_i, t_acc, t_l, t_m, piece, i, j
 
 
 CONFIGS = @@CONFIGS@@  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
@@ -286,6 +360,16 @@ _PINNED = os.environ.get("PORT_CONFIG", "").isdigit()
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # kernels defined for Triton's CPU interpreter
 _ONLY_CONFIG = ((32, 32, 4, 1) if os.environ.get("TRITON_INTERPRET") == "1"
                 else CONFIGS[int(os.environ["PORT_CONFIG"]) % len(CONFIGS)] if _PINNED else None)
+
+
+# Invariant mode (attention(..., invariant=True), attention_paged(..., invariant=True)): every
+# kernel of this file runs one fixed tiling, visits a row's key tiles in ascending order and cuts
+# the keys into pieces at fixed positions (every SPLIT_KEYS keys, a multiple of TABLE_N), folded
+# by _fold_piece. A row's bits then depend on its own keys alone: not on the call's lengths, the
+# other requests of a step, page size or placement, chunking, or how a call splits its keys.
+INVARIANT_TILE = (16, 16, 4) if _INTERPRET else (64, 64, 4)  # (BLOCK_M, BLOCK_N, num_warps)
+INVARIANT_STAGES = (1,) if _INTERPRET else (2, 1)  # software pipelining only: never changes a bit
+SPLIT_KEYS = 128 if _INTERPRET else 4096  # the pieces' size (attention_paged's split-KV pieces too)
 
 
 def _configs():
@@ -320,6 +404,28 @@ def _launch_segmented(grid, args, kwargs, key):
                           "PORT_CONFIG" if _PINNED else "add a smaller one to SEGMENT_CONFIGS in this file"))
 
 
+_invariant_stages_for: dict = {}
+
+
+def _launch_invariant(kernel, grid, args, kwargs, key):
+    """Launch `kernel` with invariant mode's tiling, the most pipeline stages the chip has room
+    for (stages move loads earlier; they never change the arithmetic)."""
+    m, n, w = INVARIANT_TILE
+    if SPLIT_KEYS % TABLE_N or SPLIT_KEYS % n:
+        raise ValueError(f"SPLIT_KEYS = {SPLIT_KEYS} must be a multiple of {TABLE_N} keys (the block lists' "
+                         "width) for invariant mode")
+    candidates = [_invariant_stages_for[key]] if key in _invariant_stages_for else INVARIANT_STAGES
+    for stages in candidates:
+        try:
+            kernel[grid](*args, **kwargs, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=stages)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        _invariant_stages_for[key] = stages
+        return
+    raise RuntimeError(f"invariant mode's tiling {INVARIANT_TILE} (BLOCK_M, BLOCK_N, warps) does not fit {key[2]} "
+                       f"for head dim {key[0]} in {key[1]} (shared memory / registers); call without invariant=True")
+
+
 def _prune(configs, named_args, **kwargs):
     # decode-like calls (a few queries) take the 16-row configs, long ones the others
     if len(configs) == 1:
@@ -340,8 +446,8 @@ def _prune(configs, named_args, **kwargs):
 def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, full_idx,
                       s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                       s_tb, s_th, n_cols, Hq, group, Lq, Lk, D, sm_scale, Lq_bucket, Lk_bucket, segments,
-                      @@ALL_PTR_PARAMS@@
-                      SEGMENTED: tl.constexpr,
+                      split_keys, @@ALL_PTR_PARAMS@@
+                      SEGMENTED: tl.constexpr, INVARIANT: tl.constexpr,
                       D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, RETURN_LSE: tl.constexpr,
                       INTERPRET: tl.constexpr, WIDEN: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                       TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -394,52 +500,79 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
     # this block of queries sits in row `r` of the block lists of its batch entry / head (the
     # strides are 0 along axes the mask does not depend on: one list serves them all)
     row = b * s_tb + h * s_th + list_row
-    # full blocks (every pair kept: the mask is not evaluated), then partial blocks (the mask is
-    # applied pair by pair). On a GPU, `for` loops let Triton pipeline the loads; Triton's CPU
-    # interpreter cannot run `range` to a runtime bound, so there the same steps run in `while`.
-    for visit in tl.static_range(2):  # visit 0: the FULL blocks, visit 1: the PARTIAL ones
-        masked = visit == 1
-        num = full_num if not masked else partial_num
-        idx = full_idx if not masked else partial_idx
-        n_blocks = tl.load(num + row)
-        # only a row's last block can run past the last key (the lists ascend, and such a block
-        # is never full), and only if it is the sequence's (segment's) last block: the loop runs
-        # the others without bounds checks, which keeps it within the registers (checks in the
-        # loop made the packed-segment kernel spill), and that block runs on its own after it
-        n_even = n_blocks
-        if masked and not EVEN_N:
-            last = tl.load(idx + row * n_cols + tl.maximum(n_blocks - 1, 0))
-            n_even = tl.where((n_blocks > 0) & ((last + 1) * TABLE_N > Lk), n_blocks - 1, n_blocks)
+    if INVARIANT:
+        # every listed block in ascending key order (partial and full lists merged), in pieces
+        # of split_keys keys folded as attention_paged folds them (see _invariant_block)
+        n_p = tl.load(partial_num + row)
+        n_f = tl.load(full_num + row)
+        t_acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        t_l = tl.zeros([BLOCK_M], tl.float32)
+        t_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        piece = n_p * 0
+        i = n_p * 0
+        j = n_p * 0
         if INTERPRET:
-            j = 0
-            while j < n_even:
-                c = tl.load(idx + row * n_cols + j)
-                for sub in tl.static_range(TABLE_N // BLOCK_N):
-                    acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
-                                                  c * TABLE_N + sub * BLOCK_N, rows, offs_d, b, h, Lq, Lk, D,
-                                                  sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
-                                                  MASKED=masked, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
-                                                  EVEN_N=True, EVEN_D=EVEN_D, WIDEN=WIDEN)
-                j += 1
+            while i + j < n_p + n_f:
+                acc, l_i, m_i, t_acc, t_l, t_m, piece, i, j = _invariant_block(
+                    acc, l_i, m_i, t_acc, t_l, t_m, piece, i, j, n_p, n_f, partial_idx + row * n_cols,
+                    full_idx + row * n_cols, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, rows, offs_d, b, h, Lq, Lk,
+                    D, sm_scale, qk_scale, q_off, kv_off, split_keys@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
+                    HAS_SCORE=HAS_SCORE, IEEE=IEEE, EVEN_N=EVEN_N, EVEN_D=EVEN_D, WIDEN=WIDEN, TABLE_N=TABLE_N)
         else:
-            for j in range(0, n_even):
-                c = tl.load(idx + row * n_cols + j)
-                for sub in tl.static_range(TABLE_N // BLOCK_N):
-                    acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
-                                                  c * TABLE_N + sub * BLOCK_N, rows, offs_d, b, h, Lq, Lk, D,
-                                                  sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
-                                                  MASKED=masked, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
-                                                  EVEN_N=True, EVEN_D=EVEN_D, WIDEN=WIDEN)
-        if masked and not EVEN_N:
-            if n_blocks > n_even:
-                c = tl.load(idx + row * n_cols + n_even)
-                for sub in tl.static_range(TABLE_N // BLOCK_N):
-                    if c * TABLE_N + sub * BLOCK_N < Lk:  # keys of narrower tiles wholly past the end: none kept
+            for _ in range(0, n_p + n_f):
+                acc, l_i, m_i, t_acc, t_l, t_m, piece, i, j = _invariant_block(
+                    acc, l_i, m_i, t_acc, t_l, t_m, piece, i, j, n_p, n_f, partial_idx + row * n_cols,
+                    full_idx + row * n_cols, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, rows, offs_d, b, h, Lq, Lk,
+                    D, sm_scale, qk_scale, q_off, kv_off, split_keys@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
+                    HAS_SCORE=HAS_SCORE, IEEE=IEEE, EVEN_N=EVEN_N, EVEN_D=EVEN_D, WIDEN=WIDEN, TABLE_N=TABLE_N)
+        acc, l_i, m_i = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
+    if not INVARIANT:
+        # full blocks (every pair kept: the mask is not evaluated), then partial blocks (the mask is
+        # applied pair by pair). On a GPU, `for` loops let Triton pipeline the loads; Triton's CPU
+        # interpreter cannot run `range` to a runtime bound, so there the same steps run in `while`.
+        for visit in tl.static_range(2):  # visit 0: the FULL blocks, visit 1: the PARTIAL ones
+            masked = visit == 1
+            num = full_num if not masked else partial_num
+            idx = full_idx if not masked else partial_idx
+            n_blocks = tl.load(num + row)
+            # only a row's last block can run past the last key (the lists ascend, and such a block
+            # is never full), and only if it is the sequence's (segment's) last block: the loop runs
+            # the others without bounds checks, which keeps it within the registers (checks in the
+            # loop made the packed-segment kernel spill), and that block runs on its own after it
+            n_even = n_blocks
+            if masked and not EVEN_N:
+                last = tl.load(idx + row * n_cols + tl.maximum(n_blocks - 1, 0))
+                n_even = tl.where((n_blocks > 0) & ((last + 1) * TABLE_N > Lk), n_blocks - 1, n_blocks)
+            if INTERPRET:
+                j = 0
+                while j < n_even:
+                    c = tl.load(idx + row * n_cols + j)
+                    for sub in tl.static_range(TABLE_N // BLOCK_N):
                         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
                                                       c * TABLE_N + sub * BLOCK_N, rows, offs_d, b, h, Lq, Lk, D,
-                                                      sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@,
-                                                      BLOCK_N=BLOCK_N, MASKED=True, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
-                                                      EVEN_N=False, EVEN_D=EVEN_D, WIDEN=WIDEN)
+                                                      sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
+                                                      MASKED=masked, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
+                                                      EVEN_N=True, EVEN_D=EVEN_D, WIDEN=WIDEN)
+                    j += 1
+            else:
+                for j in range(0, n_even):
+                    c = tl.load(idx + row * n_cols + j)
+                    for sub in tl.static_range(TABLE_N // BLOCK_N):
+                        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
+                                                      c * TABLE_N + sub * BLOCK_N, rows, offs_d, b, h, Lq, Lk, D,
+                                                      sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@, BLOCK_N=BLOCK_N,
+                                                      MASKED=masked, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
+                                                      EVEN_N=True, EVEN_D=EVEN_D, WIDEN=WIDEN)
+            if masked and not EVEN_N:
+                if n_blocks > n_even:
+                    c = tl.load(idx + row * n_cols + n_even)
+                    for sub in tl.static_range(TABLE_N // BLOCK_N):
+                        if c * TABLE_N + sub * BLOCK_N < Lk:  # keys of narrower tiles wholly past the end: none kept
+                            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd,
+                                                          c * TABLE_N + sub * BLOCK_N, rows, offs_d, b, h, Lq, Lk, D,
+                                                          sm_scale, qk_scale, q_off, kv_off@@ALL_PTR_ARGS@@,
+                                                          BLOCK_N=BLOCK_N, MASKED=True, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
+                                                          EVEN_N=False, EVEN_D=EVEN_D, WIDEN=WIDEN)
     # rows that kept nothing: out 0 and lse -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -510,7 +643,7 @@ def _check(q, k, v):
     return B, Hq, Lq, D, Hkv, Lk
 
 
-def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None):
+def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None, invariant=False):
     """Attention under this file's mask and score, with FlexAttention's semantics.
 
     q:           [B, Hq, Lq, D]   bfloat16, float16 or float32, on a CUDA GPU (or the CPU under
@@ -523,6 +656,10 @@ def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None):
                  whose mask keeps no pair across a boundary; one launch runs them all, each tiled
                  from its start. A list or tuple costs nothing per call; a GPU tensor is read back
                  to the host (a device sync).
+    invariant:   run the fixed tiling of invariant mode (INVARIANT_TILE, keys in ascending order,
+                 pieces of SPLIT_KEYS keys folded in order): a row's bits depend only on its own
+                 keys, and equal attention_paged(..., invariant=True)'s for the same request (a
+                 trainer's forward = an engine's prefill = its decode). Never autotuned.
     Returns out [B, Hq, Lq, D] in q's dtype (and lse). Rows that keep no key give out = 0.
 
     The mods see q_idx = 0 .. Lq-1 and kv_idx = 0 .. Lk-1, as FlexAttention calls them. Numbers the
@@ -544,7 +681,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None):
         out = torch.zeros(B, Hq, Lq, D, dtype=q.dtype, device=q.device)
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
-    return _attention(q, k, v, scale, return_lse, bounds)
+    return _attention(q, k, v, scale, return_lse, bounds, invariant)
 
 
 def _segments(cu_seqlens, Lq, Lk):
@@ -608,7 +745,7 @@ def _stack_segment_lists(batch: int, heads: int, bounds: tuple, device) -> tuple
     return (*[t.contiguous() for t in stacked], info.contiguous())
 
 
-def _attention(q, k, v, scale, return_lse, bounds):
+def _attention(q, k, v, scale, return_lse, bounds, invariant=False):
     """One launch: over the whole sequence, or (bounds) over packed segments, each tiled from its start."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
@@ -636,12 +773,15 @@ def _attention(q, k, v, scale, return_lse, bounds):
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     args = (q, k, v, out, lse, partial_num, partial_idx, full_num, full_idx,
             *q.stride(), *k.stride(), *v.stride(), s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale,
-            _bucket(longest), _bucket(Lk if bounds is None else longest), segments, *[tables[n] for n in ALL_POINTERS])
-    kwargs = dict(SEGMENTED=bounds is not None, D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, IEEE=q.dtype == torch.float32,
+            _bucket(longest), _bucket(Lk if bounds is None else longest), segments, SPLIT_KEYS,
+            *[tables[n] for n in ALL_POINTERS])
+    kwargs = dict(SEGMENTED=bounds is not None, INVARIANT=bool(invariant), D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, IEEE=q.dtype == torch.float32,
                   RETURN_LSE=return_lse, INTERPRET=interpret, WIDEN=interpret and q.dtype == torch.bfloat16,
                   EVEN_M=bounds is None and Lq % TABLE_M == 0, EVEN_N=bounds is None and Lk % TABLE_N == 0,
                   EVEN_D=D == D_PAD, TABLE_M=TABLE_M, TABLE_N=TABLE_N)
-    if bounds is None:
+    if invariant:
+        _launch_invariant(_attention_kernel.fn, grid, args, kwargs, (D_PAD, q.dtype, str(q.device)))
+    elif bounds is None:
         _attention_kernel[grid](*args, **kwargs)
     else:
         _launch_segmented(grid, args, kwargs, (D_PAD, q.dtype, str(q.device)))

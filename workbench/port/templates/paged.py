@@ -16,10 +16,10 @@ HAS_BOUNDS = @@HAS_BOUNDS@@  # mask_mod_bounds exists: tiles the mask decides ar
 HAS_LENGTH_RULES_IN_PAGES = any(a + b != 0 for a, b, c, d in LENGTH_RULES.values())
 PAGED_BLOCK_M = 16  # query rows per program: (token, head) pairs of one kv head's group (GQA packing)
 PAGED_BLOCK_N = 16 if _INTERPRET else 64  # keys per tile (each key is read through the block table)
-# Split-KV: a request's keys are cut at fixed positions, every SPLIT_KEYS keys, and each piece is a
-# program of its own, so one long request fills the GPU; a second kernel folds the pieces. The
-# number of pieces comes from the shapes alone (the block table's capacity), never from contents.
-SPLIT_KEYS = 4096 if not _INTERPRET else 64
+# Split-KV: a request's keys are cut at fixed positions, every SPLIT_KEYS keys (forward.py's), and
+# each piece is a program of its own, so one long request fills the GPU; a second kernel folds the
+# pieces. The number of pieces comes from the shapes alone (the block table's capacity), never from
+# contents.
 SPLIT_WHEN_PROGRAMS_BELOW = 512  # only calls with fewer (row block, kv head) programs than this split
 
 
@@ -46,7 +46,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
                   @@RANGE_PTR_PARAMS@@
                   D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr,
                   IEEE: tl.constexpr, WIDEN: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
-                  SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  SPLIT: tl.constexpr, INVARIANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # one program = `tokens` query tokens of one request times the `group` query heads that share
     # kv head kv_h (grouped-query attention: row r is token r // group, head kv_h * group + r % group,
     # so each K/V tile is read once for the whole group), over one piece of the request's keys
@@ -97,7 +97,10 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     q_lo = L - n_q + first
     q_hi = L - n_q + tl.minimum(first + tokens, n_q) - 1
-    # 3. the request's keys (of this piece) in tiles of BLOCK_N, each read through the block table
+    # 3. the request's keys in tiles of BLOCK_N, in ascending order, each read through the block
+    # table. SPLIT: this program's piece of split_keys keys (folded by _paged_fold); else all of
+    # them, and in invariant mode each piece is folded into the total as the next begins, with the
+    # same _fold_piece as _paged_fold and the contiguous kernel (so splitting never changes a bit)
     if SPLIT:
         start = split * split_keys
         stop = tl.minimum(L, start + split_keys)
@@ -105,7 +108,19 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
         start = L * 0
         stop = L
     stop = tl.where(inside, stop, start)
+    t_acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    t_l = tl.zeros([BLOCK_M], tl.float32)
+    t_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    piece = start // split_keys
     while start < stop:
+        if INVARIANT and not SPLIT:
+            here = start // split_keys
+            if here != piece:
+                t_acc, t_l, t_m = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
+                acc = tl.zeros_like(acc)
+                l_i = tl.zeros_like(l_i)
+                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                piece = here
         kv_lo = start
         kv_hi = tl.minimum(start + BLOCK_N, L) - 1
         visit = start == start  # (True)
@@ -135,12 +150,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
                         mask=d_ok[:, None], other=0.0)
             v = tl.load(V_cache + page[:, None] * s_vp + slot[:, None] * s_vs + kv_h * s_vh + offs_d[None, :] * s_vd,
                         mask=d_ok[None, :], other=0.0)
-            if WIDEN:  # Triton's CPU interpreter multiplies bf16 dot operands wrongly: widen (exact)
-                qk = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-            elif IEEE:
-                qk = tl.dot(q, k, input_precision="ieee")
-            else:
-                qk = tl.dot(q, k)
+            qk = _qk_dot(q, k, IEEE=IEEE, WIDEN=WIDEN)  # (forward.py's)
             q_idx = q_pos[:, None]
             kv_idx = keys_in[None, :]
             h_idx = h[:, None]
@@ -155,6 +165,8 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
             s = tl.where(keep, s, float("-inf"))
             acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, IEEE=IEEE, WIDEN=WIDEN)  # (forward.py's)
         start += BLOCK_N
+    if INVARIANT and not SPLIT:
+        acc, l_i, m_i = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
     out_rows = q_row
     acc = tl.where(inside, acc, float("nan"))
     if SPLIT:  # this piece's (acc, m, l), folded by _paged_fold
@@ -194,28 +206,23 @@ def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, t
     d_ok = offs_d < D
     m = tl.full([1], float("-inf"), tl.float32)
     l_sum = tl.zeros([1], tl.float32)
-    acc = tl.zeros([D_PAD], tl.float32)
+    acc = tl.zeros([1, D_PAD], tl.float32)
+    one = tl.zeros([1], tl.int32)
     s = pieces * 0
     while s < pieces:
         at = (s * total_q + t) * Hq + h
-        m_s = tl.load(Part_ml + at * 2 + tl.zeros([1], tl.int32))
-        l_s = tl.load(Part_ml + at * 2 + 1 + tl.zeros([1], tl.int32))
-        a_s = tl.load(Part_acc + at * D + offs_d, mask=d_ok, other=0.0)
-        m_new = tl.maximum(m, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        scale_old = tl.math.exp2(m - m_safe)
-        scale_new = tl.math.exp2(m_s - m_safe)
-        l_sum = l_sum * scale_old + l_s * scale_new
-        acc = acc * scale_old + a_s * scale_new
-        m = m_new
+        m_s = tl.load(Part_ml + at * 2 + one)
+        l_s = tl.load(Part_ml + at * 2 + 1 + one)
+        a_s = tl.load(Part_acc + at * D + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        acc, l_sum, m = _fold_piece(acc, l_sum, m, a_s, l_s, m_s)  # (forward.py's)
         s += 1
     l_safe = tl.where(l_sum == 0.0, 1.0, l_sum)
-    out = acc / l_safe
-    tl.store(Out + (t.to(tl.int64) * Hq + h) * D + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
+    out = acc / l_safe[:, None]
+    tl.store(Out + (t.to(tl.int64) * Hq + h) * D + offs_d[None, :], out.to(Out.dtype.element_ty), mask=d_ok[None, :])
     if RETURN_LSE:
         lse = tl.where(l_sum == 0.0, float("-inf"), (m + tl.math.log2(l_safe)) * 0.6931471805599453)
-        lse = tl.where(tl.sum(acc, 0) == tl.sum(acc, 0), lse, float("nan"))  # NaN rows (see _paged_kernel)
-        tl.store(Lse + t.to(tl.int64) * Hq + h + tl.zeros([1], tl.int32), lse)
+        lse = tl.where(tl.sum(acc, 1) == tl.sum(acc, 1), lse, float("nan"))  # NaN rows (see _paged_kernel)
+        tl.store(Lse + t.to(tl.int64) * Hq + h + one, lse)
 
 
 def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens):
@@ -300,7 +307,7 @@ def check_paged_contents(q, block_table, cu_seqlens_q, seq_lens, k_cache) -> Non
 
 
 def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, scale=None, return_lse=False,
-                    tables=None, check=False):
+                    invariant=False, tables=None, check=False):
     """One engine step through this file's mask and score, over a paged KV cache (vLLM's layouts).
 
     q:             [total_q, Hq, D]   the step's query tokens, request after request
@@ -309,6 +316,13 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
                    request's pages are never read
     cu_seqlens_q:  [num_seqs + 1] int32   where each request's queries start in q
     seq_lens:      [num_seqs] int32   each request's whole length (context + this step's queries)
+    invariant:     a request's rows do not depend on anything but the request (the step's other
+                   requests, their order, page size and placement, how its prompt was chunked) and
+                   equal attention(q, k, v, invariant=True) over the request's own keys, bit for
+                   bit: invariant mode's fixed tiling, ascending key tiles, pieces of SPLIT_KEYS
+                   keys folded in order (see INVARIANT_TILE). Default: the fast tiling (a GQA
+                   group's heads packed into 16-row programs), close to but not bitwise equal to
+                   attention()
     tables:        {name: tensor} replacing the file's captured tensors for this call (same shapes)
     check:         also run check_paged_contents (a device sync; for tests, not for graphs)
     Returns out [total_q, Hq, D] in q's dtype (and lse [total_q, Hq] float32 with return_lse).
@@ -346,7 +360,15 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
         return (out, lse) if return_lse else out
     # a program's rows are (token, head) pairs of one kv head's group: `tokens` tokens x `group` heads
     group = Hq // Hkv
-    block_m = max(PAGED_BLOCK_M, triton.next_power_of_2(group))
+    if invariant:
+        block_m, block_n, warps = INVARIANT_TILE
+        if group > block_m:
+            raise ValueError(f"invariant mode packs at most {block_m} query heads per kv head into its {block_m}-row "
+                             f"tiles; Hq / Hkv = {group}: call with invariant=False")
+        if SPLIT_KEYS % TABLE_N or SPLIT_KEYS % block_n:
+            raise ValueError(f"SPLIT_KEYS = {SPLIT_KEYS} must be a multiple of {TABLE_N} keys for invariant mode")
+    else:
+        block_m, block_n, warps = max(PAGED_BLOCK_M, triton.next_power_of_2(group)), PAGED_BLOCK_N, 4
     tokens = block_m // group
     # the row blocks of each request, prefix-summed on the device (a fixed-size tensor)
     n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32)
@@ -372,8 +394,8 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
         k_cache.shape[0], block_table.shape[1] * page_size, *pointers, *ranges,
         D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=HAS_BOUNDS and HAS_MASK,
         IEEE=q.dtype == torch.float32, WIDEN=_INTERPRET and q.dtype == torch.bfloat16,
-        RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, BLOCK_M=block_m,
-        BLOCK_N=PAGED_BLOCK_N, num_warps=4)
+        RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, INVARIANT=bool(invariant), BLOCK_M=block_m,
+        BLOCK_N=block_n, num_warps=warps)
     if split:
         _paged_fold[(total_q, Hq)](out, lse, part_acc, part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D,
                                    splits, SPLIT_KEYS, D_PAD=D_PAD, RETURN_LSE=return_lse, num_warps=1)

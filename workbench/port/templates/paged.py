@@ -20,6 +20,8 @@ PAGED_BLOCK_N = 16 if _INTERPRET else 64  # keys per tile (each key is read thro
 # each piece is a program of its own, so one long request fills the GPU; a second kernel folds the
 # pieces. The number of pieces comes from the shapes alone (the block table's capacity), never from
 # contents.
+PAGED_PIPELINE = True  # the key loop as a `for` loop with predicated loads (pipelined); False: `while`
+PAGED_STAGES = 3  # software pipeline depth of that loop
 SPLIT_WHEN_PROGRAMS_BELOW = 512  # only calls with fewer (row block, kv head) programs than this split
 
 
@@ -39,6 +41,92 @@ def _table_ranges(tables: list) -> list:
 
 
 @triton.jit
+def _tile_bounds(req, kv_h, group, q_lo, q_hi, kv_lo, kv_hi, @@MASK_PTR_PARAMS@@ @@RANGE_PTR_PARAMS@@
+                 HEADS_DIFFER: tl.constexpr):
+    # what the mask gives over rows q_lo..q_hi x keys kv_lo..kv_hi, for every query head of kv
+    # head kv_h's group (one call when the mask does not read h): (all kept, any kept)
+    all_kept, any_kept = mask_mod_bounds(req, kv_h * group, q_lo, q_hi, kv_lo, kv_hi@@MASK_PTR_ARGS@@@@RANGE_PTR_ARGS@@)
+    if HEADS_DIFFER:
+        g = kv_h * 0 + 1
+        while g < group:
+            all_g, any_g = mask_mod_bounds(req, kv_h * group + g, q_lo, q_hi, kv_lo, kv_hi@@MASK_PTR_ARGS@@@@RANGE_PTR_ARGS@@)
+            all_kept = all_kept & all_g
+            any_kept = any_kept | any_g
+            g += 1
+    return all_kept != 0, any_kept != 0
+
+
+@triton.jit
+def _paged_tile(acc, l_i, m_i, inside, start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, page_size, num_pages,
+                block_table, s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok,
+                sm_scale, qk_scale, @@ALL_PTR_PARAMS@@ @@RANGE_PTR_PARAMS@@
+                HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr, HEADS_DIFFER: tl.constexpr,
+                IEEE: tl.constexpr, WIDEN: tl.constexpr, SKIP: tl.constexpr, BLOCK_N: tl.constexpr):
+    # one tile of BLOCK_N keys from `start`, each read through the block table, into the online
+    # softmax. A tile the mask's bounds say keeps nothing is skipped (SKIP: a branch around it;
+    # else its loads are predicated off and its scores are -inf, which leaves (acc, l, m) as they
+    # are, bit for bit, and keeps the loads outside any branch so Triton can pipeline them); one
+    # they say keeps everything runs without the mask.
+    visit = start >= 0
+    masked = HAS_MASK
+    if BOUNDS:
+        all_kept, any_kept = _tile_bounds(req, kv_h, group, q_lo, q_hi, start, tl.minimum(start + BLOCK_N, L) - 1,
+                                          @@MASK_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HEADS_DIFFER=HEADS_DIFFER)
+        visit = any_kept
+        masked = all_kept.to(tl.int32) == 0
+    if SKIP:
+        if visit:
+            acc, l_i, m_i, inside = _paged_tile_body(
+                acc, l_i, m_i, inside, visit, masked, start, q, req, q_pos, h, L, page_size, num_pages, block_table,
+                s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d, d_ok, sm_scale,
+                qk_scale, @@ALL_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, IEEE=IEEE, WIDEN=WIDEN,
+                BLOCK_N=BLOCK_N)
+    else:
+        acc, l_i, m_i, inside = _paged_tile_body(
+            acc, l_i, m_i, inside, visit, masked, start, q, req, q_pos, h, L, page_size, num_pages, block_table,
+            s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d, d_ok, sm_scale,
+            qk_scale, @@ALL_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, IEEE=IEEE, WIDEN=WIDEN,
+            BLOCK_N=BLOCK_N)
+    return acc, l_i, m_i, inside
+
+
+@triton.jit
+def _paged_tile_body(acc, l_i, m_i, inside, visit, masked, start, q, req, q_pos, h, L, page_size, num_pages,
+                     block_table, s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d,
+                     d_ok, sm_scale, qk_scale, @@ALL_PTR_PARAMS@@
+                     HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < L
+    keys_in = tl.minimum(keys, L - 1)  # keys past the end read the last one again, then are dropped
+    load_ok = key_ok & visit
+    page = tl.load(block_table + req.to(tl.int64) * s_bt + keys_in // page_size, mask=load_ok, other=0).to(tl.int64)
+    page_ok = (page >= 0) & (page < num_pages)
+    inside = inside & (tl.min(page_ok.to(tl.int32), 0) == 1)
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+    slot = keys_in % page_size
+    k = tl.load(K_cache + page[None, :] * s_kp + slot[None, :] * s_ks + kv_h * s_kh + offs_d[:, None] * s_kd,
+                mask=d_ok[:, None] & load_ok[None, :], other=0.0)
+    v = tl.load(V_cache + page[:, None] * s_vp + slot[:, None] * s_vs + kv_h * s_vh + offs_d[None, :] * s_vd,
+                mask=d_ok[None, :] & load_ok[:, None], other=0.0)
+    qk = _qk_dot(q, k, IEEE=IEEE, WIDEN=WIDEN)  # (forward.py's)
+    q_idx = q_pos[:, None]
+    kv_idx = keys_in[None, :]
+    h_idx = h[:, None]
+    if HAS_SCORE:
+        s = score_mod_triton(qk * sm_scale, req, h_idx, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
+    else:
+        s = qk * qk_scale
+    keep = load_ok[None, :] & (q_idx >= 0)
+    if HAS_MASK:
+        if masked:
+            keep = keep & (mask_mod_triton(req, h_idx, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0)
+    s = tl.where(keep, s, float("-inf"))
+    acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, IEEE=IEEE, WIDEN=WIDEN)  # (forward.py's)
+    return acc, l_i, m_i, inside
+
+
+@triton.jit
 def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table, cu_seqlens_q, seq_lens,
                   block_starts, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, s_bt,
                   page_size, num_seqs, Hq, group, tokens, D, sm_scale, total_q, split_keys, valid_q_len, valid_kv_len,
@@ -46,7 +134,8 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
                   @@RANGE_PTR_PARAMS@@
                   D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr,
                   IEEE: tl.constexpr, WIDEN: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
-                  SPLIT: tl.constexpr, INVARIANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  SPLIT: tl.constexpr, INVARIANT: tl.constexpr, PIPELINE: tl.constexpr, HEADS_DIFFER: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # one program = `tokens` query tokens of one request times the `group` query heads that share
     # kv head kv_h (grouped-query attention: row r is token r // group, head kv_h * group + r % group,
     # so each K/V tile is read once for the whole group), over one piece of the request's keys
@@ -112,59 +201,51 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
     t_l = tl.zeros([BLOCK_M], tl.float32)
     t_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     piece = start // split_keys
-    while start < stop:
-        if INVARIANT and not SPLIT:
-            here = start // split_keys
-            if here != piece:
-                t_acc, t_l, t_m = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
-                acc = tl.zeros_like(acc)
-                l_i = tl.zeros_like(l_i)
-                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                piece = here
-        kv_lo = start
-        kv_hi = tl.minimum(start + BLOCK_N, L) - 1
-        visit = start == start  # (True)
-        masked = HAS_MASK
-        if BOUNDS:
-            # what the mask gives over the whole tile, for every head of the group: none kept ->
-            # skip it; all kept -> no mask
-            all_kept, any_kept = mask_mod_bounds(req, kv_h * group, q_lo, q_hi, kv_lo, kv_hi@@MASK_PTR_ARGS@@@@RANGE_PTR_ARGS@@)
-            g = kv_h * 0 + 1
-            while g < group:
-                all_g, any_g = mask_mod_bounds(req, kv_h * group + g, q_lo, q_hi, kv_lo, kv_hi@@MASK_PTR_ARGS@@@@RANGE_PTR_ARGS@@)
-                all_kept = all_kept & all_g
-                any_kept = any_kept | any_g
-                g += 1
-            visit = any_kept != 0
-            masked = all_kept == 0
-        if visit:
-            keys = start + tl.arange(0, BLOCK_N)
-            key_ok = keys < L
-            keys_in = tl.minimum(keys, L - 1)
-            page = tl.load(block_table + req.to(tl.int64) * s_bt + keys_in // page_size).to(tl.int64)
-            page_ok = (page >= 0) & (page < num_pages)
-            inside = inside & (tl.min(page_ok.to(tl.int32), 0) == 1)
-            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-            slot = keys_in % page_size
-            k = tl.load(K_cache + page[None, :] * s_kp + slot[None, :] * s_ks + kv_h * s_kh + offs_d[:, None] * s_kd,
-                        mask=d_ok[:, None], other=0.0)
-            v = tl.load(V_cache + page[:, None] * s_vp + slot[:, None] * s_vs + kv_h * s_vh + offs_d[None, :] * s_vd,
-                        mask=d_ok[None, :], other=0.0)
-            qk = _qk_dot(q, k, IEEE=IEEE, WIDEN=WIDEN)  # (forward.py's)
-            q_idx = q_pos[:, None]
-            kv_idx = keys_in[None, :]
-            h_idx = h[:, None]
-            if HAS_SCORE:
-                s = score_mod_triton(qk * sm_scale, req, h_idx, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
-            else:
-                s = qk * qk_scale
-            keep = key_ok[None, :] & (q_idx >= 0)
-            if HAS_MASK:
-                if masked:
-                    keep = keep & (mask_mod_triton(req, h_idx, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0)
-            s = tl.where(keep, s, float("-inf"))
-            acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, IEEE=IEEE, WIDEN=WIDEN)  # (forward.py's)
-        start += BLOCK_N
+    if BOUNDS:
+        # narrow [start, stop) to the tiles the mask's bounds may keep (a window's, a causal row's),
+        # a scalar pass over the tiles without loads; the tiles between may still be skipped below
+        first = stop
+        last = start
+        t = start
+        while t < stop:
+            any_t = _tile_bounds(req, kv_h, group, q_lo, q_hi, t, tl.minimum(t + BLOCK_N, L) - 1,
+                                 @@MASK_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HEADS_DIFFER=HEADS_DIFFER)[1]
+            first = tl.where(any_t & (t < first), t, first)
+            last = tl.where(any_t, t + BLOCK_N, last)
+            t += BLOCK_N
+        start = first
+        stop = tl.maximum(last, first)
+    if PIPELINE:  # a `for` loop (Triton pipelines its loads); the interpreter runs the `while` below
+        for kv_start in range(start, stop, BLOCK_N):
+            if INVARIANT and not SPLIT:
+                here = kv_start // split_keys
+                if here != piece:
+                    t_acc, t_l, t_m = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
+                    acc = tl.zeros_like(acc)
+                    l_i = tl.zeros_like(l_i)
+                    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                    piece = here
+            acc, l_i, m_i, inside = _paged_tile(
+                acc, l_i, m_i, inside, kv_start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, page_size, num_pages,
+                block_table, s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok,
+                sm_scale, qk_scale, @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK,
+                BOUNDS=BOUNDS, HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=False, BLOCK_N=BLOCK_N)
+    else:
+        while start < stop:
+            if INVARIANT and not SPLIT:
+                here = start // split_keys
+                if here != piece:
+                    t_acc, t_l, t_m = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
+                    acc = tl.zeros_like(acc)
+                    l_i = tl.zeros_like(l_i)
+                    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                    piece = here
+            acc, l_i, m_i, inside = _paged_tile(
+                acc, l_i, m_i, inside, start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, page_size, num_pages,
+                block_table, s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok,
+                sm_scale, qk_scale, @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK,
+                BOUNDS=BOUNDS, HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=True, BLOCK_N=BLOCK_N)
+            start += BLOCK_N
     if INVARIANT and not SPLIT:
         acc, l_i, m_i = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
     out_rows = q_row
@@ -188,7 +269,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
 
 @triton.jit
 def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D, num_splits, split_keys,
-                D_PAD: tl.constexpr, RETURN_LSE: tl.constexpr):
+                D_PAD: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr):
     # one program = one (query token, head): the pieces of its keys folded in order, from the
     # first, with the online softmax's rescaling (base 2): m = max m_s, l = sum l_s 2^(m_s - m),
     # out = sum acc_s 2^(m_s - m) / l. Pieces past the request's keys were never written: skipped.
@@ -208,14 +289,22 @@ def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, t
     l_sum = tl.zeros([1], tl.float32)
     acc = tl.zeros([1, D_PAD], tl.float32)
     one = tl.zeros([1], tl.int32)
-    s = pieces * 0
-    while s < pieces:
-        at = (s * total_q + t) * Hq + h
-        m_s = tl.load(Part_ml + at * 2 + one)
-        l_s = tl.load(Part_ml + at * 2 + 1 + one)
-        a_s = tl.load(Part_acc + at * D + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-        acc, l_sum, m = _fold_piece(acc, l_sum, m, a_s, l_s, m_s)  # (forward.py's)
-        s += 1
+    if INTERPRET:
+        s = pieces * 0
+        while s < pieces:
+            at = (s * total_q + t) * Hq + h
+            m_s = tl.load(Part_ml + at * 2 + one)
+            l_s = tl.load(Part_ml + at * 2 + 1 + one)
+            a_s = tl.load(Part_acc + at * D + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+            acc, l_sum, m = _fold_piece(acc, l_sum, m, a_s, l_s, m_s)  # (forward.py's)
+            s += 1
+    else:  # the same steps in a `for` loop, whose loads Triton issues ahead of the folds
+        for s in range(0, pieces):
+            at = (s * total_q + t) * Hq + h
+            m_s = tl.load(Part_ml + at * 2 + one)
+            l_s = tl.load(Part_ml + at * 2 + 1 + one)
+            a_s = tl.load(Part_acc + at * D + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+            acc, l_sum, m = _fold_piece(acc, l_sum, m, a_s, l_s, m_s)
     l_safe = tl.where(l_sum == 0.0, 1.0, l_sum)
     out = acc / l_safe[:, None]
     tl.store(Out + (t.to(tl.int64) * Hq + h) * D + offs_d[None, :], out.to(Out.dtype.element_ty), mask=d_ok[None, :])
@@ -394,9 +483,11 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
         k_cache.shape[0], block_table.shape[1] * page_size, *pointers, *ranges,
         D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=HAS_BOUNDS and HAS_MASK,
         IEEE=q.dtype == torch.float32, WIDEN=_INTERPRET and q.dtype == torch.bfloat16,
-        RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, INVARIANT=bool(invariant), BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=warps)
+        RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, INVARIANT=bool(invariant),
+        PIPELINE=PAGED_PIPELINE and not _INTERPRET, HEADS_DIFFER=MASK_READS_HEAD and group > 1, BLOCK_M=block_m,
+        BLOCK_N=block_n, num_warps=warps, **({} if _INTERPRET else {"num_stages": PAGED_STAGES}))
     if split:
         _paged_fold[(total_q, Hq)](out, lse, part_acc, part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D,
-                                   splits, SPLIT_KEYS, D_PAD=D_PAD, RETURN_LSE=return_lse, num_warps=1)
+                                   splits, SPLIT_KEYS, D_PAD=D_PAD, RETURN_LSE=return_lse, INTERPRET=_INTERPRET,
+                                   num_warps=1, **({} if _INTERPRET else {"num_stages": 3}))
     return (out, lse) if return_lse else out

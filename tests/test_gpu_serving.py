@@ -1,0 +1,49 @@
+"""Invariant mode on the GPU: one request through every serving layout of `workbench.serving`
+(alone, in a step, order, shuffled pages, page 128, split / unsplit, chunked prefill, decode)
+is bitwise attention(q, k, v, invariant=True), at a length past one split-KV piece, and that
+contiguous call equals the float64 reference. Run with `pytest -m gpu`."""
+
+import pytest
+import torch
+
+from workbench import Mask, make, port, serving, with_score
+from workbench.run import Inputs, Shape
+from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention
+
+pytestmark = pytest.mark.gpu
+W = torch.tensor([64 + 61 * i for i in range(32)])  # a user's per-head windows (32 heads)
+
+
+def head_window(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < W[h])
+
+
+TARGETS = {
+    "causal": lambda: make("causal"),
+    "window_1000": lambda: make("causal_sliding_window", {"window": 1000}),
+    "users_head_window": lambda: Mask("users_head_window", mask_mod=head_window),
+    "causal+alibi": lambda: with_score(make("causal"), make("alibi", {"num_heads": 32})),
+    "prefix_lm": lambda: make("prefix_lm"),
+}
+CASES = [("causal", "bfloat16"), ("causal", "float32"), ("window_1000", "bfloat16"),
+         ("users_head_window", "bfloat16"), ("causal+alibi", "float16"), ("prefix_lm", "bfloat16")]
+
+
+@pytest.mark.parametrize("name, dtype", CASES, ids=[f"{n}-{d}" for n, d in CASES])
+def test_invariant_mode_is_bitwise_in_every_serving_layout(cuda, tmp_path, name, dtype):
+    L = 4096 + 700  # two split-KV pieces of 4,096 keys
+    result = serving.check(TARGETS[name](), q_len=L, heads=32, kv_heads=8, head_dim=128, dtype=dtype, device="cuda",
+                           out_dir=tmp_path)
+    print(result.line)
+    frame = result.to_frame()
+    assert result.passed, frame[["bitwise", "same_attention", "max_abs_diff", "why"]].to_string()
+    assert len(result.modes["invariant"]) >= 10
+    # the contiguous invariant call is right, not only consistent: the float64 reference
+    module = port.load(result.port_file)
+    q, k, v = serving._inputs(L, 32, 8, 128, dtype, "cuda", 0)
+    with torch.no_grad():
+        out, lse = module.attention(q, k, v, invariant=True, return_lse=True)
+    shape = Shape(batch=1, q_heads=32, kv_heads=8, q_len=L, kv_len=L, head_dim=128)
+    ref = reference_attention(TARGETS[name](), Inputs(q=q, k=k, v=v, shape=shape, dtype=dtype, seed=0), progress=False)
+    checks = [compare("out", out, ref.out, TOLERANCES[dtype]), compare("lse", lse, ref.lse, LSE_TOLERANCE[dtype])]
+    assert all(c.passed for c in checks), [(c.name, c.max_abs_err, c.bad_count, c.nan_count) for c in checks]

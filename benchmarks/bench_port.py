@@ -3,6 +3,7 @@ forward, side by side in one process on one GPU.
 
     python benchmarks/bench_port.py [--lengths 8192 32768] [--heads 16] [--head-dim 128] [--batch 1]
         [--masks NAME ...] [--decode] [--json FILE]
+    python benchmarks/bench_port.py --serving
 
 For each mask and length: the port is generated (`workbench.port`), its block lists built and
 its autotuning done; FlexAttention is compiled with this workbench's block mask (equal to
@@ -12,6 +13,12 @@ the kept pairs only (4 * B * H * D flops per pair). `speed` = Flex time / port t
 is faster). --decode adds Lq = 1 against each length. --segments times the port on document masks
 (8, 32 and 64 documents, uneven lengths) with its default tiling and with cu_seqlens (tiles from each
 document's start: packing-invariant), and checks that both give the same attention.
+--serving times attention_paged (bf16, 32 query / 8 kv heads, D 128, page size 16): a mixed engine
+step (prefill chunks of 2,048 and 512 queries and 30 decodes over 4K-32K contexts) in one launch,
+fast and invariant mode, against the same work through the contiguous port (one call per request,
+the calls' times summed) and compiled FlexAttention over the same paged layout (a block mask built
+from the block table, as vLLM's Flex backend does); and paged prefill of one request at 8K and 32K
+against the contiguous port. Decode alone: benchmarks/bench_paged.py.
 """
 
 from __future__ import annotations
@@ -98,7 +105,10 @@ def main(argv=None) -> int:
     p.add_argument("--decode", action="store_true", help="also Lq = 1 against each length")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--segments", action="store_true", help="only the cu_seqlens cost on document masks")
+    p.add_argument("--serving", action="store_true", help="only attention_paged: a mixed step and paged prefill")
     args = p.parse_args(argv)
+    if args.serving:
+        return serving_bench(args)
     if args.segments:
         return segments_cost(args)
     rows = []
@@ -203,3 +213,111 @@ def _chosen(module, packed: bool = False) -> str:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _paged_layout(requests, page: int, hkv: int, d: int, device="cuda"):
+    """Each request's keys in consecutive pages (requests one after another), and the step's
+    arguments: (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens) plus per request its
+    contiguous (q [1, Hq, n_q, D], k, v [1, Hkv, L, D])."""
+    g = torch.Generator(device=device).manual_seed(0)
+    pages_of = [-(-length // page) for _, length in requests]
+    total_pages = sum(pages_of)
+    kc = torch.randn(total_pages, page, hkv, d, device=device, dtype=torch.bfloat16, generator=g)
+    vc = torch.randn_like(kc)
+    table = torch.zeros(len(requests), max(pages_of), dtype=torch.int32, device=device)
+    start, per_request = 0, []
+    hq = 32
+    qs = []
+    for r, ((n_q, length), n) in enumerate(zip(requests, pages_of)):
+        table[r, :n] = torch.arange(start, start + n, device=device, dtype=torch.int32)
+        k = kc[start:start + n].reshape(n * page, hkv, d)[:length].permute(1, 0, 2)[None].contiguous()
+        v = vc[start:start + n].reshape(n * page, hkv, d)[:length].permute(1, 0, 2)[None].contiguous()
+        q = torch.randn(n_q, hq, d, device=device, dtype=torch.bfloat16, generator=g)
+        qs.append(q)
+        per_request.append((q.permute(1, 0, 2)[None].contiguous(), k, v))
+        start += n
+    counts = torch.tensor([n for n, _ in requests])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32).to(device)
+    lens = torch.tensor([length for _, length in requests], dtype=torch.int32, device=device)
+    return (torch.cat(qs).contiguous(), kc, vc, table, cu, lens), per_request
+
+
+def _flex_over_pages(args, requests, page: int):
+    """Compiled FlexAttention over the step's paged layout: q [1, Hq, total_q, D] against every
+    cache slot [1, Hkv, pages * page, D]; the mask keeps a pair when the slot is the query's
+    request's, at a position it may see (causal within the request). Returns (call, build ms)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, kc, vc, table, cu, lens = args
+    device = q.device
+    num_pages = kc.shape[0]
+    page_req = torch.full((num_pages,), -1, dtype=torch.int64, device=device)
+    page_logical = torch.zeros(num_pages, dtype=torch.int64, device=device)
+    for r, (n_q, length) in enumerate(requests):
+        n = -(-length // page)
+        page_req[table[r, :n].long()] = r
+        page_logical[table[r, :n].long()] = torch.arange(n, device=device)
+    q_req = torch.repeat_interleave(torch.arange(len(requests), device=device), (cu[1:] - cu[:-1]).long())
+    q_pos = torch.cat([torch.arange(length - n_q, length, device=device) for n_q, length in requests])
+    lens64 = lens.long()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        r = q_req[q_idx]
+        pos = page_logical[kv_idx // page] * page + kv_idx % page
+        return (page_req[kv_idx // page] == r) & (pos <= q_pos[q_idx]) & (pos < lens64[r])
+
+    t0 = time.perf_counter()
+    block_mask = create_block_mask(mask_mod, 1, None, q.shape[0], num_pages * page, device=device, _compile=True)
+    torch.cuda.synchronize()
+    build_ms = (time.perf_counter() - t0) * 1e3
+    fx = torch.compile(flex_attention)
+    qf = q.permute(1, 0, 2)[None]
+    kf = kc.reshape(-1, kc.shape[2], kc.shape[3]).permute(1, 0, 2)[None]
+    vf = vc.reshape(-1, vc.shape[2], vc.shape[3]).permute(1, 0, 2)[None]
+    return (lambda: fx(qf, kf, vf, block_mask=block_mask, enable_gqa=True)), build_ms
+
+
+def serving_bench(args) -> int:
+    """The mixed step and paged prefill (see the module's docstring)."""
+    folder = Path(tempfile.mkdtemp(prefix="bench_serving_"))
+    module = port.load(port.build(make("causal"), 256, 256, out_dir=folder))
+    hkv, d, page = 8, 128, 16
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, 32 query / 8 kv heads, D {d}, "
+          f"page size {page}, causal; do_bench medians (ms)\n")
+    gen = torch.Generator().manual_seed(1)
+    decodes = [(1, int(x)) for x in torch.randint(4096, 32769, (30,), generator=gen)]
+    mixed = [(2048, 2048 + 6144), (512, 512)] + decodes
+    cases = [("mixed step: chunks of 2,048 (context 6,144) and 512 + 30 decodes over 4K-32K", mixed),
+             ("paged prefill, one request of 8,192", [(8192, 8192)]),
+             ("paged prefill, one request of 32,768", [(32768, 32768)])]
+    print("| case | paged fast ms | paged invariant ms | contiguous port, sum of calls ms | fast / contiguous | "
+          "Flex over the pages ms | fast / Flex | Flex block mask build ms | max abs diff fast vs contiguous |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, requests in cases:
+        step, per_request = _paged_layout(requests, page, hkv, d)
+        with torch.no_grad():
+            fast = module.attention_paged(*step)
+            module.attention_paged(*step, invariant=True)
+            fast_ms = timed(lambda: module.attention_paged(*step))
+            inv_ms = timed(lambda: module.attention_paged(*step, invariant=True))
+            contiguous_ms, diff = 0.0, 0.0
+            cu = step[4].tolist()
+            for r, (q, k, v) in enumerate(per_request):
+                out = module.attention(q, k, v)
+                diff = max(diff, float((out[0].permute(1, 0, 2).float() - fast[cu[r]:cu[r + 1]].float()).abs().max()))
+                contiguous_ms += timed(lambda: module.attention(q, k, v))
+        flex_ms, build_ms = float("nan"), float("nan")
+        try:
+            call, build_ms = _flex_over_pages(step, requests, page)
+            with torch.no_grad():
+                flex_out = call()[0].permute(1, 0, 2)
+                diff_flex = float((flex_out.float() - fast.float()).abs().max())
+                flex_ms = timed(call)
+            flex_note = f"{flex_ms:.3f} (agrees to {diff_flex:.1e})"
+        except Exception as exc:  # a failed column is a result
+            flex_note = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
+        print(f"| {label} | {fast_ms:.3f} | {inv_ms:.3f} | {contiguous_ms:.3f} | {fast_ms / contiguous_ms:.2f}x | "
+              f"{flex_note} | {fast_ms / flex_ms:.2f}x | {build_ms:.0f} | {diff:.1e} |", flush=True)
+        del step, per_request
+        torch.cuda.empty_cache()
+    return 0

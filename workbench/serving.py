@@ -41,7 +41,7 @@ from workbench.run import check_device_dtype
 __all__ = ["check", "ServingResult", "SERVING_KEYS", "MODES"]
 
 MODES = ("invariant", "fast")
-SERVING_KEYS = ("alone", "contiguous", "step", "order", "pages_shuffled", "page_128", "split", "unsplit",
+SERVING_KEYS = ("contiguous", "step", "order", "pages_shuffled", "page_128", "split", "unsplit",
                 "chunked_aligned", "chunked_unaligned", "decode")
 
 
@@ -181,15 +181,15 @@ def _layouts(module, later: torch.Tensor, q, k, v, mode: str, seed: int, reads_b
                                     not_same or (same if bitwise else differs), same_attention=not not_same))
 
     tiles = "invariant mode's fixed tiling, ascending key tiles and fixed-position pieces"
-    if invariant:
-        add("alone", "the request alone in a step (pages in order, page 16)", alone,
-            same="paged and contiguous run one tiling and fold the same pieces",
-            differs="the paged kernel's tiles or folds differ from the contiguous kernel's (unexpected)")
-    add("contiguous", "attention(q, k, v" + (", invariant=True)" if invariant else ") against the paged step"),
+    add("contiguous", "attention(q, k, v" + (", invariant=True) against the request alone in a step" if invariant
+                                              else ") against the request alone in a step"),
         contiguous if not invariant else alone,
-        same="the contiguous call computes the same bits" if not invariant else tiles,
-        differs=("fast mode's paged tiles (a GQA group packed into 16-row tiles) differ from attention()'s autotuned "
-                 "ones: expected; use invariant=True for the trainer's bits" if not invariant else "unexpected"))
+        same="the contiguous call computes the same bits" if not invariant else
+        "paged and contiguous kernels run one tiling, fold the same pieces, and are compiled without fused "
+        "multiply-adds", differs=("fast mode's paged tiles (a GQA group packed into 16-row tiles) differ from "
+                                  "attention()'s autotuned ones: expected; use invariant=True for the trainer's bits"
+                                  if not invariant else "the paged kernel's tiles or folds differ from the contiguous "
+                                  "kernel's (unexpected)"))
     add("step", f"in a step with {len(others)} other requests (prefill chunks and decodes), pages shuffled",
         paged([whole] + others), same=tiles if invariant else "the other requests only add programs",
         differs="the step's shape changed the request's tiles or its split of the keys")

@@ -405,6 +405,14 @@ def _launch_segmented(grid, args, kwargs, key):
 
 
 _invariant_stages_for: dict = {}
+# No fused multiply-adds in invariant kernels: the compiler contracts a * b + c into one rounding
+# where it sees fit, and it sees fit differently in the contiguous and the paged kernel (measured
+# on an H200: last-bit differences with it, bitwise equal without)
+INVARIANT_FP_FUSION = False
+
+
+def _fusion() -> dict:
+    return {} if _INTERPRET else {"enable_fp_fusion": INVARIANT_FP_FUSION}
 
 
 def _launch_invariant(kernel, grid, args, kwargs, key):
@@ -417,7 +425,7 @@ def _launch_invariant(kernel, grid, args, kwargs, key):
     candidates = [_invariant_stages_for[key]] if key in _invariant_stages_for else INVARIANT_STAGES
     for stages in candidates:
         try:
-            kernel[grid](*args, **kwargs, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=stages)
+            kernel[grid](*args, **kwargs, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=stages, **_fusion())
         except triton.runtime.errors.OutOfResources:
             continue
         _invariant_stages_for[key] = stages

@@ -14,8 +14,10 @@ HAS_BOUNDS = @@HAS_BOUNDS@@  # mask_mod_bounds exists: tiles the mask decides ar
 # a number that follows the sequence's length even when Lq = Lk (a prefix of Lk // 4) differs by
 # request in a paged step: such masks take their values per request (tables=) or attention()
 HAS_LENGTH_RULES_IN_PAGES = any(a + b != 0 for a, b, c, d in LENGTH_RULES.values())
-PAGED_BLOCK_M = 16  # query rows per program: (token, head) pairs of one kv head's group (GQA packing)
-PAGED_BLOCK_N = 16 if _INTERPRET else 64  # keys per tile (each key is read through the block table)
+# (queries per request at least, (BLOCK_M, BLOCK_N, num_warps)): a program's rows are (token, head)
+# pairs of one kv head's group (GQA packing); BLOCK_N keys per tile, each read through the table
+PAGED_TILES = ([(0, (16, 16, 4))] if _INTERPRET else
+               [(128, (128, 64, 8)), (32, (64, 64, 4)), (0, (16, 64, 4))])
 # Split-KV: a request's keys are cut at fixed positions, every SPLIT_KEYS keys (forward.py's), and
 # each piece is a program of its own, so one long request fills the GPU; a second kernel folds the
 # pieces. The number of pieces comes from the shapes alone (the block table's capacity), never from
@@ -126,7 +128,9 @@ def _paged_tile_body(acc, l_i, m_i, inside, visit, masked, start, q, req, q_pos,
     return acc, l_i, m_i, inside
 
 
-@triton.jit
+# the step's counts change every step: compiled once for any value (no specialization on 1 or on
+# multiples of 16), so an engine's steps do not compile new variants of the kernel
+@triton.jit(do_not_specialize=["num_seqs", "total_q", "valid_q_len", "valid_kv_len", "num_pages", "max_keys"])
 def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table, cu_seqlens_q, seq_lens,
                   block_starts, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, s_bt,
                   page_size, num_seqs, Hq, group, tokens, D, sm_scale, total_q, split_keys, valid_q_len, valid_kv_len,
@@ -267,7 +271,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
         tl.store(Lse + out_rows * Hq + h, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "total_q", "num_splits"])
 def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D, num_splits, split_keys,
                 D_PAD: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr):
     # one program = one (query token, head): the pieces of its keys folded in order, from the
@@ -457,7 +461,11 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
         if SPLIT_KEYS % TABLE_N or SPLIT_KEYS % block_n:
             raise ValueError(f"SPLIT_KEYS = {SPLIT_KEYS} must be a multiple of {TABLE_N} keys for invariant mode")
     else:
-        block_m, block_n, warps = max(PAGED_BLOCK_M, triton.next_power_of_2(group)), PAGED_BLOCK_N, 4
+        # rows per program by the step's shape (never its contents): 16 for decode-heavy steps,
+        # wider tiles when requests bring many queries on average (prefill chunks)
+        per_request = total_q // max(num_seqs, 1)
+        block_m, block_n, warps = next((tile for least, tile in PAGED_TILES if per_request >= least), PAGED_TILES[-1][1])
+        block_m = max(block_m, triton.next_power_of_2(group))
     tokens = block_m // group
     # the row blocks of each request, prefix-summed on the device (a fixed-size tensor)
     n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32)
@@ -485,9 +493,11 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
         IEEE=q.dtype == torch.float32, WIDEN=_INTERPRET and q.dtype == torch.bfloat16,
         RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, INVARIANT=bool(invariant),
         PIPELINE=PAGED_PIPELINE and not _INTERPRET, HEADS_DIFFER=MASK_READS_HEAD and group > 1, BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=warps, **({} if _INTERPRET else {"num_stages": PAGED_STAGES}))
+        BLOCK_N=block_n, num_warps=warps, **({} if _INTERPRET else {"num_stages": PAGED_STAGES}),
+        **(_fusion() if invariant else {}))
     if split:
         _paged_fold[(total_q, Hq)](out, lse, part_acc, part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D,
                                    splits, SPLIT_KEYS, D_PAD=D_PAD, RETURN_LSE=return_lse, INTERPRET=_INTERPRET,
-                                   num_warps=1, **({} if _INTERPRET else {"num_stages": 3}))
+                                   num_warps=1, **({} if _INTERPRET else {"num_stages": 3}),
+                                   **(_fusion() if invariant else {}))
     return (out, lse) if return_lse else out

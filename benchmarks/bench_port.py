@@ -211,9 +211,6 @@ def _chosen(module, packed: bool = False) -> str:
     return f"{config.kwargs.get('BLOCK_M')}x{config.kwargs.get('BLOCK_N')} w{config.num_warps} s{config.num_stages}"
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def _paged_layout(requests, page: int, hkv: int, d: int, device="cuda"):
     """Each request's keys in consecutive pages (requests one after another), and the step's
@@ -321,3 +318,7 @@ def serving_bench(args) -> int:
         del step, per_request
         torch.cuda.empty_cache()
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -258,12 +258,12 @@ def run_in_process(path: str | Path, later: torch.Tensor, *, q_len: int, heads: 
 
 def check(target: str | Mask, params: dict | None = None, *, q_len: int, heads: int = 8, kv_heads: int | None = None,
           head_dim: int = 128, dtype: str = "bfloat16", device: str | None = None, seed: int = 0,
-          out_dir: str | Path | None = None, timeout: float = 3600) -> ServingResult:
+          out_dir: str | Path | None = None, timeout: float = 3600, modes: tuple = MODES) -> ServingResult:
     """One request of q_len tokens through attention_paged's serving layouts, in both modes.
 
     target: a library name, "file.py:factory", a mod or a Mask; the port is generated for it at
     q_len (written to out_dir, or a temporary folder). q [1, heads, q_len, head_dim], k / v
-    [1, kv_heads, q_len, head_dim] in `dtype`, drawn from `seed`.
+    [1, kv_heads, q_len, head_dim] in `dtype`, drawn from `seed`. `modes`: which of MODES to run.
 
         >>> result = check("causal", q_len=80, heads=2, head_dim=16, dtype="float32", device="cpu")
         >>> result.passed, result.differs("invariant")
@@ -285,8 +285,11 @@ def check(target: str | Mask, params: dict | None = None, *, q_len: int, heads: 
     folder = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="workbench_serving_"))
     path = port.build(mask, q_len, q_len, heads=heads, batch=6, out_dir=folder)
     result = ServingResult(mask.name, dtype, str(device), q_len, heads, kv_heads, head_dim, str(path))
-    kwargs = dict(q_len=q_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, seed=seed)
-    later = _later_keys(mask, q_len, heads, device).cpu()
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        raise WorkbenchError(f"modes {list(modes)}", f"name some of {', '.join(MODES)}")
+    kwargs = dict(q_len=q_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, seed=seed,
+                  modes=tuple(modes)) = _later_keys(mask, q_len, heads, device).cpu()
     if port.in_process(device):
         modes, notes = run_in_process(path, later, device=device, **kwargs)
     else:  # Triton's interpreter must be on before triton is imported: a fresh process
@@ -315,6 +318,7 @@ def check(target: str | Mask, params: dict | None = None, *, q_len: int, heads: 
 def _main(argv: list[str]) -> int:
     job = json.loads(Path(argv[0]).read_text())
     later = torch.load(job.pop("later"))
+    job["modes"] = tuple(job["modes"])
     try:
         modes, notes = run_in_process(job.pop("path"), later, device=torch.device("cpu"), **job)
     except WorkbenchError as exc:

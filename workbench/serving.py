@@ -289,7 +289,8 @@ def check(target: str | Mask, params: dict | None = None, *, q_len: int, heads: 
     if unknown or not modes:
         raise WorkbenchError(f"modes {list(modes)}", f"name some of {', '.join(MODES)}")
     kwargs = dict(q_len=q_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, seed=seed,
-                  modes=tuple(modes)) = _later_keys(mask, q_len, heads, device).cpu()
+                  modes=tuple(modes))
+    later = _later_keys(mask, q_len, heads, device).cpu()
     if port.in_process(device):
         modes, notes = run_in_process(path, later, device=device, **kwargs)
     else:  # Triton's interpreter must be on before triton is imported: a fresh process

@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from workbench import Mask, make, port, serving, with_score
+from workbench.define import prepare
 from workbench.run import Inputs, Shape
 from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention
 
 pytestmark = pytest.mark.gpu
-W = torch.tensor([64 + 61 * i for i in range(32)])  # a user's per-head windows (32 heads)
+# a user's per-head windows (32 heads), made on the GPU as a user running there would
+W = torch.tensor([64 + 61 * i for i in range(32)], device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def head_window(b, h, q_idx, kv_idx):
@@ -47,6 +49,7 @@ def test_invariant_mode_is_bitwise_in_every_serving_layout(cuda, tmp_path, name,
     with torch.no_grad():
         out, lse = module.attention(q, k, v, invariant=True, return_lse=True)
     shape = Shape(batch=1, q_heads=32, kv_heads=8, q_len=L, kv_len=L, head_dim=128)
-    ref = reference_attention(TARGETS[name](), Inputs(q=q, k=k, v=v, shape=shape, dtype=dtype, seed=0), progress=False)
+    mask = prepare(TARGETS[name](), None, L, L, "cuda", heads=32)  # its captured tables on the GPU
+    ref = reference_attention(mask, Inputs(q=q, k=k, v=v, shape=shape, dtype=dtype, seed=0), progress=False)
     checks = [compare("out", out, ref.out, TOLERANCES[dtype]), compare("lse", lse, ref.lse, LSE_TOLERANCE[dtype])]
     assert all(c.passed for c in checks), [(c.name, c.max_abs_err, c.bad_count, c.nan_count) for c in checks]

@@ -59,7 +59,7 @@ def _tile_bounds(req, kv_h, group, q_lo, q_hi, kv_lo, kv_hi, @@MASK_PTR_PARAMS@@
 
 
 @triton.jit
-def _paged_tile(acc, l_i, m_i, inside, start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, page_size, num_pages,
+def _paged_tile(acc, l_i, m_i, page_bad, start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, page_size, num_pages,
                 block_table, s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok,
                 sm_scale, qk_scale, @@ALL_PTR_PARAMS@@ @@RANGE_PTR_PARAMS@@
                 HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr, HEADS_DIFFER: tl.constexpr,
@@ -70,7 +70,10 @@ def _paged_tile(acc, l_i, m_i, inside, start, q, req, kv_h, group, q_lo, q_hi, q
     # are, bit for bit, and keeps the loads outside any branch so Triton can pipeline them); one
     # they say keeps everything runs without the mask.
     visit = start >= 0
-    masked = HAS_MASK
+    if HAS_MASK:  # (a tensor either way)
+        masked = start >= 0
+    else:
+        masked = start < 0
     if BOUNDS:
         all_kept, any_kept = _tile_bounds(req, kv_h, group, q_lo, q_hi, start, tl.minimum(start + BLOCK_N, L) - 1,
                                           @@MASK_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HEADS_DIFFER=HEADS_DIFFER)
@@ -78,22 +81,22 @@ def _paged_tile(acc, l_i, m_i, inside, start, q, req, kv_h, group, q_lo, q_hi, q
         masked = all_kept.to(tl.int32) == 0
     if SKIP:
         if visit:
-            acc, l_i, m_i, inside = _paged_tile_body(
-                acc, l_i, m_i, inside, visit, masked, start, q, req, q_pos, h, L, page_size, num_pages, block_table,
+            acc, l_i, m_i, page_bad = _paged_tile_body(
+                acc, l_i, m_i, page_bad, visit, masked, start, q, req, q_pos, h, L, page_size, num_pages, block_table,
                 s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d, d_ok, sm_scale,
                 qk_scale, @@ALL_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, IEEE=IEEE, WIDEN=WIDEN,
                 BLOCK_N=BLOCK_N)
     else:
-        acc, l_i, m_i, inside = _paged_tile_body(
-            acc, l_i, m_i, inside, visit, masked, start, q, req, q_pos, h, L, page_size, num_pages, block_table,
+        acc, l_i, m_i, page_bad = _paged_tile_body(
+            acc, l_i, m_i, page_bad, visit, masked, start, q, req, q_pos, h, L, page_size, num_pages, block_table,
             s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d, d_ok, sm_scale,
             qk_scale, @@ALL_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, IEEE=IEEE, WIDEN=WIDEN,
             BLOCK_N=BLOCK_N)
-    return acc, l_i, m_i, inside
+    return acc, l_i, m_i, page_bad
 
 
 @triton.jit
-def _paged_tile_body(acc, l_i, m_i, inside, visit, masked, start, q, req, q_pos, h, L, page_size, num_pages,
+def _paged_tile_body(acc, l_i, m_i, page_bad, visit, masked, start, q, req, q_pos, h, L, page_size, num_pages,
                      block_table, s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d,
                      d_ok, sm_scale, qk_scale, @@ALL_PTR_PARAMS@@
                      HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
@@ -104,7 +107,7 @@ def _paged_tile_body(acc, l_i, m_i, inside, visit, masked, start, q, req, q_pos,
     load_ok = key_ok & visit
     page = tl.load(block_table + req.to(tl.int64) * s_bt + keys_in // page_size, mask=load_ok, other=0).to(tl.int64)
     page_ok = (page >= 0) & (page < num_pages)
-    inside = inside & (tl.min(page_ok.to(tl.int32), 0) == 1)
+    page_bad = page_bad | (load_ok & (page_ok == 0)).to(tl.int32)  # reduced once, after the loop
     page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
     slot = keys_in % page_size
     k = tl.load(K_cache + page[None, :] * s_kp + slot[None, :] * s_ks + kv_h * s_kh + offs_d[:, None] * s_kd,
@@ -119,13 +122,16 @@ def _paged_tile_body(acc, l_i, m_i, inside, visit, masked, start, q, req, q_pos,
         s = score_mod_triton(qk * sm_scale, req, h_idx, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
     else:
         s = qk * qk_scale
-    keep = load_ok[None, :] & (q_idx >= 0)
-    if HAS_MASK:
-        if masked:
-            keep = keep & (mask_mod_triton(req, h_idx, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0)
-    s = tl.where(keep, s, float("-inf"))
+    # only tiles that need it pay for the mask and the select: those the bounds leave partial, the
+    # request's last (keys past its end) and the skipped ones (SKIP off: every score -inf)
+    if masked | (start + BLOCK_N > L) | (visit == 0):
+        keep = load_ok[None, :] & (q_idx >= 0)
+        if HAS_MASK:
+            if masked:
+                keep = keep & (mask_mod_triton(req, h_idx, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0)
+        s = tl.where(keep, s, float("-inf"))
     acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, IEEE=IEEE, WIDEN=WIDEN)  # (forward.py's)
-    return acc, l_i, m_i, inside
+    return acc, l_i, m_i, page_bad
 
 
 # the step's counts change every step: compiled once for any value (no specialization on 1 or on
@@ -205,6 +211,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
     t_l = tl.zeros([BLOCK_M], tl.float32)
     t_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     piece = start // split_keys
+    page_bad = tl.zeros([BLOCK_N], tl.int32)  # keys whose page number is outside the cache
     if BOUNDS:
         # narrow [start, stop) to the tiles the mask's bounds may keep (a window's, a causal row's),
         # a scalar pass over the tiles without loads; the tiles between may still be skipped below
@@ -229,8 +236,8 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
                     l_i = tl.zeros_like(l_i)
                     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
                     piece = here
-            acc, l_i, m_i, inside = _paged_tile(
-                acc, l_i, m_i, inside, kv_start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, page_size, num_pages,
+            acc, l_i, m_i, page_bad = _paged_tile(
+                acc, l_i, m_i, page_bad, kv_start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, page_size, num_pages,
                 block_table, s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok,
                 sm_scale, qk_scale, @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK,
                 BOUNDS=BOUNDS, HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=False, BLOCK_N=BLOCK_N)
@@ -244,14 +251,15 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
                     l_i = tl.zeros_like(l_i)
                     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
                     piece = here
-            acc, l_i, m_i, inside = _paged_tile(
-                acc, l_i, m_i, inside, start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, page_size, num_pages,
+            acc, l_i, m_i, page_bad = _paged_tile(
+                acc, l_i, m_i, page_bad, start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, page_size, num_pages,
                 block_table, s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok,
                 sm_scale, qk_scale, @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK,
                 BOUNDS=BOUNDS, HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=True, BLOCK_N=BLOCK_N)
             start += BLOCK_N
     if INVARIANT and not SPLIT:
         acc, l_i, m_i = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
+    inside = inside & (tl.max(page_bad, 0) == 0)
     out_rows = q_row
     acc = tl.where(inside, acc, float("nan"))
     if SPLIT:  # this piece's (acc, m, l), folded by _paged_fold

@@ -49,3 +49,55 @@ def test_a_paged_step_replays_in_a_cuda_graph(cuda, tmp_path):
         torch.cuda.synchronize()
         plain = module.attention_paged(q, kc, vc, table, cu, lens)
     assert torch.equal(out, plain) and not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window_700", "users_head_window"])
+def test_prefill_heavy_steps_take_the_wide_tiles_and_match_the_reference(cuda, tmp_path, name):
+    """Steps whose requests bring many queries run fast mode's wide tiles (PAGED_TILES: 128 or
+    64 rows); each request of such a step equals its float64 reference, in bf16."""
+    import random
+
+    sys.path.insert(0, str(ROOT))
+    from run_port_paged import W, gather, head_window, request_view
+
+    from workbench import Mask, make, port
+    from workbench.run import Inputs, Shape
+    from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention
+
+    mask = {"causal": lambda: make("causal"),
+            "sliding_window_700": lambda: make("causal_sliding_window", {"window": 700}),
+            "users_head_window": lambda: Mask("users_head_window", mask_mod=head_window)}[name]()
+    heads, kv_heads, d = (4, 2, 128) if name == "users_head_window" else (32, 8, 128)
+    module = port.load(port.build(mask, 256, 256, heads=heads, batch=4, out_dir=tmp_path))
+    rng = random.Random(0)
+    for reqs in ([(700, 1200), (300, 300), (1, 2000)], [(64, 64), (40, 500), (33, 33)]):
+        page = 16
+        pages_of = [-(-length // page) for _, length in reqs]
+        physical = list(range(sum(pages_of) + 2))
+        rng.shuffle(physical)
+        table = torch.full((len(reqs), max(pages_of) + 1), 10**6, dtype=torch.int32)
+        it = iter(physical)
+        for r, n in enumerate(pages_of):
+            table[r, :n] = torch.tensor([next(it) for _ in range(n)], dtype=torch.int32)
+        g = torch.Generator().manual_seed(len(reqs))
+        q = torch.randn(sum(n for n, _ in reqs), heads, d, generator=g).bfloat16()
+        kc = torch.randn(len(physical), page, kv_heads, d, generator=g).bfloat16()
+        vc = torch.randn(len(physical), page, kv_heads, d, generator=g).bfloat16()
+        cu = torch.tensor([0] + list(torch.cumsum(torch.tensor([n for n, _ in reqs]), 0)), dtype=torch.int32)
+        lens = torch.tensor([length for _, length in reqs], dtype=torch.int32)
+        with torch.no_grad():
+            out, lse = module.attention_paged(*(t.cuda() for t in (q, kc, vc, table, cu, lens)), return_lse=True,
+                                              check=True)
+        out, lse = out.cpu(), lse.cpu()
+        for r, (n_q, length) in enumerate(reqs):
+            start = int(cu[r])
+            shape = Shape(batch=1, q_heads=heads, kv_heads=kv_heads, q_len=n_q, kv_len=length, head_dim=d)
+            qr = q[start:start + n_q].permute(1, 0, 2)[None].float()
+            kr, vr = gather(kc, table[r], length)[None].float(), gather(vc, table[r], length)[None].float()
+            ref = reference_attention(request_view(mask, r, n_q, length),
+                                      Inputs(q=qr, k=kr, v=vr, shape=shape, dtype="float32", seed=0), progress=False)
+            got = out[start:start + n_q].permute(1, 0, 2)[None]
+            checks = [compare("out", got, ref.out, TOLERANCES["bfloat16"]),
+                      compare("lse", lse[start:start + n_q].permute(1, 0)[None], ref.lse, LSE_TOLERANCE["bfloat16"])]
+            assert all(c.passed for c in checks), (reqs, r, [(c.name, c.max_abs_err, c.bad_count) for c in checks])
+    assert W.numel() == 4

@@ -7,6 +7,7 @@
     python -m workbench export TARGET [--param k=JSON ...] [--score TARGET] --q-len N -o DIR
     python -m workbench port TARGET [--param k=JSON ...] [--score TARGET] --q-len N -o DIR
     python -m workbench invariance TARGET [--param k=JSON ...] --q-len N [--backend flex|port|eager] [--hold L ...]
+    python -m workbench invariance TARGET --q-len N --backend port --serving
     python -m workbench sweep SWEEP.toml [-o DIR] [--address ADDR] [--resume] [--cpus N] [--gpus N]
     python -m workbench conformance DIR/NAME.spec.json --impl path.py:function
     python -m workbench diff A.spec.json B.spec.json
@@ -181,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only these layouts (default: all)")
     p.add_argument("--segments", action="store_true",
                    help="with --backend port: run packed layouts with cu_seqlens (tiles from each request's start)")
+    p.add_argument("--serving", action="store_true",
+                   help="with --backend port: the serving layouts of attention_paged instead (in a step with other "
+                        "requests, shuffled pages, page sizes 16 / 128, split-KV on / off, chunked prefill, token by "
+                        "token decode), invariant mode against attention(invariant=True) and fast mode against the "
+                        "request alone; exit 1 unless invariant mode is bitwise everywhere")
     p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_invariance)
@@ -358,6 +364,8 @@ def cmd_invariance(args) -> int:
 
     _check_score_args(args)
     device = _device(args)
+    if args.serving:
+        return _serving_invariance(args, device)
     mask = load_mask(args, args.q_len, args.q_len, device) if args.q_len >= 4 else args.target
     options = invariance.InvarianceOptions(batch=args.batch, block_size=args.block_size, seed=args.seed,
                                            segments=args.segments)
@@ -374,6 +382,32 @@ def cmd_invariance(args) -> int:
             # last-bit differences print as such (1.79e-07), never as 0.000000 next to bitwise False
             print(result.to_frame()[["bitwise", "same_attention", "max_abs_diff", "max_ulp", "why"]].to_string(
                 float_format=lambda x: f"{x:.3g}"))
+        print(result.line)
+    return 0 if result.passed else 1
+
+
+def _serving_invariance(args, device) -> int:
+    from workbench import serving
+
+    if args.backend != "port":
+        raise WorkbenchError("--serving checks the generated port's attention_paged", "add --backend port")
+    if args.hold or args.layouts or args.segments:
+        raise WorkbenchError("--hold, --layouts and --segments choose contiguous layouts; --serving runs its own",
+                             "drop them, or drop --serving")
+    mask = load_mask(args, args.q_len, args.q_len, device) if args.q_len >= 8 else args.target
+    result = serving.check(mask, None if mask is not args.target else parse_params(args.param), q_len=args.q_len,
+                           heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
+                           device=device, seed=args.seed)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        import pandas as pd
+
+        with pd.option_context("display.max_colwidth", 80, "display.width", 250):
+            print(result.to_frame()[["bitwise", "same_attention", "max_abs_diff", "max_ulp", "why"]].to_string(
+                float_format=lambda x: f"{x:.3g}"))
+        for note in result.notes:
+            print(f"note: {note}")
         print(result.line)
     return 0 if result.passed else 1
 

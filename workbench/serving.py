@@ -212,8 +212,8 @@ def _layouts(module, later: torch.Tensor, q, k, v, mode: str, seed: int, reads_b
         same="pieces are folded with _fold_piece in order, as _paged_fold does" if invariant else
         "split and unsplit agree here", differs="fast mode's unsplit kernel runs the keys in one pass: another "
         "order of sums than split-KV's pieces")
-    tile_m = module.INVARIANT_TILE[0] if invariant else 128
-    for key, size in (("chunked_aligned", max(tile_m, (L // 3) // tile_m * tile_m)),
+    unit = 64 if L >= 192 else 16  # aligned chunks: whole tiles of queries (16 / 64 / 128 rows)
+    for key, size in (("chunked_aligned", max(unit, (L // 3) // unit * unit)),
                       ("chunked_unaligned", max(1, L // 3 - 13))):
         starts = list(range(0, L, size))
         pieces = [paged([(qr[s:s + size], kr[:s + size], vr[:s + size])] + others) for s in starts]
@@ -276,6 +276,9 @@ def check(target: str | Mask, params: dict | None = None, *, q_len: int, heads: 
     if q_len < 8:
         raise WorkbenchError(f"q_len = {q_len} is too short to chunk and decode", "use q_len >= 8")
     check_device_dtype(device, dtype)
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        raise WorkbenchError(f"modes {list(modes)}", f"name some of {', '.join(MODES)}")
     port.require_triton()
     kv_heads = kv_heads or heads
     if heads % kv_heads:
@@ -285,9 +288,6 @@ def check(target: str | Mask, params: dict | None = None, *, q_len: int, heads: 
     folder = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="workbench_serving_"))
     path = port.build(mask, q_len, q_len, heads=heads, batch=6, out_dir=folder)
     result = ServingResult(mask.name, dtype, str(device), q_len, heads, kv_heads, head_dim, str(path))
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown or not modes:
-        raise WorkbenchError(f"modes {list(modes)}", f"name some of {', '.join(MODES)}")
     kwargs = dict(q_len=q_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, seed=seed,
                   modes=tuple(modes))
     later = _later_keys(mask, q_len, heads, device).cpu()

@@ -367,7 +367,7 @@ _ONLY_CONFIG = ((32, 32, 4, 1) if os.environ.get("TRITON_INTERPRET") == "1"
 # the keys into pieces at fixed positions (every SPLIT_KEYS keys, a multiple of TABLE_N), folded
 # by _fold_piece. A row's bits then depend on its own keys alone: not on the call's lengths, the
 # other requests of a step, page size or placement, chunking, or how a call splits its keys.
-INVARIANT_TILE = (16, 16, 4) if _INTERPRET else (64, 64, 4)  # (BLOCK_M, BLOCK_N, num_warps)
+INVARIANT_TILE = (64, 16, 4) if _INTERPRET else (64, 64, 4)  # (BLOCK_M, BLOCK_N, num_warps): up to 64 heads per kv head
 INVARIANT_STAGES = (1,) if _INTERPRET else (2, 1)  # software pipelining only: never changes a bit
 SPLIT_KEYS = 128 if _INTERPRET else 4096  # the pieces' size (attention_paged's split-KV pieces too)
 

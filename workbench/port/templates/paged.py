@@ -14,16 +14,15 @@ HAS_BOUNDS = @@HAS_BOUNDS@@  # mask_mod_bounds exists: tiles the mask decides ar
 # a number that follows the sequence's length even when Lq = Lk (a prefix of Lk // 4) differs by
 # request in a paged step: such masks take their values per request (tables=) or attention()
 HAS_LENGTH_RULES_IN_PAGES = any(a + b != 0 for a, b, c, d in LENGTH_RULES.values())
-# (queries per request at least, (BLOCK_M, BLOCK_N, num_warps)): a program's rows are (token, head)
-# pairs of one kv head's group (GQA packing); BLOCK_N keys per tile, each read through the table
-PAGED_TILES = ([(0, (16, 16, 4))] if _INTERPRET else
-               [(128, (128, 64, 8)), (32, (64, 64, 4)), (0, (16, 64, 4))])
-# Split-KV: a request's keys are cut at fixed positions, every SPLIT_KEYS keys (forward.py's), and
-# each piece is a program of its own, so one long request fills the GPU; a second kernel folds the
-# pieces. The number of pieces comes from the shapes alone (the block table's capacity), never from
-# contents.
+# (queries per request at least, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of fast mode: a
+# program's rows are (token, head) pairs of one kv head's group (GQA packing); BLOCK_N keys per
+# tile, each read through the block table. Chosen on an H200 (benchmarks/bench_paged.py and the
+# prefill rows of benchmarks/bench_port.py --serving)
+PAGED_TILES = ([(0, (16, 16, 4, 1))] if _INTERPRET else
+               [(128, (128, 128, 8, 2)), (32, (64, 64, 4, 2)), (0, (16, 64, 4, 3))])
 PAGED_PIPELINE = True  # the key loop as a `for` loop with predicated loads (pipelined); False: `while`
-PAGED_STAGES = 3  # software pipeline depth of that loop
+PAGED_STAGES = None  # a pipeline depth for every tile (None: each tile's own)
+INVARIANT_PAGED_STAGES = 3  # invariant mode's pipeline depth (stages never change a bit)
 SPLIT_WHEN_PROGRAMS_BELOW = 512  # only calls with fewer (row block, kv head) programs than this split
 
 
@@ -463,6 +462,7 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
     group = Hq // Hkv
     if invariant:
         block_m, block_n, warps = INVARIANT_TILE
+        stages = INVARIANT_PAGED_STAGES
         if group > block_m:
             raise ValueError(f"invariant mode packs at most {block_m} query heads per kv head into its {block_m}-row "
                              f"tiles; Hq / Hkv = {group}: call with invariant=False")
@@ -472,7 +472,8 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
         # rows per program by the step's shape (never its contents): 16 for decode-heavy steps,
         # wider tiles when requests bring many queries on average (prefill chunks)
         per_request = total_q // max(num_seqs, 1)
-        block_m, block_n, warps = next((tile for least, tile in PAGED_TILES if per_request >= least), PAGED_TILES[-1][1])
+        block_m, block_n, warps, stages = next((tile for least, tile in PAGED_TILES if per_request >= least),
+                                               PAGED_TILES[-1][1])
         block_m = max(block_m, triton.next_power_of_2(group))
     tokens = block_m // group
     # the row blocks of each request, prefix-summed on the device (a fixed-size tensor)
@@ -501,7 +502,7 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
         IEEE=q.dtype == torch.float32, WIDEN=_INTERPRET and q.dtype == torch.bfloat16,
         RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, INVARIANT=bool(invariant),
         PIPELINE=PAGED_PIPELINE and not _INTERPRET, HEADS_DIFFER=MASK_READS_HEAD and group > 1, BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=warps, **({} if _INTERPRET else {"num_stages": PAGED_STAGES}),
+        BLOCK_N=block_n, num_warps=warps, **({} if _INTERPRET else {"num_stages": PAGED_STAGES or stages}),
         **(_fusion() if invariant else {}))
     if split:
         _paged_fold[(total_q, Hq)](out, lse, part_acc, part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D,

@@ -82,3 +82,14 @@ def test_serving_needs_the_port_backend():
     done = subprocess.run([sys.executable, "-m", "workbench", "invariance", "causal", "--q-len", "64", "--serving",
                            "--device", "cpu"], capture_output=True, text=True, timeout=300, cwd=ROOT.parent)
     assert done.returncode != 0 and "add --backend port" in done.stderr, done.stderr[-1500:]
+
+
+def test_verify_judges_the_invariant_paged_port_against_the_reference():
+    from workbench import make
+    from workbench.run import Shape
+    from workbench.verify import verify
+
+    verdict = verify(make("causal_sliding_window", {"window": 40}), Shape(batch=2, q_heads=4, kv_heads=2, q_len=37,
+                                                                           kv_len=150, head_dim=16),
+                     dtype="bfloat16", backend="port-paged-invariant", device="cpu")
+    assert verdict.passed and "paged, invariant mode" in verdict.line, verdict.line

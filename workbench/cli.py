@@ -133,9 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", action="store_true", help="also check dq, dk, dv (CUDA only)")
     p.add_argument("--seed", type=int, help="input seed (default: a fresh one, printed)")
     p.add_argument("--eager", action="store_true", help="run flex_attention without torch.compile")
-    p.add_argument("--backend", choices=["flex", "port", "port-paged"], default="flex",
+    p.add_argument("--backend", choices=["flex", "port", "port-paged", "port-paged-invariant"], default="flex",
                    help="judge FlexAttention (default), the generated Triton port (`workbench port`), or the "
-                        "port's attention_paged over a shuffled paged KV cache (port-paged)")
+                        "port's attention_paged over a shuffled paged KV cache (port-paged; in invariant mode: "
+                        "port-paged-invariant)")
     p.add_argument("--workers", type=positive_int, help="split the float64 reference by query rows across this many "
                                                         "Ray workers (one GPU each on a GPU machine)")
     p.add_argument("--address", help="with --workers: join this Ray cluster (default: a local Ray)")

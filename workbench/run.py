@@ -506,12 +506,14 @@ class PortPagedBackend:
     A mask whose offset follows Lk - Lq (the library's bottom-right masks) runs its Lq queries as
     each request's last positions, a chunk or a decode as an engine runs it; any other mask runs a
     whole prefill of Lk queries (generated at Lk, Lk) and keeps the first Lq rows, FlexAttention's
-    view. Needs Lq <= Lk; forward only."""
+    view. Needs Lq <= Lk; forward only. `invariant`: run attention_paged's invariant mode
+    ("port-paged-invariant")."""
 
     path: object = None
     page_size: int = 16
     name: str = "port-paged"
     label: str = " (Triton port, paged)"
+    invariant: bool = False
 
     def run(self, mask: Mask, inputs: Inputs, *, backward: bool = False, block_mask: BlockMask | None = None,  # noqa: ARG002
             cu_seqlens=None, config: int | None = None) -> FlexRun:  # noqa: ARG002 (the contiguous port's)
@@ -539,7 +541,7 @@ class PortPagedBackend:
         except WorkbenchError as exc:
             raise exc.for_mask(mask.name) from None
         start = time.perf_counter()
-        out, lse = port.run_paged_file(path, step)
+        out, lse = port.run_paged_file(path, step, invariant=self.invariant)
         if inputs.device.type == "cuda":
             torch.cuda.synchronize(inputs.device)
         return FlexRun(out=step.unpack(out).contiguous(), lse=step.unpack(lse).contiguous(), compiled=False,
@@ -558,20 +560,22 @@ def port_offset_rules(path) -> bool:
 
 
 BACKENDS = {"flex": FlexBackend(), "eager": FlexBackend(compile=False), "port": PortBackend(),
-            "port-paged": PortPagedBackend()}
+            "port-paged": PortPagedBackend(),
+            "port-paged-invariant": PortPagedBackend(name="port-paged-invariant",
+                                                     label=" (Triton port, paged, invariant mode)", invariant=True)}
 __all__ = ["Shape", "Inputs", "FlexRun", "make_inputs", "run_flex", "dtype_name", "defaults_for", "Defaults",
            "FlexBackend", "PortBackend", "PortPagedBackend", "BACKENDS", "backend_for", "time_port_and_flex", "prepare_timing", "PreparedTiming", "check_device_dtype",
            "check_mask_fits", "compiled_flex_attention"]
 
 
 def backend_for(backend, *, compile: bool | None = None, port_path=None):
-    """A backend object from a name ("flex", "eager", "port", "port-paged") or a backend object
+    """A backend object from a name ("flex", "eager", "port", "port-paged", "port-paged-invariant") or a backend object
     itself. `compile=False` turns flex into eager; `port_path` names the port file to run."""
     if not isinstance(backend, str):
         return backend
     if backend not in BACKENDS:
         raise WorkbenchError(f"unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
-    if backend in ("port", "port-paged"):
+    if backend in ("port", "port-paged", "port-paged-invariant"):
         return replace(BACKENDS[backend], path=port_path) if port_path is not None else BACKENDS[backend]
     if backend == "flex" and compile is False:
         return BACKENDS["eager"]

@@ -132,18 +132,22 @@ def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return _run_interpreted(path, tensors, scale, timeout, q.device)
 
 
-def run_paged_file(path: str | Path, step, scale: float | None = None,
-                   timeout: float = 1800) -> tuple[torch.Tensor, torch.Tensor]:
+def run_paged_file(path: str | Path, step, scale: float | None = None, timeout: float = 1800,
+                   invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) [total_q, Hq, D] / [total_q, Hq] of the port's `attention_paged` on `step` (a
-    `workbench.port.layout.PagedStep`), with its content checks on (`check=True`). Where it runs
-    as `run_file` says."""
+    `workbench.port.layout.PagedStep`), with its content checks on (`check=True`), in invariant
+    mode if asked. Where it runs as `run_file` says."""
     require_triton()
     if in_process(step.q.device):
         module = loaded(path)
-        return _refusals(lambda: module.attention_paged(*step.args(), scale=scale, return_lse=True, check=True))
+        return _refusals(lambda: module.attention_paged(*step.args(), scale=scale, return_lse=True, check=True,
+                                                        invariant=invariant))
     from workbench.port.runner import PAGED_ARGS
 
-    return _run_interpreted(path, dict(zip(PAGED_ARGS, step.args())), scale, timeout, step.q.device)
+    tensors = dict(zip(PAGED_ARGS, step.args()))
+    if invariant:
+        tensors["invariant"] = torch.ones(1, dtype=torch.int32)
+    return _run_interpreted(path, tensors, scale, timeout, step.q.device)
 
 
 def _refusals(call):

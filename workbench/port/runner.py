@@ -3,7 +3,8 @@ interpreter, which must be on before triton is imported). Used by `port.run_file
 
     TRITON_INTERPRET=1 python -m workbench.port.runner PORT.py INPUTS.safetensors OUT.safetensors [SCALE]
 
-INPUTS holds q, k, v (and cu_seqlens), or the six tensors of attention_paged (PAGED_ARGS). Exit 0
+INPUTS holds q, k, v (and cu_seqlens), or the six tensors of attention_paged (PAGED_ARGS, and
+`invariant` for its invariant mode). Exit 0
 with OUT holding `out` and `lse`; 3 when the port refuses the call (sizes it is not valid
 for), with the reason on the last line of stderr.
 """
@@ -28,7 +29,7 @@ def main(argv: list[str]) -> int:
     try:
         if "block_table" in inputs:  # one serving step over a paged cache
             out, lse = module.attention_paged(*(inputs[n] for n in PAGED_ARGS), scale=scale, return_lse=True,
-                                              check=True)
+                                              check=True, invariant="invariant" in inputs)
         else:
             extra = {"cu_seqlens": inputs["cu_seqlens"]} if "cu_seqlens" in inputs else {}
             out, lse = module.attention(inputs["q"], inputs["k"], inputs["v"], scale=scale, return_lse=True, **extra)

@@ -175,7 +175,8 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
     dtype:      the kernel's dtype: bfloat16, float16, float32, tf32 (CUDA) or float64 (CPU)
     backend:    "flex" (compiled FlexAttention), "eager" (its uncompiled math path), "port" (the generated
                 Triton port, workbench.port), "port-paged" (its attention_paged, the inputs laid out
-                over a shuffled paged KV cache), or a backend object of workbench.run (FlexBackend,
+                over a shuffled paged KV cache), "port-paged-invariant" (the same in invariant mode),
+                or a backend object of workbench.run (FlexBackend,
                 PortBackend(path) / PortPagedBackend(path, page_size) for a port file you have)
     backward:   also compare dq, dk, dv (and gradients of captured tensors that require grad)
     block_mask: run with this block mask instead of building one (it is checked against the mask)

@@ -6,6 +6,7 @@ Call it like FlexAttention, without FlexAttention:
     out = attention(q, k, v)                          # q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D]
     out, lse = attention(q, k, v, return_lse=True)    # lse [B, Hq, Lq], float32, natural log
     out = attention(q, k, v, cu_seqlens=cu)           # packed requests: cu = [0, end_1, ..., L]
+    out = attention(q, k, v, invariant=True)          # the bits attention_paged(..., invariant=True) gives
 
 What it computes (FlexAttention's semantics): score = (q . k) * scale, with scale = 1 / sqrt(D)
 unless given; the score_mod below is applied to every score; pairs the mask_mod drops get -inf;

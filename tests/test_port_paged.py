@@ -64,7 +64,16 @@ CALLS = textwrap.dedent('''
         "narrow_table": lambda: call(seq_lens=torch.tensor([20, 60], dtype=torch.int32)),
         "bad_page": lambda: call(block_table=torch.tensor([[0, 1, 2], [3, 4, 99]], dtype=torch.int32)),
         "tables_name": lambda: call(tables={"nope": torch.zeros(3)}),
+        "invariant_group": lambda: call(q=torch.randn(5, 130, 16), invariant=True),
+        "invariant_split": lambda: split_at(100),
     }
+    def split_at(keys):
+        before = m.SPLIT_KEYS
+        m.SPLIT_KEYS = keys
+        try:
+            return call(invariant=True)
+        finally:
+            m.SPLIT_KEYS = before
     unchecked = {
         "nan_bad_page": lambda: nan_rows(block_table=torch.tensor([[0, 1, 2], [3, 4, 99]], dtype=torch.int32)),
         "nan_narrow_table": lambda: nan_rows(seq_lens=torch.tensor([20, 60], dtype=torch.int32)),
@@ -104,6 +113,8 @@ def bad_calls(tmp_path_factory):
     ("cu_falls", "must rise from 0 to total_q"), ("short_seq", "seq_lens[0] = 3 is shorter"),
     ("narrow_table", "block_table has 3 pages per request; request 1 needs 4"),
     ("bad_page", "points outside the cache's 6 pages"), ("tables_name", "reads no tensor named 'nope'"),
+    ("invariant_group", "invariant mode packs at most 64 query heads per kv head"),
+    ("invariant_split", "SPLIT_KEYS = 100 must be a multiple of 16 keys (invariant mode's key tile)"),
 ])
 def test_bad_paged_calls_name_the_argument(bad_calls, case, match):
     r = bad_calls[case]

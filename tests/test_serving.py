@@ -41,8 +41,8 @@ def test_the_cli_reports_invariant_mode_bitwise_in_every_serving_layout():
     assert record["modes"]["fast"], "fast mode is reported too"
 
 
-def test_a_users_per_head_table_in_bf16_with_gqa_at_an_odd_length():
-    result = serving.check(Mask("users_head_window", mask_mod=users_head_window), q_len=71, heads=4, kv_heads=2,
+def test_a_users_per_head_table_in_bf16_with_gqa_at_an_odd_length_over_two_pieces():
+    result = serving.check(Mask("users_head_window", mask_mod=users_head_window), q_len=70, heads=4, kv_heads=2,
                            head_dim=16, dtype="bfloat16", device="cpu", modes=("invariant",))
     assert result.passed, result.to_frame().to_string()
     assert len(result.modes["invariant"]) == 10 and "INVARIANT users_head_window" in result.line

@@ -325,15 +325,15 @@ def _invariant_block(acc, l_i, m_i, t_acc, t_l, t_m, piece, i, j, n_p, n_f, p_ro
     cf = tl.load(f_row + tl.maximum(tl.minimum(j, n_f - 1), 0), mask=j < n_f, other=1 << 30)
     take_p = cp < cf
     c = tl.minimum(cp, cf)
-    here = (c * TABLE_N) // split_keys
-    if here != piece:
-        t_acc, t_l, t_m = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
-        acc = tl.zeros_like(acc)
-        l_i = tl.zeros_like(l_i)
-        m_i = tl.full(m_i.shape, float("-inf"), tl.float32)
-        piece = here
     for sub in tl.static_range(TABLE_N // BLOCK_N):
         start_n = c * TABLE_N + sub * BLOCK_N
+        here = start_n // split_keys
+        if here != piece:
+            t_acc, t_l, t_m = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
+            acc = tl.zeros_like(acc)
+            l_i = tl.zeros_like(l_i)
+            m_i = tl.full(m_i.shape, float("-inf"), tl.float32)
+            piece = here
         if take_p:
             if start_n < Lk:
                 acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, start_n,
@@ -365,12 +365,12 @@ _ONLY_CONFIG = ((32, 32, 4, 1) if os.environ.get("TRITON_INTERPRET") == "1"
 
 # Invariant mode (attention(..., invariant=True), attention_paged(..., invariant=True)): every
 # kernel of this file runs one fixed tiling, visits a row's key tiles in ascending order and cuts
-# the keys into pieces at fixed positions (every SPLIT_KEYS keys, a multiple of TABLE_N), folded
+# the keys into pieces at fixed positions (every SPLIT_KEYS keys, a multiple of the key tile), folded
 # by _fold_piece. A row's bits then depend on its own keys alone: not on the call's lengths, the
 # other requests of a step, page size or placement, chunking, or how a call splits its keys.
 INVARIANT_TILE = (64, 16, 4) if _INTERPRET else (64, 64, 4)  # (BLOCK_M, BLOCK_N, num_warps): up to 64 heads per kv head
 INVARIANT_STAGES = (1,) if _INTERPRET else (2, 1)  # software pipelining only: never changes a bit
-SPLIT_KEYS = 128 if _INTERPRET else 4096  # the pieces' size (attention_paged's split-KV pieces too)
+SPLIT_KEYS = 64 if _INTERPRET else 4096  # the pieces' size (attention_paged's split-KV pieces too)
 
 
 def _configs():
@@ -420,9 +420,8 @@ def _launch_invariant(kernel, grid, args, kwargs, key):
     """Launch `kernel` with invariant mode's tiling, the most pipeline stages the chip has room
     for (stages move loads earlier; they never change the arithmetic)."""
     m, n, w = INVARIANT_TILE
-    if SPLIT_KEYS % TABLE_N or SPLIT_KEYS % n:
-        raise ValueError(f"SPLIT_KEYS = {SPLIT_KEYS} must be a multiple of {TABLE_N} keys (the block lists' "
-                         "width) for invariant mode")
+    if SPLIT_KEYS % n:
+        raise ValueError(f"SPLIT_KEYS = {SPLIT_KEYS} must be a multiple of {n} keys (invariant mode's key tile)")
     candidates = [_invariant_stages_for[key]] if key in _invariant_stages_for else INVARIANT_STAGES
     for stages in candidates:
         try:

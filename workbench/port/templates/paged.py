@@ -24,7 +24,10 @@ PAGED_TILES = ([(0, (16, 16, 4, 1))] if _INTERPRET else
 PAGED_PIPELINE = True  # the key loop as a `for` loop with predicated loads (pipelined); False: `while`
 PAGED_STAGES = None  # a pipeline depth for every tile (None: each tile's own)
 INVARIANT_PAGED_STAGES = 3  # invariant mode's pipeline depth (stages never change a bit)
-SPLIT_WHEN_PROGRAMS_BELOW = 512  # only calls with fewer (row block, kv head) programs than this split
+# fast mode's pieces (None: SPLIT_KEYS, invariant mode's); the interpreter's tests use longer ones
+FAST_SPLIT_KEYS = 128 if _INTERPRET else None
+# (under the interpreter every call has few programs: there only a forced split runs split-KV)
+SPLIT_WHEN_PROGRAMS_BELOW = 0 if _INTERPRET else 512  # only calls with fewer (row block, kv head) programs than this split
 
 
 def _table_ranges(tables: list) -> list:
@@ -467,8 +470,9 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
         if group > block_m:
             raise ValueError(f"invariant mode packs at most {block_m} query heads per kv head into its {block_m}-row "
                              f"tiles; Hq / Hkv = {group}: call with invariant=False")
-        if SPLIT_KEYS % TABLE_N or SPLIT_KEYS % block_n:
-            raise ValueError(f"SPLIT_KEYS = {SPLIT_KEYS} must be a multiple of {TABLE_N} keys for invariant mode")
+        if SPLIT_KEYS % block_n:
+            raise ValueError(f"SPLIT_KEYS = {SPLIT_KEYS} must be a multiple of {block_n} keys (invariant mode's key "
+                             "tile)")
     else:
         # rows per program by the step's shape (never its contents): 16 for decode-heavy steps,
         # wider tiles when requests bring many queries on average (prefill chunks)
@@ -486,7 +490,8 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
     # split the keys when the call has too few programs to fill the GPU (decode, short chunks); the
     # number of pieces from the block table's capacity: a shape, not a content
     capacity = block_table.shape[1] * page_size
-    splits = -(-capacity // SPLIT_KEYS) if row_blocks * Hkv < SPLIT_WHEN_PROGRAMS_BELOW else 1
+    split_keys = SPLIT_KEYS if invariant else (FAST_SPLIT_KEYS or SPLIT_KEYS)
+    splits = -(-capacity // split_keys) if row_blocks * Hkv < SPLIT_WHEN_PROGRAMS_BELOW else 1
     split = splits > 1
     if split:
         part_acc = torch.empty(splits, total_q, Hq, D, dtype=torch.float32, device=q.device)
@@ -496,7 +501,7 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
     _paged_kernel[(row_blocks, Hkv, splits)](
         q, k_cache, v_cache, out, lse, part_acc, part_ml, block_table, cu_seqlens_q, seq_lens, block_starts,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
-        page_size, num_seqs, Hq, group, tokens, D, scale, total_q, SPLIT_KEYS,
+        page_size, num_seqs, Hq, group, tokens, D, scale, total_q, split_keys,
         VALID_Q_LEN if VALID_KV_LEN is not None else 1 << 30, VALID_KV_LEN if VALID_KV_LEN is not None else 1 << 30,
         k_cache.shape[0], block_table.shape[1] * page_size, *pointers, *ranges,
         D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=HAS_BOUNDS and HAS_MASK,
@@ -507,7 +512,7 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
         **(_fusion() if invariant else {}))
     if split:
         _paged_fold[(total_q, Hq)](out, lse, part_acc, part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D,
-                                   splits, SPLIT_KEYS, D_PAD=D_PAD, RETURN_LSE=return_lse, INTERPRET=_INTERPRET,
+                                   splits, split_keys, D_PAD=D_PAD, RETURN_LSE=return_lse, INTERPRET=_INTERPRET,
                                    num_warps=1, **({} if _INTERPRET else {"num_stages": 3}),
                                    **(_fusion() if invariant else {}))
     return (out, lse) if return_lse else out

@@ -93,3 +93,37 @@ def test_verify_judges_the_invariant_paged_port_against_the_reference():
                                                                            kv_len=150, head_dim=16),
                      dtype="bfloat16", backend="port-paged-invariant", device="cpu")
     assert verdict.passed and "paged, invariant mode" in verdict.line, verdict.line
+
+
+PACKED = '''
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from workbench import make, port
+from workbench.port.layout import paged_step
+L1, L2 = 150, 200
+doc = make("document", {"doc_lengths": [L1, L2]}, q_len=L1 + L2, kv_len=L1 + L2)
+packed_port = port.load(port.build(doc, L1 + L2, L1 + L2, out_dir=sys.argv[2] + "/doc"))
+causal_port = port.load(port.build(make("causal"), 256, 256, out_dir=sys.argv[2] + "/causal"))
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 4, L1 + L2, 16, generator=g).bfloat16() for _ in range(3))
+k, v = k[:, :2], v[:, :2]
+with torch.no_grad():
+    packed = packed_port.attention(q, k, v, cu_seqlens=[0, L1, L1 + L2], invariant=True)
+    for s, e in ((0, L1), (L1, L1 + L2)):
+        alone = causal_port.attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], invariant=True)
+        step = paged_step(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], page_size=16, seed=1)
+        paged = step.unpack(causal_port.attention_paged(*step.args(), invariant=True, check=True))
+        print("DOC", torch.equal(packed[:, :, s:e], alone), torch.equal(paged, alone), bool(alone.isnan().any()))
+'''
+
+
+def test_a_packed_training_batch_gives_each_document_the_engines_bits(tmp_path):
+    """A trainer packs documents (a document mask with cu_seqlens); the engine serves each one as
+    its own request over pages. In invariant mode both give a document the same bits: the
+    packed call's tiles start at each document's start, so its keys fall into the same tiles."""
+    script = tmp_path / "packed.py"
+    script.write_text(PACKED)
+    done = subprocess.run([sys.executable, str(script), str(ROOT.parent), str(tmp_path)], capture_output=True,
+                          text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
+    lines = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("DOC")]
+    assert lines == [["True", "True", "False"]] * 2, done.stdout[-2000:] + done.stderr[-2000:]

@@ -374,7 +374,13 @@ def cmd_invariance(args) -> int:
                               heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
                               device=device, backend=args.backend, hold=args.hold, layouts=args.layouts,
                               options=options, progress=not args.json)
-    if args.json:
+    return _show_invariance(result, args.json)
+
+
+def _show_invariance(result, as_json: bool) -> int:
+    """Print an invariance result (one JSON object, or its layouts' table, notes and verdict line)
+    and give the exit status: 0 if it passed."""
+    if as_json:
         print(json.dumps(result.to_dict()))
     else:
         import pandas as pd
@@ -383,6 +389,8 @@ def cmd_invariance(args) -> int:
             # last-bit differences print as such (1.79e-07), never as 0.000000 next to bitwise False
             print(result.to_frame()[["bitwise", "same_attention", "max_abs_diff", "max_ulp", "why"]].to_string(
                 float_format=lambda x: f"{x:.3g}"))
+        for note in getattr(result, "notes", []):
+            print(f"note: {note}")
         print(result.line)
     return 0 if result.passed else 1
 
@@ -399,18 +407,7 @@ def _serving_invariance(args, device) -> int:
     result = serving.check(mask, None if mask is not args.target else parse_params(args.param), q_len=args.q_len,
                            heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
                            device=device, seed=args.seed)
-    if args.json:
-        print(json.dumps(result.to_dict()))
-    else:
-        import pandas as pd
-
-        with pd.option_context("display.max_colwidth", 80, "display.width", 250):
-            print(result.to_frame()[["bitwise", "same_attention", "max_abs_diff", "max_ulp", "why"]].to_string(
-                float_format=lambda x: f"{x:.3g}"))
-        for note in result.notes:
-            print(f"note: {note}")
-        print(result.line)
-    return 0 if result.passed else 1
+    return _show_invariance(result, args.json)
 
 
 def cmd_port(args) -> int:

@@ -77,7 +77,7 @@ def main(variants=None, pages=(16, 128), masks=("causal",)):
                               f"| {'invariant' if invariant else 'fast'} | {ms:.3f} | {tbs:.2f} ({tbs / PEAK_TBS:.0%}) "
                               f"| {sd:.3f} | {kv_bytes / sd / 1e9:.2f} ({kv_bytes / sd / 1e9 / PEAK_TBS:.0%}) | "
                               f"{ms / sd:.2f}x |", flush=True)
-                del q, kc, vc, k, v
+                q = kc = vc = k = v = None  # free the cache before the next case
                 torch.cuda.empty_cache()
 
 

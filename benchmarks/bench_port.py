@@ -315,7 +315,7 @@ def serving_bench(args) -> int:
             flex_note = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
         print(f"| {label} | {fast_ms:.3f} | {inv_ms:.3f} | {contiguous_ms:.3f} | {fast_ms / contiguous_ms:.2f}x | "
               f"{flex_note} | {fast_ms / flex_ms:.2f}x | {build_ms:.0f} | {diff:.1e} |", flush=True)
-        del step, per_request
+        step = per_request = None  # free the pages before the next case
         torch.cuda.empty_cache()
     return 0
 

@@ -53,3 +53,33 @@ def test_invariant_mode_is_bitwise_in_every_serving_layout(cuda, tmp_path, name,
     ref = reference_attention(mask, Inputs(q=q, k=k, v=v, shape=shape, dtype=dtype, seed=0), progress=False)
     checks = [compare("out", out, ref.out, TOLERANCES[dtype]), compare("lse", lse, ref.lse, LSE_TOLERANCE[dtype])]
     assert all(c.passed for c in checks), [(c.name, c.max_abs_err, c.bad_count, c.nan_count) for c in checks]
+
+
+def test_a_packed_training_batch_gives_each_document_the_engines_bits(cuda, tmp_path):
+    """A trainer packs documents past one split-KV piece (a document mask with cu_seqlens); the
+    engine serves each one as its own request over shuffled pages. In invariant mode the packed
+    call, the document alone and the paged call are the same bits, and the float64 reference
+    agrees with them."""
+    from workbench.port.layout import paged_step
+
+    L1, L2 = 4096 + 333, 1500
+    doc = make("document", {"doc_lengths": [L1, L2]}, q_len=L1 + L2, kv_len=L1 + L2)
+    packed_port = port.load(port.build(doc, L1 + L2, L1 + L2, out_dir=tmp_path / "doc"))
+    causal_port = port.load(port.build(make("causal"), 256, 256, out_dir=tmp_path / "causal"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 32, L1 + L2, 128, generator=g, device="cuda").bfloat16() for _ in range(3))
+    k, v = k[:, :8].contiguous(), v[:, :8].contiguous()
+    with torch.no_grad():
+        packed = packed_port.attention(q, k, v, cu_seqlens=[0, L1, L1 + L2], invariant=True)
+        for s, e in ((0, L1), (L1, L1 + L2)):
+            parts = [x[:, :, s:e].contiguous() for x in (q, k, v)]
+            alone = causal_port.attention(*parts, invariant=True)
+            step = paged_step(*parts, page_size=16, seed=1)
+            paged = step.unpack(causal_port.attention_paged(*step.args(), invariant=True, check=True))
+            assert torch.equal(packed[:, :, s:e], alone) and torch.equal(paged, alone), (s, e)
+            shape = Shape(batch=1, q_heads=32, kv_heads=8, q_len=e - s, kv_len=e - s, head_dim=128)
+            ref = reference_attention(prepare(make("causal"), None, e - s, e - s, "cuda", heads=32),
+                                      Inputs(q=parts[0], k=parts[1], v=parts[2], shape=shape, dtype="bfloat16",
+                                             seed=0), progress=False)
+            check = compare("out", alone, ref.out, TOLERANCES["bfloat16"])
+            assert check.passed, (check.max_abs_err, check.bad_count, check.nan_count)

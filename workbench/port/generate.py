@@ -22,7 +22,10 @@ import torch
 from workbench.define import Mask, WorkbenchError, data_indices, index_reads
 from workbench.define.lengths import RELATION_TEXT, LengthRule, follow, rebuildable, relations_text
 from workbench.define.util import fill_template, template_body
+from workbench.define import captured_tensors, trace_mod
 from workbench.translate import Untranslatable, mod_functions, range_pointers
+from workbench.translate.derivative import derivative_mod
+from workbench.translate.triton_mask import translate_mod
 
 __all__ = ["PortSource", "generate", "check_supported", "pinned_config", "CONFIGS", "SEGMENT_CONFIGS", "DTYPES",
            "ENTRY", "MAX_HEAD_DIM"]
@@ -30,6 +33,7 @@ __all__ = ["PortSource", "generate", "check_supported", "pinned_config", "CONFIG
 
 TEMPLATE = Path(__file__).with_name("templates") / "forward.py"
 PAGED_TEMPLATE = Path(__file__).with_name("templates") / "paged.py"  # attention_paged, appended
+BACKWARD_TEMPLATE = Path(__file__).with_name("templates") / "backward.py"  # dq, dk, dv, appended
 ENTRY = "attention"
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -165,6 +169,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     if mask.score_mod is None:
         parts.append("@triton.jit\ndef score_mod_triton(score, b, h, q_idx, kv_idx):\n    # no score_mod\n"
                      "    return score\n")
+    grad_ptrs, no_grad = _score_grad(source_mask, frozenset(rules), parts)
     range_ptrs = range_pointers(mask_ptrs)
     if not has_bounds:
         parts.append("@triton.jit\ndef mask_mod_bounds(b, h, q_lo, q_hi, kv_lo, kv_hi"
@@ -192,7 +197,8 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     def args(ptrs):
         return "".join(f", {p}" for p in ptrs)
 
-    text = TEMPLATE.read_text() + "\n\n" + template_body(PAGED_TEMPLATE)
+    text = (TEMPLATE.read_text() + "\n\n" + template_body(PAGED_TEMPLATE) + "\n\n"
+            + template_body(BACKWARD_TEMPLATE))
     source_comment = textwrap.indent(mask.source.strip() or "(source not available)", "    ")
     fills = {
         "@@TITLE@@": f"{mask.name}: attention with this mask and score as one standalone Triton kernel.",
@@ -212,7 +218,8 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@ALL_POINTERS@@": repr([p[: -len("_ptr")] for p in all_ptrs]),
         "@@TENSOR_FILE_NAME@@": repr(port.tensor_file),
         "@@MASK_PTR_PARAMS@@": params(mask_ptrs), "@@MASK_PTR_ARGS@@": args(mask_ptrs),
-        "@@SCORE_PTR_ARGS@@": args(score_ptrs),
+        "@@SCORE_PTR_ARGS@@": args(score_ptrs), "@@GRAD_PTR_ARGS@@": args(grad_ptrs),
+        "@@HAS_SCORE_GRAD@@": repr(no_grad is None), "@@NO_SCORE_GRAD@@": repr(no_grad),
         "@@ALL_PTR_PARAMS@@": params(all_ptrs), "@@ALL_PTR_ARGS@@": args(all_ptrs),
         "@@CONFIGS@@": repr(CONFIGS),
         "@@SEGMENT_CONFIGS@@": repr(SEGMENT_CONFIGS),
@@ -224,6 +231,26 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     text = re.sub(r"\n[ ]+\n", "\n", text)  # parameter lines left empty by masks without tables
     port.source = text
     return port
+
+
+def _score_grad(mask: Mask, lifted: frozenset, parts: list[str]) -> tuple[list[str], str | None]:
+    """Append score_grad_triton (d score_mod / d score, generated from the traced score_mod) to
+    `parts`; returns its table pointers and None, or ([], why) when there is no derivative (the
+    file then has a forward only, and its backward says why)."""
+    if mask.score_mod is None:
+        parts.append("@triton.jit\ndef score_grad_triton(score, b, h, q_idx, kv_idx):\n"
+                     "    # no score_mod: d score / d score = 1\n    return score * 0.0 + 1.0\n")
+        return [], None
+    try:
+        graph = trace_mod(derivative_mod(mask.score_mod), "score")
+        src, pointers = translate_mod(graph, "score_grad_triton", ["score", "b", "h", "q_idx", "kv_idx"],
+                                      dict(captured_tensors(mask)), lifted)
+    except Exception as exc:  # Untranslatable, or a derivative graph that does not trace: a forward-only file
+        parts.append("@triton.jit\ndef score_grad_triton(score, b, h, q_idx, kv_idx):\n"
+                     "    # the score_mod's derivative could not be generated: no backward\n    return score * 0.0\n")
+        return [], str(exc)
+    parts.append(src)
+    return pointers, None
 
 
 MAX_HEAD_DIM = 256

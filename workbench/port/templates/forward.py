@@ -190,6 +190,11 @@ def block_lists(batch: int, heads: int, q_len: int, kv_len: int, device, q_off: 
 
 def _scan_block_lists(b_tab, h_tab, q_len, kv_len, device, q_off, kv_off, lengths) -> tuple:
     """The block lists of one (sizes, offsets, lengths): the class of every block, then the lists."""
+    return _lists_of(_block_classes(b_tab, h_tab, q_len, kv_len, device, q_off, kv_off, lengths))
+
+
+def _block_classes(b_tab, h_tab, q_len, kv_len, device, q_off, kv_off, lengths) -> torch.Tensor:
+    """[b_tab, h_tab, rows, cols] int8: EMPTY, PARTIAL or FULL for every block of 128 x 128 pairs."""
     n_rows, n_cols = triton.cdiv(q_len, TABLE_M), triton.cdiv(kv_len, TABLE_N)
     if HAS_MASK:
         classes = torch.empty(b_tab, h_tab, n_rows, n_cols, dtype=torch.int8, device=device)
@@ -201,6 +206,12 @@ def _scan_block_lists(b_tab, h_tab, q_len, kv_len, device, q_off, kv_off, length
         classes = torch.full((1, 1, n_rows, n_cols), 2, dtype=torch.int8, device=device)
         if kv_len % TABLE_N:
             classes[:, :, :, -1] = 1
+    return classes
+
+
+def _lists_of(classes: torch.Tensor) -> tuple:
+    """(partial_num, partial_idx, full_num, full_idx) of block classes [..., lines, n]: per line,
+    how many blocks of each kind and their positions along the last axis, ascending."""
     lists = []
     for kind in (PARTIAL, FULL):
         hit = classes == kind
@@ -630,10 +641,6 @@ def _check(q, k, v):
     if q.device.type not in ("cpu", "cuda"):
         raise RuntimeError(f"q, k, v are on {q.device}: this kernel runs on CUDA GPUs (or the CPU under Triton's "
                            "interpreter)")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise RuntimeError("q, k or v requires grad, but this kernel is forward only: its output would carry no "
-                           "gradient. Call it under torch.no_grad() (or pass detached tensors) for inference; "
-                           "train with FlexAttention")
     for what, got, valid in (("Lq", Lq, VALID_Q_LEN), ("Lk", Lk, VALID_KV_LEN)):
         if valid is not None and got != valid:
             raise ValueError(f"{NAME} reads data sized for Lq = {VALID_Q_LEN}, Lk = {VALID_KV_LEN} (captured "
@@ -685,9 +692,19 @@ def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None, invaria
     B, Hq, Lq, D, Hkv, Lk = _check(q, k, v)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     bounds = None if cu_seqlens is None else _segments(cu_seqlens, Lq, Lk)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if B == 0 or Lq == 0 or Lk == 0:  # nothing to launch: no rows, or rows that keep no key (out 0, lse -inf)
         out = torch.zeros(B, Hq, Lq, D, dtype=q.dtype, device=q.device)
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=q.device)
+        if grad:  # still part of the graph: zero gradients
+            out = out + 0 * (q.sum() + k.sum() + v.sum())
+        return (out, lse) if return_lse else out
+    if grad:
+        if bounds is not None:
+            raise ValueError("the backward runs unpacked calls only: with cu_seqlens and q, k or v requiring grad, "
+                             "call attention(q, k, v) without cu_seqlens (a document mask's block lists already "
+                             "skip every pair across documents), or run the packed call under torch.no_grad()")
+        out, lse = _Attention.apply(q, k, v, scale, bool(invariant))
         return (out, lse) if return_lse else out
     return _attention(q, k, v, scale, return_lse, bounds, invariant)
 

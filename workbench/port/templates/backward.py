@@ -1,0 +1,261 @@
+"""The port's backward, appended to forward.py by `port.generate`: dq, dk, dv of `attention` over
+the forward's block structure, and the autograd Function that `attention` runs through when q, k
+or v requires grad. Markers: @@ALL_PTR_PARAMS@@ / @@MASK_PTR_ARGS@@ / @@SCORE_PTR_ARGS@@ /
+@@GRAD_PTR_ARGS@@ (the tables score_grad_triton reads), @@HAS_SCORE_GRAD@@, @@NO_SCORE_GRAD@@."""
+
+import torch
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------- backward
+# FlashAttention-2's backward. With the forward's lse per row, a pair's probability is
+# p = exp(s - lse) (s the pair's score after the score_mod; p = 0 where the mask drops it), and
+# for the upstream gradients dO (of out) and dlse (of lse, 0 unless the caller used it):
+#     dv_j = sum_i p_ij dO_i                   dp_ij = dO_i . v_j
+#     ds_ij = p_ij (dp_ij - delta_i)           delta_i = dO_i . O_i - dlse_i
+#     dx_ij = ds_ij * score_grad(x_ij)         x = q . k * scale, the score_mod's input
+#     dq_i = scale * sum_j dx_ij k_j           dk_j = scale * sum_i dx_ij q_i
+# score_grad is d score_mod / d score, generated from the score_mod's traced graph
+# (workbench.translate.derivative), never written per mod. Two kernels, neither with atomics (so
+# every call gives the same bits): dq, one program per block of queries over the forward's block
+# lists; dk and dv, one program per block of keys over the *column* lists (the same classes read
+# down the columns) and every query head of its kv head's group, which sums GQA's heads in
+# registers. A row that keeps nothing has lse = -inf; it is read as +inf, so its p is 0 and its
+# gradients are exactly 0, never NaN.
+
+HAS_SCORE_GRAD = @@HAS_SCORE_GRAD@@  # the score_mod's derivative was generated (or there is no score_mod)
+NO_SCORE_GRAD = @@NO_SCORE_GRAD@@  # why not, when it was not
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of both backward kernels; the second for float32 or
+# D > 128, whose tiles need twice the registers
+BWD_TILES = [(32, 32, 4, 1), (32, 32, 4, 1)] if _INTERPRET else [(64, 64, 4, 1), (32, 32, 4, 1)]
+
+
+@triton.jit
+def _dot32(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    # a [M, K] . b [K, N] accumulated in float32 (WIDEN: the interpreter's bf16 dots, see the
+    # attention kernel)
+    if WIDEN:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, q_off, kv_off,
+              @@ALL_PTR_PARAMS@@
+              MASKED: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    # one tile of queries x keys: q, do [M, D]; k, v [N, D]; lse2 = lse * log2(e) [M] (+inf for
+    # rows that keep nothing); delta [M]. Returns p [M, N] and dx [M, N] = ds * score_grad * scale,
+    # both 0 outside the kept pairs (and outside the lengths: the clamped rows and keys)
+    qk = _dot32(q, tl.trans(k), IEEE=IEEE, WIDEN=WIDEN)
+    q_idx = tl.minimum(offs_m, Lq - 1)[:, None] + q_off
+    kv_idx = tl.minimum(offs_n, Lk - 1)[None, :] + kv_off
+    x = qk * sm_scale
+    if HAS_SCORE:
+        s = score_mod_triton(x, b, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
+    else:
+        s = x * 1.4426950408889634
+    keep = (offs_m < Lq)[:, None] & (offs_n < Lk)[None, :]
+    if MASKED:
+        keep = keep & (mask_mod_triton(b, h, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0)
+    p = tl.where(keep, tl.math.exp2(s - lse2[:, None]), 0.0)
+    dp = _dot32(do, tl.trans(v), IEEE=IEEE, WIDEN=WIDEN)
+    ds = p * (dp - delta[:, None])
+    if HAS_SCORE:
+        # where p is 0 the pair adds nothing, whatever the derivative is there (a score_mod that
+        # sends a pair to -inf may have an infinite or NaN derivative at it)
+        ds = tl.where(p == 0.0, 0.0, ds * score_grad_triton(x, b, h, q_idx, kv_idx@@GRAD_PTR_ARGS@@))
+    return p, ds * sm_scale
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ, partial_num, partial_idx, full_num, full_idx,
+                   s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+                   s_ob, s_oh, s_om, s_od, s_tb, s_th, n_cols, Hq, group, Lq, Lk, D, sm_scale,
+                   @@ALL_PTR_PARAMS@@
+                   D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                   TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # one program = BLOCK_M queries of one (batch, query head): dq over the kv blocks the forward
+    # visited (its full and partial lists; the mask is evaluated in partial blocks only)
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    kv_h = h // group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.minimum(offs_m, Lq - 1)  # rows past the end repeat the last one and are not stored
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    q = tl.load(Q + b.to(tl.int64) * s_qb + h * s_qh + rows[:, None] * s_qm + offs_d[None, :] * s_qd,
+                mask=d_ok[None, :], other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * s_ob + h * s_oh + rows[:, None] * s_om + offs_d[None, :] * s_od,
+                 mask=d_ok[None, :], other=0.0)
+    lse2 = tl.load(Lse2 + bh.to(tl.int64) * Lq + rows)
+    delta = tl.load(Delta + bh.to(tl.int64) * Lq + rows)
+    K_bh = K + b.to(tl.int64) * s_kb + kv_h * s_kh
+    V_bh = V + b.to(tl.int64) * s_vb + kv_h * s_vh
+    dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    row = b * s_tb + h * s_th + (pid_m * BLOCK_M) // TABLE_M
+    for visit in tl.static_range(2):  # visit 0: the FULL blocks, visit 1: the PARTIAL ones
+        masked = visit == 1
+        num = full_num if not masked else partial_num
+        idx = full_idx if not masked else partial_idx
+        n_blocks = tl.load(num + row)
+        j = 0
+        while j < n_blocks:
+            c = tl.load(idx + row * n_cols + j)
+            for sub in tl.static_range(TABLE_N // BLOCK_N):
+                start_n = c * TABLE_N + sub * BLOCK_N
+                if start_n < Lk:
+                    offs_n = start_n + tl.arange(0, BLOCK_N)
+                    cols = tl.minimum(offs_n, Lk - 1)
+                    k = tl.load(K_bh + cols[:, None] * s_kn + offs_d[None, :] * s_kd, mask=d_ok[None, :], other=0.0)
+                    v = tl.load(V_bh + cols[:, None] * s_vn + offs_d[None, :] * s_vd, mask=d_ok[None, :], other=0.0)
+                    p, dx = _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 0, 0
+                                      @@ALL_PTR_ARGS@@, MASKED=masked, HAS_SCORE=HAS_SCORE, IEEE=IEEE, WIDEN=WIDEN)
+                    dq += _dot32(dx if IEEE else dx.to(k.dtype), k, IEEE=IEEE, WIDEN=WIDEN)
+            j += 1
+    tl.store(DQ + bh.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=(offs_m < Lq)[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV, partial_num, partial_idx, full_num, full_idx,
+                     s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+                     s_ob, s_oh, s_om, s_od, s_tb, s_th, n_rows, Hq, Hkv, group, Lq, Lk, D, sm_scale,
+                     @@ALL_PTR_PARAMS@@
+                     D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                     TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # one program = BLOCK_N keys of one (batch, kv head): dk and dv summed over the query heads of
+    # its group (in order) and over the query blocks of the column lists
+    pid_n = tl.program_id(0)
+    bkh = tl.program_id(1)
+    b = bkh // Hkv
+    kv_h = bkh % Hkv
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.minimum(offs_n, Lk - 1)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    k = tl.load(K + b.to(tl.int64) * s_kb + kv_h * s_kh + cols[:, None] * s_kn + offs_d[None, :] * s_kd,
+                mask=d_ok[None, :], other=0.0)
+    v = tl.load(V + b.to(tl.int64) * s_vb + kv_h * s_vh + cols[:, None] * s_vn + offs_d[None, :] * s_vd,
+                mask=d_ok[None, :], other=0.0)
+    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    col = (pid_n * BLOCK_N) // TABLE_N
+    g = 0
+    while g < group:
+        h = kv_h * group + g
+        bh = b * Hq + h
+        Q_bh = Q + b.to(tl.int64) * s_qb + h * s_qh
+        DO_bh = DO + b.to(tl.int64) * s_ob + h * s_oh
+        line = b * s_tb + h * s_th + col  # this column's line of the column lists
+        for visit in tl.static_range(2):
+            masked = visit == 1
+            num = full_num if not masked else partial_num
+            idx = full_idx if not masked else partial_idx
+            n_blocks = tl.load(num + line)
+            j = 0
+            while j < n_blocks:
+                r = tl.load(idx + line * n_rows + j)
+                for sub in tl.static_range(TABLE_M // BLOCK_M):
+                    start_m = r * TABLE_M + sub * BLOCK_M
+                    if start_m < Lq:
+                        offs_m = start_m + tl.arange(0, BLOCK_M)
+                        rows = tl.minimum(offs_m, Lq - 1)
+                        q = tl.load(Q_bh + rows[:, None] * s_qm + offs_d[None, :] * s_qd, mask=d_ok[None, :], other=0.0)
+                        do = tl.load(DO_bh + rows[:, None] * s_om + offs_d[None, :] * s_od, mask=d_ok[None, :],
+                                     other=0.0)
+                        lse2 = tl.load(Lse2 + bh.to(tl.int64) * Lq + rows)
+                        delta = tl.load(Delta + bh.to(tl.int64) * Lq + rows)
+                        p, dx = _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 0, 0
+                                          @@ALL_PTR_ARGS@@, MASKED=masked, HAS_SCORE=HAS_SCORE, IEEE=IEEE, WIDEN=WIDEN)
+                        dv += _dot32(tl.trans(p if IEEE else p.to(do.dtype)), do, IEEE=IEEE, WIDEN=WIDEN)
+                        dk += _dot32(tl.trans(dx if IEEE else dx.to(q.dtype)), q, IEEE=IEEE, WIDEN=WIDEN)
+                j += 1
+        g += 1
+    out = bkh.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
+    ok = (offs_n < Lk)[:, None] & d_ok[None, :]
+    tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=ok)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=ok)
+
+
+_column_lists: dict = {}
+
+
+def column_lists(batch: int, heads: int, q_len: int, kv_len: int, device, lengths: tuple | None = None) -> tuple:
+    """block_lists read down the columns: (partial_num, partial_idx, full_num, full_idx), each
+    [B', H', cols, rows] int32: per column of 128 keys, how many blocks of 128 queries of each kind
+    hold its kept pairs and which, ascending (what the dk / dv kernel visits)."""
+    b_tab = batch if MASK_READS_BATCH else 1
+    h_tab = heads if MASK_READS_HEAD else 1
+    lengths = (q_len, kv_len) if lengths is None else tuple(lengths)
+    key = (b_tab, h_tab, q_len, kv_len, str(device), lengths if LENGTH_RULES else None)
+    return _remember(_column_lists, key, lambda: _lists_of(_block_classes(b_tab, h_tab, q_len, kv_len, device, 0, 0,
+                                                                           lengths).transpose(-1, -2)))
+
+
+def _backward_tile(dtype, D_PAD):
+    return BWD_TILES[1] if dtype == torch.float32 or D_PAD > 128 else BWD_TILES[0]
+
+
+def _attention_backward(q, k, v, out, lse, dout, dlse, scale):
+    """(dq, dk, dv) of attention(q, k, v) for the upstream gradients dout [B, Hq, Lq, D] and dlse
+    [B, Hq, Lq] (or None), from the forward's out and lse: two launches, no atomics."""
+    if not HAS_SCORE_GRAD:
+        raise RuntimeError(f"{NAME}: the score_mod's derivative could not be generated ({NO_SCORE_GRAD}), so this "
+                           "file has no backward; call attention() under torch.no_grad(), or train with "
+                           "FlexAttention")
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    tables = _tables(q.device, Lq, Lk)
+    dout = dout if dout is not None else torch.zeros_like(out)
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - torch.nan_to_num(dlse.float(), posinf=0.0, neginf=0.0)
+    delta = delta.contiguous()
+    # rows that keep nothing (lse = -inf) read +inf: exp2(s - inf) = 0 for every pair
+    lse2 = torch.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634).contiguous()
+    D_PAD = max(16, triton.next_power_of_2(D))
+    m, n, warps, stages = _backward_tile(q.dtype, D_PAD)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    flags = dict(D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, IEEE=q.dtype == torch.float32,
+                 WIDEN=interpret and q.dtype == torch.bfloat16, TABLE_M=TABLE_M, TABLE_N=TABLE_N, BLOCK_M=m, BLOCK_N=n,
+                 num_warps=warps, num_stages=stages)
+    pointers = [tables[name] for name in ALL_POINTERS]
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
+    dq = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=q.device)
+    dk = torch.empty(B, Hkv, Lk, D, dtype=k.dtype, device=q.device)
+    dv = torch.empty(B, Hkv, Lk, D, dtype=v.dtype, device=q.device)
+    rows_lists = block_lists(B, Hq, Lq, Lk, q.device)
+    n_rows, n_cols = triton.cdiv(Lq, TABLE_M), triton.cdiv(Lk, TABLE_N)
+    s_th = n_rows if MASK_READS_HEAD else 0
+    s_tb = (Hq if MASK_READS_HEAD else 1) * n_rows if MASK_READS_BATCH else 0
+    _bwd_dq_kernel[(triton.cdiv(Lq, m), B * Hq)](q, k, v, dout, lse2, delta, dq, *rows_lists, *strides, s_tb, s_th,
+                                                 n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale, *pointers, **flags)
+    col_lists = column_lists(B, Hq, Lq, Lk, q.device)
+    c_th = n_cols if MASK_READS_HEAD else 0
+    c_tb = (Hq if MASK_READS_HEAD else 1) * n_cols if MASK_READS_BATCH else 0
+    _bwd_dkdv_kernel[(triton.cdiv(Lk, n), B * Hkv)](q, k, v, dout, lse2, delta, dk, dv, *col_lists, *strides, c_tb,
+                                                    c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, D, scale, *pointers,
+                                                    **flags)
+    return dq, dk, dv
+
+
+class _Attention(torch.autograd.Function):
+    """attention() with a backward: the forward saves q, k, v, out and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, invariant):
+        out, lse = _attention(q, k, v, scale, True, None, invariant)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _attention_backward(q, k, v, out, lse, dout, dlse, ctx.scale)
+        return dq, dk, dv, None, None

@@ -477,8 +477,9 @@ class FlexBackend:
 @dataclass(frozen=True)
 class PortBackend:
     """The generated Triton port (`workbench.port`): the file at `path`, or one generated for the
-    inputs' sizes. Forward only; `cu_seqlens` runs packed segments, `config` pins one tile
-    configuration (the invariance check's)."""
+    inputs' sizes. `backward`: also its dq, dk, dv (on a CPU under Triton's interpreter too);
+    `cu_seqlens` runs packed segments (forward), `config` pins one tile configuration (the
+    invariance check's)."""
 
     path: object = None
     name: str = "port"
@@ -486,16 +487,24 @@ class PortBackend:
 
     def run(self, mask: Mask, inputs: Inputs, *, backward: bool = False, block_mask: BlockMask | None = None,  # noqa: ARG002
             cu_seqlens=None, config: int | None = None) -> FlexRun:  # (a port builds its own block lists)
-        if backward:
-            raise WorkbenchError("the Triton port is forward only", "drop --backward, or verify FlexAttention's "
-                                 "backward (--backend flex)", mask.name)
         shape = inputs.shape
+        if backward and (cu_seqlens is not None or config is not None):
+            raise WorkbenchError("the port's backward runs unpacked calls with its own tiles",
+                                 "verify the backward without cu_seqlens / config", mask.name)
+        if backward and inputs.grad_out is None:
+            raise WorkbenchError("backward=True needs inputs made with backward=True (they carry grad_out)",
+                                 "call make_inputs(..., backward=True)", mask.name)
         path = self.path or port.build(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch)
         start = time.perf_counter()
-        out, lse = port.run_file(path, inputs.q, inputs.k, inputs.v, cu_seqlens=cu_seqlens, config=config)
+        grads = {}
+        if backward:
+            out, lse, grads = port.run_file_backward(path, inputs.q, inputs.k, inputs.v, inputs.grad_out)
+        else:
+            out, lse = port.run_file(path, inputs.q, inputs.k, inputs.v, cu_seqlens=cu_seqlens, config=config)
         if inputs.device.type == "cuda":
             torch.cuda.synchronize(inputs.device)
-        return FlexRun(out=out, lse=lse, compiled=False, compile_seconds=None, run_seconds=time.perf_counter() - start)
+        return FlexRun(out=out, lse=lse, grads=grads, compiled=False, compile_seconds=None,
+                       run_seconds=time.perf_counter() - start)
 
 
 @dataclass(frozen=True)
@@ -518,8 +527,9 @@ class PortPagedBackend:
     def run(self, mask: Mask, inputs: Inputs, *, backward: bool = False, block_mask: BlockMask | None = None,  # noqa: ARG002
             cu_seqlens=None, config: int | None = None) -> FlexRun:  # noqa: ARG002 (the contiguous port's)
         if backward:
-            raise WorkbenchError("the Triton port is forward only", "drop --backward, or verify FlexAttention's "
-                                 "backward (--backend flex)", mask.name)
+            raise WorkbenchError("attention_paged is an engine's forward (prefill and decode): it has no backward",
+                                 "verify the backward with --backend port (attention(), what a trainer runs)",
+                                 mask.name)
         shape = inputs.shape
         if shape.q_len > shape.kv_len:
             raise WorkbenchError(f"q_len {shape.q_len} is over kv_len {shape.kv_len}: in a paged step a request's "

@@ -19,11 +19,12 @@ against the float64 reference.
 """
 
 from workbench.port.check import PortResult, check
-from workbench.port.files import (build, in_process, load, loaded, require_triton, run_file, run_paged_file, triton_installed,
+from workbench.port.files import (build, in_process, load, loaded, require_triton, run_file, run_file_backward,
+                                 run_paged_file, triton_installed,
                                   write)
 from workbench.port.generate import (CONFIGS, DTYPES, ENTRY, MAX_HEAD_DIM, SEGMENT_CONFIGS, TEMPLATE,
                                      WIDE_ROW_CONFIGS, PortSource, check_supported, generate, pinned_config)
 
-__all__ = ["PortSource", "PortResult", "generate", "write", "build", "load", "loaded", "run_file", "run_paged_file", "check",
+__all__ = ["PortSource", "PortResult", "generate", "write", "build", "load", "loaded", "run_file", "run_file_backward", "run_paged_file", "check",
            "check_supported", "pinned_config", "in_process", "triton_installed", "require_triton", "CONFIGS",
            "SEGMENT_CONFIGS", "WIDE_ROW_CONFIGS", "DTYPES", "ENTRY", "MAX_HEAD_DIM", "TEMPLATE"]

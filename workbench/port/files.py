@@ -132,6 +132,27 @@ def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return _run_interpreted(path, tensors, scale, timeout, q.device)
 
 
+def run_file_backward(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                      scale: float | None = None, timeout: float = 1800) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(out, lse, {"dq", "dk", "dv"}) of the port at `path`: its forward on q, k, v and its
+    backward for the upstream gradient `grad_out` [B, Hq, Lq, D]. Where it runs as `run_file` says."""
+    require_triton()
+    if in_process(q.device):
+        module = loaded(path)
+
+        def call():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            with torch.enable_grad():
+                out, lse = module.attention(*leaves, scale=scale, return_lse=True)
+                grads = torch.autograd.grad(out, leaves, grad_out)
+            return out.detach(), lse.detach(), dict(zip(("dq", "dk", "dv"), grads))
+
+        return _refusals(call)
+    result = _run_interpreted(path, {"q": q, "k": k, "v": v, "grad_out": grad_out}, scale, timeout, q.device,
+                              names=("out", "lse", "dq", "dk", "dv"))
+    return result[0], result[1], dict(zip(("dq", "dk", "dv"), result[2:]))
+
+
 def run_paged_file(path: str | Path, step, scale: float | None = None, timeout: float = 1800,
                    invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) [total_q, Hq, D] / [total_q, Hq] of the port's `attention_paged` on `step` (a
@@ -158,7 +179,7 @@ def _refusals(call):
                              "call it within what it is valid for (the file's docstring says so)") from exc
 
 
-def _run_interpreted(path, tensors: dict, scale, timeout, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_interpreted(path, tensors: dict, scale, timeout, device, names=("out", "lse")) -> tuple:
     """The port's file run on `tensors` in a fresh process under Triton's interpreter."""
     import subprocess
     import tempfile
@@ -180,4 +201,4 @@ def _run_interpreted(path, tensors: dict, scale, timeout, device) -> tuple[torch
         raise WorkbenchError(f"the port failed under Triton's interpreter: {last[:400]}",
                              "run the port file by hand to see the traceback (TRITON_INTERPRET=1 on a CPU)")
     result = load_file(str(folder / "outputs.safetensors"))
-    return result["out"].to(device), result["lse"].to(device)
+    return tuple(result[n].to(device) for n in names)

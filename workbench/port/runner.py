@@ -3,9 +3,9 @@ interpreter, which must be on before triton is imported). Used by `port.run_file
 
     TRITON_INTERPRET=1 python -m workbench.port.runner PORT.py INPUTS.safetensors OUT.safetensors [SCALE]
 
-INPUTS holds q, k, v (and cu_seqlens), or the six tensors of attention_paged (PAGED_ARGS, and
-`invariant` for its invariant mode). Exit 0
-with OUT holding `out` and `lse`; 3 when the port refuses the call (sizes it is not valid
+INPUTS holds q, k, v (and cu_seqlens, or grad_out for a backward), or the six tensors of
+attention_paged (PAGED_ARGS, and `invariant` for its invariant mode). Exit 0 with OUT holding
+`out` and `lse` (and dq, dk, dv after a backward); 3 when the port refuses the call (sizes it is not valid
 for), with the reason on the last line of stderr.
 """
 
@@ -30,13 +30,21 @@ def main(argv: list[str]) -> int:
         if "block_table" in inputs:  # one serving step over a paged cache
             out, lse = module.attention_paged(*(inputs[n] for n in PAGED_ARGS), scale=scale, return_lse=True,
                                               check=True, invariant="invariant" in inputs)
+        elif "grad_out" in inputs:  # forward and backward: dq, dk, dv for the upstream gradient grad_out
+            import torch
+
+            q, k, v = (inputs[n].requires_grad_() for n in ("q", "k", "v"))
+            out, lse = module.attention(q, k, v, scale=scale, return_lse=True)
+            grads = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), inputs["grad_out"])))
+            out, lse = out.detach(), lse.detach()
         else:
             extra = {"cu_seqlens": inputs["cu_seqlens"]} if "cu_seqlens" in inputs else {}
             out, lse = module.attention(inputs["q"], inputs["k"], inputs["v"], scale=scale, return_lse=True, **extra)
     except (ValueError, TypeError) as exc:
         print(str(exc), file=sys.stderr)
         return 3
-    save_file({"out": out.contiguous(), "lse": lse.contiguous()}, out_path)
+    save_file({"out": out.contiguous(), "lse": lse.contiguous(),
+               **{n: g.contiguous() for n, g in (grads if "grad_out" in inputs else {}).items()}}, out_path)
     return 0
 
 

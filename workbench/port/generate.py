@@ -26,6 +26,7 @@ from workbench.define import captured_tensors, trace_mod
 from workbench.translate import Untranslatable, mod_functions, range_pointers
 from workbench.translate.derivative import derivative_mod
 from workbench.translate.triton_mask import translate_mod
+from workbench.translate.triton_table_grad import translate_table_grad
 
 __all__ = ["PortSource", "generate", "check_supported", "pinned_config", "CONFIGS", "SEGMENT_CONFIGS", "DTYPES",
            "ENTRY", "MAX_HEAD_DIM"]
@@ -150,12 +151,15 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     rules = {} if per_token else plan.rules
     source_mask = plan.mask if rules else mask
     has_bounds = mask.mask_mod is not None  # mask_mod_bounds too: the paged kernel skips tiles by them
+    # 0-d tensors the score_mod learns (a temperature) are kernel arguments, not numbers in the source
+    lifted = frozenset(rules) | {name for name, t in captured_tensors(source_mask).items()
+                                 if t.dim() == 0 and t.requires_grad and t.is_floating_point()}
     try:
         try:
-            parts, mask_ptrs, score_ptrs, captured = mod_functions(source_mask, frozenset(rules), bounds=has_bounds)
+            parts, mask_ptrs, score_ptrs, captured = mod_functions(source_mask, lifted, bounds=has_bounds)
         except Untranslatable:
             has_bounds = False
-            parts, mask_ptrs, score_ptrs, captured = mod_functions(source_mask, frozenset(rules))
+            parts, mask_ptrs, score_ptrs, captured = mod_functions(source_mask, lifted)
     except Untranslatable as exc:
         raise WorkbenchError(f"the mods cannot be written as Triton: {exc}",
                              "rewrite that part with elementwise torch ops (comparisons, arithmetic, torch.where, "
@@ -169,7 +173,8 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     if mask.score_mod is None:
         parts.append("@triton.jit\ndef score_mod_triton(score, b, h, q_idx, kv_idx):\n    # no score_mod\n"
                      "    return score\n")
-    grad_ptrs, no_grad = _score_grad(source_mask, frozenset(rules), parts)
+    grad_ptrs, no_grad = _score_grad(source_mask, lifted, parts)
+    table_ptrs, grad_tables = _table_grad(source_mask, lifted, parts)
     range_ptrs = range_pointers(mask_ptrs)
     if not has_bounds:
         parts.append("@triton.jit\ndef mask_mod_bounds(b, h, q_lo, q_hi, kv_lo, kv_hi"
@@ -220,6 +225,9 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@MASK_PTR_PARAMS@@": params(mask_ptrs), "@@MASK_PTR_ARGS@@": args(mask_ptrs),
         "@@SCORE_PTR_ARGS@@": args(score_ptrs), "@@GRAD_PTR_ARGS@@": args(grad_ptrs),
         "@@HAS_SCORE_GRAD@@": repr(no_grad is None), "@@NO_SCORE_GRAD@@": repr(no_grad),
+        "@@TGRAD_PTR_ARGS@@": args(table_ptrs), "@@GRAD_TABLES@@": repr(grad_tables),
+        "@@DTABLE_PTR_PARAMS@@": params([f"d_{n}_ptr" for n in grad_tables]),
+        "@@DTABLE_PTR_ARGS@@": args([f"d_{n}_ptr" for n in grad_tables]),
         "@@ALL_PTR_PARAMS@@": params(all_ptrs), "@@ALL_PTR_ARGS@@": args(all_ptrs),
         "@@CONFIGS@@": repr(CONFIGS),
         "@@SEGMENT_CONFIGS@@": repr(SEGMENT_CONFIGS),
@@ -251,6 +259,28 @@ def _score_grad(mask: Mask, lifted: frozenset, parts: list[str]) -> tuple[list[s
         return [], str(exc)
     parts.append(src)
     return pointers, None
+
+
+def _table_grad(mask: Mask, lifted: frozenset, parts: list[str]) -> tuple[list[str], list[str]]:
+    """Append score_table_grad_triton (the gradient of the score_mod's float tables, added where
+    each is read) to `parts`; returns the table pointers it reads and the tables' names (the bits
+    of its LEARN). ([], []) when the score_mod reads no table that can learn, or one the
+    translation cannot follow (the file then says so when such a table requires grad)."""
+    stub = ("@triton.jit\ndef score_table_grad_triton(score, b, h, q_idx, kv_idx, ds, LEARN: tl.constexpr):\n"
+            "    # no table of the score_mod learns here\n    return 0\n")
+    if mask.score_mod is None:
+        parts.append(stub)
+        return [], []
+    try:
+        done = translate_table_grad(trace_mod(mask.score_mod, "score"), dict(captured_tensors(mask)), lifted)
+    except Exception:  # Untranslatable (a table used whole), or a graph the tangent rules refuse
+        done = None
+    if done is None:
+        parts.append(stub)
+        return [], []
+    src, pointers, names = done
+    parts.append(src)
+    return pointers, names
 
 
 MAX_HEAD_DIM = 256

@@ -23,7 +23,7 @@ import torch.fx as fx
 from workbench.compat import aten_op_name
 from workbench.translate.emitter import Untranslatable
 
-__all__ = ["score_derivative", "derivative_mod", "DIFFERENTIABLE"]
+__all__ = ["score_derivative", "derivative_mod", "table_gradient_graph", "table_scatter", "DIFFERENTIABLE"]
 
 aten = torch.ops.aten
 # ops that pass their first argument's tangent through unchanged
@@ -71,6 +71,63 @@ def score_derivative(gm: fx.GraphModule) -> fx.GraphModule:
             raise Untranslatable(f"node {node.op} {node.target} in a score_mod's graph")
         _rule(graph, node, copy, env, tangent)
     return fx.GraphModule(gm, graph)
+
+
+def table_scatter(*table_indices_weight):  # noqa: ARG001 (a marker)
+    """A marker in table_gradient_graph's output: d loss / d table[indices] += ds * weight, for
+    every pair (written by the Triton emitter as an atomic add into the table's gradient)."""
+    raise RuntimeError("table_scatter is a graph marker, written as kernel source; it is never called")
+
+
+def table_gradient_graph(gm: fx.GraphModule, learnable: set[str]) -> tuple[fx.GraphModule, list[str]]:
+    """For a score_mod traced as (score, b, h, q_idx, kv_idx) -> score': a graph of the forward's
+    nodes, then per read of a learnable table (`table[i, j, ...]` with every dimension indexed, or
+    a 0-d tensor used whole) the read's weight d score' / d (the value read), forward-mode like
+    score_derivative, ending in `table_scatter(table, indices, weight)`. `learnable` names the
+    get_attr targets of the tables; returns the graph and those it reads, in order of first read."""
+    graph = fx.Graph()
+    env: dict = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    seeds = []  # (forward node whose value is a learnable table's entry, the table's get_attr, the indices)
+    for node in nodes:
+        if node.op == "get_attr" and node.target in learnable and getattr(gm, node.target).dim() == 0:
+            seeds.append((node, node, []))
+        elif (node.op == "call_function" and aten_op_name(node.target) == "index" and isinstance(node.args[0], fx.Node)
+              and node.args[0].op == "get_attr" and node.args[0].target in learnable):
+            table = getattr(gm, node.args[0].target)
+            if len(node.args[1]) != table.dim() or any(i is None for i in node.args[1]):
+                raise Untranslatable(f"the learnable table `{node.args[0].target}` is read other than as "
+                                     "table[i, j, ...] with every dimension indexed")
+            seeds.append((node, node.args[0], list(node.args[1])))
+    seed_nodes = {seed for seed, _, _ in seeds}
+    for node in nodes:  # every use of a learnable table must be one of those reads
+        if node.op == "get_attr" and node.target in learnable and getattr(gm, node.target).dim() > 0:
+            if any(user not in seed_nodes for user in node.users):
+                raise Untranslatable(f"the learnable table `{node.target}` is used whole or sliced, not read entry "
+                                     "by entry (table[i, j, ...])")
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    result = output.args[0]
+    result = result[0] if isinstance(result, (tuple, list)) else result
+    read = []
+    for seed, table, indices in seeds:
+        ones = graph.call_function(aten.add.Tensor, (graph.call_function(aten.mul.Tensor, (env[placeholders[0]], 0.0)),
+                                                     1.0))
+        tangent = {seed: ones}
+        for node in nodes[nodes.index(seed) + 1:]:
+            if node.op == "call_function":
+                _rule(graph, node, env[node], env, tangent)
+        weight = tangent.get(result)
+        if weight is None:
+            continue  # the read does not reach the score (or only through a comparison)
+        graph.call_function(table_scatter, (env[table], [env[i] if isinstance(i, fx.Node) else i for i in indices],
+                                            weight))
+        if table.target not in read:
+            read.append(table.target)
+    graph.output(None)
+    return fx.GraphModule(gm, graph), read
 
 
 def derivative_mod(score_mod):

@@ -1,7 +1,9 @@
 """The port's backward, appended to forward.py by `port.generate`: dq, dk, dv of `attention` over
 the forward's block structure, and the autograd Function that `attention` runs through when q, k
 or v requires grad. Markers: @@ALL_PTR_PARAMS@@ / @@MASK_PTR_ARGS@@ / @@SCORE_PTR_ARGS@@ /
-@@GRAD_PTR_ARGS@@ (the tables score_grad_triton reads), @@HAS_SCORE_GRAD@@, @@NO_SCORE_GRAD@@."""
+@@GRAD_PTR_ARGS@@ (the tables score_grad_triton reads), @@TGRAD_PTR_ARGS@@ (those
+score_table_grad_triton reads), @@DTABLE_PTR_PARAMS@@ / @@DTABLE_PTR_ARGS@@ (the tables'
+gradients), @@GRAD_TABLES@@, @@HAS_SCORE_GRAD@@, @@NO_SCORE_GRAD@@."""
 
 import torch
 import triton
@@ -25,6 +27,11 @@ import triton.language as tl
 
 HAS_SCORE_GRAD = @@HAS_SCORE_GRAD@@  # the score_mod's derivative was generated (or there is no score_mod)
 NO_SCORE_GRAD = @@NO_SCORE_GRAD@@  # why not, when it was not
+# the score_mod's tables that can learn (tables={name: a tensor that requires grad}): their
+# gradient is added where the score_mod reads them (score_table_grad_triton; bit t of its LEARN
+# turns table t's adds on). A float atomic add per kept pair and read: their order varies, so
+# these gradients differ in the last bits run to run (dq, dk and dv never do)
+GRAD_TABLES = @@GRAD_TABLES@@
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of both backward kernels; the second for float32 or
 # D > 128, whose tiles need twice the registers
 BWD_TILES = [(32, 32, 4, 1), (32, 32, 4, 1)] if _INTERPRET else [(64, 64, 4, 1), (32, 32, 4, 1)]
@@ -44,11 +51,13 @@ def _dot32(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
 
 @triton.jit
 def _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, q_off, kv_off,
-              @@ALL_PTR_PARAMS@@
-              MASKED: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+              @@ALL_PTR_PARAMS@@ @@DTABLE_PTR_PARAMS@@
+              MASKED: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+              LEARN: tl.constexpr):
     # one tile of queries x keys: q, do [M, D]; k, v [N, D]; lse2 = lse * log2(e) [M] (+inf for
     # rows that keep nothing); delta [M]. Returns p [M, N] and dx [M, N] = ds * score_grad * scale,
-    # both 0 outside the kept pairs (and outside the lengths: the clamped rows and keys)
+    # both 0 outside the kept pairs (and outside the lengths: the clamped rows and keys). LEARN:
+    # also add ds into the gradients of the learnable tables the score_mod reads
     qk = _dot32(q, tl.trans(k), IEEE=IEEE, WIDEN=WIDEN)
     q_idx = tl.minimum(offs_m, Lq - 1)[:, None] + q_off
     kv_idx = tl.minimum(offs_n, Lk - 1)[None, :] + kv_off
@@ -63,6 +72,8 @@ def _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 
     p = tl.where(keep, tl.math.exp2(s - lse2[:, None]), 0.0)
     dp = _dot32(do, tl.trans(v), IEEE=IEEE, WIDEN=WIDEN)
     ds = p * (dp - delta[:, None])
+    if LEARN != 0:
+        score_table_grad_triton(x, b, h, q_idx, kv_idx, ds@@TGRAD_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, LEARN=LEARN)
     if HAS_SCORE:
         # where p is 0 the pair adds nothing, whatever the derivative is there (a score_mod that
         # sends a pair to -inf may have an infinite or NaN derivative at it)
@@ -74,8 +85,8 @@ def _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 
 def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ, partial_num, partial_idx, full_num, full_idx,
                    s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                    s_ob, s_oh, s_om, s_od, s_tb, s_th, n_cols, Hq, group, Lq, Lk, D, sm_scale,
-                   @@ALL_PTR_PARAMS@@
-                   D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                   @@ALL_PTR_PARAMS@@ @@DTABLE_PTR_PARAMS@@
+                   LEARN: tl.constexpr, D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
                    TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # one program = BLOCK_M queries of one (batch, query head): dq over the kv blocks the forward
     # visited (its full and partial lists; the mask is evaluated in partial blocks only)
@@ -114,7 +125,8 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ, partial_num, partial_idx, full_
                     k = tl.load(K_bh + cols[:, None] * s_kn + offs_d[None, :] * s_kd, mask=d_ok[None, :], other=0.0)
                     v = tl.load(V_bh + cols[:, None] * s_vn + offs_d[None, :] * s_vd, mask=d_ok[None, :], other=0.0)
                     p, dx = _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 0, 0
-                                      @@ALL_PTR_ARGS@@, MASKED=masked, HAS_SCORE=HAS_SCORE, IEEE=IEEE, WIDEN=WIDEN)
+                                      @@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, MASKED=masked, HAS_SCORE=HAS_SCORE,
+                                      IEEE=IEEE, WIDEN=WIDEN, LEARN=LEARN)
                     dq += _dot32(dx if IEEE else dx.to(k.dtype), k, IEEE=IEEE, WIDEN=WIDEN)
             j += 1
     tl.store(DQ + bh.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
@@ -125,7 +137,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ, partial_num, partial_idx, full_
 def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV, partial_num, partial_idx, full_num, full_idx,
                      s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                      s_ob, s_oh, s_om, s_od, s_tb, s_th, n_rows, Hq, Hkv, group, Lq, Lk, D, sm_scale,
-                     @@ALL_PTR_PARAMS@@
+                     @@ALL_PTR_PARAMS@@ @@DTABLE_PTR_PARAMS@@
                      D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
                      TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # one program = BLOCK_N keys of one (batch, kv head): dk and dv summed over the query heads of
@@ -171,7 +183,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV, partial_num, partial_idx,
                         lse2 = tl.load(Lse2 + bh.to(tl.int64) * Lq + rows)
                         delta = tl.load(Delta + bh.to(tl.int64) * Lq + rows)
                         p, dx = _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 0, 0
-                                          @@ALL_PTR_ARGS@@, MASKED=masked, HAS_SCORE=HAS_SCORE, IEEE=IEEE, WIDEN=WIDEN)
+                                          @@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, MASKED=masked, HAS_SCORE=HAS_SCORE,
+                                          IEEE=IEEE, WIDEN=WIDEN, LEARN=0)
                         dv += _dot32(tl.trans(p if IEEE else p.to(do.dtype)), do, IEEE=IEEE, WIDEN=WIDEN)
                         dk += _dot32(tl.trans(dx if IEEE else dx.to(q.dtype)), q, IEEE=IEEE, WIDEN=WIDEN)
                 j += 1
@@ -201,16 +214,18 @@ def _backward_tile(dtype, D_PAD):
     return BWD_TILES[1] if dtype == torch.float32 or D_PAD > 128 else BWD_TILES[0]
 
 
-def _attention_backward(q, k, v, out, lse, dout, dlse, scale):
-    """(dq, dk, dv) of attention(q, k, v) for the upstream gradients dout [B, Hq, Lq, D] and dlse
-    [B, Hq, Lq] (or None), from the forward's out and lse: two launches, no atomics."""
+def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn=()):
+    """(dq, dk, dv, {name: gradient}) of attention(q, k, v) for the upstream gradients dout
+    [B, Hq, Lq, D] and dlse [B, Hq, Lq] (or None), from the forward's out and lse; `tables`: the
+    call's replaced tables, `learn`: the names of GRAD_TABLES whose gradient is wanted. Two
+    launches; atomics only for the tables' gradients."""
     if not HAS_SCORE_GRAD:
         raise RuntimeError(f"{NAME}: the score_mod's derivative could not be generated ({NO_SCORE_GRAD}), so this "
                            "file has no backward; call attention() under torch.no_grad(), or train with "
                            "FlexAttention")
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    tables = _tables(q.device, Lq, Lk)
+    captured = {**_tables(q.device, Lq, Lk), **(tables or {})}
     dout = dout if dout is not None else torch.zeros_like(out)
     delta = (dout.float() * out.float()).sum(-1)
     if dlse is not None:
@@ -224,7 +239,11 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale):
     flags = dict(D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, IEEE=q.dtype == torch.float32,
                  WIDEN=interpret and q.dtype == torch.bfloat16, TABLE_M=TABLE_M, TABLE_N=TABLE_N, BLOCK_M=m, BLOCK_N=n,
                  num_warps=warps, num_stages=stages)
-    pointers = [tables[name] for name in ALL_POINTERS]
+    pointers = [captured[name] for name in ALL_POINTERS]
+    # the tables' gradients in float32 (a 1-element stand-in for tables that do not learn now)
+    d_tables = [torch.zeros(captured[name].shape if name in learn else (1,), dtype=torch.float32, device=q.device)
+                for name in GRAD_TABLES]
+    bits = sum(1 << i for i, name in enumerate(GRAD_TABLES) if name in learn)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
     dq = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=q.device)
     dk = torch.empty(B, Hkv, Lk, D, dtype=k.dtype, device=q.device)
@@ -234,28 +253,65 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale):
     s_th = n_rows if MASK_READS_HEAD else 0
     s_tb = (Hq if MASK_READS_HEAD else 1) * n_rows if MASK_READS_BATCH else 0
     _bwd_dq_kernel[(triton.cdiv(Lq, m), B * Hq)](q, k, v, dout, lse2, delta, dq, *rows_lists, *strides, s_tb, s_th,
-                                                 n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale, *pointers, **flags)
+                                                 n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale, *pointers, *d_tables,
+                                                 LEARN=bits, **flags)
     col_lists = column_lists(B, Hq, Lq, Lk, q.device)
     c_th = n_cols if MASK_READS_HEAD else 0
     c_tb = (Hq if MASK_READS_HEAD else 1) * n_cols if MASK_READS_BATCH else 0
     _bwd_dkdv_kernel[(triton.cdiv(Lk, n), B * Hkv)](q, k, v, dout, lse2, delta, dk, dv, *col_lists, *strides, c_tb,
                                                     c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, D, scale, *pointers,
-                                                    **flags)
-    return dq, dk, dv
+                                                    *d_tables, **flags)
+    grads = {name: d.to(captured[name].dtype) for name, d in zip(GRAD_TABLES, d_tables) if name in learn}
+    return dq, dk, dv, grads
+
+
+def _call_tables(tables, device) -> dict:
+    """attention()'s `tables=`, checked: {name: tensor} replacing the file's captured tensors that
+    only the score_mod reads (the mask's tables decide the block lists, scanned once per size)."""
+    if not tables:
+        return {}
+    if not isinstance(tables, dict):
+        raise TypeError(f"tables must be a dict {{name: tensor}}; got {type(tables).__name__}")
+    captured = _tables(device, 1, 1)
+    replaceable = [n for n in ALL_POINTERS if n not in MASK_POINTERS and n in captured and n not in LENGTH_RULES]
+    out = {}
+    for name, t in tables.items():
+        if name in MASK_POINTERS:
+            raise ValueError(f"tables: {name!r} is read by the mask_mod, whose block lists are scanned once per size "
+                             "from the file's tables; generate the port again with the new table (or pass it to "
+                             "attention_paged, which scans no lists)")
+        if name not in replaceable:
+            raise ValueError(f"tables: {NAME}'s score_mod reads no tensor named {name!r}; it reads "
+                             f"{replaceable or 'none'}")
+        if not isinstance(t, torch.Tensor) or t.shape != captured[name].shape or t.dtype != captured[name].dtype:
+            raise ValueError(f"tables[{name!r}] must be a {captured[name].dtype} tensor of shape "
+                             f"{tuple(captured[name].shape)}; got {getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+        if t.device != torch.device(device) and not (t.device.type == torch.device(device).type == "cuda"):
+            raise ValueError(f"tables[{name!r}] is on {t.device}; q is on {device}")
+        if t.requires_grad and name not in GRAD_TABLES:
+            raise ValueError(f"tables[{name!r}] requires grad, but this file has no gradient for it (the score_mod "
+                             f"uses it other than entry by entry, or it is a 0-d number that did not require grad "
+                             f"when the port was generated); tables with a gradient here: {GRAD_TABLES or 'none'}")
+        out[name] = t
+    return out
 
 
 class _Attention(torch.autograd.Function):
-    """attention() with a backward: the forward saves q, k, v, out and lse."""
+    """attention() with a backward: the forward saves q, k, v, out, lse and the call's tables."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, invariant):
-        out, lse = _attention(q, k, v, scale, True, None, invariant)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = scale
+    def forward(ctx, q, k, v, scale, invariant, names, *values):
+        tables = {n: t.detach().contiguous() for n, t in zip(names, values)}
+        out, lse = _attention(q, k, v, scale, True, None, invariant, tables=tables)
+        ctx.save_for_backward(q, k, v, out, lse, *values)
+        ctx.scale, ctx.names = scale, names
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _attention_backward(q, k, v, out, lse, dout, dlse, ctx.scale)
-        return dq, dk, dv, None, None
+        q, k, v, out, lse, *values = ctx.saved_tensors
+        learn = [n for i, n in enumerate(ctx.names) if ctx.needs_input_grad[6 + i]]
+        tables = {n: t.detach().contiguous() for n, t in zip(ctx.names, values)}
+        dq, dk, dv, grads = _attention_backward(q, k, v, out, lse, dout, dlse, ctx.scale, tables, learn)
+        return (dq, dk, dv, None, None, None, *[grads.get(n) for n in ctx.names])

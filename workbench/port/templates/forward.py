@@ -658,7 +658,7 @@ def _check(q, k, v):
     return B, Hq, Lq, D, Hkv, Lk
 
 
-def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None, invariant=False):
+def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None, invariant=False, tables=None):
     """Attention under this file's mask and score, with FlexAttention's semantics.
 
     q:           [B, Hq, Lq, D]   bfloat16, float16 or float32, on a CUDA GPU (or the CPU under
@@ -675,6 +675,11 @@ def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None, invaria
                  pieces of SPLIT_KEYS keys folded in order): a row's bits depend only on its own
                  keys, and equal attention_paged(..., invariant=True)'s for the same request (a
                  trainer's forward = an engine's prefill = its decode). Never autotuned.
+    tables:      {name: tensor} replacing, for this call, captured tensors only the score_mod reads
+                 (same shape and dtype); one that requires grad gets its gradient (GRAD_TABLES:
+                 e.g. a learnable bias table, a per-head slope vector)
+    Differentiable: when q, k, v or a table requires grad, out (and lse) carry gradients, computed
+    by this file's backward kernels (dq, dk, dv; GQA summed over each kv head's query heads).
     Returns out [B, Hq, Lq, D] in q's dtype (and lse). Rows that keep no key give out = 0.
 
     The mods see q_idx = 0 .. Lq-1 and kv_idx = 0 .. Lk-1, as FlexAttention calls them. Numbers the
@@ -692,7 +697,9 @@ def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None, invaria
     B, Hq, Lq, D, Hkv, Lk = _check(q, k, v)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     bounds = None if cu_seqlens is None else _segments(cu_seqlens, Lq, Lk)
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    tables = _call_tables(tables, q.device)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or any(t.requires_grad for t in tables.values()))
     if B == 0 or Lq == 0 or Lk == 0:  # nothing to launch: no rows, or rows that keep no key (out 0, lse -inf)
         out = torch.zeros(B, Hq, Lq, D, dtype=q.dtype, device=q.device)
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -704,9 +711,10 @@ def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None, invaria
             raise ValueError("the backward runs unpacked calls only: with cu_seqlens and q, k or v requiring grad, "
                              "call attention(q, k, v) without cu_seqlens (a document mask's block lists already "
                              "skip every pair across documents), or run the packed call under torch.no_grad()")
-        out, lse = _Attention.apply(q, k, v, scale, bool(invariant))
+        names = tuple(tables)
+        out, lse = _Attention.apply(q, k, v, scale, bool(invariant), names, *[tables[n] for n in names])
         return (out, lse) if return_lse else out
-    return _attention(q, k, v, scale, return_lse, bounds, invariant)
+    return _attention(q, k, v, scale, return_lse, bounds, invariant, tables=tables)
 
 
 def _segments(cu_seqlens, Lq, Lk):
@@ -770,11 +778,12 @@ def _stack_segment_lists(batch: int, heads: int, bounds: tuple, device) -> tuple
     return (*[t.contiguous() for t in stacked], info.contiguous())
 
 
-def _attention(q, k, v, scale, return_lse, bounds, invariant=False):
-    """One launch: over the whole sequence, or (bounds) over packed segments, each tiled from its start."""
+def _attention(q, k, v, scale, return_lse, bounds, invariant=False, tables=None):
+    """One launch: over the whole sequence, or (bounds) over packed segments, each tiled from its
+    start. `tables`: captured tensors replaced for this call (checked by _call_tables)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    tables = _tables(q.device, Lq, Lk)
+    tables = {**_tables(q.device, Lq, Lk), **{n: t.detach().contiguous() for n, t in (tables or {}).items()}}
     if bounds is None:
         partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device)
         segments = partial_num  # not read

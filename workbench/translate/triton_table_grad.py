@@ -1,0 +1,84 @@
+"""The gradient of a score_mod's learnable tables as Triton: `score_table_grad_triton`, which adds
+each pair's d loss / d table[i, ...] into the table's gradient where the score_mod reads it. The
+weights come from `derivative.table_gradient_graph` (forward-mode from each read); the reads'
+offsets are the ones the pair-wise translation computes. Each table's adds are compiled in only
+when bit t of the constexpr LEARN is set (t = the table's place in the returned names), so a call
+pays only for the tables that require grad.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workbench.translate.derivative import table_gradient_graph
+from workbench.translate.emitter import Untranslatable, View
+from workbench.translate.triton_mask import TritonMaskEmitter
+
+__all__ = ["translate_table_grad", "score_tables"]
+
+
+def score_tables(gm, captured: dict[str, torch.Tensor], lifted: frozenset) -> dict[str, str]:
+    """{get_attr target: captured name} of the float tables the traced score_mod reads that can
+    learn: tables of one or more dimensions, and 0-d ones passed as kernel arguments (`lifted`)."""
+    by_ptr = {(t.data_ptr(), tuple(t.shape)): n for n, t in captured.items()}
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            t = getattr(gm, node.target)
+            name = by_ptr.get((t.data_ptr(), tuple(t.shape)))
+            if name is not None and t.is_floating_point() and (t.dim() > 0 or name in lifted):
+                out[node.target] = name
+    return out
+
+
+class _TableGradEmitter(TritonMaskEmitter):
+    def __init__(self, gm, arg_names, captured, lifted, order: list[str]):
+        super().__init__(gm, arg_names, captured, lifted)
+        self.order = order  # the tables' captured names: bit t of LEARN is order[t]
+
+    def call(self, op, node):
+        if op != "table_scatter":
+            return super().call(op, node)
+        table, indices, weight = node.args
+        base = self.value(table)
+        if not isinstance(base, View):  # a 0-d table passed as an argument is a View too
+            raise Untranslatable("a learnable table that is not a captured tensor")
+        parts = [base.offset]
+        for i, stride in zip(indices, base.strides):
+            v = self.as_elementwise(self.value(i))
+            if not isinstance(v, str):
+                raise Untranslatable("a learnable table read at a vector of indices")
+            parts.append(f"({v}) * {stride}" if stride != 1 else f"({v})")
+        offset = " + ".join(p for p in parts if p != "0") or "0"
+        w = self.as_elementwise(self.value(weight))
+        if not isinstance(w, str):
+            raise Untranslatable("a learnable table's weight that is a vector")
+        name = base.ptr[: -len("_ptr")]
+        bit = 1 << self.order.index(name)
+        # ds is 0 where the pair is dropped or p = 0: no add there (and no 0 * inf)
+        self.lines.append(f"    if (LEARN // {bit}) % 2 == 1:")
+        self.lines.append(f"        tl.atomic_add(d_{name}_ptr + ({offset}) + zero_, tl.where(ds == 0.0, 0.0, ds * ({w})), "
+                          "mask=ds != 0.0)")
+        return "0"
+
+    def output(self, node):  # noqa: ARG002 (the adds are the result)
+        self.lines.append("    return 0")
+
+
+def translate_table_grad(gm, captured: dict[str, torch.Tensor], lifted: frozenset = frozenset()
+                         ) -> tuple[str, list[str], list[str]] | None:
+    """(source of score_table_grad_triton, the table pointers it reads, the learnable tables'
+    names in LEARN's bit order), or None when the score_mod reads no table that can learn.
+    Signature: (score, b, h, q_idx, kv_idx, ds, <table pointers>, <d_NAME_ptr per table>, LEARN)."""
+    targets = score_tables(gm, captured, lifted)
+    if not targets:
+        return None
+    graph, read = table_gradient_graph(gm, set(targets))
+    if not read:
+        return None
+    order = [targets[t] for t in read]
+    emitter = _TableGradEmitter(graph, ["score", "b", "h", "q_idx", "kv_idx"], dict(captured), lifted, order)
+    emitter.walk()
+    emitter.lines.insert(0, "    zero_ = (ds * 0.0).to(tl.int32)  # the pair grid's shape, for the pointers")
+    params = ["score", "b", "h", "q_idx", "kv_idx", "ds"] + emitter.pointers + [f"d_{n}_ptr" for n in order]
+    return emitter.function("score_table_grad_triton", params + ["LEARN: tl.constexpr"]), emitter.pointers, order

@@ -266,7 +266,7 @@ def _table_grad(mask: Mask, lifted: frozenset, parts: list[str]) -> tuple[list[s
     each is read) to `parts`; returns the table pointers it reads and the tables' names (the bits
     of its LEARN). ([], []) when the score_mod reads no table that can learn, or one the
     translation cannot follow (the file then says so when such a table requires grad)."""
-    stub = ("@triton.jit\ndef score_table_grad_triton(score, b, h, q_idx, kv_idx, ds, LEARN: tl.constexpr):\n"
+    stub = ("@triton.jit\ndef score_table_grad_triton(score, b, h, q_idx, kv_idx, ds, LEARN: tl.constexpr, DETERMINISTIC: tl.constexpr):\n"
             "    # no table of the score_mod learns here\n    return 0\n")
     if mask.score_mod is None:
         parts.append(stub)

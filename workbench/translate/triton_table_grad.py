@@ -3,7 +3,9 @@ each pair's d loss / d table[i, ...] into the table's gradient where the score_m
 weights come from `derivative.table_gradient_graph` (forward-mode from each read); the reads'
 offsets are the ones the pair-wise translation computes. Each table's adds are compiled in only
 when bit t of the constexpr LEARN is set (t = the table's place in the returned names), so a call
-pays only for the tables that require grad.
+pays only for the tables that require grad. The adds are atomic: in float32 their order, and so
+the last bits, vary run to run; with the constexpr DETERMINISTIC they are integer adds of the value
+in units of 2^-32 (rounded to nearest), whose sum is the same in any order.
 """
 
 from __future__ import annotations
@@ -56,9 +58,14 @@ class _TableGradEmitter(TritonMaskEmitter):
         name = base.ptr[: -len("_ptr")]
         bit = 1 << self.order.index(name)
         # ds is 0 where the pair is dropped or p = 0: no add there (and no 0 * inf)
-        self.lines.append(f"    if (LEARN // {bit}) % 2 == 1:")
-        self.lines.append(f"        tl.atomic_add(d_{name}_ptr + ({offset}) + zero_, tl.where(ds == 0.0, 0.0, ds * ({w})), "
-                          "mask=ds != 0.0)")
+        add = self.fresh("add")
+        self.lines += [f"    if (LEARN // {bit}) % 2 == 1:",
+                       f"        {add} = tl.where(ds == 0.0, 0.0, ds * ({w}))",
+                       "        if DETERMINISTIC:  # integer adds in units of 2^-32: the same sum in any order",
+                       f"            tl.atomic_add(d_{name}_ptr + ({offset}) + zero_, "
+                       f"tl.floor({add} * 4294967296.0 + 0.5).to(tl.int64), mask=ds != 0.0)",
+                       "        else:",
+                       f"            tl.atomic_add(d_{name}_ptr + ({offset}) + zero_, {add}, mask=ds != 0.0)"]
         return "0"
 
     def output(self, node):  # noqa: ARG002 (the adds are the result)
@@ -69,7 +76,9 @@ def translate_table_grad(gm, captured: dict[str, torch.Tensor], lifted: frozense
                          ) -> tuple[str, list[str], list[str]] | None:
     """(source of score_table_grad_triton, the table pointers it reads, the learnable tables'
     names in LEARN's bit order), or None when the score_mod reads no table that can learn.
-    Signature: (score, b, h, q_idx, kv_idx, ds, <table pointers>, <d_NAME_ptr per table>, LEARN)."""
+    Signature: (score, b, h, q_idx, kv_idx, ds, <table pointers>, <d_NAME_ptr per table>, LEARN,
+    DETERMINISTIC): float32 gradients, or with DETERMINISTIC int64 ones in units of 2^-32 (integer
+    adds give the same sum in any order)."""
     targets = score_tables(gm, captured, lifted)
     if not targets:
         return None
@@ -81,4 +90,5 @@ def translate_table_grad(gm, captured: dict[str, torch.Tensor], lifted: frozense
     emitter.walk()
     emitter.lines.insert(0, "    zero_ = (ds * 0.0).to(tl.int32)  # the pair grid's shape, for the pointers")
     params = ["score", "b", "h", "q_idx", "kv_idx", "ds"] + emitter.pointers + [f"d_{n}_ptr" for n in order]
-    return emitter.function("score_table_grad_triton", params + ["LEARN: tl.constexpr"]), emitter.pointers, order
+    return (emitter.function("score_table_grad_triton", params + ["LEARN: tl.constexpr", "DETERMINISTIC: tl.constexpr"]),
+            emitter.pointers, order)

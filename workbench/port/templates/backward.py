@@ -30,7 +30,9 @@ NO_SCORE_GRAD = @@NO_SCORE_GRAD@@  # why not, when it was not
 # the score_mod's tables that can learn (tables={name: a tensor that requires grad}): their
 # gradient is added where the score_mod reads them (score_table_grad_triton; bit t of its LEARN
 # turns table t's adds on). A float atomic add per kept pair and read: their order varies, so
-# these gradients differ in the last bits run to run (dq, dk and dv never do)
+# these gradients differ in the last bits run to run (dq, dk and dv never do), unless the call
+# asks for deterministic=True: then they are integer adds in units of 2^-32 (rounded to nearest;
+# the same sum in any order; tables' gradients up to 2^31 in size)
 GRAD_TABLES = @@GRAD_TABLES@@
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of both backward kernels; the second for float32 or
 # D > 128, whose tiles need twice the registers
@@ -53,7 +55,7 @@ def _dot32(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
 def _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, q_off, kv_off,
               @@ALL_PTR_PARAMS@@ @@DTABLE_PTR_PARAMS@@
               MASKED: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
-              LEARN: tl.constexpr):
+              LEARN: tl.constexpr, DETERMINISTIC: tl.constexpr):
     # one tile of queries x keys: q, do [M, D]; k, v [N, D]; lse2 = lse * log2(e) [M] (+inf for
     # rows that keep nothing); delta [M]. Returns p [M, N] and dx [M, N] = ds * score_grad * scale,
     # both 0 outside the kept pairs (and outside the lengths: the clamped rows and keys). LEARN:
@@ -73,7 +75,8 @@ def _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 
     dp = _dot32(do, tl.trans(v), IEEE=IEEE, WIDEN=WIDEN)
     ds = p * (dp - delta[:, None])
     if LEARN != 0:
-        score_table_grad_triton(x, b, h, q_idx, kv_idx, ds@@TGRAD_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, LEARN=LEARN)
+        score_table_grad_triton(x, b, h, q_idx, kv_idx, ds@@TGRAD_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, LEARN=LEARN,
+                                DETERMINISTIC=DETERMINISTIC)
     if HAS_SCORE:
         # where p is 0 the pair adds nothing, whatever the derivative is there (a score_mod that
         # sends a pair to -inf may have an infinite or NaN derivative at it)
@@ -86,7 +89,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ, partial_num, partial_idx, full_
                    s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                    s_ob, s_oh, s_om, s_od, s_tb, s_th, n_cols, Hq, group, Lq, Lk, D, sm_scale,
                    @@ALL_PTR_PARAMS@@ @@DTABLE_PTR_PARAMS@@
-                   LEARN: tl.constexpr, D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                   LEARN: tl.constexpr, DETERMINISTIC: tl.constexpr, D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
                    TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # one program = BLOCK_M queries of one (batch, query head): dq over the kv blocks the forward
     # visited (its full and partial lists; the mask is evaluated in partial blocks only)
@@ -126,7 +129,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ, partial_num, partial_idx, full_
                     v = tl.load(V_bh + cols[:, None] * s_vn + offs_d[None, :] * s_vd, mask=d_ok[None, :], other=0.0)
                     p, dx = _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 0, 0
                                       @@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, MASKED=masked, HAS_SCORE=HAS_SCORE,
-                                      IEEE=IEEE, WIDEN=WIDEN, LEARN=LEARN)
+                                      IEEE=IEEE, WIDEN=WIDEN, LEARN=LEARN, DETERMINISTIC=DETERMINISTIC)
                     dq += _dot32(dx if IEEE else dx.to(k.dtype), k, IEEE=IEEE, WIDEN=WIDEN)
             j += 1
     tl.store(DQ + bh.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
@@ -184,7 +187,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV, partial_num, partial_idx,
                         delta = tl.load(Delta + bh.to(tl.int64) * Lq + rows)
                         p, dx = _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 0, 0
                                           @@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, MASKED=masked, HAS_SCORE=HAS_SCORE,
-                                          IEEE=IEEE, WIDEN=WIDEN, LEARN=0)
+                                          IEEE=IEEE, WIDEN=WIDEN, LEARN=0, DETERMINISTIC=False)
                         dv += _dot32(tl.trans(p if IEEE else p.to(do.dtype)), do, IEEE=IEEE, WIDEN=WIDEN)
                         dk += _dot32(tl.trans(dx if IEEE else dx.to(q.dtype)), q, IEEE=IEEE, WIDEN=WIDEN)
                 j += 1
@@ -214,11 +217,11 @@ def _backward_tile(dtype, D_PAD):
     return BWD_TILES[1] if dtype == torch.float32 or D_PAD > 128 else BWD_TILES[0]
 
 
-def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn=()):
+def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn=(), deterministic=False):
     """(dq, dk, dv, {name: gradient}) of attention(q, k, v) for the upstream gradients dout
     [B, Hq, Lq, D] and dlse [B, Hq, Lq] (or None), from the forward's out and lse; `tables`: the
     call's replaced tables, `learn`: the names of GRAD_TABLES whose gradient is wanted. Two
-    launches; atomics only for the tables' gradients."""
+    launches; atomics only for the tables' gradients (integer ones with `deterministic`)."""
     if not HAS_SCORE_GRAD:
         raise RuntimeError(f"{NAME}: the score_mod's derivative could not be generated ({NO_SCORE_GRAD}), so this "
                            "file has no backward; call attention() under torch.no_grad(), or train with "
@@ -241,7 +244,8 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
                  num_warps=warps, num_stages=stages)
     pointers = [captured[name] for name in ALL_POINTERS]
     # the tables' gradients in float32 (a 1-element stand-in for tables that do not learn now)
-    d_tables = [torch.zeros(captured[name].shape if name in learn else (1,), dtype=torch.float32, device=q.device)
+    d_tables = [torch.zeros(captured[name].shape if name in learn else (1,),
+                            dtype=torch.int64 if deterministic else torch.float32, device=q.device)
                 for name in GRAD_TABLES]
     bits = sum(1 << i for i, name in enumerate(GRAD_TABLES) if name in learn)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
@@ -254,13 +258,15 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
     s_tb = (Hq if MASK_READS_HEAD else 1) * n_rows if MASK_READS_BATCH else 0
     _bwd_dq_kernel[(triton.cdiv(Lq, m), B * Hq)](q, k, v, dout, lse2, delta, dq, *rows_lists, *strides, s_tb, s_th,
                                                  n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale, *pointers, *d_tables,
-                                                 LEARN=bits, **flags)
+                                                 LEARN=bits, DETERMINISTIC=bool(deterministic), **flags)
     col_lists = column_lists(B, Hq, Lq, Lk, q.device)
     c_th = n_cols if MASK_READS_HEAD else 0
     c_tb = (Hq if MASK_READS_HEAD else 1) * n_cols if MASK_READS_BATCH else 0
     _bwd_dkdv_kernel[(triton.cdiv(Lk, n), B * Hkv)](q, k, v, dout, lse2, delta, dk, dv, *col_lists, *strides, c_tb,
                                                     c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, D, scale, *pointers,
                                                     *d_tables, **flags)
+    if deterministic:
+        d_tables = [d.double() / 4294967296.0 for d in d_tables]
     grads = {name: d.to(captured[name].dtype) for name, d in zip(GRAD_TABLES, d_tables) if name in learn}
     return dq, dk, dv, grads
 
@@ -301,17 +307,18 @@ class _Attention(torch.autograd.Function):
     """attention() with a backward: the forward saves q, k, v, out, lse and the call's tables."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, invariant, names, *values):
+    def forward(ctx, q, k, v, scale, invariant, deterministic, names, *values):
         tables = {n: t.detach().contiguous() for n, t in zip(names, values)}
         out, lse = _attention(q, k, v, scale, True, None, invariant, tables=tables)
         ctx.save_for_backward(q, k, v, out, lse, *values)
-        ctx.scale, ctx.names = scale, names
+        ctx.scale, ctx.names, ctx.deterministic = scale, names, deterministic
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *values = ctx.saved_tensors
-        learn = [n for i, n in enumerate(ctx.names) if ctx.needs_input_grad[6 + i]]
+        learn = [n for i, n in enumerate(ctx.names) if ctx.needs_input_grad[7 + i]]
         tables = {n: t.detach().contiguous() for n, t in zip(ctx.names, values)}
-        dq, dk, dv, grads = _attention_backward(q, k, v, out, lse, dout, dlse, ctx.scale, tables, learn)
-        return (dq, dk, dv, None, None, None, *[grads.get(n) for n in ctx.names])
+        dq, dk, dv, grads = _attention_backward(q, k, v, out, lse, dout, dlse, ctx.scale, tables, learn,
+                                                ctx.deterministic)
+        return (dq, dk, dv, None, None, None, None, *[grads.get(n) for n in ctx.names])

@@ -658,7 +658,8 @@ def _check(q, k, v):
     return B, Hq, Lq, D, Hkv, Lk
 
 
-def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None, invariant=False, tables=None):
+def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None, invariant=False, tables=None,
+              deterministic=False):
     """Attention under this file's mask and score, with FlexAttention's semantics.
 
     q:           [B, Hq, Lq, D]   bfloat16, float16 or float32, on a CUDA GPU (or the CPU under
@@ -678,6 +679,8 @@ def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None, invaria
     tables:      {name: tensor} replacing, for this call, captured tensors only the score_mod reads
                  (same shape and dtype); one that requires grad gets its gradient (GRAD_TABLES:
                  e.g. a learnable bias table, a per-head slope vector)
+    deterministic: the tables' gradients bitwise the same run to run (integer atomic adds in units
+                 of 2^-32); dq, dk and dv are so in any case (no atomics)
     Differentiable: when q, k, v or a table requires grad, out (and lse) carry gradients, computed
     by this file's backward kernels (dq, dk, dv; GQA summed over each kv head's query heads).
     Returns out [B, Hq, Lq, D] in q's dtype (and lse). Rows that keep no key give out = 0.
@@ -712,7 +715,8 @@ def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None, invaria
                              "call attention(q, k, v) without cu_seqlens (a document mask's block lists already "
                              "skip every pair across documents), or run the packed call under torch.no_grad()")
         names = tuple(tables)
-        out, lse = _Attention.apply(q, k, v, scale, bool(invariant), names, *[tables[n] for n in names])
+        out, lse = _Attention.apply(q, k, v, scale, bool(invariant), bool(deterministic), names,
+                                    *[tables[n] for n in names])
         return (out, lse) if return_lse else out
     return _attention(q, k, v, scale, return_lse, bounds, invariant, tables=tables)
 

@@ -14,6 +14,7 @@ session that tries many masks lifts the limit (compat.raise_recompile_limit) and
 from __future__ import annotations
 
 import ast
+import re
 import secrets
 import tempfile
 import time
@@ -498,7 +499,12 @@ class PortBackend:
         start = time.perf_counter()
         grads = {}
         if backward:
-            out, lse, grads = port.run_file_backward(path, inputs.q, inputs.k, inputs.v, inputs.grad_out)
+            # captured tensors that require grad learn through the port's tables= (named as in the file)
+            learn = {re.sub(r"\W", "_", name): (name, t) for name, t in learnable_tensors(mask).items()}
+            out, lse, got = port.run_file_backward(path, inputs.q, inputs.k, inputs.v, inputs.grad_out,
+                                                   tables={n: t for n, (_, t) in learn.items()})
+            grads = {n: got[n] for n in ("dq", "dk", "dv")}
+            grads.update({f"d{name}": got[f"d{n}"] for n, (name, _) in learn.items()})
         else:
             out, lse = port.run_file(path, inputs.q, inputs.k, inputs.v, cu_seqlens=cu_seqlens, config=config)
         if inputs.device.type == "cuda":

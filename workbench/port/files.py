@@ -133,24 +133,30 @@ def run_file(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def run_file_backward(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
-                      scale: float | None = None, timeout: float = 1800) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(out, lse, {"dq", "dk", "dv"}) of the port at `path`: its forward on q, k, v and its
-    backward for the upstream gradient `grad_out` [B, Hq, Lq, D]. Where it runs as `run_file` says."""
+                      scale: float | None = None, timeout: float = 1800, tables: dict | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(out, lse, {"dq", "dk", "dv", "dNAME" per table}) of the port at `path`: its forward on q,
+    k, v and its backward for the upstream gradient `grad_out` [B, Hq, Lq, D]. `tables`: {name:
+    tensor} the port's tables to learn (its `tables=`). Where it runs as `run_file` says."""
     require_triton()
+    tables = dict(tables or {})
     if in_process(q.device):
         module = loaded(path)
 
         def call():
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            learn = {n: t.detach().requires_grad_() for n, t in tables.items()}
             with torch.enable_grad():
-                out, lse = module.attention(*leaves, scale=scale, return_lse=True)
-                grads = torch.autograd.grad(out, leaves, grad_out)
-            return out.detach(), lse.detach(), dict(zip(("dq", "dk", "dv"), grads))
+                out, lse = module.attention(*leaves, scale=scale, return_lse=True, tables=learn)
+                grads = torch.autograd.grad(out, [*leaves, *learn.values()], grad_out)
+            return out.detach(), lse.detach(), dict(zip(("dq", "dk", "dv", *(f"d{n}" for n in learn)), grads))
 
         return _refusals(call)
-    result = _run_interpreted(path, {"q": q, "k": k, "v": v, "grad_out": grad_out}, scale, timeout, q.device,
-                              names=("out", "lse", "dq", "dk", "dv"))
-    return result[0], result[1], dict(zip(("dq", "dk", "dv"), result[2:]))
+    names = ("out", "lse", "dq", "dk", "dv", *(f"dtable.{n}" for n in tables))
+    result = _run_interpreted(path, {"q": q, "k": k, "v": v, "grad_out": grad_out,
+                                     **{f"table.{n}": t.detach() for n, t in tables.items()}}, scale, timeout,
+                              q.device, names=names)
+    return result[0], result[1], dict(zip(("dq", "dk", "dv", *(f"d{n}" for n in tables)), result[2:]))
 
 
 def run_paged_file(path: str | Path, step, scale: float | None = None, timeout: float = 1800,

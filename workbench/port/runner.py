@@ -3,9 +3,9 @@ interpreter, which must be on before triton is imported). Used by `port.run_file
 
     TRITON_INTERPRET=1 python -m workbench.port.runner PORT.py INPUTS.safetensors OUT.safetensors [SCALE]
 
-INPUTS holds q, k, v (and cu_seqlens, or grad_out for a backward), or the six tensors of
-attention_paged (PAGED_ARGS, and `invariant` for its invariant mode). Exit 0 with OUT holding
-`out` and `lse` (and dq, dk, dv after a backward); 3 when the port refuses the call (sizes it is not valid
+INPUTS holds q, k, v (and cu_seqlens, or grad_out for a backward, with `table.NAME` for tables
+that learn), or the six tensors of attention_paged (PAGED_ARGS, and `invariant` for its invariant
+mode). Exit 0 with OUT holding `out` and `lse` (and dq, dk, dv, dtable.NAME after a backward); 3 when the port refuses the call (sizes it is not valid
 for), with the reason on the last line of stderr.
 """
 
@@ -34,8 +34,10 @@ def main(argv: list[str]) -> int:
             import torch
 
             q, k, v = (inputs[n].requires_grad_() for n in ("q", "k", "v"))
-            out, lse = module.attention(q, k, v, scale=scale, return_lse=True)
-            grads = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), inputs["grad_out"])))
+            tables = {n[len("table."):]: t.requires_grad_() for n, t in inputs.items() if n.startswith("table.")}
+            out, lse = module.attention(q, k, v, scale=scale, return_lse=True, tables=tables)
+            got = torch.autograd.grad(out, (q, k, v, *tables.values()), inputs["grad_out"])
+            grads = dict(zip(("dq", "dk", "dv", *(f"dtable.{n}" for n in tables)), got))
             out, lse = out.detach(), lse.detach()
         else:
             extra = {"cu_seqlens": inputs["cu_seqlens"]} if "cu_seqlens" in inputs else {}

@@ -1,0 +1,173 @@
+"""The port's backward on every mod of the corpus (and random mods of the trust grammar): dq, dk,
+dv, and the gradients of learnable tables, against the float64 reference's autograd. Usage:
+
+    TRITON_INTERPRET=1 python tests/run_port_backward.py cpu [N_RANDOM]
+    python tests/run_port_backward.py cuda [N_RANDOM] [LENGTH]
+
+Cases: the corpus at its lengths (GQA where the heads allow, Lq != Lk where a mask is defined
+so), the random mods (odd lengths, Lq < Lk), learnable tables (a T5-style bucketed bias at a
+computed index, a per-head slope, a 0-d temperature), rows that keep nothing, a gradient flowing
+into lse, Lq = 1, bfloat16, and deterministic=True run twice (bitwise). Prints `CASE <id> OK|FAIL
+detail`, then a SUMMARY line; exits 1 on any failure."""
+
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from mod_corpus import corpus  # noqa: E402
+from run_port_corpus import random_mod  # noqa: E402
+from workbench import Mask, make, port, with_score  # noqa: E402
+from workbench.define import prepare  # noqa: E402
+from workbench.run import Shape, learnable_tensors, make_inputs  # noqa: E402
+from workbench.verify import TOLERANCES, compare, reference_attention  # noqa: E402
+from workbench.verify.compare import _grad_tolerance  # noqa: E402
+
+def run(mask, shape, dtype, device, folder, lse_weight=None, deterministic=False):
+    """(out, lse, grads by the reference's names) of the port's forward and backward on fresh
+    inputs, with the loss sum(out * grad_out) (+ sum(lse * lse_weight))."""
+    mask = prepare(mask, None, shape.q_len, shape.kv_len, device, heads=shape.q_heads)
+    module = port.load(port.build(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch,
+                                  out_dir=folder))
+    inputs = make_inputs(shape, dtype, device, seed=0, backward=True)
+    learn = learnable_tensors(mask)
+    tables = {name: t.detach().clone().requires_grad_() for name, t in learn.items()}
+    q, k, v = (t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+    out, lse = module.attention(q, k, v, return_lse=True, tables=tables, deterministic=deterministic)
+    loss = (out.float() * inputs.grad_out.float()).sum()
+    if lse_weight is not None:
+        loss = loss + (torch.where(lse.isinf(), 0.0, lse) * lse_weight).sum()
+    loss.backward()
+    grads = {"dq": q.grad, "dk": k.grad, "dv": v.grad, **{f"d{n}": t.grad for n, t in tables.items()}}
+    return mask, inputs, out.detach(), grads
+
+
+def check(mask, shape, dtype, device, folder, lse_grad=False, deterministic=False) -> str | None:
+    weight = torch.randn(shape.batch, shape.q_heads, shape.q_len, device=device) if lse_grad else None
+    mask, inputs, out, grads = run(mask, shape, dtype, device, folder, weight, deterministic)
+    if weight is not None:  # the reference's loss has no lse term: fold it into grad_out's rows instead
+        return _check_lse(mask, inputs, grads, weight, dtype)
+    ref = reference_attention(mask, inputs, backward=True, device=device, progress=False)
+    checks = [compare("out", out, ref.out, TOLERANCES[dtype])]
+    for name, want in ref.grads.items():
+        got = grads.get(name)
+        if got is None:
+            return f"no gradient for {name}"
+        checks.append(compare(name, got, want, _grad_tolerance(dtype, name, want, shape)))
+    if deterministic:
+        _, _, _, again = run(mask, shape, dtype, device, folder / "again", None, True)
+        same = [n for n in grads if not torch.equal(grads[n], again[n])]
+        if same:
+            return f"deterministic=True gave other bits in {same}"
+    bad = [c for c in checks if not c.passed]
+    return None if not bad else "; ".join(f"{c.name}: max abs err {c.max_abs_err:.3g}, rel {c.rel_err:.3g}, "
+                                          f"{c.bad_count} bad, {c.nan_count} NaN" for c in bad)
+
+
+def _check_lse(mask, inputs, grads, weight, dtype) -> str | None:
+    """d/dq of sum(out * grad_out) + sum(lse * weight), against float64 autograd of the oracle."""
+    from workbench.verify import oracle_attention
+
+    q, k, v = (t.detach().double().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+    out, lse = oracle_attention(mask, q, k, v)
+    loss = (out * inputs.grad_out.double()).sum() + (torch.where(lse.isinf(), 0.0, lse) * weight.double()).sum()
+    want = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(loss, (q, k, v))))
+    bad = []
+    for name, w in want.items():
+        c = compare(name, grads[name], w, _grad_tolerance(dtype, name, w, inputs.shape))
+        if not c.passed:
+            bad.append(f"{name}: max abs err {c.max_abs_err:.3g}, {c.bad_count} bad, {c.nan_count} NaN")
+    return "; ".join(bad) or None
+
+
+def special_cases() -> list[tuple[str, Mask, Shape, str, dict]]:
+    """(id, mask, shape, dtype, options) beyond the corpus."""
+    H = 4
+    bias = torch.randn(H, 33, generator=torch.Generator().manual_seed(3)) * 0.5
+    slope = torch.rand(H, generator=torch.Generator().manual_seed(4))
+    temp = torch.tensor(0.7)
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def t5(score, b, h, q_idx, kv_idx):  # a T5-style bucket: exact up to 8, then logarithmic
+        d = (q_idx - kv_idx).clamp(0, 1000)
+        bucket = torch.where(d < 8, d, (8 + (torch.log((d.float() + 1) / 8) / 2.0 * 8).int()).clamp(max=32))
+        return score + bias[bucket.new_zeros(()) + h, bucket]
+
+    def sloped(score, b, h, q_idx, kv_idx):
+        return score * temp - slope[h] * (q_idx - kv_idx).abs()
+
+    def late_keys(b, h, q_idx, kv_idx):  # rows 0..9 keep nothing
+        return (kv_idx <= q_idx) & (kv_idx >= 10)
+
+    t5_mask = Mask("learn_t5_bias", mask_mod=causal, score_mod=t5, data={"bias": bias.requires_grad_()})
+    slope_mask = Mask("learn_slope_and_temperature", mask_mod=causal, score_mod=sloped,
+                      data={"slope": slope.requires_grad_(), "temp": temp.requires_grad_()})
+    def distance(score, b, h, q_idx, kv_idx):
+        return score - 0.1 * (q_idx - kv_idx).abs()
+
+    soft = with_score(make("causal_sliding_window", {"window": 24}), make("softcap", {"cap": 4.0}))
+    return [
+        ("learn_t5_bias", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=90, kv_len=90, head_dim=16), "float32", {}),
+        ("learn_slope_and_temperature", slope_mask, Shape(batch=2, q_heads=H, kv_heads=1, q_len=70, kv_len=70,
+                                                          head_dim=16), "float32", {}),
+        ("learn_t5_bias_deterministic", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=90, kv_len=90,
+                                                       head_dim=16), "float32", {"deterministic": True}),
+        ("rows_that_keep_nothing", Mask("late_keys", mask_mod=late_keys), Shape(q_heads=2, q_len=75, kv_len=75,
+                                                                                head_dim=16), "float32", {}),
+        ("gradient_into_lse", soft, Shape(q_heads=2, q_len=80, kv_len=120, head_dim=16), "float32", {"lse_grad": True}),
+        ("decode_one_query", make("causal"), Shape(q_heads=4, kv_heads=2, q_len=1, kv_len=150, head_dim=16),
+         "float32", {}),
+        ("head_dim_40_bf16", soft, Shape(batch=2, q_heads=4, kv_heads=2, q_len=100, kv_len=130, head_dim=40),
+         "bfloat16", {}),
+        ("queries_over_keys", Mask("top_left_causal_distance", mask_mod=causal, score_mod=distance),
+         Shape(q_heads=2, q_len=140, kv_len=60, head_dim=16), "float32", {}),
+    ]
+
+
+def cases(n_random: int, length: int | None = None) -> list[tuple[str, Mask, Shape, str, dict]]:
+    out = []
+    for n, (mask, batch, heads) in enumerate(corpus()):
+        L = mask.q_len or length or 96
+        shape = Shape(batch=batch, q_heads=heads, kv_heads=1 if heads % 2 else heads // 2 or 1, q_len=L,
+                      kv_len=mask.kv_len or L, head_dim=16)
+        out.append((f"{n}-{mask.name}".replace(" ", ""), mask, shape, "float32", {}))
+    rng = random.Random(2)
+    for n in range(n_random):
+        q_len = rng.randint(1, 150)
+        kv_len = q_len + rng.randint(0, 40)
+        batch, heads = rng.randint(1, 2), rng.randint(1, 4)
+        out.append((f"random{n}", random_mod(rng, q_len, kv_len, batch, heads),
+                    Shape(batch=batch, q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=rng.choice([16, 24])),
+                    "float32", {}))
+    return out + special_cases()
+
+
+def main(argv):
+    device = argv[0] if argv else "cpu"
+    n_random = int(argv[1]) if len(argv) > 1 else 4
+    length = int(argv[2]) if len(argv) > 2 else None
+    folder = Path(tempfile.mkdtemp(prefix="port_backward_"))
+    todo = cases(n_random, length)
+    failed = 0
+    for n, (case, mask, shape, dtype, options) in enumerate(todo):
+        try:
+            problem = check(mask, shape, dtype, device, folder / f"case{n}", **options)
+        except Exception as exc:
+            problem = f"raised {type(exc).__name__}: {str(exc)[:300]}"
+        failed += problem is not None
+        size = f"B={shape.batch} Hq={shape.q_heads} Hkv={shape.kv_heads} {shape.q_len}x{shape.kv_len} D={shape.head_dim}"
+        print(f"CASE {case}-{dtype} {'OK' if problem is None else 'FAIL'} {size}" + (f": {problem}" if problem else ""),
+              flush=True)
+    print(f"SUMMARY {len(todo) - failed}/{len(todo)} backward passes match the float64 reference")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

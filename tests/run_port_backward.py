@@ -149,6 +149,53 @@ def cases(n_random: int, length: int | None = None) -> list[tuple[str, Mask, Sha
     return out + special_cases()
 
 
+def refusals(device, folder) -> list[tuple[str, str | None]]:
+    """(case id, the error's text or None): calls the backward must refuse with a clear error."""
+    table = torch.randn(4, 8)
+    ids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3] * 4)
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, (q_idx - kv_idx).clamp(0, 7)]
+
+    def documents(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    def growth(score, b, h, q_idx, kv_idx):  # its derivative needs d(a ** score): no rule
+        return torch.pow(score, score * 0.0 + 2.5)
+
+    out = []
+
+    def attempt(case, fn):
+        try:
+            fn()
+            out.append((case, None))
+        except (ValueError, TypeError, RuntimeError) as exc:
+            out.append((case, str(exc)))
+
+    L = 32
+    q, k, v = (torch.randn(1, 4, L, 16, device=device, requires_grad=True) for _ in range(3))
+    m = port.load(port.build(Mask("bias", mask_mod=causal, score_mod=bias), L, L, heads=4, out_dir=folder / "a"))
+    attempt("refuse-unknown-table", lambda: m.attention(q, k, v, tables={"bais": table.clone()}))
+    attempt("refuse-table-shape", lambda: m.attention(q, k, v, tables={"table": torch.zeros(4, 9)}))
+    docs = port.load(port.build(Mask("docs", mask_mod=documents), L, L, out_dir=folder / "b"))
+    attempt("refuse-mask-table", lambda: docs.attention(q, k, v, tables={"ids": ids.clone()}))
+    attempt("refuse-packed-backward", lambda: docs.attention(q, k, v, cu_seqlens=[0, 16, 32]))
+    try:
+        pw = port.load(port.build(Mask("growth", mask_mod=causal, score_mod=growth), L, L, out_dir=folder / "c"))
+        attempt("refuse-no-derivative", lambda: pw.attention(q, k, v).sum().backward())
+    except Exception as exc:  # the forward itself does not translate: nothing to refuse here
+        out.append(("refuse-no-derivative", f"forward not generated: {exc}"))
+    return out
+
+
+REFUSALS = {"refuse-unknown-table": "reads no tensor named 'bais'", "refuse-table-shape": "of shape (4, 8)",
+            "refuse-mask-table": "read by the mask_mod", "refuse-packed-backward": "without cu_seqlens",
+            "refuse-no-derivative": "derivative could not be generated"}
+
+
 def main(argv):
     device = argv[0] if argv else "cpu"
     n_random = int(argv[1]) if len(argv) > 1 else 4
@@ -165,7 +212,12 @@ def main(argv):
         size = f"B={shape.batch} Hq={shape.q_heads} Hkv={shape.kv_heads} {shape.q_len}x{shape.kv_len} D={shape.head_dim}"
         print(f"CASE {case}-{dtype} {'OK' if problem is None else 'FAIL'} {size}" + (f": {problem}" if problem else ""),
               flush=True)
-    print(f"SUMMARY {len(todo) - failed}/{len(todo)} backward passes match the float64 reference")
+    for case, text in refusals(device, folder):
+        ok = text is not None and REFUSALS[case] in text
+        failed += not ok
+        print(f"CASE {case} {'OK' if ok else 'FAIL'}: {text}", flush=True)
+    print(f"SUMMARY {len(todo) + len(REFUSALS) - failed}/{len(todo) + len(REFUSALS)} backward passes match the "
+          "float64 reference or refuse clearly")
     return 1 if failed else 0
 
 

@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=positive_int, default=64, help="head dimension (default 64)")
     p.add_argument("--dtype", default="bfloat16", help="float32, tf32, bfloat16, float16 (CUDA); float32, "
                                                        "float64, bfloat16, float16 (CPU). Default bfloat16")
-    p.add_argument("--backward", action="store_true", help="also check dq, dk, dv (CUDA only)")
+    p.add_argument("--backward", action="store_true", help="also check dq, dk, dv and learnable tables' gradients "
+                   "(flex: CUDA only; port: any device, on a CPU under Triton's interpreter)")
     p.add_argument("--seed", type=int, help="input seed (default: a fresh one, printed)")
     p.add_argument("--eager", action="store_true", help="run flex_attention without torch.compile")
     p.add_argument("--backend", choices=["flex", "port", "port-paged", "port-paged-invariant"], default="flex",

@@ -710,6 +710,10 @@ def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None, invaria
             out = out + 0 * (q.sum() + k.sum() + v.sum())
         return (out, lse) if return_lse else out
     if grad:
+        if not HAS_SCORE_GRAD:
+            raise RuntimeError(f"{NAME}: the score_mod's derivative could not be generated ({NO_SCORE_GRAD}), so this "
+                               "file has no backward; call attention() under torch.no_grad(), or train with "
+                               "FlexAttention")
         if bounds is not None:
             raise ValueError("the backward runs unpacked calls only: with cu_seqlens and q, k or v requiring grad, "
                              "call attention(q, k, v) without cu_seqlens (a document mask's block lists already "

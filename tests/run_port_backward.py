@@ -6,8 +6,9 @@ dv, and the gradients of learnable tables, against the float64 reference's autog
 
 Cases: the corpus at its lengths (GQA where the heads allow, Lq != Lk where a mask is defined
 so), the random mods (odd lengths, Lq < Lk), learnable tables (a T5-style bucketed bias at a
-computed index, a per-head slope, a 0-d temperature), rows that keep nothing, a gradient flowing
-into lse, Lq = 1, bfloat16, and deterministic=True run twice (bitwise). Prints `CASE <id> OK|FAIL
+computed index, a per-head slope, a 0-d temperature), a finite-difference check of the gradient
+along a random direction, rows that keep nothing, a gradient flowing into lse, Lq = 1, bfloat16,
+and deterministic=True run twice (bitwise). Prints `CASE <id> OK|FAIL
 detail`, then a SUMMARY line; exits 1 on any failure."""
 
 import random
@@ -47,7 +48,36 @@ def run(mask, shape, dtype, device, folder, lse_weight=None, deterministic=False
     return mask, inputs, out.detach(), grads
 
 
-def check(mask, shape, dtype, device, folder, lse_grad=False, deterministic=False) -> str | None:
+def finite_difference(mask, shape, dtype, device, folder, eps=1e-3) -> str | None:
+    """The gradient along a random direction u of (q, k, v, the learnable tables) against the
+    central difference (L(x + eps u) - L(x - eps u)) / 2 eps of the port's own forward, L =
+    sum(out * grad_out). (Not torch.autograd.gradcheck: the kernels accumulate in float32, so the
+    file runs float32 at most; in float32 the difference is good to about 1e-4 here.)"""
+    mask, inputs, _, grads = run(mask, shape, dtype, device, folder)
+    module = port.load(port.build(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch,
+                                  out_dir=folder))
+    learn = learnable_tensors(mask)
+    x = {"dq": inputs.q, "dk": inputs.k, "dv": inputs.v, **{f"d{n}": t.detach() for n, t in learn.items()}}
+    g = torch.Generator(device=device).manual_seed(5)
+    u = {n: torch.randn(t.shape, generator=g, device=device) for n, t in x.items()}
+
+    def loss(sign):
+        moved = {n: (t.double() + sign * eps * u[n]).float() for n, t in x.items()}
+        with torch.no_grad():
+            out = module.attention(moved["dq"], moved["dk"], moved["dv"],
+                                   tables={n: moved[f"d{n}"] for n in learn})
+        return float((out.double() * inputs.grad_out.double()).sum())
+
+    numeric = (loss(1) - loss(-1)) / (2 * eps)
+    analytic = sum(float((grads[n].double() * u[n]).sum()) for n in x)
+    if abs(numeric - analytic) > 1e-3 * max(1.0, abs(analytic)):
+        return f"directional derivative {analytic:.6g} (backward) against {numeric:.6g} (finite difference)"
+    return None
+
+
+def check(mask, shape, dtype, device, folder, lse_grad=False, deterministic=False, fd=False) -> str | None:
+    if fd:
+        return finite_difference(mask, shape, dtype, device, folder)
     weight = torch.randn(shape.batch, shape.q_heads, shape.q_len, device=device) if lse_grad else None
     mask, inputs, out, grads = run(mask, shape, dtype, device, folder, weight, deterministic)
     if weight is not None:  # the reference's loss has no lse term: fold it into grad_out's rows instead
@@ -119,6 +149,8 @@ def special_cases() -> list[tuple[str, Mask, Shape, str, dict]]:
                                                           head_dim=16), "float32", {}),
         ("learn_t5_bias_deterministic", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=90, kv_len=90,
                                                        head_dim=16), "float32", {"deterministic": True}),
+        ("finite_difference_t5_bias", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=90, kv_len=90,
+                                                     head_dim=16), "float32", {"fd": True}),
         ("rows_that_keep_nothing", Mask("late_keys", mask_mod=late_keys), Shape(q_heads=2, q_len=75, kv_len=75,
                                                                                 head_dim=16), "float32", {}),
         ("gradient_into_lse", soft, Shape(q_heads=2, q_len=80, kv_len=120, head_dim=16), "float32", {"lse_grad": True}),

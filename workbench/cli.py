@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="judge with this dtype's tolerance (default: the dtype the function returns)")
     p.add_argument("--timeout", type=positive_float, default=300.0, metavar="SECONDS",
                    help="fail a vector whose call has not returned after this long (default 300)")
+    p.add_argument("--backward", action="store_true",
+                   help="also judge dq, dk, dv: FUNCTION's autograd (a generated port's own backward) for each "
+                        "vector's grad_out")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_conformance)
 
@@ -460,7 +463,8 @@ def cmd_export(args) -> int:
 
 def cmd_conformance(args) -> int:
 
-    report = conformance(args.spec, args.impl, device=_device(args), dtype=args.dtype, timeout=args.timeout)
+    report = conformance(args.spec, args.impl, device=_device(args), dtype=args.dtype, timeout=args.timeout,
+                         backward=args.backward)
     if args.json:
         print(json.dumps({"passed": report.passed, "spec": report.spec, "impl": report.impl, "vectors": report.rows}))
     else:

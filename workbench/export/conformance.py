@@ -15,6 +15,7 @@ from workbench.define import TimedOut, WorkbenchError, call_with_timeout, load_f
 from workbench.export.files import _resolve, load_spec
 from workbench.run import dtype_name
 from workbench.verify import TOLERANCES, compare
+from workbench.verify.compare import _grad_tolerance
 
 __all__ = ["ConformanceReport", "conformance", "load_impl"]
 
@@ -55,8 +56,29 @@ def _generated_port(target: str) -> Callable | None:
     def run_port(q, k, v, _spec):
         return port.run_file(path, q, k, v)[0]
 
+    def with_gradients(q, k, v, grad_out):  # the file's backward, where it runs as run_port does
+        out, _, grads = port.run_file_backward(path, q, k, v, grad_out)
+        return out, grads
+
     run_port.__name__ = f"{path.name}:{port.ENTRY}"
+    run_port.with_gradients = with_gradients
     return run_port
+
+
+def _with_gradients(fn: Callable, q, k, v, grad_out, spec) -> tuple:
+    """(out, {"dq", "dk", "dv"}) of impl `fn` and its autograd for the upstream gradient grad_out
+    (a generated port's own backward where `fn` is one)."""
+    own = getattr(fn, "with_gradients", None)
+    if own is not None:
+        return own(q, k, v, grad_out)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        out = fn(*leaves, spec)
+        if not isinstance(out, torch.Tensor) or not out.requires_grad:
+            raise TypeError("returned an output that carries no gradient (the implementation is not differentiable, "
+                            "or ran under torch.no_grad()); conformance --backward needs out to require grad")
+        grads = torch.autograd.grad(out, leaves, grad_out.to(out.device, out.dtype), allow_unused=True)
+    return out.detach(), {n: g for n, g in zip(("dq", "dk", "dv"), grads) if g is not None}
 
 
 def _with_spec_argument(fn: Callable) -> Callable:
@@ -82,13 +104,14 @@ def load_impl(target: str) -> Callable:
 
 
 def conformance(spec_path: str | Path, impl: Callable | str, device="cpu", dtype: str | None = None,
-                timeout: float | None = 300.0) -> ConformanceReport:
+                timeout: float | None = 300.0, backward: bool = False) -> ConformanceReport:
     """Run impl(q, k, v, spec) -> out (or impl(q, k, v) -> out, e.g. a generated port's
     `attention`, run as it is) on every golden vector and compare with the reference at
     the tolerance of impl's output dtype (or `dtype`). `spec` is the JSON dict with each
     {"$tensor": name} replaced by a CPU torch tensor. A call that raises, exits, returns
     something other than a tensor of the right shape, or does not return within `timeout`
-    seconds fails its vector with the reason."""
+    seconds fails its vector with the reason. `backward`: also run impl's backward (its autograd,
+    or a generated port's own) for the golden upstream gradient and judge dq, dk, dv."""
 
     if dtype is not None:
         dtype = dtype_name(dtype)
@@ -97,6 +120,10 @@ def conformance(spec_path: str | Path, impl: Callable | str, device="cpu", dtype
         raise WorkbenchError(f"{Path(spec_path).name} has no golden vectors (`golden` is null), so there is "
                              "nothing to run an implementation against",
                              "export the spec with golden vectors (`python -m workbench export`, the default)")
+    if backward and not spec.doc["golden"].get("gradients"):
+        raise WorkbenchError(f"{Path(spec_path).name}'s golden vectors carry no gradients, so a backward cannot be "
+                             "judged against them", "export the spec again with this version (golden vectors now "
+                             "hold grad_out, dq, dk and dv), or drop --backward")
     impl_name = impl if isinstance(impl, str) else getattr(impl, "__name__", repr(impl))
     fn = _generated_port(impl) if isinstance(impl, str) else None
     fn = fn or (load_impl(impl) if isinstance(impl, str) else impl)
@@ -109,8 +136,13 @@ def conformance(spec_path: str | Path, impl: Callable | str, device="cpu", dtype
         row = {"vector": n, "passed": False, "max_abs_err": None, "rel_err": None, "nan_count": None,
                "worst": "", "message": ""}
         rows.append(row)
+        grads = {}
         try:
-            got = call_with_timeout(lambda: fn(q, k, v, resolved), timeout)
+            if backward:
+                grad_out = torch.from_numpy(spec.tensors[f"golden.{n}.grad_out"].copy()).to(device)
+                got, grads = call_with_timeout(lambda: _with_gradients(fn, q, k, v, grad_out, resolved), timeout)
+            else:
+                got = call_with_timeout(lambda: fn(q, k, v, resolved), timeout)
         except TimedOut:
             row["message"] = (f"did not return within {timeout:g} s; the remaining vectors were not run "
                               "(raise --timeout if the implementation is just slow)")
@@ -134,6 +166,22 @@ def conformance(spec_path: str | Path, impl: Callable | str, device="cpu", dtype
         out_dtype = dtype or str(got.dtype).removeprefix("torch.")
         tol = TOLERANCES.get(out_dtype, TOLERANCES["float32"])
         check = compare("out", got.detach().cpu(), want, tol)
+        failed_grads = []
+        for g in ("dq", "dk", "dv") if backward else ():
+            ref = torch.from_numpy(spec.tensors[f"golden.{n}.{g}"].copy())
+            mine = grads.get(g)
+            if mine is None or tuple(mine.shape) != tuple(ref.shape):
+                failed_grads.append(f"{g}: {'missing' if mine is None else tuple(mine.shape)}")
+                continue
+            gc = compare(g, mine.detach().cpu(), ref, _grad_tolerance(out_dtype, g, ref))
+            row[f"{g}_max_abs_err"] = gc.max_abs_err
+            if not gc.passed:
+                failed_grads.append(f"{g}: {gc.bad_count} elements off (max abs err {gc.max_abs_err:.3g}"
+                                    + (f", {gc.nan_count} NaN" if gc.nan_count else "") + ")")
+        if failed_grads and check.passed:
+            row.update(passed=False, max_abs_err=check.max_abs_err, rel_err=check.rel_err, nan_count=check.nan_count,
+                       message="gradients wrong: " + "; ".join(failed_grads))
+            continue
         row.update(passed=check.passed, max_abs_err=check.max_abs_err, rel_err=check.rel_err,
                    nan_count=check.nan_count, worst=", ".join(f"{a}={i}" for a, i in check.worst.items()),
                    message=(f"{check.bad_count} elements outside atol {tol.atol:g} + rtol {tol.rtol:g} ({out_dtype})"

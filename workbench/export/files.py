@@ -299,8 +299,9 @@ def check_shapes(spec: PortingSpec, golden: bool = True) -> None:
                     f"{key} has length {declared[2] if len(declared) >= 3 else '?'}, but shape says "
                     f"{'q_len' if key in ('q', 'out', 'lse') else 'kv_len'} = {length}")
         for n in range(g["vectors"]):
-            for key in ("q", "k", "v", "out", "lse"):
+            for key in golden_keys(g):
                 name = f"golden.{n}.{key}"
+                _expect(key in g["shapes"], f"golden/shapes/{key}", f"no shape for {key}")
                 _expect(name in tensors and list(tensors[name].shape) == g["shapes"][key], f"golden/shapes/{key}",
                         f"{name} is {list(tensors[name].shape) if name in tensors else 'missing'}, want {g['shapes'][key]}")
         if golden:
@@ -316,7 +317,7 @@ def check_golden(spec: PortingSpec) -> None:
         raise WorkbenchError("the spec's golden vectors carry no sha256 digests, so edits to them cannot be detected",
                              "export the spec again with this version (`python -m workbench export`)")
     for n in range(g["vectors"]):
-        for key in ("q", "k", "v", "out", "lse"):
+        for key in golden_keys(g):
             name = f"golden.{n}.{key}"
             want = digests.get(name)
             if want is None or tensor_digest(tensors[name]) != want:
@@ -326,6 +327,13 @@ def check_golden(spec: PortingSpec) -> None:
             if np.isnan(tensors[name]).any():
                 raise WorkbenchError(f"golden tensor {name} holds NaN; NaN goldens would let any port pass",
                                      "export the spec again from a mask whose reference is finite")
+
+
+def golden_keys(golden: dict) -> tuple:
+    """The tensors of each golden vector: q, k, v, out, lse, and the gradients where the spec has
+    them (`golden.gradients`: grad_out, dq, dk, dv)."""
+    extra = golden.get("gradients") or []
+    return ("q", "k", "v", "out", "lse", *[k for k in extra if isinstance(k, str)])
 
 
 def doc_file(spec: PortingSpec) -> str:

@@ -19,6 +19,13 @@ fast and invariant mode, against the same work through the contiguous port (one 
 the calls' times summed) and compiled FlexAttention over the same paged layout (a block mask built
 from the block table, as vLLM's Flex backend does); and paged prefill of one request at 8K and 32K
 against the contiguous port. Decode alone: benchmarks/bench_paged.py.
+--backward times forward + backward (out.backward(grad_out), bf16) of the port, compiled Flex
+(Triton backend) and Flex's FLASH backend (FlashAttention-4, where it is installed and can run the
+mask) on causal, sliding window 1024, 8 documents, prefix-LM 2048, per-head windows, image spans +
+softcap and a T5-style learnable bias table (its gradient included; FLASH refuses captured tensors
+that require grad), with the port's deterministic=True beside it; dq of the port and of Flex are
+compared first; TFLOP/s count 3.5x the forward's flops (1 forward + 2.5 backward); peak memory is
+torch.cuda.max_memory_allocated over one step.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workbench import make, port, with_score  # noqa: E402
+from workbench import Mask, make, port, with_score  # noqa: E402
 from workbench.blocks import build_block_mask, scan_blocks  # noqa: E402
 from workbench.run import Shape, compiled_flex_attention, make_inputs  # noqa: E402
 
@@ -106,9 +113,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--segments", action="store_true", help="only the cu_seqlens cost on document masks")
     p.add_argument("--serving", action="store_true", help="only attention_paged: a mixed step and paged prefill")
+    p.add_argument("--backward", action="store_true", help="only forward + backward (training), against Flex's "
+                   "Triton and FLASH backends")
     args = p.parse_args(argv)
     if args.serving:
         return serving_bench(args)
+    if args.backward:
+        return backward_bench(args)
     if args.segments:
         return segments_cost(args)
     rows = []
@@ -153,6 +164,108 @@ def main(argv=None) -> int:
         print(f"\nspeed vs Flex: min {min(ratios):.2f}x, geomean {math.exp(sum(map(math.log, ratios)) / len(ratios)):.2f}x,"
               f" faster on {sum(r > 1 for r in ratios)}/{len(ratios)}")
     return 0
+
+
+def _t5_bias(seq: int, heads: int, device) -> Mask:
+    """causal + a T5-style learnable bias: exact buckets up to 8, then logarithmic up to 32."""
+
+    bias = (torch.randn(heads, 32, device=device) * 0.1).requires_grad_()
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def t5(score, b, h, q_idx, kv_idx):
+        d = (q_idx - kv_idx).clamp(0, seq)
+        bucket = torch.where(d < 8, d, (8 + (torch.log((d.float() + 1) / 8) / math.log(seq / 8) * 24).int()).clamp(max=31))
+        return score + bias[h, bucket]
+
+    return Mask("t5_learnable_bias", mask_mod=causal, score_mod=t5, data={"bias": bias}, q_len=seq, kv_len=seq)
+
+
+def _step_timer(step):
+    """do_bench median (ms) of a training step, and its peak memory (GiB) over one call."""
+    from triton.testing import do_bench
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return do_bench(step, warmup=5, rep=30), peak
+
+
+def backward_bench(args) -> int:
+    from workbench.run import learnable_tensors
+
+    folder = Path(tempfile.mkdtemp(prefix="bench_backward_"))
+    flex = compiled_flex_attention()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={args.batch} H={args.heads} "
+          f"D={args.head_dim}, forward + backward; do_bench medians (ms), TFLOP/s on kept pairs (3.5x the "
+          "forward's flops), peak GiB over one step\n", flush=True)
+    print("| mask | tokens | port ms (TFLOP/s, GiB) | port deterministic ms | Flex Triton ms (TFLOP/s, GiB) | "
+          "Flex FLASH ms (TFLOP/s) | port / Flex Triton | port / FLASH | dq max abs diff vs Flex |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    wanted = ("causal", "sliding window 1024", "document (8 docs)", "prefix-LM 2048", "per-head window",
+              "image spans + softcap")
+    for seq in args.lengths:
+        masks = {n: m for n, m in masks_at(seq, args.heads, "cuda").items() if n in wanted}
+        masks["T5 learnable bias"] = _t5_bias(seq, args.heads, "cuda")
+        for name, mask in masks.items():
+            if args.masks and name not in args.masks:
+                continue
+            try:
+                print(_backward_row(name, mask, seq, args, flex, folder / f"{name}_{seq}".replace(" ", "_"),
+                                    learnable_tensors(mask)), flush=True)
+            except Exception as exc:  # a failed row is a result
+                print(f"| {name} | {seq:,} | error: {type(exc).__name__}: {str(exc)[:200]} |", flush=True)
+            torch.cuda.empty_cache()
+    return 0
+
+
+def _backward_row(name, mask, seq, args, flex, folder, learn) -> str:
+    shape = Shape(batch=args.batch, q_heads=args.heads, q_len=seq, head_dim=args.head_dim)
+    inputs = make_inputs(shape, "bfloat16", "cuda", seed=0, backward=True)
+    q, k, v = (t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+    grad_out = inputs.grad_out
+    module = port.load(port.build(mask, seq, seq, heads=args.heads, batch=args.batch, out_dir=folder))
+    scan = scan_blocks(mask, seq, seq, heads=args.heads, device="cuda", progress=False)
+    kept = scan.kept_pairs * (1 if scan.depends_on_head else args.heads)
+    flops = 3.5 * 4 * kept * args.head_dim * args.batch
+    tables = {n: t for n, t in learn.items()}  # the port learns the mask's own tables through tables=
+    leaves = [q, k, v, *tables.values()]
+
+    def clear():
+        for t in leaves:
+            t.grad = None
+
+    def port_step(deterministic=False):
+        clear()
+        module.attention(q, k, v, tables=tables, deterministic=deterministic).backward(grad_out)
+
+    block_mask = build_block_mask(mask, seq, seq, heads=args.heads, device="cuda", shrink=True)
+
+    def flex_step(**options):
+        clear()
+        flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask, **options).backward(grad_out)
+
+    port_step()
+    dq_port = q.grad.clone()
+    flex_step()
+    diff = float((dq_port.float() - q.grad.float()).abs().max())
+    port_ms, port_gib = _step_timer(port_step)
+    det_ms, _ = _step_timer(lambda: port_step(True)) if tables else (float("nan"), 0)
+    flex_ms, flex_gib = _step_timer(flex_step)
+    try:
+        flash_ms, _ = _step_timer(lambda: flex_step(kernel_options={"BACKEND": "FLASH"}))
+        flash = f"{flash_ms:.2f} ({flops / flash_ms / 1e9:.0f})"
+        vs_flash = f"{flash_ms / port_ms:.2f}x"
+    except Exception as exc:  # not installed, or it cannot run this mask
+        flash, vs_flash = f"n/a ({type(exc).__name__}: {str(exc)[:80]})", "-"
+    det = f"{det_ms:.2f}" if tables else "- (no tables)"
+    return (f"| {name} | {seq:,} | {port_ms:.2f} ({flops / port_ms / 1e9:.0f}, {port_gib:.2f}) | {det} | "
+            f"{flex_ms:.2f} ({flops / flex_ms / 1e9:.0f}, {flex_gib:.2f}) | {flash} | {flex_ms / port_ms:.2f}x | "
+            f"{vs_flash} | {diff:.1e} |")
 
 
 def segments_cost(args) -> int:

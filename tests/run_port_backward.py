@@ -7,7 +7,7 @@ dv, and the gradients of learnable tables, against the float64 reference's autog
 Cases: the corpus at its lengths (GQA where the heads allow, Lq != Lk where a mask is defined
 so), the random mods (odd lengths, Lq < Lk), learnable tables (a T5-style bucketed bias at a
 computed index, a per-head slope, a 0-d temperature), a finite-difference check of the gradient
-along a random direction, rows that keep nothing, a gradient flowing into lse, Lq = 1, bfloat16,
+along a random direction, packed documents (cu_seqlens), rows that keep nothing, a gradient flowing into lse, Lq = 1, bfloat16,
 and deterministic=True run twice (bitwise). Prints `CASE <id> OK|FAIL
 detail`, then a SUMMARY line; exits 1 on any failure."""
 
@@ -29,7 +29,7 @@ from workbench.run import Shape, learnable_tensors, make_inputs  # noqa: E402
 from workbench.verify import TOLERANCES, compare, reference_attention  # noqa: E402
 from workbench.verify.compare import _grad_tolerance  # noqa: E402
 
-def run(mask, shape, dtype, device, folder, lse_weight=None, deterministic=False):
+def run(mask, shape, dtype, device, folder, lse_weight=None, deterministic=False, cu_seqlens=None):
     """(out, lse, grads by the reference's names) of the port's forward and backward on fresh
     inputs, with the loss sum(out * grad_out) (+ sum(lse * lse_weight))."""
     mask = prepare(mask, None, shape.q_len, shape.kv_len, device, heads=shape.q_heads)
@@ -39,7 +39,8 @@ def run(mask, shape, dtype, device, folder, lse_weight=None, deterministic=False
     learn = learnable_tensors(mask)
     tables = {name: t.detach().clone().requires_grad_() for name, t in learn.items()}
     q, k, v = (t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
-    out, lse = module.attention(q, k, v, return_lse=True, tables=tables, deterministic=deterministic)
+    out, lse = module.attention(q, k, v, return_lse=True, tables=tables, deterministic=deterministic,
+                                cu_seqlens=cu_seqlens)
     loss = (out.float() * inputs.grad_out.float()).sum()
     if lse_weight is not None:
         loss = loss + (torch.where(lse.isinf(), 0.0, lse) * lse_weight).sum()
@@ -77,11 +78,12 @@ def finite_difference(mask, shape, dtype, device, folder, eps=1e-3) -> str | Non
     return "; ".join(wrong) or None
 
 
-def check(mask, shape, dtype, device, folder, lse_grad=False, deterministic=False, fd=False) -> str | None:
+def check(mask, shape, dtype, device, folder, lse_grad=False, deterministic=False, fd=False,
+          cu_seqlens=None) -> str | None:
     if fd:
         return finite_difference(mask, shape, dtype, device, folder)
     weight = torch.randn(shape.batch, shape.q_heads, shape.q_len, device=device) if lse_grad else None
-    mask, inputs, out, grads = run(mask, shape, dtype, device, folder, weight, deterministic)
+    mask, inputs, out, grads = run(mask, shape, dtype, device, folder, weight, deterministic, cu_seqlens)
     if weight is not None:  # the reference's loss has no lse term: fold it into grad_out's rows instead
         return _check_lse(mask, inputs, grads, weight, dtype)
     ref = reference_attention(mask, inputs, backward=True, device=device, progress=False)
@@ -144,6 +146,7 @@ def special_cases() -> list[tuple[str, Mask, Shape, str, dict]]:
     def distance(score, b, h, q_idx, kv_idx):
         return score - 0.1 * (q_idx - kv_idx).abs()
 
+    doc_mask = make("document", {"doc_lengths": [40, 57, 53]}, q_len=150, kv_len=150)
     soft = with_score(make("causal_sliding_window", {"window": 24}), make("softcap", {"cap": 4.0}))
     return [
         ("learn_t5_bias", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=90, kv_len=90, head_dim=16), "float32", {}),
@@ -153,6 +156,8 @@ def special_cases() -> list[tuple[str, Mask, Shape, str, dict]]:
                                                        head_dim=16), "float32", {"deterministic": True}),
         ("finite_difference_t5_bias", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=90, kv_len=90,
                                                      head_dim=16), "float32", {"fd": True}),
+        ("packed_documents", doc_mask, Shape(batch=1, q_heads=4, kv_heads=2, q_len=150, kv_len=150, head_dim=16),
+         "float32", {"cu_seqlens": [0, 40, 97, 150]}),
         ("rows_that_keep_nothing", Mask("late_keys", mask_mod=late_keys), Shape(q_heads=2, q_len=75, kv_len=75,
                                                                                 head_dim=16), "float32", {}),
         ("gradient_into_lse", soft, Shape(q_heads=2, q_len=80, kv_len=120, head_dim=16), "float32", {"lse_grad": True}),
@@ -216,7 +221,6 @@ def refusals(device, folder) -> list[tuple[str, str | None]]:
     attempt("refuse-table-shape", lambda: m.attention(q, k, v, tables={"table": torch.zeros(4, 9)}))
     docs = port.load(port.build(Mask("docs", mask_mod=documents), L, L, out_dir=folder / "b"))
     attempt("refuse-mask-table", lambda: docs.attention(q, k, v, tables={"ids": ids.clone()}))
-    attempt("refuse-packed-backward", lambda: docs.attention(q, k, v, cu_seqlens=[0, 16, 32]))
     try:
         pw = port.load(port.build(Mask("growth", mask_mod=causal, score_mod=growth), L, L, out_dir=folder / "c"))
         attempt("refuse-no-derivative", lambda: pw.attention(q, k, v).sum().backward())
@@ -226,7 +230,7 @@ def refusals(device, folder) -> list[tuple[str, str | None]]:
 
 
 REFUSALS = {"refuse-unknown-table": "reads no tensor named 'bais'", "refuse-table-shape": "of shape (4, 8)",
-            "refuse-mask-table": "read by the mask_mod", "refuse-packed-backward": "without cu_seqlens",
+            "refuse-mask-table": "read by the mask_mod",
             "refuse-no-derivative": "derivative could not be generated"}
 
 

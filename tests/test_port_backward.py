@@ -1,7 +1,8 @@
 """The port's backward (#31): dq, dk, dv and learnable tables' gradients of the generated file,
 against the float64 reference's autograd, under Triton's interpreter in a fresh process
 (tests/run_port_backward.py: the corpus, random grammar mods, learnable tables, rows that keep
-nothing, a gradient into lse, Lq = 1, Lq > Lk, bf16 at D = 40, deterministic=True bitwise, and
+nothing, packed documents, a gradient into lse, Lq = 1, Lq > Lk, bf16 at D = 40, deterministic=True
+bitwise, a finite-difference check, and
 the calls it must refuse); and verify(backend="port", backward=True) end to end."""
 
 import os

@@ -304,12 +304,15 @@ def _call_tables(tables, device) -> dict:
 
 
 class _Attention(torch.autograd.Function):
-    """attention() with a backward: the forward saves q, k, v, out, lse and the call's tables."""
+    """attention() with a backward: the forward saves q, k, v, out, lse and the call's tables. A
+    packed forward (cu_seqlens: each segment tiled from its start) has the plain backward: the
+    gradients need only out and lse, and the mask keeps no pair across segments, so the whole
+    sequence's block lists skip the same pairs."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, invariant, deterministic, names, *values):
+    def forward(ctx, q, k, v, scale, invariant, deterministic, bounds, names, *values):
         tables = {n: t.detach().contiguous() for n, t in zip(names, values)}
-        out, lse = _attention(q, k, v, scale, True, None, invariant, tables=tables)
+        out, lse = _attention(q, k, v, scale, True, bounds, invariant, tables=tables)
         ctx.save_for_backward(q, k, v, out, lse, *values)
         ctx.scale, ctx.names, ctx.deterministic = scale, names, deterministic
         return out, lse
@@ -317,8 +320,8 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *values = ctx.saved_tensors
-        learn = [n for i, n in enumerate(ctx.names) if ctx.needs_input_grad[7 + i]]
+        learn = [n for i, n in enumerate(ctx.names) if ctx.needs_input_grad[8 + i]]
         tables = {n: t.detach().contiguous() for n, t in zip(ctx.names, values)}
         dq, dk, dv, grads = _attention_backward(q, k, v, out, lse, dout, dlse, ctx.scale, tables, learn,
                                                 ctx.deterministic)
-        return (dq, dk, dv, None, None, None, None, *[grads.get(n) for n in ctx.names])
+        return (dq, dk, dv, None, None, None, None, None, *[grads.get(n) for n in ctx.names])

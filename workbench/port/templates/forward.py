@@ -714,12 +714,8 @@ def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None, invaria
             raise RuntimeError(f"{NAME}: the score_mod's derivative could not be generated ({NO_SCORE_GRAD}), so this "
                                "file has no backward; call attention() under torch.no_grad(), or train with "
                                "FlexAttention")
-        if bounds is not None:
-            raise ValueError("the backward runs unpacked calls only: with cu_seqlens and q, k or v requiring grad, "
-                             "call attention(q, k, v) without cu_seqlens (a document mask's block lists already "
-                             "skip every pair across documents), or run the packed call under torch.no_grad()")
         names = tuple(tables)
-        out, lse = _Attention.apply(q, k, v, scale, bool(invariant), bool(deterministic), names,
+        out, lse = _Attention.apply(q, k, v, scale, bool(invariant), bool(deterministic), bounds, names,
                                     *[tables[n] for n in names])
         return (out, lse) if return_lse else out
     return _attention(q, k, v, scale, return_lse, bounds, invariant, tables=tables)

@@ -209,6 +209,9 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
     if isinstance(backend, (PortBackend, PortPagedBackend)):
         port.check_supported(shape.head_dim, dtype, mask.name)
     budget, _ = reference_budget(shape, backward, reference_dtype, device, memory_budget, mask.name)
+    if backward and isinstance(backend, PortPagedBackend):
+        raise WorkbenchError("attention_paged is an engine's forward (prefill and decode): it has no backward",
+                             "verify the backward with --backend port (attention(), what a trainer runs)", mask.name)
     if not isinstance(backend, PortBackend):  # the port's backward runs on a CPU too (Triton's interpreter)
         check_backward_device(backward, device, mask.name)
     inputs = make_inputs(shape, dtype, device, seed=seed, backward=backward)

@@ -1,15 +1,16 @@
 """attention_paged: one engine step (prefill chunks and decodes) over a paged KV cache, against the
 float64 reference of each request. Usage:
 
-    TRITON_INTERPRET=1 python tests/run_port_paged.py cpu [SEED]
-    python tests/run_port_paged.py cuda [SEED]
+    TRITON_INTERPRET=1 python tests/run_port_paged.py cpu [SEED] [corpus]
+    python tests/run_port_paged.py cuda [SEED] [corpus]
 
 For each case (a mask, a dtype, a page size) a random step is drawn: requests with other query
 counts (decodes of 1, chunks of a few to ~100) and contexts, pages shuffled across the cache, and
 garbage in the block table past each request's pages. Request r's rows must equal the reference of
 the mask seen from the request: b = r, q_idx = its positions seq_len - n_q + i, kv_idx = 0 ..
 seq_len - 1. Page size 16 runs split-KV (pieces of SPLIT_KEYS keys folded by a second kernel),
-the others one piece. Prints `CASE <id> OK|FAIL detail` per case (ids: `case_ids`), then a SUMMARY line."""
+the others one piece. `corpus`: every mod of the test corpus instead (corpus_cases), one step each.
+Prints `CASE <id> OK|FAIL detail` per case (ids: `case_ids`), then a SUMMARY line."""
 
 import random
 import sys
@@ -72,12 +73,31 @@ def case_ids():
     return [c[0] for c in cases()]
 
 
-def draw_step(rng: random.Random, num_seqs: int, page: int, heads: int, kv_heads: int, d: int, dtype):
-    """q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens and each request's (n_q, seq_len)."""
+def corpus_cases():
+    """Every mod of the test corpus (the library at 96 tokens, user-style and attention-gym-style
+    mods: per-head and per-sample tables, spans with .any(), documents, and_masks / or_masks),
+    float32, page 16: (id, mask, heads, kv_heads, batch, length). Requests stay within `length`
+    (a per-token table's positions stop there)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from mod_corpus import LENGTH, corpus
+
+    for n, (mask, batch, heads) in enumerate(corpus()):
+        yield (f"corpus{n}-{mask.name}".replace(" ", ""), mask, heads, 1 if heads % 2 else heads // 2 or 1, batch,
+               mask.q_len or LENGTH)
+
+
+def draw_step(rng: random.Random, num_seqs: int, page: int, heads: int, kv_heads: int, d: int, dtype,
+              longest: int | None = None):
+    """q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens and each request's (n_q, seq_len)
+    (seq_len at most `longest` when given)."""
     reqs = []
     for _ in range(num_seqs):
         n_q = rng.choice([1, 1, rng.randint(2, 40), rng.randint(40, 100)])
-        reqs.append((n_q, n_q + rng.choice([0, rng.randint(0, 60), rng.randint(60, 400)])))
+        length = n_q + rng.choice([0, rng.randint(0, 60), rng.randint(60, 400)])
+        if longest is not None:
+            length = rng.randint(1, longest)
+            n_q = min(n_q, length)
+        reqs.append((n_q, length))
     pages_of = [-(-length // page) for _, length in reqs]
     max_pages = max(pages_of) + 2
     physical = list(range(sum(pages_of) + 3))  # a few unused pages too
@@ -119,11 +139,14 @@ def gather(cache, table_row, length):
     return cache[table_row[idx // page].long(), idx % page].permute(1, 0, 2)
 
 
-def check(case, mask, heads, kv_heads, dtype, page, device, folder, rng) -> str | None:
+def check(case, mask, heads, kv_heads, dtype, page, device, folder, rng, batch=None, length=None) -> str | None:
     real = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    num_seqs = 3 if "per_request" in case else rng.randint(2, 5)
-    q, kc, vc, table, cu, lens, reqs = draw_step(rng, num_seqs, page, heads, kv_heads, 16, real)
-    source = port.generate(mask, 256, 256, heads=heads, batch=num_seqs)
+    # a corpus mod defined for one batch entry is served as 2-4 requests; one with per-sample
+    # tables as one request per entry
+    num_seqs = (batch if batch > 1 else rng.randint(2, 4)) if batch else (3 if "per_request" in case
+                                                                          else rng.randint(2, 5))
+    q, kc, vc, table, cu, lens, reqs = draw_step(rng, num_seqs, page, heads, kv_heads, 16, real, longest=length)
+    source = port.generate(mask, length or 256, length or 256, heads=heads, batch=num_seqs)
     module = port.load(port.write(source, folder / case.replace("+", "_")))
     # half the cases with split-KV (pieces of the keys folded by a second kernel), half without
     module.SPLIT_WHEN_PROGRAMS_BELOW = 1 << 30 if "-p16" in case or "bfloat16" in case else 0
@@ -151,13 +174,17 @@ def check(case, mask, heads, kv_heads, dtype, page, device, folder, rng) -> str 
 
 def main(argv) -> int:
     device = argv[0] if argv else "cpu"
-    rng = random.Random(int(argv[1]) if len(argv) > 1 else 0)
+    seeds = [int(a) for a in argv[1:] if a.isdigit()]
+    rng = random.Random(seeds[0] if seeds else 0)
     folder = Path(tempfile.mkdtemp(prefix="port_paged_"))
     failed = total = 0
-    for case, mask, heads, kv_heads, dtype, page in cases():
+    todo = ([(case, mask, heads, kv, "float32", 16, batch, length)
+             for case, mask, heads, kv, batch, length in corpus_cases()] if "corpus" in argv
+            else [(*c, None, None) for c in cases()])
+    for case, mask, heads, kv_heads, dtype, page, batch, length in todo:
         total += 1
         try:
-            problem = check(case, mask, heads, kv_heads, dtype, page, device, folder, rng)
+            problem = check(case, mask, heads, kv_heads, dtype, page, device, folder, rng, batch, length)
         except Exception as exc:
             problem = f"raised {type(exc).__name__}: {str(exc)[:300]}"
         failed += problem is not None

@@ -18,8 +18,8 @@ import triton.language as tl
 #     dx_ij = ds_ij * score_grad(x_ij)         x = q . k * scale, the score_mod's input
 #     dq_i = scale * sum_j dx_ij k_j           dk_j = scale * sum_i dx_ij q_i
 # score_grad is d score_mod / d score, generated from the score_mod's traced graph
-# (workbench.translate.derivative), never written per mod. Two kernels, neither with atomics (so
-# every call gives the same bits): dq, one program per block of queries over the forward's block
+# (workbench.translate.derivative), never written per mod. Two kernels, with no atomics for dq, dk
+# and dv (every call gives them the same bits): dq, one program per block of queries over the forward's block
 # lists; dk and dv, one program per block of keys over the *column* lists (the same classes read
 # down the columns) and every query head of its kv head's group, which sums GQA's heads in
 # registers. A row that keeps nothing has lse = -inf; it is read as +inf, so its p is 0 and its
@@ -35,7 +35,7 @@ NO_SCORE_GRAD = @@NO_SCORE_GRAD@@  # why not, when it was not
 # the same sum in any order; tables' gradients up to 2^31 in size)
 GRAD_TABLES = @@GRAD_TABLES@@
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of both backward kernels; the second for float32 or
-# D > 128, whose tiles need twice the registers
+# D > 128, whose tiles need twice the registers (a first choice: not yet tuned on a GPU)
 BWD_TILES = [(32, 32, 4, 1), (32, 32, 4, 1)] if _INTERPRET else [(64, 64, 4, 1), (32, 32, 4, 1)]
 
 

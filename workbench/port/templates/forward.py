@@ -459,8 +459,14 @@ def _prune(configs, named_args, **kwargs):
     return kept or configs
 
 
+# The tile choice is kept on disk by Triton (its cache directory), keyed by the GPU's target, this
+# kernel's source, the length buckets, head dim and dtypes: a later process at the same sizes takes
+# it without autotuning again (Triton versions without `cache_results` autotune in every process)
+_TUNING_ON_DISK = ({"cache_results": True} if "cache_results" in triton.autotune.__code__.co_varnames else {})
+
+
 @triton.autotune(configs=_configs(), key=["Lq_bucket", "Lk_bucket", "D_PAD", "HAS_SCORE", "IEEE"],
-                 prune_configs_by={"early_config_prune": _prune})
+                 prune_configs_by={"early_config_prune": _prune}, **_TUNING_ON_DISK)
 @triton.jit
 def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, full_idx,
                       s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,

@@ -28,3 +28,69 @@ def device(request):
         pytest.skip("needs a CUDA GPU")
     return request.param
 
+
+
+# ---------------------------------------------------------------- interpreter scripts, started early
+# Five test modules judge the port by a script that runs many cases under Triton's CPU interpreter
+# in a fresh process (minutes each, single-threaded). They start together when collection ends, so
+# they run on the cores the test process leaves idle; each module's fixture then waits for its own
+# (the `early_run` fixture). Their output goes to files (a full pipe would stall them).
+EARLY = {
+    "port_paged": ("test_port_paged.py", ["run_port_paged.py", "cpu", "3"]),
+    "port_paged_corpus": ("test_port_paged.py", ["run_port_paged.py", "cpu", "1", "corpus"]),
+    "port_lengths": ("test_port_lengths.py", ["run_port_lengths.py", "cpu", "7"]),
+    "port_backward": ("test_port_backward.py", ["run_port_backward.py", "cpu", "4"]),
+    "port_corpus": ("test_port.py", ["run_port_corpus.py", "cpu", "10", "float32", "conformance"]),
+    "triton_scan": ("test_blocks.py", ["run_triton_scan.py", "cpu"]),
+}
+_started: dict = {}
+
+
+def _start(key: str):
+    import subprocess
+    import tempfile
+
+    _, argv = EARLY[key]
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / argv[0]), *argv[1:]], stdout=out, stderr=err,
+                            text=True, env=env)
+    _started[key] = (proc, out, err)
+
+
+def pytest_collection_finish(session):
+    if session.config.getoption("collectonly", False):
+        return
+    files = {Path(str(item.fspath)).name for item in session.items}
+    for key, (test_file, _) in EARLY.items():
+        if test_file in files and key not in _started:
+            _start(key)
+
+
+def _early_run(key: str, timeout: float = 2400):
+    """The finished run of EARLY[key] (started at collection, or now): a CompletedProcess."""
+    import subprocess
+
+    if key not in _started:
+        _start(key)
+    proc, out, err = _started[key]
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    out.seek(0)
+    err.seek(0)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+
+
+@pytest.fixture(scope="session")
+def early_run():
+    """early_run(key) -> the CompletedProcess of EARLY[key]'s script (see above)."""
+    return _early_run
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001 (a run that no test waited for is stopped)
+    for proc, _, _ in _started.values():
+        if proc.poll() is None:
+            proc.kill()

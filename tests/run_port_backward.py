@@ -184,7 +184,7 @@ def cases(n_random: int, length: int | None = None) -> list[tuple[str, Mask, Sha
         batch, heads = rng.randint(1, 2), rng.randint(1, 4)
         out.append((f"random{n}", random_mod(rng, q_len, kv_len, batch, heads),
                     Shape(batch=batch, q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=rng.choice([16, 24])),
-                    "float32", {}))
+                    "bfloat16" if n % 2 else "float32", {}))
     return out + special_cases()
 
 

@@ -116,10 +116,12 @@ def draw_step(rng: random.Random, num_seqs: int, page: int, heads: int, kv_heads
     return q, k_cache, v_cache, table, cu, lens, reqs
 
 
-def request_view(mask: Mask, r: int, n_q: int, length: int) -> Mask:
+def request_view(mask: Mask, r: int, n_q: int, length: int, fixed: bool = False) -> Mask:
     """The mask seen from request r of a step, as a contiguous call of its n_q queries against its
-    `length` keys: b -> r, q_idx -> its positions (length - n_q + i)."""
-    base = rebuild(mask, length, length) if rebuildable(mask) else mask
+    `length` keys: b -> r, q_idx -> its positions (length - n_q + i). `fixed`: the port holds at
+    its generated lengths only (per-token data), so a request sees the mask as it was made, not
+    rebuilt at the request's length."""
+    base = rebuild(mask, length, length) if rebuildable(mask) and not fixed else mask
     off = length - n_q
 
     def mask_mod(b, h, q_idx, kv_idx, _m=base.mask_mod):
@@ -160,7 +162,7 @@ def check(case, mask, heads, kv_heads, dtype, page, device, folder, rng, batch=N
         shape = Shape(batch=1, q_heads=heads, kv_heads=kv_heads, q_len=n_q, kv_len=length, head_dim=16)
         qr = q[start:start + n_q].permute(1, 0, 2)[None].float()
         kr, vr = gather(kc, table[r], length)[None].float(), gather(vc, table[r], length)[None].float()
-        ref = reference_attention(request_view(mask, r, n_q, length),
+        ref = reference_attention(request_view(mask, r, n_q, length, fixed=source.valid_q_len is not None),
                                   Inputs(q=qr, k=kr, v=vr, shape=shape, dtype="float32", seed=0), progress=False)
         got = out[start:start + n_q].permute(1, 0, 2)[None]
         checks = [compare("out", got, ref.out, TOLERANCES[dtype]),

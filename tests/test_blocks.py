@@ -168,18 +168,12 @@ def test_compiled_tiles_equal_eager(device, name, heads):
         assert torch.equal(eager.head_pairs_differing, compiled.head_pairs_differing)
 
 
-def test_triton_scan_equals_eager_on_the_library_in_the_interpreter():
+def test_triton_scan_equals_eager_on_the_library_in_the_interpreter(early_run):
     """The fused kernel (Triton's CPU interpreter, a fresh process): every library mask and a
     batch- and head-dependent mod, at odd lengths, uneven and tall blocks (~55 s)."""
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).with_name("run_triton_scan.py")
-    out = subprocess.run([sys.executable, str(script), "cpu"], capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, TRITON_INTERPRET="1"))
+    out = early_run("triton_scan")  # tests/run_triton_scan.py cpu, started at collection (conftest)
     assert out.returncode == 0 and "ALL EQUAL" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 
 

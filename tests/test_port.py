@@ -28,11 +28,9 @@ CORPUS_IDS = case_ids(10, ["float32"], conformance=True)
 
 
 @pytest.fixture(scope="module")
-def corpus_results():
+def corpus_results(early_run):
     """One fresh interpreter process runs every case (tests/run_port_corpus.py); each is judged below."""
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "run_port_corpus.py"), "cpu", "10", "float32",
-                          "conformance"], capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"),
-                         timeout=900)
+    out = early_run("port_corpus")  # run_port_corpus.py cpu 10 float32 conformance, started at collection
     results = {line.split()[1]: line for line in out.stdout.splitlines() if line.startswith("CASE ")}
     assert results, out.stdout[-4000:] + out.stderr[-3000:]
     return results

@@ -5,8 +5,6 @@ nothing, packed documents, a gradient into lse, Lq = 1, Lq > Lk, bf16 at D = 40,
 bitwise, a finite-difference check, and
 the calls it must refuse); and verify(backend="port", backward=True) end to end."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,9 +26,8 @@ CASE_IDS = [f"{case}-{dtype}" for case, _, _, dtype, _ in cases(N_RANDOM)] + lis
 
 
 @pytest.fixture(scope="module")
-def backward_results():
-    done = subprocess.run([sys.executable, str(ROOT / "run_port_backward.py"), "cpu", str(N_RANDOM)],
-                          capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)
+def backward_results(early_run):
+    done = early_run("port_backward")  # tests/run_port_backward.py cpu N_RANDOM, started at collection (conftest)
     results = {line.split()[1].rstrip(":"): line for line in done.stdout.splitlines() if line.startswith("CASE ")}
     assert results, done.stdout[-4000:] + done.stderr[-3000:]
     return results

@@ -4,8 +4,6 @@ with a clear error. The calls run under Triton's interpreter in one fresh proces
 (tests/run_port_lengths.py); each case is judged here on its own."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,9 +16,8 @@ from run_port_lengths import CASE_NAMES  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def calls():
-    done = subprocess.run([sys.executable, str(ROOT / "run_port_lengths.py"), "cpu", "7"], capture_output=True,
-                          text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=1200)
+def calls(early_run):
+    done = early_run("port_lengths")  # tests/run_port_lengths.py cpu 7, started at collection (conftest)
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert records, done.stdout[-3000:] + done.stderr[-3000:]
     return records

@@ -1,6 +1,7 @@
 """attention_paged, the port's serving entry point: a whole engine step (prefill chunks and decodes)
 in one launch over a paged KV cache in vLLM's layouts. Every case of tests/run_port_paged.py (one
-fresh interpreter process) is judged on its own; bad calls are refused naming the argument."""
+fresh interpreter process), and every mod of the test corpus served in a step (its corpus mode),
+is judged on its own; bad calls are refused naming the argument."""
 
 import json
 import os
@@ -14,13 +15,12 @@ import pytest
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from run_port_paged import case_ids  # noqa: E402
+from run_port_paged import case_ids, corpus_cases  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def paged_results():
-    done = subprocess.run([sys.executable, str(ROOT / "run_port_paged.py"), "cpu", "3"], capture_output=True,
-                          text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=1200)
+def paged_results(early_run):
+    done = early_run("port_paged")  # tests/run_port_paged.py cpu 3, started at collection (conftest)
     results = {line.split()[1]: line for line in done.stdout.splitlines() if line.startswith("CASE ")}
     assert results, done.stdout[-3000:] + done.stderr[-3000:]
     return results
@@ -29,6 +29,23 @@ def paged_results():
 @pytest.mark.parametrize("case", case_ids())
 def test_a_paged_step_equals_each_requests_reference(paged_results, case):
     line = paged_results.get(case)
+    assert line is not None, f"{case} did not run"
+    assert line.split()[2] == "OK", line
+
+
+@pytest.fixture(scope="module")
+def corpus_results(early_run):
+    done = early_run("port_paged_corpus")  # tests/run_port_paged.py cpu 1 corpus, started at collection
+    results = {line.split()[1]: line for line in done.stdout.splitlines() if line.startswith("CASE ")}
+    assert results, done.stdout[-3000:] + done.stderr[-3000:]
+    return results
+
+
+@pytest.mark.parametrize("case", [c[0] for c in corpus_cases()])
+def test_every_corpus_mod_served_in_a_paged_step_equals_the_reference(corpus_results, case):
+    """The library at 96 tokens and users' mods (per-head and per-sample tables, spans with .any(),
+    documents, and_masks / or_masks, score mods): one step of requests over shuffled pages each."""
+    line = corpus_results.get(case)
     assert line is not None, f"{case} did not run"
     assert line.split()[2] == "OK", line
 

@@ -33,10 +33,23 @@ def score_tables(gm, captured: dict[str, torch.Tensor], lifted: frozenset) -> di
     return out
 
 
+def _reaches(node, sources: set, seen: dict | None = None) -> bool:
+    """Does graph node `node` depend on any node of `sources`?"""
+    seen = {} if seen is None else seen
+    if node in sources:
+        return True
+    if node not in seen:
+        seen[node] = False
+        seen[node] = any(_reaches(n, sources, seen) for n in node.all_input_nodes)
+    return seen[node]
+
+
 class _TableGradEmitter(TritonMaskEmitter):
     def __init__(self, gm, arg_names, captured, lifted, order: list[str]):
         super().__init__(gm, arg_names, captured, lifted)
         self.order = order  # the tables' captured names: bit t of LEARN is order[t]
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.pair_args = set(placeholders[3:5])  # q_idx, kv_idx: what varies across a tile's pairs
 
     def call(self, op, node):
         if op != "table_scatter":
@@ -60,8 +73,18 @@ class _TableGradEmitter(TritonMaskEmitter):
         # ds is 0 where the pair is dropped or p = 0: no add there (and no 0 * inf)
         add = self.fresh("add")
         self.lines += [f"    if (LEARN // {bit}) % 2 == 1:",
-                       f"        {add} = tl.where(ds == 0.0, 0.0, ds * ({w}))",
-                       "        if DETERMINISTIC:  # integer adds in units of 2^-32: the same sum in any order",
+                       f"        {add} = tl.where(ds == 0.0, 0.0, ds * ({w}))"]
+        if not any(_reaches(i, self.pair_args) for i in indices if hasattr(i, "op")):
+            # the entry does not depend on q_idx or kv_idx (a per-head slope, a 0-d temperature): the
+            # tile's pairs all add to it, so they are summed first and added once (in DETERMINISTIC,
+            # the sum of the pairs' rounded integers: the same bits as adding them one by one)
+            self.lines += ["        if DETERMINISTIC:",
+                           f"            tl.atomic_add(d_{name}_ptr + ({offset}), tl.sum(tl.sum(tl.floor({add} * "
+                           "4294967296.0 + 0.5).to(tl.int64), 1), 0))",
+                           "        else:",
+                           f"            tl.atomic_add(d_{name}_ptr + ({offset}), tl.sum(tl.sum({add}, 1), 0))"]
+            return "0"
+        self.lines += ["        if DETERMINISTIC:  # integer adds in units of 2^-32: the same sum in any order",
                        f"            tl.atomic_add(d_{name}_ptr + ({offset}) + zero_, "
                        f"tl.floor({add} * 4294967296.0 + 0.5).to(tl.int64), mask=ds != 0.0)",
                        "        else:",

@@ -7,6 +7,8 @@ Call it like FlexAttention, without FlexAttention:
     out, lse = attention(q, k, v, return_lse=True)    # lse [B, Hq, Lq], float32, natural log
     out = attention(q, k, v, cu_seqlens=cu)           # packed requests: cu = [0, end_1, ..., L]
     out = attention(q, k, v, invariant=True)          # the bits attention_paged(..., invariant=True) gives
+    out = attention(q, k, v, tables={"bias": param})  # a score_mod's table for this call; learns if it requires grad
+    out.backward(grad)                                # dq, dk, dv (and param.grad) from this file's backward kernels
 
 What it computes (FlexAttention's semantics): score = (q . k) * scale, with scale = 1 / sqrt(D)
 unless given; the score_mod below is applied to every score; pairs the mask_mod drops get -inf;

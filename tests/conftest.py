@@ -35,13 +35,14 @@ def device(request):
 # in a fresh process (minutes each, single-threaded). They start together when collection ends, so
 # they run on the cores the test process leaves idle; each module's fixture then waits for its own
 # (the `early_run` fixture). Their output goes to files (a full pipe would stall them).
-EARLY = {
-    "port_paged": ("test_port_paged.py", ["run_port_paged.py", "cpu", "3"]),
-    "port_paged_corpus": ("test_port_paged.py", ["run_port_paged.py", "cpu", "1", "corpus"]),
-    "port_lengths": ("test_port_lengths.py", ["run_port_lengths.py", "cpu", "7"]),
-    "port_backward": ("test_port_backward.py", ["run_port_backward.py", "cpu", "4"]),
-    "port_corpus": ("test_port.py", ["run_port_corpus.py", "cpu", "10", "float32", "conformance"]),
-    "triton_scan": ("test_blocks.py", ["run_triton_scan.py", "cpu"]),
+EARLY = {  # key: (test module, the fixture or test that reads it, the script and its arguments)
+    "port_paged": ("test_port_paged.py", "paged_results", ["run_port_paged.py", "cpu", "3"]),
+    "port_paged_corpus": ("test_port_paged.py", "corpus_results", ["run_port_paged.py", "cpu", "1", "corpus"]),
+    "port_lengths": ("test_port_lengths.py", "calls", ["run_port_lengths.py", "cpu", "7"]),
+    "port_backward": ("test_port_backward.py", "backward_results", ["run_port_backward.py", "cpu", "4"]),
+    "port_corpus": ("test_port.py", "corpus_results", ["run_port_corpus.py", "cpu", "10", "float32", "conformance"]),
+    "triton_scan": ("test_blocks.py", "test_triton_scan_equals_eager_on_the_library_in_the_interpreter",
+                    ["run_triton_scan.py", "cpu"]),
 }
 _started: dict = {}
 
@@ -50,7 +51,7 @@ def _start(key: str):
     import subprocess
     import tempfile
 
-    _, argv = EARLY[key]
+    _, _, argv = EARLY[key]
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / argv[0]), *argv[1:]], stdout=out, stderr=err,
@@ -61,9 +62,11 @@ def _start(key: str):
 def pytest_collection_finish(session):
     if session.config.getoption("collectonly", False):
         return
-    files = {Path(str(item.fspath)).name for item in session.items}
-    for key, (test_file, _) in EARLY.items():
-        if test_file in files and key not in _started:
+    for key, (test_file, reader, _) in EARLY.items():
+        wanted = any(Path(str(item.fspath)).name == test_file and (reader in item.fixturenames
+                                                                   or item.name.split("[")[0] == reader)
+                     for item in session.items)
+        if wanted and key not in _started:
             _start(key)
 
 

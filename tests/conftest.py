@@ -31,7 +31,7 @@ def device(request):
 
 
 # ---------------------------------------------------------------- interpreter scripts, started early
-# Five test modules judge the port by a script that runs many cases under Triton's CPU interpreter
+# Six test modules judge the port by scripts that run many cases under Triton's CPU interpreter
 # in a fresh process (minutes each, single-threaded). They start together when collection ends, so
 # they run on the cores the test process leaves idle; each module's fixture then waits for its own
 # (the `early_run` fixture). Their output goes to files (a full pipe would stall them).
@@ -41,6 +41,8 @@ EARLY = {  # key: (test module, the fixture or test that reads it, the script an
     "port_lengths": ("test_port_lengths.py", "calls", ["run_port_lengths.py", "cpu", "7"]),
     "port_backward": ("test_port_backward.py", "backward_results", ["run_port_backward.py", "cpu", "4"]),
     "port_corpus": ("test_port.py", "corpus_results", ["run_port_corpus.py", "cpu", "10", "float32", "conformance"]),
+    "port_invariant": ("test_serving.py", "test_invariant_contiguous_calls_equal_the_reference",
+                       ["run_port_invariant.py", "cpu"]),
     "triton_scan": ("test_blocks.py", "test_triton_scan_equals_eager_on_the_library_in_the_interpreter",
                     ["run_triton_scan.py", "cpu"]),
 }

@@ -13,11 +13,17 @@ def run(*args, cwd=ROOT):
                           timeout=600)
 
 
-def test_help_on_every_subcommand():
-    for sub in ([], ["list"], ["report"], ["blocks"], ["verify"], ["export"], ["conformance"], ["diff"]):
-        out = run(*sub, "--help")
-        assert out.returncode == 0 and "usage" in out.stdout
-    assert all(cmd in run("--help").stdout for cmd in ("verify", "export", "conformance", "diff"))
+def test_help_on_every_subcommand(capsys):
+    import pytest
+
+    from workbench.cli import main
+
+    for sub in (["list"], ["report"], ["blocks"], ["verify"], ["export"], ["conformance"], ["diff"], ["port"]):
+        with pytest.raises(SystemExit) as done:  # argparse prints the help and exits 0
+            main([*sub, "--help"])
+        assert done.value.code == 0 and "usage" in capsys.readouterr().out, sub
+    out = run("--help")  # and once as a process, the way a user types it
+    assert out.returncode == 0 and all(cmd in out.stdout for cmd in ("verify", "export", "conformance", "diff"))
 
 
 def test_list():

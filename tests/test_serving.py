@@ -60,9 +60,8 @@ def test_a_bidirectional_prefix_is_not_the_same_attention_when_chunked():
     assert result.passed and "not the same attention" in result.line
 
 
-def test_invariant_contiguous_calls_equal_the_reference():
-    done = subprocess.run([sys.executable, str(ROOT / "run_port_invariant.py"), "cpu"], capture_output=True, text=True,
-                          env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)
+def test_invariant_contiguous_calls_equal_the_reference(early_run):
+    done = early_run("port_invariant")  # tests/run_port_invariant.py cpu, started at collection (conftest)
     summary = [line for line in done.stdout.splitlines() if line.startswith("SUMMARY")]
     assert done.returncode == 0 and summary and summary[0].startswith("SUMMARY 12/12"), done.stdout[-3000:] + \
         done.stderr[-2000:]

@@ -14,7 +14,6 @@ session that tries many masks lifts the limit (compat.raise_recompile_limit) and
 from __future__ import annotations
 
 import ast
-import re
 import secrets
 import tempfile
 import time
@@ -500,7 +499,9 @@ class PortBackend:
         grads = {}
         if backward:
             # captured tensors that require grad learn through the port's tables= (named as in the file)
-            learn = {re.sub(r"\W", "_", name): (name, t) for name, t in learnable_tensors(mask).items()}
+            from workbench.translate.emitter import argument_name
+
+            learn = {argument_name(name): (name, t) for name, t in learnable_tensors(mask).items()}
             out, lse, got = port.run_file_backward(path, inputs.q, inputs.k, inputs.v, inputs.grad_out,
                                                    tables={n: t for n, (_, t) in learn.items()})
             grads = {n: got[n] for n in ("dq", "dk", "dv")}

@@ -16,11 +16,17 @@ import torch
 
 from workbench.define import op_name
 
-__all__ = ["Emitter", "Untranslatable", "View", "Vec", "literal", "K"]
+__all__ = ["Emitter", "Untranslatable", "View", "Vec", "literal", "argument_name", "K"]
 
 
 class Untranslatable(Exception):
     """A construct of the traced mod that this translator cannot write (the message names it)."""
+
+
+def argument_name(name: str) -> str:
+    """A captured tensor's name as the kernel argument (and the port's table) it becomes: a
+    `Mask.data` key such as "score.table" turns into an identifier."""
+    return name if name.isidentifier() else re.sub(r"\W", "_", name)
 
 
 def literal(value) -> str:
@@ -91,7 +97,7 @@ class Emitter:
         """The captured tensor as a pointer argument (added to `pointers` on first use)."""
         name = self.tensor_name(tensor) or target.lstrip("_")
         if not name.isidentifier():  # Mask.data keys such as "score.table" name a pointer argument
-            clean = re.sub(r"\W", "_", name)
+            clean = argument_name(name)
             self.captured[clean] = self.captured.pop(name, tensor)
             name = clean
         if name not in self.captured:

@@ -24,7 +24,7 @@ __all__ = ["PortingSpec", "summarize", "SPEC_VERSION", "TARGETS", "write_spec", 
 SPEC_VERSION = "1.0"
 SCHEMA_PATH = Path(__file__).with_name("spec.schema.json")
 TARGETS = ("flash_attn", "vllm_triton", "magi", "flashmask", "row_intervals", "block_sparse", "triton",
-           "triton_attention")
+           "triton_attention", "flash_attn_cute")
 INLINE_LIMIT = 4096  # integer arrays longer than this go to the safetensors file
 
 
@@ -35,6 +35,7 @@ class PortingSpec:
     doc: dict
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     port: Any = None  # port.PortSource: the generated attention file, written next to the spec
+    fa4: Any = None  # fa4.Fa4Source: the generated FlashAttention-4 file, written next to the spec
 
     @property
     def name(self) -> str:
@@ -52,6 +53,8 @@ class PortingSpec:
         """The generated source a section carries (the Triton mods; the port's file), as text."""
         if target == "triton_attention" and self.port is not None:
             return self.port.source
+        if target == "flash_attn_cute" and self.fa4 is not None:
+            return self.fa4.source
         section = self.doc["backends"].get(target)
         if not isinstance(section, dict) or "source" not in section:
             raise WorkbenchError(f"the spec has no {target} source",
@@ -168,6 +171,10 @@ def write_spec(spec: PortingSpec, out_dir: str | Path) -> tuple[Path, Path]:
     if spec.port is not None:
 
         port.write(spec.port, out)
+    if spec.fa4 is not None:
+        from workbench import fa4
+
+        fa4.write(spec.fa4, out)
     return json_path, st_path
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workbench import port
+from workbench import fa4, port
 from workbench.analyze import mask_stats
 from workbench.blocks import FULL, PARTIAL, block_classes, scan_blocks
 from workbench.define import Mask, WorkbenchError, bind
@@ -251,6 +251,13 @@ def build_spec(mask: Mask, q_len: int, kv_len: int | None = None, *, heads: int 
         backends["triton_attention"] = port_source.section()
     else:
         reasons["triton_attention"] = reasons["triton"]
+    fa4_source = None
+    try:
+        fa4_source = fa4.generate(mask, q_len, kv_len, heads=heads or H, batch=batch or B,
+                                  scan=scan if scan is not None and (scan.q_block, scan.kv_block) == fa4.BLOCK else None)
+        backends["flash_attn_cute"] = fa4_source.section()
+    except WorkbenchError as exc:
+        reasons["flash_attn_cute"] = exc.cause
     doc = {
         "spec_version": SPEC_VERSION,
         "name": mask.name,
@@ -279,7 +286,7 @@ def build_spec(mask: Mask, q_len: int, kv_len: int | None = None, *, heads: int 
     else:
         doc["cost"] = {"density": 1.0, "block_density": 1.0, "head_dim": head_dim,
                        "kept_flops": 4.0 * head_dim * q_len * kv_len * (heads or 1) * (batch or 1)}
-    spec = PortingSpec(doc, tensors, port=port_source)
+    spec = PortingSpec(doc, tensors, port=port_source, fa4=fa4_source)
     if golden:
         add_golden(spec, mask, batch=batch or B or 1, heads=heads or H or 1, head_dim=head_dim, device=device, seed=seed)
     return spec

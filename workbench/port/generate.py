@@ -28,7 +28,7 @@ from workbench.translate.derivative import derivative_mod
 from workbench.translate.triton_mask import translate_mod
 from workbench.translate.triton_table_grad import translate_table_grad
 
-__all__ = ["PortSource", "generate", "check_supported", "pinned_config", "CONFIGS", "SEGMENT_CONFIGS", "DTYPES",
+__all__ = ["PortSource", "generate", "length_plan", "check_supported", "pinned_config", "CONFIGS", "SEGMENT_CONFIGS", "DTYPES",
            "ENTRY", "MAX_HEAD_DIM"]
 
 
@@ -135,6 +135,20 @@ def _port_key(port: PortSource, parts: list[str]) -> str:
     return digest.hexdigest()[:6]
 
 
+def length_plan(mask: Mask, q_len: int, kv_len: int):
+    """How a generated file follows the call's lengths (shared by the Triton port and the FA4 file):
+    (what the mods index, lengths.follow's plan, whether the file holds at these lengths only, the
+    length rules it computes per call, the mask to translate: rebuilt with the rules' numbers
+    as named tables)."""
+    indexed = data_indices(mask.mask_mod) | data_indices(mask.score_mod, "score")
+    plan = follow(mask, q_len, kv_len)
+    # per-token data (tables read at q_idx / kv_idx) hold at these lengths only, whatever else follows them
+    per_token = (bool(indexed & {"q_idx", "kv_idx"}) or plan.kind == "fixed"
+                 or (mask.q_len is not None and not rebuildable(mask)))
+    rules = {} if per_token else plan.rules
+    return indexed, plan, per_token, rules, (plan.mask if rules else mask)
+
+
 def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | None = None,
              batch: int | None = None) -> PortSource:
     """The port of `mask`, generated at these sizes. Numbers its factory computes from the lengths
@@ -143,13 +157,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     Raises a WorkbenchError naming the construct when a mod has no Triton translation."""
 
     kv_len = kv_len or q_len
-    indexed = data_indices(mask.mask_mod) | data_indices(mask.score_mod, "score")
-    plan = follow(mask, q_len, kv_len)
-    # per-token data (tables read at q_idx / kv_idx) hold at these lengths only, whatever else follows them
-    per_token = (bool(indexed & {"q_idx", "kv_idx"}) or plan.kind == "fixed"
-                 or (mask.q_len is not None and not rebuildable(mask)))
-    rules = {} if per_token else plan.rules
-    source_mask = plan.mask if rules else mask
+    indexed, plan, per_token, rules, source_mask = length_plan(mask, q_len, kv_len)
     has_bounds = mask.mask_mod is not None  # mask_mod_bounds too: the paged kernel skips tiles by them
     # 0-d tensors the score_mod learns (a temperature) are kernel arguments, not numbers in the source
     lifted = frozenset(rules) | {name for name, t in captured_tensors(source_mask).items()

@@ -72,7 +72,25 @@ def _py_mod(a, b):
 
 
 class TritonMaskEmitter(Emitter):
-    """A mod pair by pair. Values are scalar expressions (one per lane), Vecs or Views."""
+    """A mod pair by pair. Values are scalar expressions (one per lane), Vecs or Views.
+
+    The target language's spelling lives in the class attributes and `load` / `cast_text`; the CuTe
+    DSL translator (`cute_dsl.CuteMaskEmitter`) is this walk with its own spelling."""
+
+    BINARY, UNARY, REDUCE, DTYPES = _BINARY, _UNARY, _REDUCE, TL_DTYPES
+    WHERE = "tl.where({a}, {b}, {c})"
+    TRUNC_DIV = "({a} // {b})"  # Triton's integer // truncates toward zero
+    GELU_TANH = ("(0.5 * {a} * (1.0 + (2.0 * tl.sigmoid(2.0 * (0.7978845608028654 * ({a} + "
+                 "0.044715 * {a} * {a} * {a}))) - 1.0)))")
+    GELU = "(0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476)))"
+    DEFAULT_DTYPE = "tl.float32"
+
+    def load(self, ptr: str, offset: str) -> str:
+        """The source that reads one entry of a captured tensor."""
+        return f"tl.load({ptr} + {offset})"
+
+    def cast_text(self, expr: str, dtype: torch.dtype) -> str:
+        return f"({expr}).to({self.DTYPES[dtype]})"
 
     def __init__(self, gm, arg_names: list[str], captured: dict[str, torch.Tensor],
                  lifted: frozenset = frozenset()):
@@ -92,7 +110,7 @@ class TritonMaskEmitter(Emitter):
         if isinstance(a, (int, float, bool)):
             return literal(a)
         if isinstance(a, torch.dtype):
-            return TL_DTYPES.get(a, "tl.float32")
+            return self.DTYPES.get(a, self.DEFAULT_DTYPE)
         if a is None:
             return "None"
         raise Untranslatable(f"argument {a!r} of type {type(a).__name__}")
@@ -102,14 +120,14 @@ class TritonMaskEmitter(Emitter):
         if isinstance(v, View):
             if len(v.shape) == 0:
                 name = self.fresh("ld")
-                self.lines.append(f"    {name} = tl.load({v.ptr} + {v.offset})")
+                self.lines.append(f"    {name} = {self.load(v.ptr, v.offset)}")
                 return name
             if len(v.shape) == 1:
                 if v.shape[0] > MAX_UNROLLED:
                     raise Untranslatable(f"a captured table of {v.shape[0]} entries is used whole "
                                          f"(at most {MAX_UNROLLED} are unrolled)")
                 step = f" * {v.strides[0]}" if v.strides[0] != 1 else ""
-                return Vec(v.shape[0], f"tl.load({v.ptr} + {v.offset} + ({K}){step})")
+                return Vec(v.shape[0], self.load(v.ptr, f"{v.offset} + ({K}){step}"))
             raise Untranslatable("a captured tensor with two or more dimensions is used whole")
         return v
 
@@ -189,32 +207,31 @@ class TritonMaskEmitter(Emitter):
         if op in CASTS:
             return self.cast(node)
         if op == "where":
-            return self.combine("tl.where({a}, {b}, {c})", *(self.value(a) for a in args[:3]))
+            return self.combine(self.WHERE, *(self.value(a) for a in args[:3]))
         if op in CLAMPS:
             return self.clamp(op, node)
         if op == "rsub":
             return self.combine("({b} - {a})", self.value(args[0]), self.value(args[1]))
         if op == "div" and kwargs.get("rounding_mode") in ("floor", "trunc"):
-            template = "_py_floordiv({a}, {b})" if kwargs["rounding_mode"] == "floor" else "({a} // {b})"
+            template = self.BINARY["floor_divide"] if kwargs["rounding_mode"] == "floor" else self.TRUNC_DIV
             return self.combine(template, self.value(args[0]), self.value(args[1]))
         if op == "pow" and isinstance(args[1], int) and 0 <= args[1] <= 8:
             if args[1] == 0:
                 return self.combine("({a} * 0 + 1)", self.value(args[0]))
             return self.combine("(" + " * ".join(["{a}"] * args[1]) + ")", self.value(args[0]))
         if op in ("max", "min") and len(args) == 2 and not isinstance(args[1], int):
-            return self.combine(_BINARY["maximum" if op == "max" else "minimum"], self.value(args[0]),
+            return self.combine(self.BINARY["maximum" if op == "max" else "minimum"], self.value(args[0]),
                                 self.value(args[1]))
-        if op in _REDUCE and (len(args) == 1 or (len(args) >= 2 and args[1] in (0, -1, [0], [-1]))):
+        if op in self.REDUCE and (len(args) == 1 or (len(args) >= 2 and args[1] in (0, -1, [0], [-1]))):
             return self.reduce(op, node)
-        if op in _BINARY and len(args) >= 2:
-            return self.combine(_BINARY[op], self.value(args[0]), self.value(args[1]))
-        if op in _UNARY:
-            return self.combine(_UNARY[op], self.value(args[0]))
+        if op in self.BINARY and len(args) >= 2:
+            return self.combine(self.BINARY[op], self.value(args[0]), self.value(args[1]))
+        if op in self.UNARY:
+            return self.combine(self.UNARY[op], self.value(args[0]))
         if op == "gelu":
             if kwargs.get("approximate", "none") == "tanh":
-                return self.combine("(0.5 * {a} * (1.0 + (2.0 * tl.sigmoid(2.0 * (0.7978845608028654 * ({a} + "
-                                    "0.044715 * {a} * {a} * {a}))) - 1.0)))", self.value(args[0]))
-            return self.combine("(0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476)))", self.value(args[0]))
+                return self.combine(self.GELU_TANH, self.value(args[0]))
+            return self.combine(self.GELU, self.value(args[0]))
         raise Untranslatable(f"aten op `{op}` has no Triton translation here")
 
     def index(self, node):
@@ -239,8 +256,8 @@ class TritonMaskEmitter(Emitter):
         if vec_n is not None:
             if rest_shape:
                 raise Untranslatable("a vector index into a table with dimensions left over")
-            return Vec(vec_n, f"tl.load({base.ptr} + {offset})")
-        return View(base.ptr, offset, rest_shape, rest_strides) if rest_shape else f"tl.load({base.ptr} + {offset})"
+            return Vec(vec_n, self.load(base.ptr, offset))
+        return View(base.ptr, offset, rest_shape, rest_strides) if rest_shape else self.load(base.ptr, offset)
 
     def select(self, node):
         base, dim, i = self.value(node.args[0]), node.args[1], node.args[2]
@@ -282,8 +299,8 @@ class TritonMaskEmitter(Emitter):
     def cast(self, node):
         args = node.args
         dtype = node.kwargs.get("dtype") or (args[1] if len(args) > 1 and isinstance(args[1], torch.dtype) else None)
-        if dtype in TL_DTYPES:
-            return self.combine("({a}).to(" + TL_DTYPES[dtype] + ")", self.value(args[0]))
+        if dtype in self.DTYPES:
+            return self.combine(self.cast_text("{a}", dtype), self.value(args[0]))
         return self.as_elementwise(self.value(args[0]))
 
     def clamp(self, op: str, node):
@@ -294,10 +311,10 @@ class TritonMaskEmitter(Emitter):
             lo, hi = None, lo
         expr, vals = "{a}", [self.value(args[0])]
         if lo is not None:
-            expr, vals = "tl.maximum(" + expr + ", {b})", vals + [self.value(lo)]
+            expr, vals = self.BINARY["maximum"].format(a=expr, b="{b}"), vals + [self.value(lo)]
         if hi is not None:
             key = "c" if lo is not None else "b"
-            expr, vals = "tl.minimum(" + expr + ", {" + key + "})", vals + [self.value(hi)]
+            expr, vals = self.BINARY["minimum"].format(a=expr, b="{" + key + "}"), vals + [self.value(hi)]
         return self.combine(expr, *vals)
 
     def reduce(self, op: str, node):
@@ -311,11 +328,11 @@ class TritonMaskEmitter(Emitter):
         if op in ("any", "all") and src is not None and src.dtype != torch.bool:
             elem = f"(({elem}) != 0)"
         if op == "sum" and src is not None and src.dtype == torch.bool:
-            elem = f"({elem}).to(tl.int64)"
+            elem = self.cast_text(elem, torch.int64)
         terms = [elem.replace(K, str(k)) for k in range(v.n)]
         expr = terms[0]
         for term in terms[1:]:
-            expr = _REDUCE[op].format(a=expr, b=term)
+            expr = self.REDUCE[op].format(a=expr, b=term)
         if val is not None and tuple(val.shape) != ():
             raise Untranslatable("a reduction that keeps dimensions")
         return expr

@@ -1,0 +1,121 @@
+"""A numpy model of the CuTe DSL's scalar semantics, to run generated CuTe DSL mods on a CPU over a
+whole grid of pairs at once (no GPU, no cutlass): the test of what the translation computes. The
+compile test (`run_fa4_compile.py`) checks that the same text is valid DSL for FA4's kernel.
+
+What the model keeps of the DSL (read from cutlass's arith lowering): integer `//` floors
+(arith.floordivsi), `%` is C's remainder (arith.remsi / remf: the sign of the dividend), a
+conditional expression is a select, Float32 is float32. The source is rewritten with `ast` so
+that `%` calls `_c_mod` and `a if c else b` calls `_select`.
+"""
+
+from __future__ import annotations
+
+import ast
+import types
+
+import numpy as np
+
+
+def _c_mod(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return np.fmod(a, b)  # C's remainder for integers and floats
+
+
+def _select(cond, a, b):
+    return np.where(np.asarray(cond, dtype=bool), a, b)
+
+
+class _Reg:
+    """cute.make_rmem_tensor(1, dtype): one register, `.load()` as a one-element sequence."""
+
+    def __init__(self, n, dtype):
+        self.v = [None] * n
+
+    def __setitem__(self, i, value):
+        self.v[i] = value
+
+    def __getitem__(self, i):
+        return self.v[i]
+
+    def load(self):
+        return list(self.v)
+
+
+def _int32(x):
+    return np.asarray(x).astype(np.int64)  # int32 in the DSL; int64 here (no test overflows int32)
+
+
+def _float32(x):
+    return np.asarray(x, dtype=np.float32)
+
+
+def _boolean(x):
+    return np.asarray(x, dtype=bool)
+
+
+def _math():
+    m = types.SimpleNamespace()
+    for name in ("exp", "log", "sqrt", "tanh", "sin", "cos", "floor", "exp2", "log2"):
+        fn = getattr(np, name)
+        setattr(m, name, lambda x, fn=fn, **_: fn(np.asarray(x, dtype=np.float32)).astype(np.float32))
+    m.rsqrt = lambda x, **_: (1 / np.sqrt(np.asarray(x, dtype=np.float32))).astype(np.float32)
+
+    def erf(x, **_):
+        import math
+        return np.vectorize(math.erf, otypes=[np.float32])(np.asarray(x, dtype=np.float32))
+
+    m.erf = erf
+    return m
+
+
+def namespace() -> dict:
+    cutlass = types.SimpleNamespace(Int32=_int32, Float32=_float32, Boolean=_boolean, Int8=_int32,
+                                    Constexpr=object, min=np.minimum, max=np.maximum)
+    cute = types.SimpleNamespace(jit=lambda f=None, **_: f if f is not None else (lambda g: g),
+                                 make_rmem_tensor=lambda n, dtype: _Reg(n, dtype), math=_math())
+    return {"cutlass": cutlass, "cute": cute, "_c_mod": _c_mod, "_select": _select, "np": np}
+
+
+class _Rewrite(ast.NodeTransformer):
+    def visit_BinOp(self, node):
+        self.generic_visit(node)
+        if isinstance(node.op, ast.Mod):
+            return ast.copy_location(ast.Call(ast.Name("_c_mod", ast.Load()), [node.left, node.right], []), node)
+        return node
+
+    def visit_IfExp(self, node):
+        self.generic_visit(node)
+        return ast.copy_location(ast.Call(ast.Name("_select", ast.Load()), [node.test, node.body, node.orelse], []),
+                                 node)
+
+    def visit_UnaryOp(self, node):
+        self.generic_visit(node)
+        if isinstance(node.op, ast.Not):  # `not x` on arrays
+            return ast.copy_location(ast.Call(ast.Attribute(ast.Name("np", ast.Load()), "logical_not", ast.Load()),
+                                              [node.operand], []), node)
+        return node
+
+
+def load(source: str) -> dict:
+    """Exec generated CuTe DSL mods (helpers + functions, no imports) under the model."""
+    tree = ast.fix_missing_locations(_Rewrite().visit(ast.parse(source)))
+    ns = namespace()
+    exec(compile(tree, "<cute>", "exec"), ns)
+    return ns
+
+
+def run_mask(ns: dict, b: int, h: int, q_len: int, kv_len: int, aux: list, q_off: int = 0) -> np.ndarray:
+    """mask_mod_cute over [q_len, kv_len] (bool)."""
+    q = np.arange(q_len, dtype=np.int64)[:, None] + q_off
+    k = np.arange(kv_len, dtype=np.int64)[None, :]
+    out = ns["mask_mod_cute"]([np.int64(b)], [np.int64(h)], [q], [k], None, aux)[0]
+    return np.broadcast_to(np.asarray(out, dtype=bool), (q_len, kv_len))
+
+
+def run_score(ns: dict, score: np.ndarray, b: int, h: int, aux: list) -> np.ndarray:
+    """score_mod_cute over score [q_len, kv_len] (float32)."""
+    q_len, kv_len = score.shape
+    q = np.arange(q_len, dtype=np.int64)[:, None]
+    k = np.arange(kv_len, dtype=np.int64)[None, :]
+    out = ns["score_mod_cute"]([score.astype(np.float32)], [np.int64(b)], [np.int64(h)], [q], [k], None, aux)[0]
+    return np.broadcast_to(np.asarray(out, dtype=np.float32), score.shape)

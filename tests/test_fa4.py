@@ -1,0 +1,203 @@
+"""The FA4 export on a CPU: what the generated CuTe DSL mods compute (run under a numpy model of
+the DSL's semantics, `cute_shim`) against the mods themselves, the block-sparse tensors against
+the dense mask, and the spec's `flash_attn_cute` section. That the text compiles in FA4's own
+kernel is `run_fa4_compile.py`; that it runs right on FA4 is tests/test_gpu_fa4.py (H200)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import cute_shim
+from mod_corpus import LENGTH, corpus
+from workbench import Mask, WorkbenchError, compat, fa4, make
+from workbench.blocks import dense_mask
+from workbench.define import bind
+
+
+def _mods_text(source: str) -> str:
+    start = source.index("# ---------------------------------------------------------------- the mask and score")
+    stop = source.index("# ---------------------------------------------------------------- what this file")
+    return source[start:stop]
+
+
+def _aux(src: fa4.Fa4Source, q_len: int, kv_len: int) -> list:
+    out = []
+    for name in src.aux:
+        if name in src.length_rules:
+            a, b, c, d = src.length_rules[name]
+            out.append(np.array([(a * q_len + b * kv_len + c) // d], dtype=np.int64))
+        else:
+            t = src.tensors["aux." + name]
+            out.append(t.numpy().astype(np.float32 if t.is_floating_point() else np.int64))
+    return out
+
+
+def _check(mask: Mask, src: fa4.Fa4Source, batch: int, heads: int, q_len: int, kv_len: int) -> str | None:
+    ns = cute_shim.load(_mods_text(src.source))
+    aux = _aux(src, q_len, kv_len)
+    rng = torch.Generator().manual_seed(0)
+    for b in range(batch):
+        for h in range(heads):
+            if mask.mask_mod is not None:
+                want = dense_mask(mask, (0, q_len), (0, kv_len), [b], [h])[0, 0].numpy()
+                got = cute_shim.run_mask(ns, b, h, q_len, kv_len, aux)
+                if not np.array_equal(got, want):
+                    bad = np.argwhere(got != want)[0]
+                    return f"mask differs at b={b} h={h} q={bad[0]} kv={bad[1]}: {got[tuple(bad)]} vs {want[tuple(bad)]}"
+            if mask.score_mod is not None:
+                score = torch.randn(q_len, kv_len, generator=rng) * 3
+                idx = [torch.tensor([b]), torch.tensor([h]), torch.arange(q_len), torch.arange(kv_len)]
+                want = compat.vmap_bhqkv(mask.score_mod, *idx, score=score[None, None])[0, 0].float().numpy()
+                got = cute_shim.run_score(ns, score.numpy(), b, h, aux)
+                if not np.all(np.isfinite(got)) and np.any(np.isfinite(got) != np.isfinite(want)):
+                    return f"score not finite at b={b} h={h}"
+                err = np.abs(got - want) / (1 + np.abs(want))
+                if float(np.nanmax(err)) > 2e-5:
+                    return f"score differs at b={b} h={h}: max rel err {float(np.nanmax(err)):.3g}"
+    return None
+
+
+@pytest.mark.parametrize("case", range(len(corpus())), ids=[m.name for m, _, _ in corpus()])
+def test_every_corpus_mod_in_cute_dsl_computes_the_mod(case):
+    mask, batch, heads = corpus()[case]
+    src = fa4.generate(mask, LENGTH, LENGTH, heads=heads, batch=batch)
+    assert _check(mask, src, batch, heads, LENGTH, LENGTH) is None
+
+
+@pytest.mark.parametrize("name,params", [("causal", {}), ("causal_sliding_window", {"window": 24}),
+                                         ("prefix_lm", {"prefix_len": 40})])
+def test_numbers_that_follow_the_lengths_are_computed_per_call(name, params):
+    mask = make(name, params, q_len=96, kv_len=96)
+    src = fa4.generate(mask, 96, 96)
+    assert src.valid_q_len is None
+    for q_len, kv_len in [(64, 200), (1, 77), (96, 96)]:
+        rebuilt = bind(mask, q_len, kv_len, "cpu")
+        assert _check(rebuilt, src, 1, 1, q_len, kv_len) is None, (q_len, kv_len)
+
+
+def test_python_modulo_and_floor_division_on_negative_numbers():
+    # the DSL's % is C's remainder: the translation must give Python's, and // must stay floor
+    def mod(b, h, q_idx, kv_idx):
+        return ((q_idx - kv_idx) % 7 == 3) | ((q_idx - kv_idx) // 5 == -2) | (torch.div(q_idx - kv_idx, 4, rounding_mode="trunc") == -1)
+
+    mask = Mask("signed_arith", mask_mod=mod)
+    src = fa4.generate(mask, 50, 50)
+    assert "_py_mod(" in src.source and "_trunc_div(" in src.source
+    assert _check(mask, src, 1, 1, 50, 50) is None
+
+
+def test_the_model_of_the_dsl_can_fail():
+    # a translation that writes C's remainder for Python's must be caught by the check above
+    mask = Mask("signed_mod", mask_mod=lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) % 7 == 3)
+    src = fa4.generate(mask, 40, 40)
+    broken = fa4.Fa4Source(**{**src.__dict__, "source": src.source.replace("_py_mod(", "_c_remainder(")
+                              .replace("def _c_remainder(", "def _py_mod(")})
+    broken.source = broken.source.replace("@cute.jit\ndef _trunc_div", "@cute.jit\ndef _c_remainder(a, b):\n"
+                                          "    return a % b\n\n\n@cute.jit\ndef _trunc_div")
+    assert "differs" in _check(mask, broken, 1, 1, 40, 40)
+
+
+def _decode(src: fa4.Fa4Source, b: int, h: int, q_len: int, kv_len: int) -> np.ndarray:
+    """The block lists as a class map [rows, cols]: 0 not listed, 1 partial, 2 full."""
+    t = {k[len("blocks."):]: v.numpy() for k, v in src.tensors.items() if k.startswith("blocks.")}
+    rows, cols = -(-q_len // 128), -(-kv_len // 128)
+    assert t["mask_cnt"].shape[2:] == (rows,) and t["mask_idx"].shape[2:] == (rows, cols)
+    assert all(v.dtype == np.int32 for v in t.values())
+    out = np.zeros((rows, cols), dtype=np.int64)
+    bb, hh = min(b, t["mask_cnt"].shape[0] - 1), min(h, t["mask_cnt"].shape[1] - 1)
+    for r in range(rows):
+        for kind, value in (("mask", 1), ("full", 2)):
+            listed = t[f"{kind}_idx"][bb, hh, r, :t[f"{kind}_cnt"][bb, hh, r]]
+            assert (np.diff(listed) > 0).all(), "a row's blocks ascend"
+            assert (out[r, listed] == 0).all(), "a block is listed once"
+            out[r, listed] = value
+    return out
+
+
+@pytest.mark.parametrize("name,params,q_len,kv_len,heads", [
+    ("causal", {}, 300, 333, 1), ("document", None, 512, 512, 1), ("causal_sliding_window", {"window": 100}, 640, 640, 1),
+    ("per_head_window", None, 384, 384, 4)])
+def test_block_sparse_tensors_equal_the_dense_mask(name, params, q_len, kv_len, heads):
+    mask = make(name, params or {}, q_len=q_len, kv_len=kv_len)
+    heads = mask.heads or heads
+    src = fa4.generate(mask, q_len, kv_len, heads=heads)
+    assert src.scan_shape[2:] == (q_len, kv_len)
+    for h in range(heads):
+        dense = dense_mask(mask, (0, q_len), (0, kv_len), [0], [h])[0, 0].numpy()
+        classes = _decode(src, 0, h, q_len, kv_len)
+        for r in range(classes.shape[0]):
+            for c in range(classes.shape[1]):
+                tile = dense[r * 128:(r + 1) * 128, c * 128:(c + 1) * 128]
+                if not tile.any():
+                    assert classes[r, c] == 0, (h, r, c)
+                elif tile.all() and tile.shape == (128, 128):
+                    assert classes[r, c] == 2, (h, r, c)
+                else:
+                    assert classes[r, c] == 1, (h, r, c)
+
+
+def test_the_spec_carries_the_fa4_section_and_writes_the_file(tmp_path):
+    from workbench.export import build_spec, load_spec, write_spec
+
+    w = torch.tensor([16, 32, 48, 64])
+
+    def head_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < w[h])
+
+    mask = Mask("own_head_window", mask_mod=head_window)
+    spec = build_spec(mask, 256, 256, heads=4, golden=False)
+    section = spec.doc["backends"]["flash_attn_cute"]
+    assert section["fa4_version"] == fa4.FA4_VERSION and section["block_size"] == [128, 128]
+    assert section["max_heads"] == 4 and section["aux_tensors"] == ["w"]
+    json_path, _ = write_spec(spec, tmp_path)
+    written = json_path.parent / section["file"]
+    text = written.read_text()
+    import ast
+
+    imported = {alias.name.split(".")[0] for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ImportFrom)}
+    assert imported == {"importlib", "json", "os", "struct", "torch", "cutlass", "flash_attn"}, imported
+    assert "pack_gqa=False if MASK_READS_HEAD" in text and "MASK_READS_HEAD = True" in text
+    assert (json_path.parent / section["tensor_file"]).exists()
+    assert load_spec(json_path).doc["backends"]["flash_attn_cute"]["file"] == section["file"]
+
+
+def test_a_mask_fa4_cannot_read_is_listed_with_its_reason():
+    big = torch.tensor([0, 2 ** 40])
+
+    def far(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) | (big[1] < 0)
+
+    from workbench.export import build_spec
+
+    spec = build_spec(Mask("int64_table", mask_mod=far), 128, 128, golden=False)
+    assert "flash_attn_cute" not in spec.doc["backends"]
+    assert "int32" in spec.doc["unsupported"]["flash_attn_cute"]
+
+
+def test_the_file_refuses_what_fa4_cannot_run_before_importing_it():
+    src = fa4.generate(make("causal", q_len=128, kv_len=128), 128, 128)
+    ns: dict = {}
+    head = src.source.split("# ---------------------------------------------------------------- the mask and score")[0]
+    tail = src.source.split("# ---------------------------------------------------------------- what this file was generated for")[1]
+    # run the file's checks without cutlass: the CuTe functions are not needed for them
+    exec(compile(head.split('"""', 2)[2].replace("import cutlass\nimport cutlass.cute as cute\n", "")
+                 + "\nHAS_MASK = HAS_SCORE = False\n" + tail.replace("if HAS_MASK:\n    mask_mod_cute.__vec_size__ = 1\n", "")
+                 .replace("if HAS_SCORE:\n    score_mod_cute.__vec_size__ = 1\n", ""), "fa4file", "exec"), ns)
+    q = torch.randn(1, 2, 128, 64)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        ns["_check"](q, q, q)
+    with pytest.raises(ValueError, match="head dim 80"):
+        ns["_check"](*(torch.randn(1, 2, 128, 80, dtype=torch.bfloat16),) * 3)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        ns["_check"](torch.randn(1, 3, 128, 64, dtype=torch.bfloat16), *(torch.randn(1, 2, 128, 64, dtype=torch.bfloat16),) * 2)
+    with pytest.raises(ValueError, match="CUDA"):
+        ns["_check"](*(torch.randn(1, 2, 128, 64, dtype=torch.bfloat16),) * 3)
+
+
+def test_untranslatable_mods_raise_a_clear_error():
+    with pytest.raises(WorkbenchError, match="CuTe DSL"):
+        fa4.generate(Mask("complex", mask_mod=lambda b, h, q, kv: torch.tensor([1j])[0].real > q), 64, 64)

@@ -1,0 +1,172 @@
+"""CuTe DSL for a mask_mod / score_mod, in FlashAttention-4's calling convention:
+
+    mask_mod(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors) -> Boolean TensorSSA [1]
+    score_mod(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors) -> Float32 TensorSSA [1]
+
+FA4 hands each index over as a TensorSSA of one element (the generated file leaves `__vec_size__`
+at 1 for both mods). The body unwraps them to scalars, computes one line per aten op of the traced
+mod with the DSL's scalar types (Int32, Float32, Boolean), and wraps the result again.
+
+It is the Triton pair-by-pair walk (`triton_mask.TritonMaskEmitter`) with the DSL's spelling; what
+differs, and why:
+- integer `//` is already Python's floor division in the DSL (arith.floordivsi), but `%` is C's
+  remainder (arith.remsi / remf), so only `%` gets the sign fix-up (`_py_mod`); `div(...,
+  rounding_mode="trunc")` needs its own helper;
+- `torch.where` is a Python conditional expression, which the DSL lowers to a select;
+- a captured tensor is one of FA4's `aux_tensors`, passed flattened to 1-d (int32 / float32 / int8
+  for bool), so the walk's offset arithmetic indexes it directly; the file converts them;
+- `.any()` over a captured table (Gemma-style spans) and `clamp` unroll / nest as in Triton, and
+  float math inside an index (a T5 log bucket) is plain scalar math here: the constructs inductor's
+  CuTe DSL lowering refuses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workbench.translate.emitter import Untranslatable
+from workbench.translate.triton_mask import _BINARY, _REDUCE, _UNARY, TritonMaskEmitter
+
+__all__ = ["CuteMaskEmitter", "translate_cute", "cute_mods", "CUTE_HELPERS", "AUX_DTYPES"]
+
+_CUTE_BINARY = dict(_BINARY)
+_CUTE_BINARY.update({
+    "minimum": "cutlass.min({a}, {b})", "maximum": "cutlass.max({a}, {b})",
+    "floor_divide": "({a} // {b})",  # floor in the DSL, as in Python
+    "remainder": "_py_mod({a}, {b})",
+    "pow": "cute.math.exp(cute.math.log({a}) * {b})",
+    "logical_xor": "({a} != {b})",
+})
+_CUTE_UNARY = dict(_UNARY)
+_CUTE_UNARY.update({
+    "abs": "_abs({a})", "bitwise_not": "_not({a})", "logical_not": "_not({a})",
+    "exp": "cute.math.exp({a})", "log": "cute.math.log({a})", "sqrt": "cute.math.sqrt({a})",
+    "sigmoid": "(1.0 / (1.0 + cute.math.exp(-({a}))))", "tanh": "cute.math.tanh({a})",
+    "sin": "cute.math.sin({a})", "cos": "cute.math.cos({a})", "floor": "cute.math.floor({a})",
+    "ceil": "(-cute.math.floor(-({a})))", "exp2": "cute.math.exp2({a})", "log2": "cute.math.log2({a})",
+    "rsqrt": "cute.math.rsqrt({a})", "erf": "cute.math.erf({a})", "log1p": "cute.math.log(1.0 + {a})",
+    "expm1": "(cute.math.exp({a}) - 1.0)",
+})
+_CUTE_REDUCE = dict(_REDUCE)
+_CUTE_REDUCE.update({"amax": "cutlass.max({a}, {b})", "amin": "cutlass.min({a}, {b})",
+                     "max": "cutlass.max({a}, {b})", "min": "cutlass.min({a}, {b})"})
+CUTE_DTYPES = {torch.int32: "cutlass.Int32", torch.int64: "cutlass.Int32", torch.float32: "cutlass.Float32",
+               torch.bool: "cutlass.Boolean", torch.float16: "cutlass.Float32", torch.bfloat16: "cutlass.Float32",
+               torch.float64: "cutlass.Float32", torch.int8: "cutlass.Int32", torch.int16: "cutlass.Int32",
+               torch.uint8: "cutlass.Int32"}
+# what a captured tensor becomes as an aux tensor (the file converts it once): integers fit int32
+# (checked when the file is generated), bool is int8, floats are float32
+AUX_DTYPES = {"int": torch.int32, "bool": torch.int8, "float": torch.float32}
+
+CUTE_HELPERS = '''@cute.jit
+def _py_mod(a, b):
+    # Python's modulo (the sign of b); the DSL's % is C's remainder (the sign of a)
+    r = a % b
+    return r + b if (r != 0) & ((r < 0) != (b < 0)) else r
+
+
+@cute.jit
+def _trunc_div(a, b):
+    # integer division toward zero (torch.div(..., rounding_mode="trunc")); the DSL's // floors
+    q = a // b
+    return q + 1 if ((a - q * b) != 0) & ((a < 0) != (b < 0)) else q
+
+
+@cute.jit
+def _abs(a):
+    return -a if a < 0 else a
+
+
+@cute.jit
+def _not(a):
+    return a == 0
+
+
+@cute.jit
+def _ssa(value, dtype: cutlass.Constexpr):
+    # one scalar as the one-element TensorSSA FA4 expects back from a mod
+    out = cute.make_rmem_tensor(1, dtype)
+    out[0] = dtype(value)
+    return out.load()
+'''
+
+
+class CuteMaskEmitter(TritonMaskEmitter):
+    """The pair-by-pair walk in CuTe DSL (scalar values; Vecs unrolled by reductions; captured
+    tensors as flattened aux tensors)."""
+
+    BINARY, UNARY, REDUCE, DTYPES = _CUTE_BINARY, _CUTE_UNARY, _CUTE_REDUCE, CUTE_DTYPES
+    WHERE = "({b} if {a} else {c})"
+    TRUNC_DIV = "_trunc_div({a}, {b})"
+    GELU_TANH = ("(0.5 * {a} * (1.0 + cute.math.tanh(0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a}))))")
+    GELU = "(0.5 * {a} * (1.0 + cute.math.erf({a} * 0.7071067811865476)))"
+    DEFAULT_DTYPE = "cutlass.Float32"
+
+    def load(self, ptr: str, offset: str) -> str:
+        name = ptr[:-4]
+        tensor = self.captured.get(name)
+        read = f"{ptr}[{offset}]"
+        return f"({read} != 0)" if tensor is not None and tensor.dtype == torch.bool else read
+
+    def cast_text(self, expr: str, dtype: torch.dtype) -> str:
+        if dtype == torch.bool:
+            return f"(({expr}) != 0)"
+        return f"{self.DTYPES[dtype]}({expr})"
+
+    def view_of(self, tensor, target):
+        view = super().view_of(tensor, target)
+        if tensor.is_complex():
+            raise Untranslatable("a complex captured tensor")
+        return view
+
+
+def translate_cute(gm, fn_name: str, arg_names: list[str], captured: dict[str, torch.Tensor],
+                   lifted: frozenset = frozenset(), aux_order: list[str] | None = None) -> tuple[str, list[str]]:
+    """CuTe DSL source of one traced mod in FA4's convention; returns (source, captured tensor
+    names it reads). `aux_order` is the list the file passes as aux_tensors (both mods share it)."""
+    # FA4 passes score, b, h by position and q_idx, kv_idx, seqlen_info, aux_tensors by keyword:
+    # the parameters keep those names and the scalars they unwrap to get short ones
+    scalar = {"score": "score", "b": "b", "h": "h", "q_idx": "q", "kv_idx": "kv"}
+    param = {"score": "score_ssa", "b": "b_idx", "h": "h_idx", "q_idx": "q_idx", "kv_idx": "kv_idx"}
+    emitter = CuteMaskEmitter(gm, [scalar[a] for a in arg_names], captured, lifted)
+    emitter.walk()
+    used = [p[:-4] for p in emitter.pointers]
+    order = aux_order if aux_order is not None else used
+    is_score = arg_names[0] == "score"
+    params = [param[a] for a in arg_names] + ["seqlen_info", "aux_tensors"]
+    body = []
+    for a in arg_names:
+        body.append(f"    {scalar[a]} = {param[a]}[0]")
+    for name in used:
+        body.append(f"    {name}_ptr = aux_tensors[{order.index(name)}]")
+    lines = body + emitter.lines
+    ret = lines.pop()
+    assert ret.startswith("    return ")
+    value = ret[len("    return "):]
+    kind = "cutlass.Float32" if is_score else "cutlass.Boolean"
+    lines.append(f"    return _ssa({value}, {kind})")
+    source = f"@cute.jit\ndef {fn_name}({', '.join(params)}):\n" + "\n".join(lines) + "\n"
+    return source, used
+
+
+def cute_mods(mask, captured: dict[str, torch.Tensor], lifted: frozenset = frozenset()
+              ) -> tuple[str, list[str]]:
+    """The helpers and both translated mods (only those the mask has) as CuTe DSL source, and the
+    aux tensors' names in the order the file passes them. Raises Untranslatable."""
+    from workbench.define import trace_mod
+
+    parts, used = [CUTE_HELPERS], []
+    graphs = []
+    if mask.mask_mod is not None:
+        graphs.append(("mask_mod_cute", ["b", "h", "q_idx", "kv_idx"], trace_mod(mask.mask_mod, "mask")))
+    if mask.score_mod is not None:
+        graphs.append(("score_mod_cute", ["score", "b", "h", "q_idx", "kv_idx"], trace_mod(mask.score_mod, "score")))
+    # first pass: which tables each mod reads (the shared aux list is their union, in order)
+    for _, names, gm in graphs:
+        probe = CuteMaskEmitter(gm, names, dict(captured), lifted)
+        probe.walk()
+        used += [p[:-4] for p in probe.pointers if p[:-4] not in used]
+    for fn, names, gm in graphs:
+        src, _ = translate_cute(gm, fn, names, captured, lifted, aux_order=used)
+        parts.append(src)
+    return "\n\n".join(parts), used

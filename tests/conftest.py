@@ -45,6 +45,7 @@ EARLY = {  # key: (test module, the fixture or test that reads it, the script an
                        ["run_port_invariant.py", "cpu"]),
     "triton_scan": ("test_blocks.py", "test_triton_scan_equals_eager_on_the_library_in_the_interpreter",
                     ["run_triton_scan.py", "cpu"]),
+    "fa4_compile": ("test_fa4.py", "test_the_cute_dsl_compiles_in_fa4s_hopper_kernel", ["run_fa4_compile.py", "all"]),
 }
 _started: dict = {}
 

@@ -8,7 +8,7 @@ import pytest
 MODULES = ["workbench", "workbench.define", "workbench.define.targets", "workbench.blocks", "workbench.verify",
            "workbench.verify.verdict", "workbench.verify.oracle", "workbench.export", "workbench.export.spec",
            "workbench.invariance", "workbench.port", "workbench.port.check",
-           "workbench.port.layout", "workbench.translate.derivative"]
+           "workbench.port.layout", "workbench.translate.derivative", "workbench.fa4"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -35,7 +35,7 @@ def check_every_section(spec, mask):
     q_len, kv_len = doc["shape"]["q_len"], doc["shape"]["kv_len"]
     checked = []
     for target, section in doc["backends"].items():
-        if target in ("triton", "triton_attention"):  # checked by running them (test_port.py)
+        if target in ("triton", "triton_attention", "flash_attn_cute"):  # checked by running them (test_port.py, test_fa4.py)
             continue
         for b, h, s in variants(section, doc["shape"]["B"], doc["shape"]["H"]):
             s = resolve(s, tensors)
@@ -72,7 +72,8 @@ def test_library_spec_sections_reconstruct(name, q_len, kv_len):
     assert {"row_intervals", "block_sparse", "magi"} <= checked
     assert set(spec.unsupported) | set(spec.supported) == {"flash_attn", "vllm_triton", "magi", "flashmask",
                                                             "row_intervals", "block_sparse", "triton",
-                                                            "triton_attention"}
+                                                            "triton_attention", "flash_attn_cute"}
+    assert "flash_attn_cute" in spec.supported, spec.unsupported.get("flash_attn_cute")
 
 
 def test_expected_backends_and_reasons():

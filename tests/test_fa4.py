@@ -201,3 +201,34 @@ def test_the_file_refuses_what_fa4_cannot_run_before_importing_it():
 def test_untranslatable_mods_raise_a_clear_error():
     with pytest.raises(WorkbenchError, match="CuTe DSL"):
         fa4.generate(Mask("complex", mask_mod=lambda b, h, q, kv: torch.tensor([1j])[0].real > q), 64, 64)
+
+
+def test_the_cute_dsl_compiles_in_fa4s_hopper_kernel(early_run):
+    # run_fa4_compile.py: every corpus mod in a kernel that calls it as FA4 does, and four generated
+    # files through FA4's own sm_90 forward under FakeTensorMode (compiled for sm_90a, not launched)
+    done = early_run("fa4_compile")
+    if done.returncode == 3 and done.stdout.startswith("NO FA4"):
+        pytest.skip(f"flash-attn-4 is not installed here (the dev extra installs it on Linux x86-64): {done.stdout}")
+    lines = done.stdout.splitlines()
+    failed = [line for line in lines if line.startswith("FAIL")]
+    assert not failed, "\n".join(failed)
+    assert f"SUMMARY {len(corpus()) + 4} compiled, 0 failed" in lines, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_verify_on_fa4_says_what_it_needs_before_running():
+    from workbench.run import Shape
+    from workbench.verify import verify
+
+    mask = make("causal", q_len=128, kv_len=128)
+    with pytest.raises(WorkbenchError, match="CUDA GPU.*run_fa4_compile"):
+        verify(mask, Shape(q_len=128, head_dim=64), backend="fa4")
+    with pytest.raises(WorkbenchError, match="forward only"):
+        verify(mask, Shape(q_len=128, head_dim=64), backend="fa4", backward=True)
+
+
+def test_cli_verify_on_fa4_refuses_a_cpu_with_the_fix(capsys):
+    from workbench.cli import main
+
+    code = main(["verify", "causal", "--q-len", "128", "--backend", "fa4"])
+    err = capsys.readouterr().err
+    assert code != 0 and "CUDA GPU" in err and "Traceback" not in err

@@ -134,10 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(flex: CUDA only; port: any device, on a CPU under Triton's interpreter)")
     p.add_argument("--seed", type=int, help="input seed (default: a fresh one, printed)")
     p.add_argument("--eager", action="store_true", help="run flex_attention without torch.compile")
-    p.add_argument("--backend", choices=["flex", "port", "port-paged", "port-paged-invariant"], default="flex",
-                   help="judge FlexAttention (default), the generated Triton port (`workbench port`), or the "
+    p.add_argument("--backend", choices=["flex", "port", "port-paged", "port-paged-invariant", "fa4"], default="flex",
+                   help="judge FlexAttention (default), the generated Triton port (`workbench port`), the "
                         "port's attention_paged over a shuffled paged KV cache (port-paged; in invariant mode: "
-                        "port-paged-invariant)")
+                        "port-paged-invariant), or the FA4 export on FlashAttention-4 (fa4: CUDA, flash-attn-4)")
     p.add_argument("--workers", type=positive_int, help="split the float64 reference by query rows across this many "
                                                         "Ray workers (one GPU each on a GPU machine)")
     p.add_argument("--address", help="with --workers: join this Ray cluster (default: a local Ray)")

@@ -565,6 +565,54 @@ class PortPagedBackend:
                        compile_seconds=None, run_seconds=time.perf_counter() - start)
 
 
+@dataclass(frozen=True)
+class Fa4Backend:
+    """The FA4 export (`workbench.fa4`): the generated file at `path`, or one generated for the
+    inputs' sizes, run on FlashAttention-4's forward (a CUDA GPU with flash-attn-4 installed;
+    bfloat16 / float16; head dim 64, 96, 128). Forward only."""
+
+    path: object = None
+    name: str = "fa4"
+    label: str = " (FlashAttention-4 export)"
+
+    def check(self, shape: Shape, dtype: str, device: torch.device, backward: bool, name: str | None) -> None:
+        """What the FA4 file runs, said before any input is drawn."""
+        from workbench import fa4
+
+        if backward:
+            raise WorkbenchError("the FA4 export is forward only", "verify the backward with --backend port", name)
+        if device.type != "cuda":
+            raise WorkbenchError(f"the FA4 export runs on a CUDA GPU (sm_90), asked for {device.type}",
+                                 "verify it on a GPU (--device cuda); on a CPU its CuTe DSL is checked by compiling "
+                                 "it: python tests/run_fa4_compile.py", name)
+        if dtype not in ("bfloat16", "float16"):
+            raise WorkbenchError(f"FA4 runs bfloat16 / float16, asked for {dtype}", "use --dtype bfloat16 or float16",
+                                 name)
+        if shape.head_dim not in fa4.HEAD_DIMS:
+            raise WorkbenchError(f"the FA4 file runs head dims {', '.join(map(str, fa4.HEAD_DIMS))}, asked for "
+                                 f"{shape.head_dim}", "use --head-dim 64, 96 or 128", name)
+        if fa4.installed() is None:
+            raise WorkbenchError("flash-attn-4 is not installed", "pip install 'flex-workbench[fa4]' on the GPU machine",
+                                 name)
+
+    def run(self, mask: Mask, inputs: Inputs, *, backward: bool = False, block_mask: BlockMask | None = None,  # noqa: ARG002
+            cu_seqlens=None, config: int | None = None) -> FlexRun:  # noqa: ARG002 (the port's)
+        from workbench import fa4
+
+        shape = inputs.shape
+        self.check(shape, dtype_name(inputs.q.dtype), inputs.device, backward, mask.name)
+        path = self.path
+        if path is None:
+            path = fa4.write(fa4.generate(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch),
+                             tempfile.mkdtemp(prefix="workbench_fa4_"))
+        module = fa4.load(path)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out, lse = module.attention(inputs.q, inputs.k, inputs.v, return_lse=True)
+        torch.cuda.synchronize(inputs.device)
+        return FlexRun(out=out, lse=lse, compiled=False, compile_seconds=None, run_seconds=time.perf_counter() - start)
+
+
 def port_offset_rules(path) -> bool:
     """Does the port file at `path` compute an offset that follows Lk - Lq (its LENGTH_RULES, read
     as a literal: the file is not run)?"""
@@ -577,11 +625,11 @@ def port_offset_rules(path) -> bool:
 
 
 BACKENDS = {"flex": FlexBackend(), "eager": FlexBackend(compile=False), "port": PortBackend(),
-            "port-paged": PortPagedBackend(),
+            "port-paged": PortPagedBackend(), "fa4": Fa4Backend(),
             "port-paged-invariant": PortPagedBackend(name="port-paged-invariant",
                                                      label=" (Triton port, paged, invariant mode)", invariant=True)}
 __all__ = ["Shape", "Inputs", "FlexRun", "make_inputs", "run_flex", "dtype_name", "defaults_for", "Defaults",
-           "FlexBackend", "PortBackend", "PortPagedBackend", "BACKENDS", "backend_for", "time_port_and_flex", "prepare_timing", "PreparedTiming", "check_device_dtype",
+           "FlexBackend", "PortBackend", "PortPagedBackend", "Fa4Backend", "BACKENDS", "backend_for", "time_port_and_flex", "prepare_timing", "PreparedTiming", "check_device_dtype",
            "check_mask_fits", "compiled_flex_attention"]
 
 
@@ -592,7 +640,7 @@ def backend_for(backend, *, compile: bool | None = None, port_path=None):
         return backend
     if backend not in BACKENDS:
         raise WorkbenchError(f"unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
-    if backend in ("port", "port-paged", "port-paged-invariant"):
+    if backend in ("port", "port-paged", "port-paged-invariant", "fa4"):
         return replace(BACKENDS[backend], path=port_path) if port_path is not None else BACKENDS[backend]
     if backend == "flex" and compile is False:
         return BACKENDS["eager"]

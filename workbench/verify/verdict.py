@@ -13,6 +13,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from workbench import port
 from workbench.define import Mask, WorkbenchError
 from workbench.run import (
+    Fa4Backend,
     FlexBackend,
     PortBackend,
     PortPagedBackend,
@@ -176,7 +177,8 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
     backend:    "flex" (compiled FlexAttention), "eager" (its uncompiled math path), "port" (the generated
                 Triton port, workbench.port), "port-paged" (its attention_paged, the inputs laid out
                 over a shuffled paged KV cache), "port-paged-invariant" (the same in invariant mode),
-                or a backend object of workbench.run (FlexBackend,
+                "fa4" (the FA4 export, workbench.fa4: a CUDA GPU with flash-attn-4), or a backend
+                object of workbench.run (FlexBackend, Fa4Backend(path),
                 PortBackend(path) / PortPagedBackend(path, page_size) for a port file you have)
     backward:   also compare dq, dk, dv (and gradients of captured tensors that require grad)
     block_mask: run with this block mask instead of building one (it is checked against the mask)
@@ -208,6 +210,8 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
         raise exc.for_mask(mask.name) from None
     if isinstance(backend, (PortBackend, PortPagedBackend)):
         port.check_supported(shape.head_dim, dtype, mask.name)
+    if isinstance(backend, Fa4Backend):
+        backend.check(shape, dtype, device, backward, mask.name)
     budget, _ = reference_budget(shape, backward, reference_dtype, device, memory_budget, mask.name)
     if backward and isinstance(backend, PortPagedBackend):
         raise WorkbenchError("attention_paged is an engine's forward (prefill and decode): it has no backward",

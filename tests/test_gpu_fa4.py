@@ -1,0 +1,110 @@
+"""The FA4 export on an H200 with flash-attn-4 installed: the generated file's forward against the
+float64 reference on the corpus, odd lengths, GQA and length rules; FA4's device scan against the
+stored exact scan; and the spec's `flash_attn` section run on FA4 itself. Run with `pytest -m gpu`
+(with FA4 importable: see DEVELOPERS.md for the packages)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mod_corpus import corpus
+from workbench import Mask, fa4, make
+from workbench.run import Shape, make_inputs
+from workbench.verify import reference_attention, verify
+
+
+@pytest.fixture(scope="module")
+def fa4_cuda(cuda):
+    if fa4.installed() is None:
+        pytest.fail("flash-attn-4 is not installed on this GPU machine: pip install 'flex-workbench[fa4]'")
+    return cuda
+
+
+@pytest.mark.gpu
+def test_every_corpus_mod_on_fa4_equals_the_reference(fa4_cuda):
+    failed = []
+    for mask, batch, heads in corpus():
+        for dtype in ("bfloat16", "float16"):
+            try:
+                verdict = verify(mask, Shape(batch=batch, q_heads=heads, kv_heads=heads, q_len=96, kv_len=96,
+                                             head_dim=64), dtype=dtype, device=fa4_cuda, backend="fa4", seed=1)
+                if not verdict.passed:
+                    failed.append(f"{mask.name} {dtype}: {verdict.line}")
+            except Exception as exc:
+                failed.append(f"{mask.name} {dtype}: {type(exc).__name__}: {str(exc)[:300]}")
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,params,q_len,kv_len,q_heads,kv_heads,head_dim", [
+    ("causal", {}, 200, 333, 8, 2, 128),                       # Lq != Lk, odd, GQA, a length rule
+    ("causal_sliding_window", {"window": 1000}, 4096, 4096, 16, 16, 128),
+    ("document", None, 3000, 3000, 4, 4, 96),                  # odd length, D 96
+    ("image_spans", None, 2048, 2048, 4, 1, 128),              # .any() over spans, MQA
+    ("relative_bias", None, 1024, 1024, 8, 8, 64),             # a T5-style bucket computed with log
+    ("neighborhood_2d", None, 1024, 1024, 4, 4, 128),          # clamp
+    ("causal", {}, 1, 4096, 8, 8, 128),                        # Lq = 1
+])
+def test_fa4_file_at_odd_shapes(fa4_cuda, name, params, q_len, kv_len, q_heads, kv_heads, head_dim):
+    mask = make(name, params or {}, q_len=q_len, kv_len=kv_len, device=fa4_cuda)
+    verdict = verify(mask, Shape(q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim),
+                     dtype="bfloat16", device=fa4_cuda, backend="fa4", seed=2)
+    assert verdict.passed, verdict.line
+
+
+@pytest.mark.gpu
+def test_fa4_device_scan_equals_the_stored_exact_scan(fa4_cuda, tmp_path):
+    w = torch.tensor([16, 200, 700, 3000])
+
+    def head_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < w[h])
+
+    for mask, heads in ((Mask("head_window", mask_mod=head_window), 4), (make("document", q_len=3000, kv_len=3000), 1)):
+        src = fa4.generate(mask, 3000, 3000, heads=heads)
+        module = fa4.load(fa4.write(src, tmp_path))
+        aux = module._aux(fa4_cuda, 3000, 3000)
+        stored = module._block_sparse(1, heads, 3000, 3000, fa4_cuda, aux)
+        module.SCAN_SHAPE = None  # FA4's compute_block_sparsity at the same sizes
+        module._lists.clear()
+        scanned = module._block_sparse(1, heads, 3000, 3000, fa4_cuda, aux)
+        for a, b in ((stored.mask_block_cnt, scanned.mask_block_cnt), (stored.full_block_cnt, scanned.full_block_cnt)):
+            assert torch.equal(a.expand_as(b).cpu(), b.cpu())
+        for cnt, a, b in ((stored.mask_block_cnt, stored.mask_block_idx, scanned.mask_block_idx),
+                          (stored.full_block_cnt, stored.full_block_idx, scanned.full_block_idx)):
+            a, b, cnt = a.expand_as(b).cpu(), b.cpu(), cnt.expand(b.shape[:3]).cpu()
+            for idx in torch.nonzero(cnt):
+                n = int(cnt[tuple(idx)])
+                assert sorted(a[tuple(idx)][:n].tolist()) == sorted(b[tuple(idx)][:n].tolist())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,params", [("causal", {}), ("causal_sliding_window", {"window": 256}),
+                                         ("document", None)])
+def test_the_specs_flash_attn_section_runs_on_fa4(fa4_cuda, name, params):
+    # the spec's flash_attn arguments (causal, window_size, cu_seqlens) on FA4 itself, against the reference
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    from workbench.export import build_spec
+
+    mask = make(name, params or {}, q_len=2048, kv_len=2048, device=fa4_cuda)
+    section = build_spec(mask, 2048, 2048, golden=False, generalize=False).doc["backends"]["flash_attn"]
+    shape = Shape(q_heads=4, q_len=2048, kv_len=2048, head_dim=128)
+    inputs = make_inputs(shape, "bfloat16", fa4_cuda, seed=3)
+    left, right = section["window_size"]
+    window = (None if left < 0 else left, None if right < 0 else right)
+    q, k, v = (t.transpose(1, 2) for t in (inputs.q, inputs.k, inputs.v))
+    if section["cu_seqlens_q"]:
+        cu_q = torch.tensor(section["cu_seqlens_q"], dtype=torch.int32, device=fa4_cuda)
+        cu_k = torch.tensor(section["cu_seqlens_k"], dtype=torch.int32, device=fa4_cuda)
+        out = flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                     max_seqlen_q=section["max_seqlen_q"], max_seqlen_k=section["max_seqlen_k"],
+                                     causal=section["causal"], window_size=window)
+        out = out[0] if isinstance(out, tuple) else out
+        out = out[None]
+    else:
+        out = flash_attn_func(q, k, v, causal=section["causal"], window_size=window)
+        out = out[0] if isinstance(out, tuple) else out
+    ref = reference_attention(mask, inputs)
+    err = (out.transpose(1, 2).double() - ref.out).abs().max().item()
+    assert err < 2e-2, err

@@ -25,6 +25,17 @@ def _select(cond, a, b):
     return np.where(np.asarray(cond, dtype=bool), a, b)
 
 
+class _SSA(list):
+    """A TensorSSA: its elements (each a numpy array over the whole grid here), elementwise `*`."""
+
+    @property
+    def shape(self):
+        return (len(self),)
+
+    def __mul__(self, other):
+        return _SSA(a * b for a, b in zip(self, other))
+
+
 class _Reg:
     """cute.make_rmem_tensor(1, dtype): one register, `.load()` as a one-element sequence."""
 
@@ -38,7 +49,7 @@ class _Reg:
         return self.v[i]
 
     def load(self):
-        return list(self.v)
+        return _SSA(self.v)
 
 
 def _int32(x):
@@ -70,9 +81,10 @@ def _math():
 
 def namespace() -> dict:
     cutlass = types.SimpleNamespace(Int32=_int32, Float32=_float32, Boolean=_boolean, Int8=_int32,
-                                    Constexpr=object, min=np.minimum, max=np.maximum)
+                                    Constexpr=object, min=np.minimum, max=np.maximum, range_constexpr=range)
     cute = types.SimpleNamespace(jit=lambda f=None, **_: f if f is not None else (lambda g: g),
-                                 make_rmem_tensor=lambda n, dtype: _Reg(n, dtype), math=_math())
+                                 make_rmem_tensor=lambda n, dtype: _Reg(n, dtype), math=_math(),
+                                 size=lambda shape: int(np.prod(shape)))
     return {"cutlass": cutlass, "cute": cute, "_c_mod": _c_mod, "_select": _select, "np": np}
 
 
@@ -108,7 +120,7 @@ def run_mask(ns: dict, b: int, h: int, q_len: int, kv_len: int, aux: list, q_off
     """mask_mod_cute over [q_len, kv_len] (bool)."""
     q = np.arange(q_len, dtype=np.int64)[:, None] + q_off
     k = np.arange(kv_len, dtype=np.int64)[None, :]
-    out = ns["mask_mod_cute"]([np.int64(b)], [np.int64(h)], [q], [k], None, aux)[0]
+    out = ns["mask_mod_cute"](_SSA([np.int64(b)]), _SSA([np.int64(h)]), _SSA([q]), _SSA([k]), None, aux)[0]
     return np.broadcast_to(np.asarray(out, dtype=bool), (q_len, kv_len))
 
 
@@ -117,5 +129,17 @@ def run_score(ns: dict, score: np.ndarray, b: int, h: int, aux: list) -> np.ndar
     q_len, kv_len = score.shape
     q = np.arange(q_len, dtype=np.int64)[:, None]
     k = np.arange(kv_len, dtype=np.int64)[None, :]
-    out = ns["score_mod_cute"]([score.astype(np.float32)], [np.int64(b)], [np.int64(h)], [q], [k], None, aux)[0]
+    out = ns["score_mod_cute"](_SSA([score.astype(np.float32)]), _SSA([np.int64(b)]), _SSA([np.int64(h)]), _SSA([q]),
+                               _SSA([k]), None, aux)[0]
+    return np.broadcast_to(np.asarray(out, dtype=np.float32), score.shape)
+
+
+def run_score_bwd(ns: dict, grad: np.ndarray, score: np.ndarray, b: int, h: int, aux: list) -> np.ndarray:
+    """score_mod_bwd_cute (the gradient into the score_mod's input) over [q_len, kv_len]."""
+    q_len, kv_len = score.shape
+    q = np.arange(q_len, dtype=np.int64)[:, None]
+    k = np.arange(kv_len, dtype=np.int64)[None, :]
+    out = ns["score_mod_bwd_cute"](_SSA([grad.astype(np.float32)]), _SSA([score.astype(np.float32)]),
+                                   _SSA([np.int64(b)]), _SSA([np.int64(h)]), q_idx=_SSA([q]), kv_idx=_SSA([k]),
+                                   seqlen_info=None, aux_tensors=aux)[0]
     return np.broadcast_to(np.asarray(out, dtype=np.float32), score.shape)

@@ -4,8 +4,9 @@ DSL (no GPU: FA4's documented CPU-only compilation). Two parts, one line per cas
 1. every corpus mod's CuTe DSL, compiled inside a small kernel that calls it the way FA4 does
    (one-element TensorSSA indices, aux tensors as a list of global tensors);
 2. generated FA4 files (mask only, score only, per-head table + score, spans with .any(), a length
-   rule) whose `attention()` runs under torch's FakeTensorMode: FA4's own Hopper forward, with the
-   file's mods, aux tensors and block-sparse tensors, is compiled and not launched.
+   rule) whose `attention()` and its backward run under torch's FakeTensorMode: FA4's own Hopper
+   forward and backward, with the file's mods, the score_mod's derivative, aux tensors and
+   block-sparse tensors, are compiled and not launched.
 
 Prints "OK name" or "FAIL name: why" per case, then "SUMMARY n compiled, m failed".
 
@@ -62,7 +63,9 @@ def launch(out: cute.Tensor@@AUX_PARAMS@@):
 MASK_CALL = ("    keep = mask_mod_cute(b, h, q, kv, None, @@AUX@@)\n"
              "    out[tidx] = cutlass.Float32(1.0) if keep[0] else cutlass.Float32(0.0)")
 SCORE_CALL = ("    s = cute.make_rmem_tensor(1, cutlass.Float32)\n    s[0] = cutlass.Float32(tidx) * 0.01\n"
-              "    got = score_mod_cute(s.load(), b, h, q, kv, None, @@AUX@@)\n    out[tidx] = out[tidx] + got[0]")
+              "    got = score_mod_cute(s.load(), b, h, q, kv, None, @@AUX@@)\n    out[tidx] = out[tidx] + got[0]\n"
+              "    grad = score_mod_bwd_cute(got, s.load(), b, h, q_idx=q, kv_idx=kv, seqlen_info=None, "
+              "aux_tensors=@@AUX@@)\n    out[tidx] = out[tidx] + grad[0]")
 
 
 def compile_mods(folder: Path) -> tuple[int, int]:
@@ -76,7 +79,7 @@ def compile_mods(folder: Path) -> tuple[int, int]:
         mask = bind(mask, LENGTH, LENGTH, "cpu")
         captured = dict(captured_tensors(mask))
         try:
-            mods, aux = cute_mods(mask, captured)
+            mods, aux, _ = cute_mods(mask, captured)
             tables = [_aux_tensor(n, captured[n]) for n in aux]
             aux_list = "[" + ", ".join(f"a{j}" for j in range(len(aux))) + "]" if aux else "None"
             calls = [c for c, has in ((MASK_CALL, mask.mask_mod), (SCORE_CALL, mask.score_mod)) if has is not None]
@@ -131,10 +134,34 @@ def compile_files(folder: Path) -> tuple[int, int]:
                 module._stored[str(q.device)] = {n: torch.empty(t.shape, dtype=t.dtype, device="cuda")
                                                  for n, t in real.items()}
                 out, lse = module.attention(q, k, k, return_lse=True)
-            assert tuple(out.shape) == (1, heads, q_len, 128) and tuple(lse.shape) == (1, heads, q_len), \
-                (tuple(out.shape), tuple(lse.shape))
+                assert tuple(out.shape) == (1, heads, q_len, 128) and tuple(lse.shape) == (1, heads, q_len), \
+                    (tuple(out.shape), tuple(lse.shape))
+                # the backward: FA4's own, with the generated score_mod derivative and the transposed lists
+                # (what the file's autograd call runs; torch's autograd engine cannot run fake CUDA
+                # tensors without CUDA, so FA4's backward entry is called as its autograd Function does)
+                from flash_attn.cute.interface import _flash_attn_bwd
+
+                from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+                aux = module._aux(q.device, q_len, kv_len)
+                blocks_bwd = None
+                if module.HAS_MASK:  # the transposed lists' shapes (their values: test_fa4.py checks _transposed)
+                    rows, cols = -(-q_len // 128), -(-kv_len // 128)
+                    h_tab = heads if module.MASK_READS_HEAD else 1
+                    cnt, idx = ((1, h_tab, cols), (1, h_tab, cols, rows))
+                    blocks_bwd = BlockSparseTensorsTorch(*(torch.empty(shape, dtype=torch.int32, device="cuda")
+                                                           for shape in (cnt, idx, cnt, idx)), block_size=(128, 128))
+                qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+                o = torch.empty(qt.shape, dtype=qt.dtype, device="cuda")
+                dq, dk, dv = _flash_attn_bwd(
+                    qt, kt, kt, o, torch.empty_like(o), torch.empty(1, heads, q_len, device="cuda"), None, False, 0.0,
+                    score_mod=module.score_mod_cute if module.HAS_SCORE else None,
+                    score_mod_bwd=module.score_mod_bwd_cute if module.HAS_SCORE else None,
+                    mask_mod=module.mask_mod_cute if module.HAS_MASK else None, aux_tensors=aux,
+                    block_sparse_tensors=blocks_bwd)[:3]
+                assert dq.shape == qt.shape and dk.shape == kt.shape
             ok += 1
-            print(f"OK file {label} ({time.time() - t0:.1f} s)", flush=True)
+            print(f"OK file {label} (forward + backward, {time.time() - t0:.1f} s)", flush=True)
         except Exception as exc:
             bad += 1
             print(f"FAIL file {label}: {type(exc).__name__}: {' | '.join(str(exc).split())[:600]}", flush=True)

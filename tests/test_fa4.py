@@ -56,6 +56,15 @@ def _check(mask: Mask, src: fa4.Fa4Source, batch: int, heads: int, q_len: int, k
                 err = np.abs(got - want) / (1 + np.abs(want))
                 if float(np.nanmax(err)) > 2e-5:
                     return f"score differs at b={b} h={h}: max rel err {float(np.nanmax(err)):.3g}"
+                if "score_mod_bwd_cute" in ns:  # the backward hook: grad * d score_mod / d score, against autograd
+                    grad = torch.randn(q_len, kv_len, generator=rng)
+                    s_in = score.clone().requires_grad_(True)
+                    out = compat.vmap_bhqkv(mask.score_mod, *idx, score=s_in[None, None])[0, 0].float()
+                    (want_g,) = torch.autograd.grad(out, s_in, grad)
+                    got_g = cute_shim.run_score_bwd(ns, grad.numpy(), score.numpy(), b, h, aux)
+                    err = np.abs(got_g - want_g.numpy()) / (1 + np.abs(want_g.numpy()))
+                    if not float(np.nanmax(err)) <= 1e-4:
+                        return f"score gradient differs at b={b} h={h}: max rel err {float(np.nanmax(err)):.3g}"
     return None
 
 
@@ -178,15 +187,41 @@ def test_a_mask_fa4_cannot_read_is_listed_with_its_reason():
     assert "int32" in spec.doc["unsupported"]["flash_attn_cute"]
 
 
-def test_the_file_refuses_what_fa4_cannot_run_before_importing_it():
-    src = fa4.generate(make("causal", q_len=128, kv_len=128), 128, 128)
+def _plain_part(src: fa4.Fa4Source) -> dict:
+    """The generated file without its CuTe DSL part, run here (its checks and list helpers need no
+    cutlass)."""
     ns: dict = {}
     head = src.source.split("# ---------------------------------------------------------------- the mask and score")[0]
     tail = src.source.split("# ---------------------------------------------------------------- what this file was generated for")[1]
-    # run the file's checks without cutlass: the CuTe functions are not needed for them
     exec(compile(head.split('"""', 2)[2].replace("import cutlass\nimport cutlass.cute as cute\n", "")
-                 + "\nHAS_MASK = HAS_SCORE = False\n" + tail.replace("if HAS_MASK:\n    mask_mod_cute.__vec_size__ = 1\n", "")
+                 + tail.replace("if HAS_MASK:\n    mask_mod_cute.__vec_size__ = 1\n", "")
                  .replace("if HAS_SCORE:\n    score_mod_cute.__vec_size__ = 1\n", ""), "fa4file", "exec"), ns)
+    return ns
+
+
+@pytest.mark.parametrize("name,params,q_len,kv_len", [("causal", {}, 300, 333), ("document", None, 512, 512),
+                                                      ("per_head_window", None, 384, 700)])
+def test_the_backwards_lists_are_the_forwards_transposed(name, params, q_len, kv_len):
+    mask = make(name, params or {}, q_len=q_len, kv_len=kv_len)
+    heads = mask.heads or 1
+    src = fa4.generate(mask, q_len, kv_len, heads=heads)
+    ns = _plain_part(src)
+    fwd = tuple(src.tensors[f"blocks.{n}"] for n in ("mask_cnt", "mask_idx", "full_cnt", "full_idx"))
+    mask_cnt, mask_idx, full_cnt, full_idx = ns["_transposed"](fwd, q_len, kv_len)
+    rows, cols = -(-q_len // 128), -(-kv_len // 128)
+    assert mask_cnt.shape[2:] == (cols,) and mask_idx.shape[2:] == (cols, rows) and mask_idx.dtype == torch.int32
+    for h in range(heads):
+        classes = _decode(src, 0, h, q_len, kv_len)  # [rows, cols], from the forward lists
+        hh = min(h, mask_cnt.shape[1] - 1)
+        for c in range(cols):
+            for cnt, idx, value in ((mask_cnt, mask_idx, 1), (full_cnt, full_idx, 2)):
+                listed = idx[0, hh, c, :cnt[0, hh, c]].tolist()
+                assert listed == [r for r in range(rows) if classes[r, c] == value], (h, c, value)
+
+
+def test_the_file_refuses_what_fa4_cannot_run_before_importing_it():
+    src = fa4.generate(make("causal", q_len=128, kv_len=128), 128, 128)
+    ns = _plain_part(src)
     q = torch.randn(1, 2, 128, 64)
     with pytest.raises(TypeError, match="bfloat16 or float16"):
         ns["_check"](q, q, q)
@@ -222,8 +257,10 @@ def test_verify_on_fa4_says_what_it_needs_before_running():
     mask = make("causal", q_len=128, kv_len=128)
     with pytest.raises(WorkbenchError, match="CUDA GPU.*run_fa4_compile"):
         verify(mask, Shape(q_len=128, head_dim=64), backend="fa4")
-    with pytest.raises(WorkbenchError, match="forward only"):
+    with pytest.raises(WorkbenchError, match="CUDA GPU"):
         verify(mask, Shape(q_len=128, head_dim=64), backend="fa4", backward=True)
+    with pytest.raises(WorkbenchError, match="head dims 64, 96, 128"):
+        verify(mask, Shape(q_len=128, head_dim=80), backend="fa4")
 
 
 def test_cli_verify_on_fa4_refuses_a_cpu_with_the_fix(capsys):
@@ -232,3 +269,13 @@ def test_cli_verify_on_fa4_refuses_a_cpu_with_the_fix(capsys):
     code = main(["verify", "causal", "--q-len", "128", "--backend", "fa4"])
     err = capsys.readouterr().err
     assert code != 0 and "CUDA GPU" in err and "Traceback" not in err
+
+
+def test_a_score_mod_without_a_derivative_gives_a_forward_only_file_that_says_why():
+    mask = Mask("pow_score", score_mod=lambda score, b, h, q_idx, kv_idx: torch.pow(score, score * 0.0 + 2.5))
+    src = fa4.generate(mask, 64, 64)
+    section = src.section()
+    assert section["backward"] is False and "derivative" in section["no_backward"]
+    ns = _plain_part(src)
+    assert ns["HAS_SCORE_GRAD"] is False and "def score_mod_bwd_cute" not in src.source
+    assert "Backward: none (the score_mod's derivative could not be generated" in src.source

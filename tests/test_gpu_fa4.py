@@ -1,5 +1,6 @@
-"""The FA4 export on an H200 with flash-attn-4 installed: the generated file's forward against the
-float64 reference on the corpus, odd lengths, GQA and length rules; FA4's device scan against the
+"""The FA4 export on an H200 with flash-attn-4 installed: the generated file's forward (and
+backward, through FA4's) against the float64 reference on the corpus, odd lengths, GQA and length
+rules; FA4's device scan against the
 stored exact scan; and the spec's `flash_attn` section run on FA4 itself. Run with `pytest -m gpu`
 (with FA4 importable: see DEVELOPERS.md for the packages)."""
 
@@ -108,3 +109,14 @@ def test_the_specs_flash_attn_section_runs_on_fa4(fa4_cuda, name, params):
     ref = reference_attention(mask, inputs)
     err = (out.transpose(1, 2).double() - ref.out).abs().max().item()
     assert err < 2e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,params,q_len,heads", [("causal", {}, 2048, 8), ("softcap", None, 1024, 4),
+                                                     ("document", None, 3000, 4), ("image_spans", None, 2048, 4)])
+def test_fa4_backward_equals_the_reference(fa4_cuda, name, params, q_len, heads):
+    # dq, dk, dv through FA4's backward with the generated score_mod derivative and transposed lists
+    mask = make(name, params or {}, q_len=q_len, kv_len=q_len, device=fa4_cuda)
+    verdict = verify(mask, Shape(q_heads=heads, kv_heads=heads // 2 or 1, q_len=q_len, head_dim=128),
+                     dtype="bfloat16", device=fa4_cuda, backend="fa4", backward=True, seed=4)
+    assert verdict.passed, verdict.line

@@ -569,28 +569,27 @@ class PortPagedBackend:
 class Fa4Backend:
     """The FA4 export (`workbench.fa4`): the generated file at `path`, or one generated for the
     inputs' sizes, run on FlashAttention-4's forward (a CUDA GPU with flash-attn-4 installed;
-    bfloat16 / float16; head dim 64, 96, 128). Forward only."""
+    bfloat16 / float16; head dim 64, 96, 128). `backward`: dq, dk, dv from FA4's backward (captured
+    tables do not learn on FA4)."""
 
     path: object = None
     name: str = "fa4"
     label: str = " (FlashAttention-4 export)"
 
-    def check(self, shape: Shape, dtype: str, device: torch.device, backward: bool, name: str | None) -> None:
+    def check(self, shape: Shape, dtype: str, device: torch.device, name: str | None) -> None:
         """What the FA4 file runs, said before any input is drawn."""
         from workbench import fa4
 
-        if backward:
-            raise WorkbenchError("the FA4 export is forward only", "verify the backward with --backend port", name)
-        if device.type != "cuda":
-            raise WorkbenchError(f"the FA4 export runs on a CUDA GPU (sm_90), asked for {device.type}",
-                                 "verify it on a GPU (--device cuda); on a CPU its CuTe DSL is checked by compiling "
-                                 "it: python tests/run_fa4_compile.py", name)
         if dtype not in ("bfloat16", "float16"):
             raise WorkbenchError(f"FA4 runs bfloat16 / float16, asked for {dtype}", "use --dtype bfloat16 or float16",
                                  name)
         if shape.head_dim not in fa4.HEAD_DIMS:
             raise WorkbenchError(f"the FA4 file runs head dims {', '.join(map(str, fa4.HEAD_DIMS))}, asked for "
                                  f"{shape.head_dim}", "use --head-dim 64, 96 or 128", name)
+        if device.type != "cuda":
+            raise WorkbenchError(f"the FA4 export runs on a CUDA GPU (sm_90), asked for {device.type}",
+                                 "verify it on a GPU (--device cuda); on a CPU its CuTe DSL is checked by compiling "
+                                 "it: python tests/run_fa4_compile.py", name)
         if fa4.installed() is None:
             raise WorkbenchError("flash-attn-4 is not installed", "pip install 'flex-workbench[fa4]' on the GPU machine",
                                  name)
@@ -600,17 +599,35 @@ class Fa4Backend:
         from workbench import fa4
 
         shape = inputs.shape
-        self.check(shape, dtype_name(inputs.q.dtype), inputs.device, backward, mask.name)
+        self.check(shape, dtype_name(inputs.q.dtype), inputs.device, mask.name)
         path = self.path
         if path is None:
             path = fa4.write(fa4.generate(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch),
                              tempfile.mkdtemp(prefix="workbench_fa4_"))
         module = fa4.load(path)
+        if backward and getattr(module, "HAS_SCORE_GRAD", False) is False:
+            raise WorkbenchError(f"the FA4 file has no backward ({module.NO_SCORE_GRAD})",
+                                 "verify the backward with --backend port", mask.name)
+        if backward and learnable_tensors(mask):
+            raise WorkbenchError("a captured table requires grad: FA4 does not differentiate aux tensors",
+                                 "verify learnable tables with --backend port (its tables=)", mask.name)
         start = time.perf_counter()
-        with torch.no_grad():
-            out, lse = module.attention(inputs.q, inputs.k, inputs.v, return_lse=True)
+        grads = {}
+        if backward:
+            if inputs.grad_out is None:
+                raise WorkbenchError("backward=True needs inputs made with backward=True (they carry grad_out)",
+                                     "call make_inputs(..., backward=True)", mask.name)
+            q, k, v = (t.detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
+            out, lse = module.attention(q, k, v, return_lse=True)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs.grad_out)
+            grads = {"dq": dq, "dk": dk, "dv": dv}
+            out, lse = out.detach(), lse.detach()
+        else:
+            with torch.no_grad():
+                out, lse = module.attention(inputs.q, inputs.k, inputs.v, return_lse=True)
         torch.cuda.synchronize(inputs.device)
-        return FlexRun(out=out, lse=lse, compiled=False, compile_seconds=None, run_seconds=time.perf_counter() - start)
+        return FlexRun(out=out, lse=lse, grads=grads, compiled=False, compile_seconds=None,
+                       run_seconds=time.perf_counter() - start)
 
 
 def port_offset_rules(path) -> bool:

@@ -49,6 +49,7 @@ class Fa4Source:
     length_rules: dict[str, tuple] = field(default_factory=dict)
     relations: tuple = ("lt", "eq", "gt")
     scan_shape: tuple | None = None
+    backward: str | None = None  # why the file has no backward (None: FA4's backward runs)
     key: str = ""
 
     @property
@@ -87,8 +88,10 @@ class Fa4Source:
                 "length_rules": {n: list(r) for n, r in self.length_rules.items()},
                 "relations": list(self.relations),
                 "scan_shape": list(self.scan_shape) if self.scan_shape else None,
+                "backward": self.backward is None, "no_backward": self.backward,
                 "call": "attention(q, k, v, *, scale=None, return_lse=False): q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] "
-                        "(FlexAttention's layout; the file transposes to FA4's [B, L, H, D]); forward only"}
+                        "(FlexAttention's layout; the file transposes to FA4's [B, L, H, D]); differentiable in "
+                        "q, k, v through FA4's backward"}
 
 
 def _aux_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -130,7 +133,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     lifted = frozenset(rules)
     captured = dict(captured_tensors(source_mask))
     try:
-        mods, aux = cute_mods(source_mask, captured, lifted)
+        mods, aux, no_grad = cute_mods(source_mask, captured, lifted)
         stored = {f"aux.{n}": _aux_tensor(n, captured[n]) for n in aux if n not in rules}
     except Untranslatable as exc:
         raise WorkbenchError(f"the mods cannot be written as CuTe DSL: {exc}",
@@ -160,6 +163,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
             stored.update({f"blocks.{n}": t for n, t in blocks.items()})
             src.scan_shape = (int(classes.shape[0]), int(classes.shape[1]), q_len, kv_len)
     src.tensors = stored
+    src.backward = no_grad
     src.key = _key(src, mods)
     source_comment = textwrap.indent(mask.source.strip() or "(source not available)", "    ")
     fills = {
@@ -177,6 +181,8 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@READS_B@@": repr("b" in reads), "@@READS_H@@": repr("h" in reads),
         "@@AUX@@": repr(aux), "@@TENSOR_FILE_NAME@@": repr(src.tensor_file),
         "@@SCAN_SHAPE@@": repr(src.scan_shape),
+        "@@BACKWARD_NOTE@@": "FA4's, with the generated score_mod derivative" if no_grad is None else f"none ({no_grad})",
+        "@@HAS_SCORE_GRAD@@": repr(no_grad is None), "@@NO_SCORE_GRAD@@": repr(no_grad),
     }
     src.source = fill_template(TEMPLATE.read_text(), fills)
     return src
@@ -198,7 +204,7 @@ def unsupported_reason(mask: Mask) -> str | None:
     """Why the mask has no FA4 file (None: it has one)."""
     try:
         captured = dict(captured_tensors(mask))
-        _, aux = cute_mods(mask, captured)
+        _, aux, _ = cute_mods(mask, captured)
         for n in aux:
             _aux_tensor(n, captured[n])
     except Untranslatable as exc:

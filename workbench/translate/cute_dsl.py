@@ -3,9 +3,9 @@
     mask_mod(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors) -> Boolean TensorSSA [1]
     score_mod(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors) -> Float32 TensorSSA [1]
 
-FA4 hands each index over as a TensorSSA of one element (the generated file leaves `__vec_size__`
-at 1 for both mods). The body unwraps them to scalars, computes one line per aten op of the traced
-mod with the DSL's scalar types (Int32, Float32, Boolean), and wraps the result again.
+FA4 hands the indices over as TensorSSA values (one element in the forward, where the file sets
+`__vec_size__ = 1`; up to 4 in the Hopper backward). Each hook runs a scalar function per element:
+one line per aten op of the traced mod with the DSL's scalar types (Int32, Float32, Boolean).
 
 It is the Triton pair-by-pair walk (`triton_mask.TritonMaskEmitter`) with the DSL's spelling; what
 differs, and why:
@@ -123,36 +123,39 @@ class CuteMaskEmitter(TritonMaskEmitter):
 def translate_cute(gm, fn_name: str, arg_names: list[str], captured: dict[str, torch.Tensor],
                    lifted: frozenset = frozenset(), aux_order: list[str] | None = None) -> tuple[str, list[str]]:
     """CuTe DSL source of one traced mod in FA4's convention; returns (source, captured tensor
-    names it reads). `aux_order` is the list the file passes as aux_tensors (both mods share it)."""
-    # FA4 passes score, b, h by position and q_idx, kv_idx, seqlen_info, aux_tensors by keyword:
-    # the parameters keep those names and the scalars they unwrap to get short ones
+    names it reads). `aux_order` is the list the file passes as aux_tensors (both mods share it).
+
+    Two functions: `{fn_name}_one` computes one pair on scalars, and `{fn_name}` is FA4's hook, which
+    takes TensorSSA values of any width (FA4's Hopper backward hands its score hooks 4 pairs at a
+    time when there are no aux tensors, whatever `__vec_size__` says) and runs `_one` per element."""
+    # FA4 passes score, b, h by position and q_idx, kv_idx, seqlen_info, aux_tensors by keyword
     scalar = {"score": "score", "b": "b", "h": "h", "q_idx": "q", "kv_idx": "kv"}
     param = {"score": "score_ssa", "b": "b_idx", "h": "h_idx", "q_idx": "q_idx", "kv_idx": "kv_idx"}
     emitter = CuteMaskEmitter(gm, [scalar[a] for a in arg_names], captured, lifted)
     emitter.walk()
     used = [p[:-4] for p in emitter.pointers]
     order = aux_order if aux_order is not None else used
-    is_score = arg_names[0] == "score"
+    kind = "cutlass.Float32" if arg_names[0] == "score" else "cutlass.Boolean"
+    body = [f"    {name}_ptr = aux_tensors[{order.index(name)}]" for name in used]
+    one = (f"@cute.jit\ndef {fn_name}_one({', '.join(scalar[a] for a in arg_names)}, aux_tensors):\n"
+           + "\n".join(body + emitter.lines) + "\n")
     params = [param[a] for a in arg_names] + ["seqlen_info", "aux_tensors"]
-    body = []
-    for a in arg_names:
-        body.append(f"    {scalar[a]} = {param[a]}[0]")
-    for name in used:
-        body.append(f"    {name}_ptr = aux_tensors[{order.index(name)}]")
-    lines = body + emitter.lines
-    ret = lines.pop()
-    assert ret.startswith("    return ")
-    value = ret[len("    return "):]
-    kind = "cutlass.Float32" if is_score else "cutlass.Boolean"
-    lines.append(f"    return _ssa({value}, {kind})")
-    source = f"@cute.jit\ndef {fn_name}({', '.join(params)}):\n" + "\n".join(lines) + "\n"
-    return source, used
+    first = param[arg_names[0]]
+    hook = (f"@cute.jit\ndef {fn_name}({', '.join(params)}):\n"
+            f"    out = cute.make_rmem_tensor(cute.size({first}.shape), {kind})\n"
+            f"    for i in cutlass.range_constexpr(cute.size({first}.shape)):\n"
+            f"        out[i] = {kind}({fn_name}_one({', '.join(param[a] + '[i]' for a in arg_names)}, aux_tensors))\n"
+            "    return out.load()\n")
+    return one + "\n\n" + hook, used
 
 
-def cute_mods(mask, captured: dict[str, torch.Tensor], lifted: frozenset = frozenset()
-              ) -> tuple[str, list[str]]:
-    """The helpers and both translated mods (only those the mask has) as CuTe DSL source, and the
-    aux tensors' names in the order the file passes them. Raises Untranslatable."""
+def cute_mods(mask, captured: dict[str, torch.Tensor], lifted: frozenset = frozenset(), backward: bool = True
+              ) -> tuple[str, list[str], str | None]:
+    """The helpers and the translated mods (only those the mask has) as CuTe DSL source, the aux
+    tensors' names in the order the file passes them, and why there is no backward (None: there
+    is one). With a score_mod and `backward`, also `score_grad_cute` (d score_mod / d score,
+    generated from the traced score_mod by `derivative.derivative_mod`) and FA4's
+    `score_mod_bwd_cute` over it. Raises Untranslatable when a forward mod has no translation."""
     from workbench.define import trace_mod
 
     parts, used = [CUTE_HELPERS], []
@@ -161,6 +164,17 @@ def cute_mods(mask, captured: dict[str, torch.Tensor], lifted: frozenset = froze
         graphs.append(("mask_mod_cute", ["b", "h", "q_idx", "kv_idx"], trace_mod(mask.mask_mod, "mask")))
     if mask.score_mod is not None:
         graphs.append(("score_mod_cute", ["score", "b", "h", "q_idx", "kv_idx"], trace_mod(mask.score_mod, "score")))
+    no_grad = None
+    if mask.score_mod is not None and backward:
+        try:
+            from workbench.translate.derivative import derivative_mod
+
+            grad_graph = trace_mod(derivative_mod(mask.score_mod), "score")
+            probe = CuteMaskEmitter(grad_graph, ["score", "b", "h", "q", "kv"], dict(captured), lifted)
+            probe.walk()
+            graphs.append(("score_grad_cute", ["score", "b", "h", "q_idx", "kv_idx"], grad_graph))
+        except Exception as exc:  # Untranslatable, or a derivative that does not trace: forward only
+            no_grad = f"the score_mod's derivative could not be generated: {exc}"
     # first pass: which tables each mod reads (the shared aux list is their union, in order)
     for _, names, gm in graphs:
         probe = CuteMaskEmitter(gm, names, dict(captured), lifted)
@@ -169,4 +183,15 @@ def cute_mods(mask, captured: dict[str, torch.Tensor], lifted: frozenset = froze
     for fn, names, gm in graphs:
         src, _ = translate_cute(gm, fn, names, captured, lifted, aux_order=used)
         parts.append(src)
-    return "\n\n".join(parts), used
+    if any(fn == "score_grad_cute" for fn, _, _ in graphs):
+        parts.append(SCORE_MOD_BWD)
+    return "\n\n".join(parts), used, no_grad
+
+
+SCORE_MOD_BWD = '''@cute.jit
+def score_mod_bwd_cute(grad_ssa, score_ssa, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    # FA4's backward hook: the gradient into the score_mod's input, dO/dscore_out * d score_mod / d score
+    slope = score_grad_cute(score_ssa, b_idx, h_idx, q_idx=q_idx, kv_idx=kv_idx, seqlen_info=seqlen_info,
+                            aux_tensors=aux_tensors)
+    return grad_ssa * slope
+'''

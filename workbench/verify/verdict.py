@@ -211,7 +211,7 @@ def verify(mask: Mask, shape: Shape, *, dtype: str = "bfloat16", device: str | t
     if isinstance(backend, (PortBackend, PortPagedBackend)):
         port.check_supported(shape.head_dim, dtype, mask.name)
     if isinstance(backend, Fa4Backend):
-        backend.check(shape, dtype, device, backward, mask.name)
+        backend.check(shape, dtype, device, mask.name)
     budget, _ = reference_budget(shape, backward, reference_dtype, device, memory_budget, mask.name)
     if backward and isinstance(backend, PortPagedBackend):
         raise WorkbenchError("attention_paged is an engine's forward (prefill and decode): it has no backward",

@@ -6,6 +6,7 @@ without FlexAttention or torch.compile:
     from @@MODULE@@ import attention
     out = attention(q, k, v)                          # q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D]
     out, lse = attention(q, k, v, return_lse=True)    # lse [B, Hq, Lq], float32
+    out.backward(grad)                                # dq, dk, dv from FA4's own backward
 
 What it computes (FlexAttention's semantics): score = (q . k) * scale, with scale = 1 / sqrt(D)
 unless given; the score_mod below is applied to every score; pairs the mask_mod drops get -inf;
@@ -15,8 +16,11 @@ kv_idx as the key's row 0 .. Lk-1, exactly as FlexAttention calls them.
 Inputs: CUDA tensors in bfloat16 or float16 (FA4 has no float32 path), head dim 64, 96 or 128
 (the sizes at which FA4's Hopper forward takes 128 x 128 sparse blocks), Hq a multiple of Hkv.
 Valid for: @@VALID@@.
-Forward only: a call whose inputs require grad is refused (train with the Triton port's
-attention, which has a backward).
+Differentiable in q, k and v: FA4's backward runs with the same mods, the score_mod's derivative
+(`score_mod_bwd_cute`, generated from the traced score_mod) and the transposed block lists (per
+block of keys, the query blocks that reach it). Captured tables do not learn here (FA4 does not
+differentiate aux tensors; the Triton port's `tables=` does).
+Backward: @@BACKWARD_NOTE@@.
 
 How it runs: the mods are CuTe DSL functions in FA4's convention (below), passed to FA4's own
 forward with its block-sparse tensors: per row of 128 queries, the 128-key blocks that hold kept
@@ -71,6 +75,8 @@ RELATIONS = @@RELATIONS@@  # "lt": Lq < Lk, "eq": Lq = Lk, "gt": Lq > Lk
 REFUSED = @@REFUSED@@
 HAS_MASK = @@HAS_MASK@@
 HAS_SCORE = @@HAS_SCORE@@
+HAS_SCORE_GRAD = @@HAS_SCORE_GRAD@@  # False: no backward (NO_SCORE_GRAD says why)
+NO_SCORE_GRAD = @@NO_SCORE_GRAD@@
 MASK_READS_BATCH = @@READS_B@@  # the block lists differ by batch entry / head
 MASK_READS_HEAD = @@READS_H@@
 AUX = @@AUX@@  # the aux_tensors both mods read, in order (captured tensors, flattened)
@@ -177,6 +183,23 @@ def _block_sparse(B: int, H: int, Lq: int, Lk: int, device, aux):
     return _remember(_lists, key, make)
 
 
+def _transposed(lists, Lq: int, Lk: int) -> tuple:
+    """The backward's block lists from the forward's (mask_cnt, mask_idx, full_cnt, full_idx): per
+    block of keys, the query blocks whose class there is partial (mask) or full, ascending
+    (FlexAttention's q_num_blocks / q_indices), as the same four tensors."""
+    rows, cols = -(-Lq // BLOCK[0]), -(-Lk // BLOCK[1])
+    mask_cnt, mask_idx, full_cnt, full_idx = lists
+    out = []
+    for cnt, idx in ((mask_cnt, mask_idx), (full_cnt, full_idx)):
+        listed = torch.arange(cols, device=idx.device) < cnt[..., None].to(torch.int64)  # [B', H', rows, cols]
+        dense = torch.zeros(*idx.shape[:2], rows, cols + 1, dtype=torch.int8, device=idx.device)
+        dense.scatter_(-1, torch.where(listed, idx.to(torch.int64), cols), 1)
+        by_col = dense[..., :cols].transpose(-1, -2)  # [B', H', cols, rows]
+        out.append(by_col.sum(-1, dtype=torch.int32))
+        out.append(torch.argsort(by_col == 0, dim=-1, stable=True).to(torch.int32))
+    return tuple(out)
+
+
 def _check(q, k, v):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -198,9 +221,9 @@ def _check(q, k, v):
                          f"({', '.join(map(str, HEAD_DIMS))}); use the Triton port's attention")
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         raise ValueError(f"{NAME}: FA4 runs on CUDA tensors; move q, k, v to the GPU")
-    if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
-        raise RuntimeError(f"{NAME}: this file is forward only; call it under torch.no_grad(), or train with the "
-                           "Triton port's attention (it has a backward)")
+    if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled() and not HAS_SCORE_GRAD:
+        raise RuntimeError(f"{NAME}: this file has no backward ({NO_SCORE_GRAD}); call it under torch.no_grad(), "
+                           "or train with the Triton port's attention")
     if VALID_Q_LEN is not None and (Lq, Lk) != (VALID_Q_LEN, VALID_KV_LEN):
         raise ValueError(f"{NAME}: this file is valid at Lq = {VALID_Q_LEN}, Lk = {VALID_KV_LEN} only, called at "
                          f"Lq = {Lq}, Lk = {Lk}; export it again at those lengths")
@@ -233,10 +256,22 @@ def attention(q, k, v, *, scale=None, return_lse=False):
         return (out, torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)) if return_lse else out
     aux = _aux(q.device, Lq, Lk)
     blocks = _block_sparse(B, Hq, Lq, Lk, q.device, aux) if HAS_MASK else None
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    blocks_bwd = None
+    if grad and HAS_MASK:
+        key = ("bwd", B if MASK_READS_BATCH else 1, Hq if MASK_READS_HEAD else 1, Lq, Lk, str(q.device))
+        def transposed():
+            from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+            lists = (blocks.mask_block_cnt, blocks.mask_block_idx, blocks.full_block_cnt, blocks.full_block_idx)
+            return BlockSparseTensorsTorch(*_transposed(lists, Lq, Lk), block_size=BLOCK)
+        blocks_bwd = _remember(_lists, key, transposed)
     out, lse = flash_attn_func(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
         pack_gqa=False if MASK_READS_HEAD else None,
-        score_mod=score_mod_cute if HAS_SCORE else None, mask_mod=mask_mod_cute if HAS_MASK else None,
-        aux_tensors=aux, block_sparse_tensors=blocks, return_lse=True)
+        score_mod=score_mod_cute if HAS_SCORE else None,
+        score_mod_bwd=score_mod_bwd_cute if HAS_SCORE and grad else None,
+        mask_mod=mask_mod_cute if HAS_MASK else None,
+        aux_tensors=aux, block_sparse_tensors=blocks, block_sparse_tensors_bwd=blocks_bwd, return_lse=True)
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

@@ -1,5 +1,6 @@
-"""The generated Triton port vs compiled FlexAttention (and cuDNN SDPA where it can run the mask),
-forward, side by side in one process on one GPU.
+"""The generated Triton port vs compiled FlexAttention (Triton and FLASH backends), the FA4 export,
+FA4 called directly and cuDNN SDPA where each can run the mask, forward, side by side in one
+process on one GPU.
 
     python benchmarks/bench_port.py [--lengths 8192 32768] [--heads 16] [--head-dim 128] [--batch 1]
         [--masks NAME ...] [--decode] [--json FILE]
@@ -10,7 +11,11 @@ its autotuning done; FlexAttention is compiled with this workbench's block mask 
 create_block_mask's). Every output is checked against the other before timing ("agrees": max abs
 difference within bf16 tolerance). Times are triton.testing.do_bench medians (ms); TFLOP/s count
 the kept pairs only (4 * B * H * D flops per pair). `speed` = Flex time / port time (> 1: the port
-is faster). --decode adds Lq = 1 against each length. --segments times the port on document masks
+is faster). The FA4 columns need flash-attn-4 (the `fa4` extra): Flex's FLASH backend, the FA4
+export (`workbench.fa4`: the spec's `flash_attn_cute` file, checked against Flex before timing;
+its first call, block lists included, is in --json), and FA4's flash_attn_func with the mask's
+FlashAttention arguments (causal, window) where it has them; "cannot run" where one refuses the
+mask. --decode adds Lq = 1 against each length. --segments times the port on document masks
 (8, 32 and 64 documents, uneven lengths) with its default tiling and with cu_seqlens (tiles from each
 document's start: packing-invariant), and checks that both give the same attention.
 --serving times attention_paged (bf16, 32 query / 8 kv heads, D 128, page size 16): a mixed engine
@@ -99,7 +104,46 @@ def one(name, mask, shape: Shape, folder: Path, with_sdpa: bool) -> dict:
 
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             row["cudnn_ms"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    # FlashAttention-4, three ways, where it is installed and can run the mask: Flex's FLASH backend
+    # (inductor's CuTe DSL lowering), the workbench's FA4 export (its own CuTe DSL, the exact scan's
+    # block-sparse tensors), and FA4 called directly with FlashAttention's arguments (causal, window)
+    try:
+        out_flash = flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask, kernel_options={"BACKEND": "FLASH"})
+        row["flash_agrees"] = bool((out_flash.float() - out_flex.float()).abs().max() < 3e-2)
+        row["flash_ms"] = timed(lambda: flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask,
+                                             kernel_options={"BACKEND": "FLASH"}))
+    except Exception as exc:
+        row["flash_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    try:
+        from workbench import fa4
+
+        t0 = time.perf_counter()
+        exported = fa4.load(fa4.write(fa4.generate(mask, shape.q_len, shape.kv_len, heads=shape.q_heads,
+                                                   batch=shape.batch), folder / "fa4"))
+        out_fa4 = exported.attention(q, k, v)
+        torch.cuda.synchronize()
+        row["fa4_export_first_call_s"] = time.perf_counter() - t0
+        row["fa4_export_agrees"] = bool((out_fa4.float() - out_flex.float()).abs().max() < 3e-2)
+        row["fa4_export_ms"] = timed(lambda: exported.attention(q, k, v))
+    except Exception as exc:
+        row["fa4_export_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    direct = {"causal": dict(causal=True), "sliding window 1024": dict(causal=True, window_size=(1023, 0))}.get(name)
+    if direct is not None and shape.q_len == shape.kv_len:
+        try:
+            from flash_attn.cute import flash_attn_func
+
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            row["fa4_direct_ms"] = timed(lambda: flash_attn_func(qt, kt, vt, **direct))
+        except Exception as exc:
+            row["fa4_direct_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
     return row
+
+
+def _ms(row, key) -> str:
+    if key in row:
+        agrees = row.get(key.replace("_ms", "_agrees"), True)
+        return f"{row[key]:.3f}" + ("" if agrees else " (differs!)")
+    return "-" if f"{key[:-3]}_error" not in row else "cannot run"
 
 
 def main(argv=None) -> int:
@@ -126,8 +170,9 @@ def main(argv=None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="bench_port_"))
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={args.batch} H={args.heads} "
           f"D={args.head_dim}, forward", flush=True)
-    print("| mask | tokens | port ms | Flex ms | speed (Flex/port) | port TFLOP/s | Flex TFLOP/s | cuDNN causal ms | agrees |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| mask | tokens | port ms | Flex ms | speed (Flex/port) | port TFLOP/s | Flex TFLOP/s | Flex FLASH ms | "
+          "FA4 export ms | FA4 direct ms | cuDNN causal ms | agrees |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for seq in args.lengths:
         for name, mask in masks_at(seq, args.heads, "cuda").items():
             if args.masks and name not in args.masks:
@@ -143,7 +188,8 @@ def main(argv=None) -> int:
                 continue
             cudnn = f"{row['cudnn_ms']:.3f}" if "cudnn_ms" in row else "-"
             print(f"| {name} | {seq:,} | {row['port_ms']:.3f} | {row['flex_ms']:.3f} | {row['speed']:.2f}x | "
-                  f"{row['port_tflops']:.0f} | {row['flex_tflops']:.0f} | {cudnn} | {row['agrees']} |", flush=True)
+                  f"{row['port_tflops']:.0f} | {row['flex_tflops']:.0f} | {_ms(row, 'flash_ms')} | "
+                  f"{_ms(row, 'fa4_export_ms')} | {_ms(row, 'fa4_direct_ms')} | {cudnn} | {row['agrees']} |", flush=True)
     if args.decode:
         print("\n| decode (Lq = 1) | kv tokens | port ms | Flex ms | speed |\n|---|---|---|---|---|")
         for seq in args.lengths:

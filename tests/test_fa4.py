@@ -5,6 +5,8 @@ kernel is `run_fa4_compile.py`; that it runs right on FA4 is tests/test_gpu_fa4.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -193,10 +195,24 @@ def _plain_part(src: fa4.Fa4Source) -> dict:
     ns: dict = {}
     head = src.source.split("# ---------------------------------------------------------------- the mask and score")[0]
     tail = src.source.split("# ---------------------------------------------------------------- what this file was generated for")[1]
-    exec(compile(head.split('"""', 2)[2].replace("import cutlass\nimport cutlass.cute as cute\n", "")
-                 + tail.replace("if HAS_MASK:\n    mask_mod_cute.__vec_size__ = 1\n", "")
-                 .replace("if HAS_SCORE:\n    score_mod_cute.__vec_size__ = 1\n", ""), "fa4file", "exec"), ns)
+    import re
+
+    tail = re.sub(r"\nif HAS_(MASK|SCORE):\n(    .*\n)+", "\n", tail)  # the lines that set the hooks' attributes
+    exec(compile(head.split('"""', 2)[2].replace("import cutlass\nimport cutlass.cute as cute\n", "") + tail,
+                 "fa4file", "exec"), ns)
     return ns
+
+
+def test_each_file_gives_its_hooks_their_own_kernel_cache_key():
+    # FA4 keys its compiled kernels by the hooks' source text, the same in every file: without
+    # __cute_hash__ a second mask in a process ran the first one's kernel
+    a = fa4.generate(make("causal", q_len=128, kv_len=128), 128, 128).source
+    b = fa4.generate(Mask("not_future", mask_mod=lambda b, h, q_idx, kv_idx: ~(kv_idx > q_idx)), 128, 128).source
+    hooks = [t[t.index("def mask_mod_cute(b_idx"):].split("\n\n\n")[0] for t in (a, b)]
+    assert hooks[0] == hooks[1]
+    keys = [re.search(r"^MODS_HASH = '([0-9a-f]+)'$", t, re.M).group(1) for t in (a, b)]
+    assert keys[0] != keys[1]
+    assert all('mask_mod_cute.__cute_hash__ = MODS_HASH + ".mask"' in t for t in (a, b))
 
 
 @pytest.mark.parametrize("name,params,q_len,kv_len", [("causal", {}, 300, 333), ("document", None, 512, 512),

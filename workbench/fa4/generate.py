@@ -9,6 +9,7 @@ lengths are computed per call, per-token data holds at the generated lengths onl
 
 from __future__ import annotations
 
+import hashlib
 import re
 import textwrap
 from dataclasses import dataclass, field
@@ -181,6 +182,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@READS_B@@": repr("b" in reads), "@@READS_H@@": repr("h" in reads),
         "@@AUX@@": repr(aux), "@@TENSOR_FILE_NAME@@": repr(src.tensor_file),
         "@@SCAN_SHAPE@@": repr(src.scan_shape),
+        "@@MODS_HASH@@": repr(hashlib.sha256(mods.encode()).hexdigest()),
         "@@BACKWARD_NOTE@@": "FA4's, with the generated score_mod derivative" if no_grad is None else f"none ({no_grad})",
         "@@HAS_SCORE_GRAD@@": repr(no_grad is None), "@@NO_SCORE_GRAD@@": repr(no_grad),
     }

@@ -35,7 +35,10 @@ FA4's traps this file handles:
 - a query row that keeps no key gives out = 0 and lse = -inf, FlexAttention's convention;
 - FA4 takes [B, L, H, D]; this file transposes (views, no copies) both ways;
 - FA4's integer `%` is C's remainder and its `//` floors: the translation writes Python's `%`;
-- FA4 hands the mods one-element TensorSSA values: both mods set `__vec_size__ = 1`;
+- FA4 hands the mods one-element TensorSSA values: both mods set `__vec_size__ = 1` (its Hopper
+  backward hands 4 at a time when there are no aux tensors: the hooks take any width);
+- FA4 caches kernels by the hooks' source text, the same in every generated file: each hook gets
+  `__cute_hash__` from this file's CuTe DSL text, so two masks never share a compiled kernel;
 - FA4's packed GQA refuses per-head block lists: it is switched off when the mask reads h;
 - tested against flash-attn-4 @@FA4_VERSION@@ on sm_90; another version is refused (set
   FA4_ANY_VERSION=1 to try it anyway).
@@ -86,10 +89,18 @@ SCAN_SHAPE = @@SCAN_SHAPE@@  # (B', H', Lq, Lk) of the stored scan (B', H' are 1
 HEAD_DIMS = (64, 96, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 
+# FA4 caches its compiled kernels by a hash of each hook's source text, and the hooks' text is the
+# same in every generated file (they call the per-pair functions above): each hook gets a hash of
+# this file's whole CuTe DSL part instead, so two masks never share a kernel
+MODS_HASH = @@MODS_HASH@@
 if HAS_MASK:
     mask_mod_cute.__vec_size__ = 1
+    mask_mod_cute.__cute_hash__ = MODS_HASH + ".mask"
 if HAS_SCORE:
     score_mod_cute.__vec_size__ = 1
+    score_mod_cute.__cute_hash__ = MODS_HASH + ".score"
+    if HAS_SCORE_GRAD:
+        score_mod_bwd_cute.__cute_hash__ = MODS_HASH + ".score_bwd"
 
 
 def _check_version():

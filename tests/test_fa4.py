@@ -197,7 +197,7 @@ def _plain_part(src: fa4.Fa4Source) -> dict:
     tail = src.source.split("# ---------------------------------------------------------------- what this file was generated for")[1]
     import re
 
-    tail = re.sub(r"\nif HAS_(MASK|SCORE):\n(    .*\n)+", "\n", tail)  # the lines that set the hooks' attributes
+    tail = re.sub(r"(?m)^if HAS_(MASK|SCORE):\n(    .*\n)+", "", tail)  # the lines that set the hooks' attributes
     exec(compile(head.split('"""', 2)[2].replace("import cutlass\nimport cutlass.cute as cute\n", "") + tail,
                  "fa4file", "exec"), ns)
     return ns
@@ -208,7 +208,7 @@ def test_each_file_gives_its_hooks_their_own_kernel_cache_key():
     # __cute_hash__ a second mask in a process ran the first one's kernel
     a = fa4.generate(make("causal", q_len=128, kv_len=128), 128, 128).source
     b = fa4.generate(Mask("not_future", mask_mod=lambda b, h, q_idx, kv_idx: ~(kv_idx > q_idx)), 128, 128).source
-    hooks = [t[t.index("def mask_mod_cute(b_idx"):].split("\n\n\n")[0] for t in (a, b)]
+    hooks = [t[t.index("def mask_mod_cute(b_idx"):].split("\n\n")[0] for t in (a, b)]
     assert hooks[0] == hooks[1]
     keys = [re.search(r"^MODS_HASH = '([0-9a-f]+)'$", t, re.M).group(1) for t in (a, b)]
     assert keys[0] != keys[1]

@@ -226,6 +226,7 @@ def test_the_backwards_lists_are_the_forwards_transposed(name, params, q_len, kv
     mask_cnt, mask_idx, full_cnt, full_idx = ns["_transposed"](fwd, q_len, kv_len)
     rows, cols = -(-q_len // 128), -(-kv_len // 128)
     assert mask_cnt.shape[2:] == (cols,) and mask_idx.shape[2:] == (cols, rows) and mask_idx.dtype == torch.int32
+    assert all(t.is_contiguous() for t in (mask_cnt, mask_idx, full_cnt, full_idx))  # FA4 takes stride-1 rows only
     for h in range(heads):
         classes = _decode(src, 0, h, q_len, kv_len)  # [rows, cols], from the forward lists
         hh = min(h, mask_cnt.shape[1] - 1)

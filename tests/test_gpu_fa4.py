@@ -68,8 +68,24 @@ def test_fa4_file_at_odd_shapes(fa4_cuda, name, params, q_len, kv_len, q_heads, 
     assert verdict.passed, verdict.line
 
 
+def _classes(blocks, rows: int, cols: int) -> torch.Tensor:
+    """[B', H', rows, cols] of 0 (not listed), 1 (partial), 2 (full) from FA4's block-sparse tensors."""
+    out = None
+    for value, (cnt, idx) in ((1, (blocks.mask_block_cnt, blocks.mask_block_idx)),
+                              (2, (blocks.full_block_cnt, blocks.full_block_idx))):
+        cnt, idx = cnt.cpu().long(), idx.cpu().long()
+        listed = torch.arange(idx.shape[-1]) < cnt[..., None]
+        dense = torch.zeros(*idx.shape[:3], cols + 1, dtype=torch.int64)
+        dense.scatter_(-1, torch.where(listed, idx, cols), value)
+        out = dense[..., :cols] if out is None else torch.maximum(out, dense[..., :cols])
+    return out
+
+
 @pytest.mark.gpu
 def test_fa4_device_scan_equals_the_stored_exact_scan(fa4_cuda, tmp_path):
+    # FA4's compute_block_sparsity (full evaluation, what the file runs at other sizes) against the
+    # workbench's exact scan stored in the file: the same blocks listed; a block cut by the sequence
+    # end that keeps all its in-bounds pairs may be full in FA4's and partial in ours (both sound)
     w = torch.tensor([16, 200, 700, 3000])
 
     def head_window(b, h, q_idx, kv_idx):
@@ -79,18 +95,17 @@ def test_fa4_device_scan_equals_the_stored_exact_scan(fa4_cuda, tmp_path):
         src = fa4.generate(mask, 3000, 3000, heads=heads)
         module = fa4.load(fa4.write(src, tmp_path))
         aux = module._aux(fa4_cuda, 3000, 3000)
-        stored = module._block_sparse(1, heads, 3000, 3000, fa4_cuda, aux)
+        stored = _classes(module._block_sparse(1, heads, 3000, 3000, fa4_cuda, aux), 24, 24)
         module.SCAN_SHAPE = None  # FA4's compute_block_sparsity at the same sizes
         module._lists.clear()
-        scanned = module._block_sparse(1, heads, 3000, 3000, fa4_cuda, aux)
-        for a, b in ((stored.mask_block_cnt, scanned.mask_block_cnt), (stored.full_block_cnt, scanned.full_block_cnt)):
-            assert torch.equal(a.expand_as(b).cpu(), b.cpu())
-        for cnt, a, b in ((stored.mask_block_cnt, stored.mask_block_idx, scanned.mask_block_idx),
-                          (stored.full_block_cnt, stored.full_block_idx, scanned.full_block_idx)):
-            a, b, cnt = a.expand_as(b).cpu(), b.cpu(), cnt.expand(b.shape[:3]).cpu()
-            for idx in torch.nonzero(cnt):
-                n = int(cnt[tuple(idx)])
-                assert sorted(a[tuple(idx)][:n].tolist()) == sorted(b[tuple(idx)][:n].tolist())
+        scanned = _classes(module._block_sparse(1, heads, 3000, 3000, fa4_cuda, aux), 24, 24)
+        stored = stored.expand_as(scanned)
+        differ = stored != scanned
+        boundary = torch.zeros_like(differ)
+        boundary[..., -1, :] = True
+        boundary[..., :, -1] = True
+        assert not (differ & ~boundary).any(), torch.nonzero(differ & ~boundary)[:5]
+        assert ((stored[differ] == 1) & (scanned[differ] == 2)).all()
 
 
 @pytest.mark.gpu

@@ -154,8 +154,10 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         if scan is None or (scan.q_block, scan.kv_block) != BLOCK:
             from workbench.blocks import scan_blocks
 
+            # where the mask's tables are (a mask made on the GPU scans there)
+            device = next((t.device for t in captured_tensors(mask).values()), torch.device("cpu"))
             scan = scan_blocks(mask, q_len, kv_len, heads=heads or mask.heads or 1, batch=batch or mask.batch or 1,
-                               block_size=BLOCK, progress=False)
+                               block_size=BLOCK, device=device, progress=False)
         from workbench.blocks import block_classes
 
         classes = block_classes(scan)

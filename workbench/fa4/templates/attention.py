@@ -206,8 +206,8 @@ def _transposed(lists, Lq: int, Lk: int) -> tuple:
         dense = torch.zeros(*idx.shape[:2], rows, cols + 1, dtype=torch.int8, device=idx.device)
         dense.scatter_(-1, torch.where(listed, idx.to(torch.int64), cols), 1)
         by_col = dense[..., :cols].transpose(-1, -2)  # [B', H', cols, rows]
-        out.append(by_col.sum(-1, dtype=torch.int32))
-        out.append(torch.argsort(by_col == 0, dim=-1, stable=True).to(torch.int32))
+        out.append(by_col.sum(-1, dtype=torch.int32).contiguous())
+        out.append(torch.argsort(by_col == 0, dim=-1, stable=True).to(torch.int32).contiguous())  # FA4 needs stride 1
     return tuple(out)
 
 

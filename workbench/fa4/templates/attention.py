@@ -103,8 +103,12 @@ if HAS_SCORE:
         score_mod_bwd_cute.__cute_hash__ = MODS_HASH + ".score_bwd"
 
 
+_version_checked: list = []
+
+
 def _check_version():
-    if os.environ.get("FA4_ANY_VERSION") == "1":
+    # once per process: reading package metadata costs about as much as a short attention call
+    if _version_checked or os.environ.get("FA4_ANY_VERSION") == "1":
         return
     try:
         found = importlib.metadata.version("flash-attn-4")
@@ -114,6 +118,7 @@ def _check_version():
         raise RuntimeError(f"{NAME}: this file was generated and tested against flash-attn-4 {FA4_VERSION}, found "
                            f"{found or 'no installed flash-attn-4 metadata'}; install that version, or set "
                            "FA4_ANY_VERSION=1 to run it on this one unchecked")
+    _version_checked.append(found)
 
 
 def _read_safetensors(path, device):
@@ -160,17 +165,23 @@ def _tensors(device) -> dict:
     return _remember(_stored, str(device), read)
 
 
+_aux_at: dict = {}
+
+
 def _aux(device, Lq: int, Lk: int):
-    """The aux tensors at these lengths: captured tables as FA4 reads them, length rules' numbers."""
-    stored = _tensors(device)
-    out = []
-    for name in AUX:
-        if name in LENGTH_RULES:
-            a, b, c, d = LENGTH_RULES[name]
-            out.append(torch.tensor([(a * Lq + b * Lk + c) // d], dtype=torch.int32, device=device))
-        else:
-            out.append(stored["aux." + name])
-    return out or None
+    """The aux tensors at these lengths: captured tables as FA4 reads them, length rules' numbers
+    (made once per device and lengths: no host-to-device copy per call)."""
+    def make():
+        stored = _tensors(device)
+        out = []
+        for name in AUX:
+            if name in LENGTH_RULES:
+                a, b, c, d = LENGTH_RULES[name]
+                out.append(torch.tensor([(a * Lq + b * Lk + c) // d], dtype=torch.int32, device=device))
+            else:
+                out.append(stored["aux." + name])
+        return out or None
+    return _remember(_aux_at, (str(device), Lq, Lk) if LENGTH_RULES else str(device), make)
 
 
 def _block_sparse(B: int, H: int, Lq: int, Lk: int, device, aux):

@@ -10,7 +10,6 @@ lengths are computed per call, per-token data holds at the generated lengths onl
 from __future__ import annotations
 
 import hashlib
-import re
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,9 +54,9 @@ class Fa4Source:
 
     @property
     def module_name(self) -> str:
-        ident = re.sub(r"\W+", "_", self.name).strip("_") or "mask"
-        ident = ident if not ident[0].isdigit() else f"m_{ident}"
-        return f"{ident}_{self.key}_fa4"
+        from workbench.port.generate import _identifier  # the port's rule for a mask name as a module name
+
+        return f"{_identifier(self.name)}_{self.key}_fa4"
 
     @property
     def file_name(self) -> str:

@@ -63,10 +63,20 @@ def masks():
     return out
 
 
+# cases with 32-key tiles (the `-n32` ids): the kernel addresses a tile's keys three ways, by how
+# the page size and the key tile divide (one page per tile; whole pages per tile; neither, each key
+# its own page and slot); the interpreter's own 16-key tiles meet only the first
+WIDE_KEY_TILE = (16, 32, 4, 1)
+WIDE_KEY_MASKS = ("causal", "users_head_window", "rswa+softcap")
+
+
 def cases():
     for name, mask, heads, *kv in masks():
         for dtype, page in (("float32", 16), ("float32", 64)) + ((("bfloat16", 32),) if name == "causal" else ()):
             yield f"{name}-{dtype}-p{page}", mask, heads, (kv[0] if kv else heads // 2), dtype, page
+        if name in WIDE_KEY_MASKS:
+            for page in (16, 48, 64):  # whole pages per tile; neither divides; one page per tile
+                yield f"{name}-float32-p{page}-n32", mask, heads, (kv[0] if kv else heads // 2), "float32", page
 
 
 def case_ids():
@@ -151,7 +161,9 @@ def check(case, mask, heads, kv_heads, dtype, page, device, folder, rng, batch=N
     source = port.generate(mask, length or 256, length or 256, heads=heads, batch=num_seqs)
     module = port.load(port.write(source, folder / case.replace("+", "_")))
     # half the cases with split-KV (pieces of the keys folded by a second kernel), half without
-    module.SPLIT_WHEN_PROGRAMS_BELOW = 1 << 30 if "-p16" in case or "bfloat16" in case else 0
+    module.SPLIT_WHEN_PROGRAMS_BELOW = 1 << 30 if "-p16" in case or "bfloat16" in case or "-p48" in case else 0
+    if case.endswith("-n32") and device == "cpu":
+        module.PAGED_TILES = [(0, WIDE_KEY_TILE)]
     with torch.no_grad():
         out, lse = module.attention_paged(*(t.to(device) for t in (q, kc, vc, table, cu, lens)), return_lse=True,
                                           check=True)

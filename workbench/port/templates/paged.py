@@ -16,16 +16,17 @@ HAS_BOUNDS = @@HAS_BOUNDS@@  # mask_mod_bounds exists: tiles the mask decides ar
 HAS_LENGTH_RULES_IN_PAGES = any(a + b != 0 for a, b, c, d in LENGTH_RULES.values())
 # (queries per request at least, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of fast mode: a
 # program's rows are (token, head) pairs of one kv head's group (GQA packing); BLOCK_N keys per
-# tile, each read through the block table. These were checked against the reference on an H200;
-# (128, 128, 8, 2) measured up to 6% faster for long prefills there (benchmarks/bench_paged.py and
-# the prefill rows of benchmarks/bench_port.py --serving)
+# tile, each read through the block table. These were checked against the reference on an H200
+# and chosen there by benchmarks/bench_paged.py --sweep (docs/benchmarks.md); a depth the chip has
+# no room for falls back to fewer stages (_launch_paged)
 PAGED_TILES = ([(0, (16, 16, 4, 1))] if _INTERPRET else
-               [(128, (128, 64, 8, 3)), (32, (64, 64, 4, 3)), (0, (16, 64, 4, 3))])
+               [(128, (128, 128, 8, 3)), (32, (64, 64, 4, 3)), (0, (16, 64, 4, 3))])
 PAGED_PIPELINE = True  # the key loop as a `for` loop with predicated loads (pipelined); False: `while`
 PAGED_STAGES = None  # a pipeline depth for every tile (None: each tile's own)
 INVARIANT_PAGED_STAGES = 3  # invariant mode's pipeline depth (stages never change a bit)
 # fast mode's pieces (None: SPLIT_KEYS, invariant mode's); the interpreter's tests use longer ones
 FAST_SPLIT_KEYS = 128 if _INTERPRET else None
+FOLD_AT_ONCE = 64  # fast mode's _paged_fold sums up to this many pieces of a row in one tile
 # (under the interpreter every call has few programs: there only a forced split runs split-KV)
 SPLIT_WHEN_PROGRAMS_BELOW = 0 if _INTERPRET else 512  # only calls with fewer (row block, kv head) programs than this split
 
@@ -45,6 +46,22 @@ def _table_ranges(tables: list) -> list:
     return out
 
 
+_ranges_of: dict = {}  # device -> (the file's own mask tables, their _table_ranges)
+
+
+def _mask_ranges(captured: dict, device, replaced: bool) -> list:
+    """_table_ranges of the mask's tables. The file's own tables never change: their ranges are
+    computed once per device. Tables a call passes (tables=) are ranged in that call, on the device,
+    so a CUDA graph that captured the call ranges each replay's new contents."""
+    mine = [captured[n] for n in MASK_POINTERS]
+    if replaced:
+        return _table_ranges(mine)
+    saved = _ranges_of.get(str(device))
+    if saved is None or len(saved[0]) != len(mine) or any(a is not b for a, b in zip(saved[0], mine)):
+        saved = _ranges_of[str(device)] = (mine, _table_ranges(mine))
+    return saved[1]
+
+
 @triton.jit
 def _tile_bounds(req, kv_h, group, q_lo, q_hi, kv_lo, kv_hi, @@MASK_PTR_PARAMS@@ @@RANGE_PTR_PARAMS@@
                  HEADS_DIFFER: tl.constexpr):
@@ -62,16 +79,18 @@ def _tile_bounds(req, kv_h, group, q_lo, q_hi, kv_lo, kv_hi, @@MASK_PTR_PARAMS@@
 
 
 @triton.jit
-def _paged_tile(acc, l_i, m_i, page_bad, start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, page_size, num_pages,
-                block_table, s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok,
+def _paged_tile(acc, l_i, m_i, page_bad, pages, start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, num_pages,
+                K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok,
                 sm_scale, qk_scale, @@ALL_PTR_PARAMS@@ @@RANGE_PTR_PARAMS@@
                 HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr, HEADS_DIFFER: tl.constexpr,
-                IEEE: tl.constexpr, WIDEN: tl.constexpr, SKIP: tl.constexpr, BLOCK_N: tl.constexpr):
-    # one tile of BLOCK_N keys from `start`, each read through the block table, into the online
-    # softmax. A tile the mask's bounds say keeps nothing is skipped (SKIP: a branch around it;
-    # else its loads are predicated off and its scores are -inf, which leaves (acc, l, m) as they
-    # are, bit for bit, and keeps the loads outside any branch so Triton can pipeline them); one
-    # they say keeps everything runs without the mask.
+                IEEE: tl.constexpr, WIDEN: tl.constexpr, SKIP: tl.constexpr, TAIL: tl.constexpr, EVEN_D: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # one tile of BLOCK_N keys from `start`, read through the block table (`pages`: the tile's page,
+    # or each key's, from _tile_pages), into the online softmax. A tile the mask's bounds say keeps
+    # nothing is skipped (SKIP: a branch around it; else its loads are predicated off and its scores
+    # are -inf, which leaves (acc, l, m) as they are, bit for bit, and keeps the loads outside any
+    # branch so Triton can pipeline them); one they say keeps everything runs without the mask.
+    # TAIL: the request's last tile, whose keys may run past its end (only it checks keys against L)
     visit = start >= 0
     if HAS_MASK:  # (a tensor either way)
         masked = start >= 0
@@ -85,38 +104,88 @@ def _paged_tile(acc, l_i, m_i, page_bad, start, q, req, kv_h, group, q_lo, q_hi,
     if SKIP:
         if visit:
             acc, l_i, m_i, page_bad = _paged_tile_body(
-                acc, l_i, m_i, page_bad, visit, masked, start, q, req, q_pos, h, L, page_size, num_pages, block_table,
-                s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d, d_ok, sm_scale,
-                qk_scale, @@ALL_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, IEEE=IEEE, WIDEN=WIDEN,
-                BLOCK_N=BLOCK_N)
+                acc, l_i, m_i, page_bad, pages, visit, masked, start, q, req, q_pos, h, L, num_pages, K_cache, V_cache,
+                s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d, d_ok, sm_scale, qk_scale,
+                @@ALL_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, IEEE=IEEE, WIDEN=WIDEN, TAIL=TAIL,
+                EVEN_D=EVEN_D, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
     else:
         acc, l_i, m_i, page_bad = _paged_tile_body(
-            acc, l_i, m_i, page_bad, visit, masked, start, q, req, q_pos, h, L, page_size, num_pages, block_table,
-            s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d, d_ok, sm_scale,
-            qk_scale, @@ALL_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, IEEE=IEEE, WIDEN=WIDEN,
-            BLOCK_N=BLOCK_N)
+            acc, l_i, m_i, page_bad, pages, visit, masked, start, q, req, q_pos, h, L, num_pages, K_cache, V_cache,
+            s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d, d_ok, sm_scale, qk_scale,
+            @@ALL_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, IEEE=IEEE, WIDEN=WIDEN, TAIL=TAIL,
+            EVEN_D=EVEN_D, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
     return acc, l_i, m_i, page_bad
 
 
 @triton.jit
-def _paged_tile_body(acc, l_i, m_i, page_bad, visit, masked, start, q, req, q_pos, h, L, page_size, num_pages,
-                     block_table, s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d,
-                     d_ok, sm_scale, qk_scale, @@ALL_PTR_PARAMS@@
+def _tile_pages(start, stop, req, block_table, s_bt, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # the physical page of the tile of BLOCK_N keys from `start` (tiles start at multiples of
+    # BLOCK_N): one number when a page holds whole tiles, else each key's (those from `stop` on
+    # read nothing: 0). The key loop loads the next tile's pages while it works on this one, so the
+    # key and value loads, whose addresses need them, issue at once
+    row = block_table + req.to(tl.int64) * s_bt
+    if PAGE_SIZE % BLOCK_N == 0:
+        return tl.load(row + tl.maximum(start, 0) // PAGE_SIZE, mask=start < stop, other=0)
+    else:
+        keys = start + tl.arange(0, BLOCK_N)
+        return tl.load(row + tl.maximum(keys, 0) // PAGE_SIZE, mask=keys < stop, other=0)
+
+
+@triton.jit
+def _paged_tile_body(acc, l_i, m_i, page_bad, pages, visit, masked, start, q, req, q_pos, h, L, num_pages, K_cache,
+                     V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d, d_ok, sm_scale, qk_scale,
+                     @@ALL_PTR_PARAMS@@
                      HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-    keys = start + tl.arange(0, BLOCK_N)
-    key_ok = keys < L
-    keys_in = tl.minimum(keys, L - 1)  # keys past the end read the last one again, then are dropped
-    load_ok = key_ok & visit
-    page = tl.load(block_table + req.to(tl.int64) * s_bt + keys_in // page_size, mask=load_ok, other=0).to(tl.int64)
-    page_ok = (page >= 0) & (page < num_pages)
-    page_bad = page_bad | (load_ok & (page_ok == 0)).to(tl.int32)  # reduced once, after the loop
-    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-    slot = keys_in % page_size
-    k = tl.load(K_cache + page[None, :] * s_kp + slot[None, :] * s_ks + kv_h * s_kh + offs_d[:, None] * s_kd,
-                mask=d_ok[:, None] & load_ok[None, :], other=0.0)
-    v = tl.load(V_cache + page[:, None] * s_vp + slot[:, None] * s_vs + kv_h * s_vh + offs_d[None, :] * s_vd,
-                mask=d_ok[None, :] & load_ok[:, None], other=0.0)
+                     TAIL: tl.constexpr, EVEN_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    keys = start + offs_n
+    if TAIL:  # keys past the end read the last one again (a valid page), then are dropped
+        keys_in = tl.minimum(keys, L - 1)
+    else:
+        keys_in = keys
+    # pages outside the cache are read as page 0 and make the rows NaN (page_bad, reduced once
+    # after the loop); pages of tiles the bounds skip are never read, and never judged
+    page_ok = (pages >= 0) & (pages < num_pages)
+    page_bad = page_bad | ((page_ok == 0) & visit).to(tl.int32)
+    page = tl.where(page_ok, pages, 0).to(tl.int64)
+    # each key's address, as (a part that changes with the tile) + (one that does not: computed once,
+    # before the key loop). A page that holds whole tiles: one page per tile, its keys in a row;
+    # tiles that hold whole pages: each key's page, its slot fixed by its place in the tile. Keys
+    # load as k [D, BLOCK_N] (the dot's operand as it is), values as v [BLOCK_N, D]
+    if PAGE_SIZE % BLOCK_N == 0:
+        k_tile = page * s_kp + (start % PAGE_SIZE) * s_ks
+        v_tile = page * s_vp + (start % PAGE_SIZE) * s_vs
+        k_fixed = offs_n[None, :] * s_ks + kv_h * s_kh + offs_d[:, None] * s_kd
+        v_fixed = offs_n[:, None] * s_vs + kv_h * s_vh + offs_d[None, :] * s_vd
+    elif BLOCK_N % PAGE_SIZE == 0:
+        k_tile = (page * s_kp)[None, :]
+        v_tile = (page * s_vp)[:, None]
+        k_fixed = (offs_n % PAGE_SIZE)[None, :] * s_ks + kv_h * s_kh + offs_d[:, None] * s_kd
+        v_fixed = (offs_n % PAGE_SIZE)[:, None] * s_vs + kv_h * s_vh + offs_d[None, :] * s_vd
+    else:
+        k_tile = (page * s_kp + (keys_in % PAGE_SIZE) * s_ks)[None, :]
+        v_tile = (page * s_vp + (keys_in % PAGE_SIZE) * s_vs)[:, None]
+        k_fixed = kv_h * s_kh + offs_d[:, None] * s_kd
+        v_fixed = kv_h * s_vh + offs_d[None, :] * s_vd
+    # the loads' predicate: the tile is visited (a scalar), its keys inside the request (TAIL) and
+    # the head dim inside D (unless D fills D_PAD)
+    load_ok = visit
+    if TAIL:
+        load_ok = (keys < L) & visit
+    if EVEN_D:
+        k_ok = load_ok
+        v_ok = load_ok
+        if TAIL:
+            k_ok = load_ok[None, :]
+            v_ok = load_ok[:, None]
+    else:
+        k_ok = d_ok[:, None] & load_ok
+        v_ok = d_ok[None, :] & load_ok
+        if TAIL:
+            k_ok = d_ok[:, None] & load_ok[None, :]
+            v_ok = d_ok[None, :] & load_ok[:, None]
+    k = tl.load(K_cache + k_tile + k_fixed, mask=k_ok, other=0.0)
+    v = tl.load(V_cache + v_tile + v_fixed, mask=v_ok, other=0.0)
     qk = _qk_dot(q, k, IEEE=IEEE, WIDEN=WIDEN)  # (forward.py's)
     q_idx = q_pos[:, None]
     kv_idx = keys_in[None, :]
@@ -127,28 +196,57 @@ def _paged_tile_body(acc, l_i, m_i, page_bad, visit, masked, start, q, req, q_po
         s = qk * qk_scale
     # only tiles that need it pay for the mask and the select: those the bounds leave partial, the
     # request's last (keys past its end) and the skipped ones (SKIP off: every score -inf)
-    if masked | (start + BLOCK_N > L) | (visit == 0):
-        keep = load_ok[None, :] & (q_idx >= 0)
-        if HAS_MASK:
-            if masked:
-                keep = keep & (mask_mod_triton(req, h_idx, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0)
-        s = tl.where(keep, s, float("-inf"))
+    if TAIL:
+        s = _kept_scores(s, req, h_idx, q_idx, kv_idx, keys, L, visit, masked, @@MASK_PTR_PARAMS@@HAS_MASK=HAS_MASK,
+                         TAIL=True)
+    elif masked | (visit == 0):
+        s = _kept_scores(s, req, h_idx, q_idx, kv_idx, keys, L, visit, masked, @@MASK_PTR_PARAMS@@HAS_MASK=HAS_MASK,
+                         TAIL=False)
     acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, IEEE=IEEE, WIDEN=WIDEN)  # (forward.py's)
     return acc, l_i, m_i, page_bad
+
+
+@triton.jit
+def _kept_scores(s, req, h_idx, q_idx, kv_idx, keys, L, visit, masked, @@MASK_PTR_PARAMS@@
+                 HAS_MASK: tl.constexpr, TAIL: tl.constexpr):
+    # s with the pairs the tile drops at -inf: all of a tile not visited, keys past the request's
+    # end (TAIL), and the pairs the mask_mod drops (in tiles the bounds leave partial)
+    keep = (q_idx >= 0) & visit & (kv_idx >= 0)  # (a full tile's shape)
+    if TAIL:
+        keep = keep & (keys < L)[None, :]
+    if HAS_MASK:
+        if masked:
+            keep = keep & (mask_mod_triton(req, h_idx, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0)
+    return tl.where(keep, s, float("-inf"))
+
+
+@triton.jit
+def _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, start, split_keys, INVARIANT: tl.constexpr):
+    # invariant mode, before the tile at `start`: when it begins the next piece of split_keys keys,
+    # the piece so far is folded into the total (t_*) and the running state starts empty
+    if INVARIANT:
+        here = start // split_keys
+        if here != piece:
+            t_acc, t_l, t_m = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
+            acc = tl.zeros_like(acc)
+            l_i = tl.zeros_like(l_i)
+            m_i = tl.full(m_i.shape, float("-inf"), tl.float32)
+            piece = here
+    return acc, l_i, m_i, t_acc, t_l, t_m, piece
 
 
 # the step's counts change every step: compiled once for any value (no specialization on 1 or on
 # multiples of 16), so an engine's steps do not compile new variants of the kernel
 @triton.jit(do_not_specialize=["num_seqs", "total_q", "valid_q_len", "valid_kv_len", "num_pages", "max_keys"])
 def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table, cu_seqlens_q, seq_lens,
-                  block_starts, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, s_bt,
-                  page_size, num_seqs, Hq, group, tokens, D, sm_scale, total_q, split_keys, valid_q_len, valid_kv_len,
+                  s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, s_bt,
+                  num_seqs, Hq, group, tokens, D, sm_scale, total_q, split_keys, valid_q_len, valid_kv_len,
                   num_pages, max_keys, @@ALL_PTR_PARAMS@@
                   @@RANGE_PTR_PARAMS@@
                   D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr,
                   IEEE: tl.constexpr, WIDEN: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
                   SPLIT: tl.constexpr, INVARIANT: tl.constexpr, PIPELINE: tl.constexpr, HEADS_DIFFER: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  EVEN_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # one program = `tokens` query tokens of one request times the `group` query heads that share
     # kv head kv_h (grouped-query attention: row r is token r // group, head kv_h * group + r % group,
     # so each K/V tile is read once for the whole group), over one piece of the request's keys
@@ -158,14 +256,15 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
     pid = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
-    if pid >= tl.load(block_starts + num_seqs):
-        return
-    # 1. which request: the last r with block_starts[r] <= pid (a binary search)
+    # 1. which request: request r owns the program slots from cu_seqlens_q[r] // tokens + r on (at
+    # least as many as its row blocks, whatever its queries' alignment; a slot past them returns),
+    # so the owner of slot pid is the last r whose first slot is <= pid: a binary search over
+    # cu_seqlens_q itself, with nothing computed on the host or in another launch
     lo = pid * 0
     hi = lo + num_seqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        here = tl.load(block_starts + mid) <= pid
+        here = tl.load(cu_seqlens_q + mid) // tokens + mid <= pid
         lo = tl.where(here, mid, lo)
         hi = tl.where(here, hi, mid)
     req = lo
@@ -179,7 +278,9 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
     # more queries than the request's length, pages outside the cache
     inside = inside & (n_q >= 0) & (q_start >= 0) & (q_start + n_q <= total_q) & (n_q <= L) & (L <= max_keys)
     # 2. this program's rows: the request's queries are its last n_q tokens (positions L - n_q ..)
-    first = (pid - tl.load(block_starts + req)) * tokens
+    first = (pid - (q_start // tokens + req)) * tokens
+    if (first >= n_q) | (first < 0):  # a spare slot of the request
+        return
     slot_r = tl.arange(0, BLOCK_M)
     rows = first + slot_r // group  # each row's token in the request
     h = kv_h * group + slot_r % group  # each row's query head
@@ -229,37 +330,51 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
             t += BLOCK_N
         start = first
         stop = tl.maximum(last, first)
+    # tiles wholly before the request's end need no key checks: the loop runs them; the request's
+    # last tile, when its keys run past the end, runs after the loop with the checks (TAIL)
+    full_end = L - L % BLOCK_N
+    stop_even = tl.minimum(stop, full_end)
+    has_tail = (stop > full_end) & (full_end >= start)
+    fold = INVARIANT and not SPLIT
+    # (the block table is read up to the request's length: the pages of keys up to L, never past)
+    pages_end = tl.minimum(stop, L)
+    pages = _tile_pages(start, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
     if PIPELINE:  # a `for` loop (Triton pipelines its loads); the interpreter runs the `while` below
-        for kv_start in range(start, stop, BLOCK_N):
-            if INVARIANT and not SPLIT:
-                here = kv_start // split_keys
-                if here != piece:
-                    t_acc, t_l, t_m = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
-                    acc = tl.zeros_like(acc)
-                    l_i = tl.zeros_like(l_i)
-                    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                    piece = here
+        for kv_start in range(start, stop_even, BLOCK_N):
+            pages_next = _tile_pages(kv_start + BLOCK_N, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE,
+                                     BLOCK_N=BLOCK_N)
+            acc, l_i, m_i, t_acc, t_l, t_m, piece = _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, kv_start,
+                                                                split_keys, INVARIANT=fold)
             acc, l_i, m_i, page_bad = _paged_tile(
-                acc, l_i, m_i, page_bad, kv_start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, page_size, num_pages,
-                block_table, s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok,
-                sm_scale, qk_scale, @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK,
-                BOUNDS=BOUNDS, HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=False, BLOCK_N=BLOCK_N)
+                acc, l_i, m_i, page_bad, pages, kv_start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, num_pages,
+                K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok, sm_scale, qk_scale,
+                @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=BOUNDS,
+                HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=False, TAIL=False, EVEN_D=EVEN_D,
+                PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
+            pages = pages_next
     else:
-        while start < stop:
-            if INVARIANT and not SPLIT:
-                here = start // split_keys
-                if here != piece:
-                    t_acc, t_l, t_m = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
-                    acc = tl.zeros_like(acc)
-                    l_i = tl.zeros_like(l_i)
-                    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                    piece = here
+        kv_start = start
+        while kv_start < stop_even:
+            pages = _tile_pages(kv_start, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
+            acc, l_i, m_i, t_acc, t_l, t_m, piece = _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, kv_start,
+                                                                split_keys, INVARIANT=fold)
             acc, l_i, m_i, page_bad = _paged_tile(
-                acc, l_i, m_i, page_bad, start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, page_size, num_pages,
-                block_table, s_bt, K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok,
-                sm_scale, qk_scale, @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK,
-                BOUNDS=BOUNDS, HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=True, BLOCK_N=BLOCK_N)
-            start += BLOCK_N
+                acc, l_i, m_i, page_bad, pages, kv_start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, num_pages,
+                K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok, sm_scale, qk_scale,
+                @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=BOUNDS,
+                HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=True, TAIL=False, EVEN_D=EVEN_D,
+                PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
+            kv_start += BLOCK_N
+        pages = _tile_pages(full_end, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
+    if has_tail:  # (the loop left `pages` at this tile's)
+        acc, l_i, m_i, t_acc, t_l, t_m, piece = _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, full_end,
+                                                            split_keys, INVARIANT=fold)
+        acc, l_i, m_i, page_bad = _paged_tile(
+            acc, l_i, m_i, page_bad, pages, full_end, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, num_pages,
+            K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok, sm_scale, qk_scale,
+            @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=BOUNDS,
+            HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=True, TAIL=True, EVEN_D=EVEN_D,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
     if INVARIANT and not SPLIT:
         acc, l_i, m_i = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
     inside = inside & (tl.max(page_bad, 0) == 0)
@@ -284,10 +399,14 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
 
 @triton.jit(do_not_specialize=["num_seqs", "total_q", "num_splits"])
 def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D, num_splits, split_keys,
-                D_PAD: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr):
-    # one program = one (query token, head): the pieces of its keys folded in order, from the
-    # first, with the online softmax's rescaling (base 2): m = max m_s, l = sum l_s 2^(m_s - m),
-    # out = sum acc_s 2^(m_s - m) / l. Pieces past the request's keys were never written: skipped.
+                D_PAD: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr, ORDERED: tl.constexpr,
+                PIECES: tl.constexpr):
+    # one program = one (query token, head): the pieces of its keys folded with the online
+    # softmax's rescaling (base 2): m = max m_s, l = sum l_s 2^(m_s - m), out = sum acc_s 2^(m_s - m)
+    # / l. ORDERED (invariant mode): one piece after another from the first, with _fold_piece, the
+    # arithmetic the kernels use where pieces meet in registers; else (fast mode) all PIECES at once,
+    # a tree of sums: no chain of dependent loads. Pieces past the request's keys were never
+    # written: skipped.
     t = tl.program_id(0)
     h = tl.program_id(1)
     lo = t * 0
@@ -297,14 +416,27 @@ def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, t
         here = tl.load(cu_seqlens_q + mid) <= t
         lo = tl.where(here, mid, lo)
         hi = tl.where(here, hi, mid)
-    pieces = (tl.load(seq_lens + lo) + split_keys - 1) // split_keys
+    # (a seq_len past the block table, whose rows are NaN, still folds only the pieces there are)
+    pieces = tl.minimum((tl.load(seq_lens + lo) + split_keys - 1) // split_keys, num_splits)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     m = tl.full([1], float("-inf"), tl.float32)
     l_sum = tl.zeros([1], tl.float32)
     acc = tl.zeros([1, D_PAD], tl.float32)
     one = tl.zeros([1], tl.int32)
-    if INTERPRET:
+    if not ORDERED:
+        s_i = tl.arange(0, PIECES)
+        s_ok = s_i < pieces
+        at = (s_i * total_q + t) * Hq + h
+        m_s = tl.load(Part_ml + at * 2, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(Part_ml + at * 2 + 1, mask=s_ok, other=0.0)
+        a_s = tl.load(Part_acc + at[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        m = tl.zeros([1], tl.float32) + tl.max(m_s, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.math.exp2(m_s[:, None] - m_safe[None, :])  # [PIECES, 1]: 0 for empty pieces
+        l_sum = tl.sum(l_s[:, None] * w, 0)
+        acc = tl.sum(a_s * w, 0)[None, :]
+    elif INTERPRET:
         s = pieces * 0
         while s < pieces:
             at = (s * total_q + t) * Hq + h
@@ -327,6 +459,31 @@ def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, t
         lse = tl.where(l_sum == 0.0, float("-inf"), (m + tl.math.log2(l_safe)) * 0.6931471805599453)
         lse = tl.where(tl.sum(acc, 1) == tl.sum(acc, 1), lse, float("nan"))  # NaN rows (see _paged_kernel)
         tl.store(Lse + t.to(tl.int64) * Hq + h + one, lse)
+
+
+_paged_stages_for: dict = {}
+
+
+def _launch_paged(grid, args, flags, stages, device):
+    """Launch _paged_kernel with `stages` pipeline stages, or fewer where the chip has no room for
+    them (shared memory: a mask's tables or a score_mod can need more than the causal kernel the
+    tiles were measured with). Stages only move loads earlier: the arithmetic, and so the bits, are
+    the same at any depth. The depth that fits is kept per kernel variant."""
+    if _INTERPRET:
+        _paged_kernel[grid](*args, **flags)
+        return
+    key = (str(device), tuple(sorted((k, str(v)) for k, v in flags.items())), stages)
+    tried = [_paged_stages_for[key]] if key in _paged_stages_for else list(range(stages, 0, -1))
+    for depth in tried:
+        try:
+            _paged_kernel[grid](*args, **flags, num_stages=depth)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        _paged_stages_for[key] = depth
+        return
+    raise RuntimeError(f"attention_paged's tile {flags['BLOCK_M']} x {flags['BLOCK_N']} ({flags['num_warps']} warps) "
+                       f"does not fit {device} even without pipelining (shared memory / registers): put a smaller "
+                       "tile first in this file's PAGED_TILES")
 
 
 def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens):
@@ -457,7 +614,7 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
                                  f"{tuple(getattr(t, 'shape', ()))}")
             captured[name] = t.to(q.device).contiguous()
     pointers = [captured[n] for n in ALL_POINTERS]
-    ranges = _table_ranges([captured[n] for n in MASK_POINTERS]) if HAS_BOUNDS else []
+    ranges = _mask_ranges(captured, q.device, replaced=bool(tables)) if HAS_BOUNDS else []
     out = torch.empty(total_q, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(total_q, Hq, dtype=torch.float32, device=q.device) if return_lse else out
     if total_q == 0 or num_seqs == 0:
@@ -481,11 +638,7 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
                                                PAGED_TILES[-1][1])
         block_m = max(block_m, triton.next_power_of_2(group))
     tokens = block_m // group
-    # the row blocks of each request, prefix-summed on the device (a fixed-size tensor)
-    n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32)
-    block_starts = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
-    block_starts[1:] = torch.cumsum((n_q + tokens - 1) // tokens, 0)
-    row_blocks = total_q // tokens + num_seqs  # an upper bound from shapes alone
+    row_blocks = total_q // tokens + num_seqs  # the program slots (see _paged_kernel): from shapes alone
     D_PAD = max(16, triton.next_power_of_2(D))
     # split the keys when the call has too few programs to fill the GPU (decode, short chunks); the
     # number of pieces from the block table's capacity: a shape, not a content
@@ -498,21 +651,24 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
         part_ml = torch.empty(splits, total_q, Hq, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # (not read)
-    _paged_kernel[(row_blocks, Hkv, splits)](
-        q, k_cache, v_cache, out, lse, part_acc, part_ml, block_table, cu_seqlens_q, seq_lens, block_starts,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
-        page_size, num_seqs, Hq, group, tokens, D, scale, total_q, split_keys,
-        VALID_Q_LEN if VALID_KV_LEN is not None else 1 << 30, VALID_KV_LEN if VALID_KV_LEN is not None else 1 << 30,
-        k_cache.shape[0], block_table.shape[1] * page_size, *pointers, *ranges,
-        D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=HAS_BOUNDS and HAS_MASK,
-        IEEE=q.dtype == torch.float32, WIDEN=_INTERPRET and q.dtype == torch.bfloat16,
-        RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, INVARIANT=bool(invariant),
-        PIPELINE=PAGED_PIPELINE and not _INTERPRET, HEADS_DIFFER=MASK_READS_HEAD and group > 1, BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=warps, **({} if _INTERPRET else {"num_stages": PAGED_STAGES or stages}),
-        **(_fusion() if invariant else {}))
+    args = (q, k_cache, v_cache, out, lse, part_acc, part_ml, block_table, cu_seqlens_q, seq_lens,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+            num_seqs, Hq, group, tokens, D, scale, total_q, split_keys,
+            VALID_Q_LEN if VALID_KV_LEN is not None else 1 << 30, VALID_KV_LEN if VALID_KV_LEN is not None else 1 << 30,
+            k_cache.shape[0], block_table.shape[1] * page_size, *pointers, *ranges)
+    flags = dict(D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=HAS_BOUNDS and HAS_MASK,
+                 IEEE=q.dtype == torch.float32, WIDEN=_INTERPRET and q.dtype == torch.bfloat16,
+                 RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, INVARIANT=bool(invariant),
+                 PIPELINE=PAGED_PIPELINE and not _INTERPRET, HEADS_DIFFER=MASK_READS_HEAD and group > 1,
+                 EVEN_D=D == D_PAD, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                 **(_fusion() if invariant else {}))
+    _launch_paged((row_blocks, Hkv, splits), args, flags, PAGED_STAGES or stages, q.device)
     if split:
+        # fast mode folds up to FOLD_AT_ONCE pieces at once; invariant mode, and more pieces, in order
+        ordered = bool(invariant) or splits > FOLD_AT_ONCE
         _paged_fold[(total_q, Hq)](out, lse, part_acc, part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D,
                                    splits, split_keys, D_PAD=D_PAD, RETURN_LSE=return_lse, INTERPRET=_INTERPRET,
-                                   num_warps=1, **({} if _INTERPRET else {"num_stages": 3}),
+                                   ORDERED=ordered, PIECES=1 if ordered else triton.next_power_of_2(splits),
+                                   num_warps=1 if ordered else 4, **({} if _INTERPRET else {"num_stages": 3}),
                                    **(_fusion() if invariant else {}))
     return (out, lse) if return_lse else out

@@ -34,10 +34,14 @@ NO_SCORE_GRAD = @@NO_SCORE_GRAD@@  # why not, when it was not
 # asks for deterministic=True: then they are integer adds in units of 2^-32 (rounded to nearest;
 # the same sum in any order; tables' gradients up to 2^31 in size)
 GRAD_TABLES = @@GRAD_TABLES@@
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) of both backward kernels; the second for float32 or
-# D > 128, whose tiles need twice the registers (a first choice: not yet tuned on a GPU)
-BWD_TILES = [(32, 32, 4, 1), (32, 32, 4, 1)] if _INTERPRET else [(64, 64, 4, 1), (32, 32, 4, 1)]
-
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dq kernel and of the dk / dv kernel: [bf16 / fp16 at
+# D <= 128, float32 or D > 128 (whose tiles need twice the registers)]. The dq kernel keeps BLOCK_M
+# queries and walks keys; the dk / dv kernel keeps BLOCK_N keys and walks queries: each keeps the
+# wider side. Both walk 128-key (128-query) blocks of the lists in sub-tiles of their other side.
+# The first entries were chosen on an H200 by benchmarks/bench_backward_tiles.py (causal, 8K and 32K,
+# bf16, D 128; docs/benchmarks.md); the float32 / wide ones are the small tiles every head dim fits.
+BWD_DQ_TILES = [(32, 32, 4, 1), (32, 32, 4, 1)] if _INTERPRET else [(128, 64, 8, 2), (32, 32, 4, 1)]
+BWD_DKDV_TILES = [(32, 32, 4, 1), (32, 32, 4, 1)] if _INTERPRET else [(64, 64, 4, 1), (32, 32, 4, 1)]
 
 @triton.jit
 def _dot32(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
@@ -85,12 +89,58 @@ def _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 
 
 
 @triton.jit
+def _bwd_dq_block(dq, q, do, lse2, delta, at, K_bh, V_bh, s_kn, s_kd, s_vn, s_vd, offs_m, offs_d, d_ok, b, h, Lq, Lk,
+                  sm_scale, @@ALL_PTR_PARAMS@@ @@DTABLE_PTR_PARAMS@@
+                  MASKED: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                  LEARN: tl.constexpr, DETERMINISTIC: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_N: tl.constexpr):
+    # dq of one listed block of 128 keys (its index at `at`), in tiles of BLOCK_N keys
+    # (a sub-tile wholly past the last key reads the last key again and drops every pair: no branch
+    # around the loads, so the loop stays one that Triton can pipeline)
+    c = tl.load(at)
+    for sub in tl.static_range(TABLE_N // BLOCK_N):
+        offs_n = c * TABLE_N + sub * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.minimum(offs_n, Lk - 1)
+        k = tl.load(K_bh + cols[:, None] * s_kn + offs_d[None, :] * s_kd, mask=d_ok[None, :], other=0.0)
+        v = tl.load(V_bh + cols[:, None] * s_vn + offs_d[None, :] * s_vd, mask=d_ok[None, :], other=0.0)
+        p, dx = _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 0, 0
+                          @@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, MASKED=MASKED, HAS_SCORE=HAS_SCORE,
+                          IEEE=IEEE, WIDEN=WIDEN, LEARN=LEARN, DETERMINISTIC=DETERMINISTIC)
+        dq += _dot32(dx if IEEE else dx.to(k.dtype), k, IEEE=IEEE, WIDEN=WIDEN)
+    return dq
+
+
+@triton.jit
+def _bwd_dkdv_block(dk, dv, k, v, at, Q_bh, DO_bh, Lse2, Delta, bh, s_qm, s_qd, s_om, s_od, offs_n, offs_d, d_ok, b,
+                    h, Lq, Lk, sm_scale, @@ALL_PTR_PARAMS@@ @@DTABLE_PTR_PARAMS@@
+                    MASKED: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                    TABLE_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    # dk and dv of one listed block of 128 queries (its index at `at`), in tiles of BLOCK_M queries
+    # (a sub-tile wholly past the last query reads the last row again and drops every pair: no
+    # branch around the loads, so the loop stays one that Triton can pipeline)
+    r = tl.load(at)
+    for sub in tl.static_range(TABLE_M // BLOCK_M):
+        offs_m = r * TABLE_M + sub * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.minimum(offs_m, Lq - 1)
+        q = tl.load(Q_bh + rows[:, None] * s_qm + offs_d[None, :] * s_qd, mask=d_ok[None, :], other=0.0)
+        do = tl.load(DO_bh + rows[:, None] * s_om + offs_d[None, :] * s_od, mask=d_ok[None, :], other=0.0)
+        lse2 = tl.load(Lse2 + bh.to(tl.int64) * Lq + rows)
+        delta = tl.load(Delta + bh.to(tl.int64) * Lq + rows)
+        p, dx = _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 0, 0
+                          @@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, MASKED=MASKED, HAS_SCORE=HAS_SCORE,
+                          IEEE=IEEE, WIDEN=WIDEN, LEARN=0, DETERMINISTIC=False)
+        dv += _dot32(tl.trans(p if IEEE else p.to(do.dtype)), do, IEEE=IEEE, WIDEN=WIDEN)
+        dk += _dot32(tl.trans(dx if IEEE else dx.to(q.dtype)), q, IEEE=IEEE, WIDEN=WIDEN)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ, partial_num, partial_idx, full_num, full_idx,
                    s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                    s_ob, s_oh, s_om, s_od, s_tb, s_th, n_cols, Hq, group, Lq, Lk, D, sm_scale,
                    @@ALL_PTR_PARAMS@@ @@DTABLE_PTR_PARAMS@@
-                   LEARN: tl.constexpr, DETERMINISTIC: tl.constexpr, D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
-                   TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   LEARN: tl.constexpr, DETERMINISTIC: tl.constexpr, D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr,
+                   IEEE: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr, TABLE_M: tl.constexpr,
+                   TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # one program = BLOCK_M queries of one (batch, query head): dq over the kv blocks the forward
     # visited (its full and partial lists; the mask is evaluated in partial blocks only)
     pid_m = tl.program_id(0)
@@ -117,21 +167,20 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ, partial_num, partial_idx, full_
         num = full_num if not masked else partial_num
         idx = full_idx if not masked else partial_idx
         n_blocks = tl.load(num + row)
-        j = 0
-        while j < n_blocks:
-            c = tl.load(idx + row * n_cols + j)
-            for sub in tl.static_range(TABLE_N // BLOCK_N):
-                start_n = c * TABLE_N + sub * BLOCK_N
-                if start_n < Lk:
-                    offs_n = start_n + tl.arange(0, BLOCK_N)
-                    cols = tl.minimum(offs_n, Lk - 1)
-                    k = tl.load(K_bh + cols[:, None] * s_kn + offs_d[None, :] * s_kd, mask=d_ok[None, :], other=0.0)
-                    v = tl.load(V_bh + cols[:, None] * s_vn + offs_d[None, :] * s_vd, mask=d_ok[None, :], other=0.0)
-                    p, dx = _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 0, 0
-                                      @@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, MASKED=masked, HAS_SCORE=HAS_SCORE,
-                                      IEEE=IEEE, WIDEN=WIDEN, LEARN=LEARN, DETERMINISTIC=DETERMINISTIC)
-                    dq += _dot32(dx if IEEE else dx.to(k.dtype), k, IEEE=IEEE, WIDEN=WIDEN)
-            j += 1
+        if INTERPRET:  # Triton's CPU interpreter cannot run `range` to a runtime bound
+            j = 0
+            while j < n_blocks:
+                dq = _bwd_dq_block(dq, q, do, lse2, delta, idx + row * n_cols + j, K_bh, V_bh, s_kn, s_kd, s_vn, s_vd,
+                                   offs_m, offs_d, d_ok, b, h, Lq, Lk, sm_scale@@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@,
+                                   MASKED=masked, HAS_SCORE=HAS_SCORE, IEEE=IEEE, WIDEN=WIDEN, LEARN=LEARN,
+                                   DETERMINISTIC=DETERMINISTIC, TABLE_N=TABLE_N, BLOCK_N=BLOCK_N)
+                j += 1
+        else:  # a `for` loop: Triton pipelines its loads (num_stages)
+            for j in range(0, n_blocks):
+                dq = _bwd_dq_block(dq, q, do, lse2, delta, idx + row * n_cols + j, K_bh, V_bh, s_kn, s_kd, s_vn, s_vd,
+                                   offs_m, offs_d, d_ok, b, h, Lq, Lk, sm_scale@@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@,
+                                   MASKED=masked, HAS_SCORE=HAS_SCORE, IEEE=IEEE, WIDEN=WIDEN, LEARN=LEARN,
+                                   DETERMINISTIC=DETERMINISTIC, TABLE_N=TABLE_N, BLOCK_N=BLOCK_N)
     tl.store(DQ + bh.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=(offs_m < Lq)[:, None] & d_ok[None, :])
 
@@ -142,7 +191,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV, partial_num, partial_idx,
                      s_ob, s_oh, s_om, s_od, s_tb, s_th, n_rows, Hq, Hkv, group, Lq, Lk, D, sm_scale,
                      @@ALL_PTR_PARAMS@@ @@DTABLE_PTR_PARAMS@@
                      D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
-                     TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     INTERPRET: tl.constexpr, TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
     # one program = BLOCK_N keys of one (batch, kv head): dk and dv summed over the query heads of
     # its group (in order) and over the query blocks of the column lists
     pid_n = tl.program_id(0)
@@ -172,25 +222,22 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV, partial_num, partial_idx,
             num = full_num if not masked else partial_num
             idx = full_idx if not masked else partial_idx
             n_blocks = tl.load(num + line)
-            j = 0
-            while j < n_blocks:
-                r = tl.load(idx + line * n_rows + j)
-                for sub in tl.static_range(TABLE_M // BLOCK_M):
-                    start_m = r * TABLE_M + sub * BLOCK_M
-                    if start_m < Lq:
-                        offs_m = start_m + tl.arange(0, BLOCK_M)
-                        rows = tl.minimum(offs_m, Lq - 1)
-                        q = tl.load(Q_bh + rows[:, None] * s_qm + offs_d[None, :] * s_qd, mask=d_ok[None, :], other=0.0)
-                        do = tl.load(DO_bh + rows[:, None] * s_om + offs_d[None, :] * s_od, mask=d_ok[None, :],
-                                     other=0.0)
-                        lse2 = tl.load(Lse2 + bh.to(tl.int64) * Lq + rows)
-                        delta = tl.load(Delta + bh.to(tl.int64) * Lq + rows)
-                        p, dx = _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 0, 0
-                                          @@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, MASKED=masked, HAS_SCORE=HAS_SCORE,
-                                          IEEE=IEEE, WIDEN=WIDEN, LEARN=0, DETERMINISTIC=False)
-                        dv += _dot32(tl.trans(p if IEEE else p.to(do.dtype)), do, IEEE=IEEE, WIDEN=WIDEN)
-                        dk += _dot32(tl.trans(dx if IEEE else dx.to(q.dtype)), q, IEEE=IEEE, WIDEN=WIDEN)
-                j += 1
+            if INTERPRET:  # Triton's CPU interpreter cannot run `range` to a runtime bound
+                j = 0
+                while j < n_blocks:
+                    dk, dv = _bwd_dkdv_block(dk, dv, k, v, idx + line * n_rows + j, Q_bh, DO_bh, Lse2, Delta, bh, s_qm,
+                                             s_qd, s_om, s_od, offs_n, offs_d, d_ok, b, h, Lq, Lk,
+                                             sm_scale@@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, MASKED=masked,
+                                             HAS_SCORE=HAS_SCORE, IEEE=IEEE, WIDEN=WIDEN, TABLE_M=TABLE_M,
+                                             BLOCK_M=BLOCK_M)
+                    j += 1
+            else:  # a `for` loop: Triton pipelines its loads (num_stages)
+                for j in range(0, n_blocks):
+                    dk, dv = _bwd_dkdv_block(dk, dv, k, v, idx + line * n_rows + j, Q_bh, DO_bh, Lse2, Delta, bh, s_qm,
+                                             s_qd, s_om, s_od, offs_n, offs_d, d_ok, b, h, Lq, Lk,
+                                             sm_scale@@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, MASKED=masked,
+                                             HAS_SCORE=HAS_SCORE, IEEE=IEEE, WIDEN=WIDEN, TABLE_M=TABLE_M,
+                                             BLOCK_M=BLOCK_M)
         g += 1
     out = bkh.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
     ok = (offs_n < Lk)[:, None] & d_ok[None, :]
@@ -213,8 +260,10 @@ def column_lists(batch: int, heads: int, q_len: int, kv_len: int, device, length
                                                                            lengths).transpose(-1, -2)))
 
 
-def _backward_tile(dtype, D_PAD):
-    return BWD_TILES[1] if dtype == torch.float32 or D_PAD > 128 else BWD_TILES[0]
+def _backward_tiles(dtype, D_PAD):
+    """(dq tile, dk / dv tile) for this dtype and padded head dim."""
+    wide = dtype == torch.float32 or D_PAD > 128
+    return BWD_DQ_TILES[int(wide)], BWD_DKDV_TILES[int(wide)]
 
 
 def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn=(), deterministic=False):
@@ -237,11 +286,13 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
     # rows that keep nothing (lse = -inf) read +inf: exp2(s - inf) = 0 for every pair
     lse2 = torch.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634).contiguous()
     D_PAD = max(16, triton.next_power_of_2(D))
-    m, n, warps, stages = _backward_tile(q.dtype, D_PAD)
+    dq_tile, dkdv_tile = _backward_tiles(q.dtype, D_PAD)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     flags = dict(D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, IEEE=q.dtype == torch.float32,
-                 WIDEN=interpret and q.dtype == torch.bfloat16, TABLE_M=TABLE_M, TABLE_N=TABLE_N, BLOCK_M=m, BLOCK_N=n,
-                 num_warps=warps, num_stages=stages)
+                 WIDEN=interpret and q.dtype == torch.bfloat16, INTERPRET=interpret, TABLE_M=TABLE_M, TABLE_N=TABLE_N)
+
+    def tile(m, n, warps, stages):
+        return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, **({} if interpret else {"num_stages": stages}))
     pointers = [captured[name] for name in ALL_POINTERS]
     # the tables' gradients in float32 (a 1-element stand-in for tables that do not learn now)
     d_tables = [torch.zeros(captured[name].shape if name in learn else (1,),
@@ -256,15 +307,15 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
     n_rows, n_cols = triton.cdiv(Lq, TABLE_M), triton.cdiv(Lk, TABLE_N)
     s_th = n_rows if MASK_READS_HEAD else 0
     s_tb = (Hq if MASK_READS_HEAD else 1) * n_rows if MASK_READS_BATCH else 0
-    _bwd_dq_kernel[(triton.cdiv(Lq, m), B * Hq)](q, k, v, dout, lse2, delta, dq, *rows_lists, *strides, s_tb, s_th,
-                                                 n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale, *pointers, *d_tables,
-                                                 LEARN=bits, DETERMINISTIC=bool(deterministic), **flags)
+    _bwd_dq_kernel[(triton.cdiv(Lq, dq_tile[0]), B * Hq)](
+        q, k, v, dout, lse2, delta, dq, *rows_lists, *strides, s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale,
+        *pointers, *d_tables, LEARN=bits, DETERMINISTIC=bool(deterministic), **flags, **tile(*dq_tile))
     col_lists = column_lists(B, Hq, Lq, Lk, q.device)
     c_th = n_cols if MASK_READS_HEAD else 0
     c_tb = (Hq if MASK_READS_HEAD else 1) * n_cols if MASK_READS_BATCH else 0
-    _bwd_dkdv_kernel[(triton.cdiv(Lk, n), B * Hkv)](q, k, v, dout, lse2, delta, dk, dv, *col_lists, *strides, c_tb,
-                                                    c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, D, scale, *pointers,
-                                                    *d_tables, **flags)
+    _bwd_dkdv_kernel[(triton.cdiv(Lk, dkdv_tile[1]), B * Hkv)](
+        q, k, v, dout, lse2, delta, dk, dv, *col_lists, *strides, c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, D,
+        scale, *pointers, *d_tables, **flags, **tile(*dkdv_tile))
     if deterministic:
         d_tables = [d.double() / 4294967296.0 for d in d_tables]
     grads = {name: d.to(captured[name].dtype) for name, d in zip(GRAD_TABLES, d_tables) if name in learn}

@@ -1,16 +1,22 @@
-"""The port's serving entry point (attention_paged) at decode against SDPA's flash kernel: one
-request against 131,072 keys and 8 requests against 32,768 (bf16, 32 query / 8 kv heads, D 128,
-page sizes 16 and 128), triton.testing.do_bench medians, with the share of the H200's memory
-bandwidth each reaches. Each row is one variant of the loaded file's knobs: the key loop
-(`PAGED_PIPELINE`: a pipelined `for` loop or a `while` loop), its pipeline depth
-(`PAGED_STAGES`), the split-KV piece size (`SPLIT_KEYS`) and the mode (fast or invariant).
+"""The port's serving entry point (attention_paged) against SDPA's flash kernel at decode and against
+the contiguous port at prefill, on one process's GPU, side by side.
 
-    python benchmarks/bench_paged.py            # the default variants
-    python benchmarks/bench_paged.py --sweep    # every loop x stages x piece size
+Decode: one request against 131,072 keys and 8 requests against 32,768 (bf16, 32 query / 8 kv heads,
+D 128, page sizes 16 and 128), with the share of the H200's memory bandwidth each reaches (the K and
+V bytes over the time). Prefill: one request of 8,192 and 32,768 tokens through attention_paged and
+through the contiguous `attention` (autotuned), the same keys. Every timed call's output is first
+compared with SDPA's (decode) or the contiguous port's (prefill): a variant that computes something
+else is a row that says so, not a time.
+
+Each row is one variant of the loaded file's knobs: the tile (BLOCK_M, BLOCK_N, warps, stages; set
+through PAGED_TILES), the split-KV piece size (FAST_SPLIT_KEYS) and the mode (fast or invariant).
+
+    python benchmarks/bench_paged.py                       # the file's defaults
+    python benchmarks/bench_paged.py --sweep               # tiles x piece sizes, decode and prefill
+    python benchmarks/bench_paged.py --prefill 8192 32768  # prefill rows only at these lengths
 """
 
 import argparse
-import itertools
 import sys
 import tempfile
 from pathlib import Path
@@ -23,67 +29,170 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workbench import make, port  # noqa: E402
 
 PEAK_TBS = 4.8  # the H200's HBM bandwidth, TB/s
-DEFAULT_VARIANTS = [  # (pipeline, stages, split_keys, invariant)
-    (False, 1, 4096, False), (True, 3, 4096, False), (True, 3, 4096, True)]
+DECODE_CASES = ((1, 131072), (8, 32768))
+# (tile or None for the file's own, split_keys or None for the file's own, invariant)
+DEFAULT_DECODE = [(None, None, False), (None, None, True)]
+SWEEP_DECODE = ([(None, None, False)]
+                + [((m, n, w, s), k, False) for m, n, w, s in ((16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3),
+                                                               (16, 32, 4, 4), (64, 64, 4, 3))
+                   for k in (2048, 4096)]
+                + [(None, None, True)])
+DEFAULT_PREFILL = [(None, False), (None, True)]
+SWEEP_PREFILL = [(None, False), ((128, 64, 8, 3), False), ((128, 128, 8, 2), False), ((128, 128, 8, 3), False),
+                 ((128, 32, 8, 4), False), (None, True)]
 
 
-def sweep_variants():
-    fast = [(True, s, k, False) for s, k in itertools.product((2, 3, 4), (1024, 2048, 4096))]
-    return [(False, 1, 4096, False)] + fast + [(True, 3, 4096, True), (True, 3, 2048, True)]
-
-
-def decode_case(B, L, page, Hq=32, Hkv=8, D=128):
+def decode_case(B, L, page, Hq=32, Hkv=8, D=128, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
     n_pages = B * L // page
-    kc = torch.randn(n_pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    table = torch.arange(n_pages, device="cuda", dtype=torch.int32).view(B, L // page)
-    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(n_pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(n_pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    # each request's pages in a shuffled order, as an engine's cache holds them after a while
+    table = torch.randperm(n_pages, device="cuda", generator=g).to(torch.int32).view(B, L // page)
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
     cu = torch.arange(B + 1, device="cuda", dtype=torch.int32)
     lens = torch.full((B,), L, device="cuda", dtype=torch.int32)
     return q, kc, vc, table, cu, lens
 
 
-def main(variants=None, pages=(16, 128), masks=("causal",)):
-    variants = variants or DEFAULT_VARIANTS
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; K and V bytes / time, and the share of "
-          f"{PEAK_TBS} TB/s\n")
-    print("| mask | case | page | loop | stages | SPLIT_KEYS | mode | attention_paged ms | TB/s (share) | "
-          "SDPA flash ms | TB/s (share) | paged / SDPA |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name in masks:
-        mask = make(name) if name == "causal" else make("causal_sliding_window", {"window": 4096})
-        module = port.load(port.build(mask, 256, 256, out_dir=tempfile.mkdtemp()))
-        for B, L in ((1, 131072), (8, 32768)):
-            for page in pages:
-                q, kc, vc, table, cu, lens = decode_case(B, L, page)
-                Hq, Hkv, D = q.shape[1], kc.shape[2], q.shape[2]
-                kv_bytes = 2 * B * L * Hkv * D * 2
-                with torch.no_grad():
-                    k, v = kc.view(B, L, Hkv, D).transpose(1, 2), vc.view(B, L, Hkv, D).transpose(1, 2)
-                    sd = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
-                        q.view(B, Hq, 1, D), k, v, enable_gqa=True), warmup=10, rep=50)
-                    for pipeline, stages, keys, invariant in variants:
-                        module.PAGED_PIPELINE, module.PAGED_STAGES, module.SPLIT_KEYS = pipeline, stages, keys
-                        try:
-                            module.attention_paged(q, kc, vc, table, cu, lens, invariant=invariant)
-                            ms = do_bench(lambda: module.attention_paged(q, kc, vc, table, cu, lens,
-                                                                         invariant=invariant), warmup=10, rep=50)
-                        except Exception as exc:  # a variant that does not compile is a row, not a stop
-                            print(f"| {name} | B {B}, {L:,} | {page} | {'for' if pipeline else 'while'} | {stages} | "
-                                  f"{keys} | {'invariant' if invariant else 'fast'} | failed: "
-                                  f"{type(exc).__name__}: {str(exc)[:120]} |", flush=True)
-                            continue
-                        tbs = kv_bytes / ms / 1e9
-                        print(f"| {name} | B {B}, {L:,} | {page} | {'for' if pipeline else 'while'} | {stages} | {keys} "
-                              f"| {'invariant' if invariant else 'fast'} | {ms:.3f} | {tbs:.2f} ({tbs / PEAK_TBS:.0%}) "
-                              f"| {sd:.3f} | {kv_bytes / sd / 1e9:.2f} ({kv_bytes / sd / 1e9 / PEAK_TBS:.0%}) | "
-                              f"{ms / sd:.2f}x |", flush=True)
-                q = kc = vc = k = v = None  # free the cache before the next case
-                torch.cuda.empty_cache()
+def _contiguous(cache, table, B, L, page):
+    """[B, Hkv, L, D]: each request's keys gathered from its pages."""
+    Hkv, D = cache.shape[2], cache.shape[3]
+    return cache[table.long()].reshape(B, L, Hkv, D).transpose(1, 2).contiguous()
+
+
+def graph_ms(fn):
+    """do_bench of `fn` captured in a CUDA graph and replayed: the kernels alone, as an engine that
+    captures its decode steps runs them (no Python, no launch gaps)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=10, rep=50)
+
+
+def _set_variant(module, tile, split_keys, defaults):
+    module.PAGED_TILES = defaults["tiles"] if tile is None else [(0, tile)]
+    module.FAST_SPLIT_KEYS = defaults["split"] if split_keys is None else split_keys
+    module.PAGED_STAGES = None
+
+
+def _label(tile, split_keys, invariant, module):
+    if invariant:
+        m, n, w = module.INVARIANT_TILE
+        return f"invariant {m}x{n} w{w} s{module.INVARIANT_PAGED_STAGES}, pieces {module.SPLIT_KEYS}"
+    t = "file's tiles" if tile is None else "{}x{} w{} s{}".format(*tile)
+    return f"fast {t}, pieces {split_keys or module.FAST_SPLIT_KEYS or module.SPLIT_KEYS}"
+
+
+def decode(module, variants, pages, defaults):
+    print("\n### Decode (Lq = 1), bf16, 32 query / 8 kv heads, D 128, shuffled pages\n")
+    print("Each call timed twice: as Python calls it (do_bench; host work included) and replayed from a CUDA graph "
+          "(the kernels alone, as an engine that captures decode runs them).\n")
+    print("| case | page | variant | attention_paged ms | TB/s (share) | SDPA ms | TB/s (share) | paged / SDPA | "
+          "graphs: paged ms | SDPA ms | paged / SDPA | max abs diff vs SDPA |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for B, L in DECODE_CASES:
+        for page in pages:
+            q, kc, vc, table, cu, lens = decode_case(B, L, page)
+            Hq, Hkv, D = q.shape[1], kc.shape[2], q.shape[2]
+            kv_bytes = 2 * B * L * Hkv * D * 2
+            k, v = _contiguous(kc, table, B, L, page), _contiguous(vc, table, B, L, page)
+            with torch.no_grad():
+                sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                    q.view(B, Hq, 1, D), k, v, enable_gqa=True)
+                want = sdpa().view(B, Hq, D).float()
+                sd = do_bench(sdpa, warmup=10, rep=50)
+                sd_graph = graph_ms(sdpa)
+                for tile, keys, invariant in variants:
+                    _set_variant(module, tile, keys, defaults)
+                    label = _label(tile, keys, invariant, module)
+                    call = lambda: module.attention_paged(q, kc, vc, table, cu, lens, invariant=invariant)  # noqa: E731
+                    try:
+                        diff = float((call().float() - want).abs().max())
+                        ms = do_bench(call, warmup=10, rep=50)
+                        ms_graph = graph_ms(call)
+                    except Exception as exc:  # a variant that does not compile is a row, not a stop
+                        print(f"| B {B}, {L:,} | {page} | {label} | failed: {type(exc).__name__}: "
+                              f"{str(exc)[:120]} |", flush=True)
+                        continue
+                    tbs, sd_tbs = kv_bytes / ms / 1e9, kv_bytes / sd / 1e9
+                    wrong = "" if diff < 2e-2 else " **WRONG**"
+                    g_tbs = kv_bytes / ms_graph / 1e9
+                    print(f"| B {B}, {L:,} | {page} | {label} | {ms:.3f} | {tbs:.2f} ({tbs / PEAK_TBS:.0%}) | {sd:.3f} | "
+                          f"{sd_tbs:.2f} ({sd_tbs / PEAK_TBS:.0%}) | {ms / sd:.2f}x | {ms_graph:.3f} ({g_tbs / PEAK_TBS:.0%}) "
+                          f"| {sd_graph:.3f} | {ms_graph / sd_graph:.2f}x | {diff:.1e}{wrong} |", flush=True)
+            q = kc = vc = k = v = table = None  # free the cache before the next case
+            torch.cuda.empty_cache()
+
+
+def prefill(module, variants, lengths, pages, defaults):
+    print("\n### Paged prefill, one request, bf16, 32 query / 8 kv heads, D 128, shuffled pages\n")
+    print("| tokens | page | variant | attention_paged ms | contiguous attention ms (its tiles) | paged / contiguous | "
+          "max abs diff |\n|---|---|---|---|---|---|---|")
+    for L in lengths:
+        for page in pages:
+            q, kc, vc, table, _, lens = decode_case(1, L, page)
+            g = torch.Generator(device="cuda").manual_seed(1)
+            q = torch.randn(L, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            cu = torch.tensor([0, L], device="cuda", dtype=torch.int32)
+            k, v = _contiguous(kc, table, 1, L, page), _contiguous(vc, table, 1, L, page)
+            qc = q.transpose(0, 1)[None].contiguous()
+            with torch.no_grad():
+                want = module.attention(qc, k, v)
+                contiguous_ms = do_bench(lambda: module.attention(qc, k, v), warmup=25, rep=100)
+                config = getattr(module._attention_kernel, "best_config", None)
+                tiles = "?" if config is None else (f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} "
+                                                    f"w{config.num_warps} s{config.num_stages}")
+                want = want[0].transpose(0, 1).float()
+                for tile, invariant in variants:
+                    _set_variant(module, tile, None, defaults)
+                    label = _label(tile, None, invariant, module)
+                    call = lambda: module.attention_paged(q, kc, vc, table, cu, lens, invariant=invariant)  # noqa: E731
+                    try:
+                        diff = float((call().float() - want).abs().max())
+                        ms = do_bench(call, warmup=25, rep=100)
+                    except Exception as exc:
+                        print(f"| {L:,} | {page} | {label} | failed: {type(exc).__name__}: {str(exc)[:120]} |",
+                              flush=True)
+                        continue
+                    wrong = "" if diff < 2e-2 else " **WRONG**"
+                    print(f"| {L:,} | {page} | {label} | {ms:.3f} | {contiguous_ms:.3f} ({tiles}) | "
+                          f"{ms / contiguous_ms:.2f}x | {diff:.1e}{wrong} |", flush=True)
+            q = qc = kc = vc = k = v = table = want = None
+            torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true", help="tiles x piece sizes (decode) and tiles (prefill)")
+    ap.add_argument("--pages", type=int, nargs="+", default=[16, 128])
+    ap.add_argument("--prefill", type=int, nargs="*", default=None,
+                    help="prefill lengths (default 8192 32768); give none to skip prefill")
+    ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--once", type=int, nargs=3, metavar=("B", "L", "PAGE"),
+                    help="only three calls of the file's default decode at this shape (for a profiler)")
+    a = ap.parse_args(argv)
+    module = port.load(port.build(make("causal"), 256, 256, out_dir=tempfile.mkdtemp()))
+    defaults = {"tiles": list(module.PAGED_TILES), "split": module.FAST_SPLIT_KEYS}
+    if a.once:
+        args = decode_case(*a.once)
+        with torch.no_grad():
+            for _ in range(3):
+                module.attention_paged(*args)
+        torch.cuda.synchronize()
+        return
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; the causal port; do_bench medians")
+    if not a.no_decode:
+        decode(module, SWEEP_DECODE if a.sweep else DEFAULT_DECODE, a.pages, defaults)
+    lengths = [8192, 32768] if a.prefill is None else a.prefill
+    if lengths:
+        prefill(module, SWEEP_PREFILL if a.sweep else DEFAULT_PREFILL, lengths, a.pages, defaults)
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true", help="every loop x stages x piece size")
-    ap.add_argument("--window", action="store_true", help="also a causal sliding window of 4,096")
-    a = ap.parse_args()
-    main(sweep_variants() if a.sweep else None, masks=("causal", "window") if a.window else ("causal",))
+    main()

@@ -1,0 +1,80 @@
+"""The port's backward kernels under each tile choice, on one process's GPU: the dq kernel's tiles
+(the dk / dv kernel at the file's own) and the dk / dv kernel's (the dq kernel at the file's own),
+one mask and length at a time, backward alone (the forward's out and lse computed once). Every
+variant's dq, dk, dv are compared with the file's own tiles' before it is timed, so a tile that
+computes something else is a row that says so.
+
+    python benchmarks/bench_backward_tiles.py                 # causal at 8K and 32K
+    python benchmarks/bench_backward_tiles.py --window        # and a sliding window of 1,024
+    python benchmarks/bench_backward_tiles.py --lengths 8192
+"""
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workbench import make, port  # noqa: E402
+
+DQ_TILES = [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (64, 64, 4, 1)]
+DKDV_TILES = [(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (64, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 1)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--window", action="store_true", help="also a sliding window of 1,024")
+    a = ap.parse_args(argv)
+    masks = {"causal": make("causal")}
+    if a.window:
+        masks["sliding window 1024"] = make("causal_sliding_window", {"window": 1024})
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16, B 1, H {a.heads}, D 128; backward "
+          "alone (dq, dk, dv from out and lse), do_bench medians\n")
+    print("| mask | tokens | kernel swept | tile (M, N, warps, stages) | backward ms | TFLOP/s (2.5x forward) | "
+          "max abs diff vs file's tiles |\n|---|---|---|---|---|---|---|")
+    for name, mask in masks.items():
+        module = port.load(port.build(mask, 256, 256, out_dir=tempfile.mkdtemp()))
+        own = (list(module.BWD_DQ_TILES), list(module.BWD_DKDV_TILES))
+        for L in a.lengths:
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v, dout = (torch.randn(1, a.heads, L, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+                             for _ in range(4))
+            with torch.no_grad():
+                out, lse = module.attention(q, k, v, return_lse=True)
+            kept = (L * (L + 1) // 2) if name == "causal" else sum(min(i + 1, 1024) for i in range(L))
+            flops = 2.5 * 4 * kept * 128 * a.heads
+            scale = 128 ** -0.5
+
+            def backward():
+                return module._attention_backward(q, k, v, out, lse, dout, None, scale)[:3]
+
+            module.BWD_DQ_TILES, module.BWD_DKDV_TILES = own
+            want = backward()
+            rows = [("dq", t) for t in DQ_TILES] + [("dk / dv", t) for t in DKDV_TILES]
+            for which, tile in rows:
+                module.BWD_DQ_TILES, module.BWD_DKDV_TILES = [list(x) for x in own]
+                (module.BWD_DQ_TILES if which == "dq" else module.BWD_DKDV_TILES)[0] = tile
+                try:
+                    got = backward()
+                    diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(got, want))
+                    ms = do_bench(backward, warmup=10, rep=100)
+                except Exception as exc:  # a tile that does not fit is a row, not a stop
+                    print(f"| {name} | {L:,} | {which} | {tile} | failed: {type(exc).__name__}: {str(exc)[:100]} |",
+                          flush=True)
+                    continue
+                wrong = "" if diff < 6e-2 else " **differs**"
+                print(f"| {name} | {L:,} | {which} | {tile} | {ms:.3f} | {flops / ms / 1e9:.0f} | {diff:.1e}{wrong} |",
+                      flush=True)
+            module.BWD_DQ_TILES, module.BWD_DKDV_TILES = own
+            q = k = v = dout = out = lse = want = None
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -72,7 +72,10 @@ def test_small_sweep_runs_records_failures_and_resumes(tmp_path, capsys):
     assert len(verified) == 8 and verified["passed"].all()  # 4 windows x lengths, 2 documents, 2 trees
     assert (verified["rel_err"].astype(float) < 1e-5).all()
     inv = frame[frame["task"] == "invariance"].iloc[0]
-    assert inv["ok"] and "packed" in inv["line"]
+    # the check ran every layout; where uncompiled FlexAttention differs in the last bits (which
+    # layouts do depends on the CPU's matmul kernels), its line says that this is expected there
+    assert inv["ok"] and "layouts bitwise" in inv["line"] and "(unexpected)" not in inv["line"]
+    assert inv["line"].startswith("INVARIANT") or "expected there" in inv["line"], inv["line"]
     page = (out / "summary.html").read_text()
     assert "<img" in page and "Failures" in page and "branchy_window" in page
     stamps = {p.name: p.stat().st_mtime_ns for p in (out / "cases").iterdir()}

@@ -386,3 +386,39 @@ def test_the_cli_verifies_the_paged_port():
                           cwd=ROOT.parent)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "PASS" in done.stdout.splitlines()[0], done.stdout
+
+
+def test_a_tile_the_chip_has_no_room_for_falls_back_to_fewer_stages(tmp_path):
+    """_launch_paged on a GPU (the kernel stubbed here): a depth the chip has no room for (Triton's
+    OutOfResources) gives way to fewer stages, the depth that ran is kept for the next call, and
+    when no depth fits the error names the fix."""
+    import importlib.util
+
+    import triton
+
+    from workbench import make, port
+
+    path = port.build(make("causal"), 64, 64, out_dir=tmp_path)
+    spec = importlib.util.spec_from_file_location("paged_fallback", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # no interpreter: the GPU path of the launcher
+    room, tried = [2], []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **flags):
+                tried.append(num_stages)
+                if num_stages > room[0]:
+                    raise triton.runtime.errors.OutOfResources(num_stages * 100_000, 232_448, "shared memory")
+            return launch
+
+    module._INTERPRET = False
+    module._paged_kernel = Kernel()
+    flags = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8)
+    module._launch_paged((1, 1, 1), (), flags, 4, "cuda:0")
+    assert tried == [4, 3, 2]
+    module._launch_paged((1, 1, 1), (), flags, 4, "cuda:0")
+    assert tried == [4, 3, 2, 2]  # the depth that ran, alone
+    room[0] = 0
+    with pytest.raises(RuntimeError, match="put a smaller tile first in this file's PAGED_TILES"):
+        module._launch_paged((1, 1, 1), (), dict(flags, BLOCK_N=64), 4, "cuda:0")

@@ -399,17 +399,30 @@ _SEGMENT_CANDIDATES = SEGMENT_CONFIGS if _ONLY_CONFIG is None else [_ONLY_CONFIG
 _segment_config_for: dict = {}
 
 
+def _first_that_fits(candidates, launch, chosen: dict, key):
+    """Launch with the first of `candidates` the chip has room for (Triton raises OutOfResources
+    when a compiled kernel needs more shared memory or registers than it has); the one that ran is
+    kept in chosen[key], and later calls with that key try it alone. Returns it, or None."""
+    for candidate in ([chosen[key]] if key in chosen else candidates):
+        try:
+            launch(candidate)
+        except triton.runtime.errors.OutOfResources:  # the next, smaller one
+            continue
+        chosen[key] = candidate
+        return candidate
+    return None
+
+
 def _launch_segmented(grid, args, kwargs, key):
     """Run the packed launch with its fixed configuration: the first of _SEGMENT_CANDIDATES the
     chip has room for (found once per head dim / dtype / device, then kept)."""
     candidates = [_segment_config_for[key]] if key in _segment_config_for else _SEGMENT_CANDIDATES
-    for config in candidates:
+
+    def launch(config):
         m, n, w, s = config
-        try:
-            _attention_kernel.fn[grid](*args, **kwargs, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
-        except triton.runtime.errors.OutOfResources:  # shared memory / registers: the next, smaller one
-            continue
-        _segment_config_for[key] = config
+        _attention_kernel.fn[grid](*args, **kwargs, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+
+    if _first_that_fits(candidates, launch, _segment_config_for, key) is not None:
         return
     D_PAD, dtype, device = key
     raise RuntimeError(f"no packed-launch tile configuration of {candidates} (BLOCK_M, BLOCK_N, warps, stages) fits "
@@ -435,13 +448,10 @@ def _launch_invariant(kernel, grid, args, kwargs, key):
     m, n, w = INVARIANT_TILE
     if SPLIT_KEYS % n:
         raise ValueError(f"SPLIT_KEYS = {SPLIT_KEYS} must be a multiple of {n} keys (invariant mode's key tile)")
-    candidates = [_invariant_stages_for[key]] if key in _invariant_stages_for else INVARIANT_STAGES
-    for stages in candidates:
-        try:
-            kernel[grid](*args, **kwargs, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=stages, **_fusion())
-        except triton.runtime.errors.OutOfResources:
-            continue
-        _invariant_stages_for[key] = stages
+    def launch(stages):
+        kernel[grid](*args, **kwargs, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=stages, **_fusion())
+
+    if _first_that_fits(INVARIANT_STAGES, launch, _invariant_stages_for, key) is not None:
         return
     raise RuntimeError(f"invariant mode's tiling {INVARIANT_TILE} (BLOCK_M, BLOCK_N, warps) does not fit {key[2]} "
                        f"for head dim {key[0]} in {key[1]} (shared memory / registers); call without invariant=True")

@@ -473,13 +473,8 @@ def _launch_paged(grid, args, flags, stages, device):
         _paged_kernel[grid](*args, **flags)
         return
     key = (str(device), tuple(sorted((k, str(v)) for k, v in flags.items())), stages)
-    tried = [_paged_stages_for[key]] if key in _paged_stages_for else list(range(stages, 0, -1))
-    for depth in tried:
-        try:
-            _paged_kernel[grid](*args, **flags, num_stages=depth)
-        except triton.runtime.errors.OutOfResources:
-            continue
-        _paged_stages_for[key] = depth
+    if _first_that_fits(range(stages, 0, -1), lambda depth: _paged_kernel[grid](*args, **flags, num_stages=depth),
+                        _paged_stages_for, key) is not None:
         return
     raise RuntimeError(f"attention_paged's tile {flags['BLOCK_M']} x {flags['BLOCK_N']} ({flags['num_warps']} warps) "
                        f"does not fit {device} even without pipelining (shared memory / registers): put a smaller "

@@ -116,30 +116,36 @@ def load(source: str) -> dict:
     return ns
 
 
-def run_mask(ns: dict, b: int, h: int, q_len: int, kv_len: int, aux: list, q_off: int = 0) -> np.ndarray:
-    """mask_mod_cute over [q_len, kv_len] (bool)."""
+def _knobs(scalars) -> dict:
+    return {"aux_scalars": tuple(scalars)} if scalars else {}
+
+
+def run_mask(ns: dict, b: int, h: int, q_len: int, kv_len: int, aux: list, q_off: int = 0,
+             scalars=()) -> np.ndarray:
+    """mask_mod_cute over [q_len, kv_len] (bool); `scalars`: the file's aux_scalars (knobs)."""
     q = np.arange(q_len, dtype=np.int64)[:, None] + q_off
     k = np.arange(kv_len, dtype=np.int64)[None, :]
-    out = ns["mask_mod_cute"](_SSA([np.int64(b)]), _SSA([np.int64(h)]), _SSA([q]), _SSA([k]), None, aux)[0]
+    out = ns["mask_mod_cute"](_SSA([np.int64(b)]), _SSA([np.int64(h)]), _SSA([q]), _SSA([k]), None, aux,
+                              **_knobs(scalars))[0]
     return np.broadcast_to(np.asarray(out, dtype=bool), (q_len, kv_len))
 
 
-def run_score(ns: dict, score: np.ndarray, b: int, h: int, aux: list) -> np.ndarray:
+def run_score(ns: dict, score: np.ndarray, b: int, h: int, aux: list, scalars=()) -> np.ndarray:
     """score_mod_cute over score [q_len, kv_len] (float32)."""
     q_len, kv_len = score.shape
     q = np.arange(q_len, dtype=np.int64)[:, None]
     k = np.arange(kv_len, dtype=np.int64)[None, :]
     out = ns["score_mod_cute"](_SSA([score.astype(np.float32)]), _SSA([np.int64(b)]), _SSA([np.int64(h)]), _SSA([q]),
-                               _SSA([k]), None, aux)[0]
+                               _SSA([k]), None, aux, **_knobs(scalars))[0]
     return np.broadcast_to(np.asarray(out, dtype=np.float32), score.shape)
 
 
-def run_score_bwd(ns: dict, grad: np.ndarray, score: np.ndarray, b: int, h: int, aux: list) -> np.ndarray:
+def run_score_bwd(ns: dict, grad: np.ndarray, score: np.ndarray, b: int, h: int, aux: list, scalars=()) -> np.ndarray:
     """score_mod_bwd_cute (the gradient into the score_mod's input) over [q_len, kv_len]."""
     q_len, kv_len = score.shape
     q = np.arange(q_len, dtype=np.int64)[:, None]
     k = np.arange(kv_len, dtype=np.int64)[None, :]
     out = ns["score_mod_bwd_cute"](_SSA([grad.astype(np.float32)]), _SSA([score.astype(np.float32)]),
                                    _SSA([np.int64(b)]), _SSA([np.int64(h)]), q_idx=_SSA([q]), kv_idx=_SSA([k]),
-                                   seqlen_info=None, aux_tensors=aux)[0]
+                                   seqlen_info=None, aux_tensors=aux, **_knobs(scalars))[0]
     return np.broadcast_to(np.asarray(out, dtype=np.float32), score.shape)

@@ -114,7 +114,9 @@ def _files() -> list[tuple[str, Mask, int, int, int]]:
     return [("causal at other lengths", make("causal", q_len=256, kv_len=256), 4, 200, 333),
             ("softcap score only", make("softcap", q_len=256, kv_len=256), 4, 256, 256),
             ("per-head window + table bias", Mask("head_window_bias", mask_mod=head_window, score_mod=rel_bias), 4, 384, 384),
-            ("image spans (.any())", make("image_spans", q_len=512, kv_len=512), 2, 512, 512)]
+            ("image spans (.any())", make("image_spans", q_len=512, kv_len=512), 2, 512, 512),
+            ("a window knob, turned", make("causal_sliding_window", {"window": 100}, q_len=256, kv_len=256), 2, 256,
+             256)]
 
 
 def compile_files(folder: Path) -> tuple[int, int]:
@@ -136,6 +138,14 @@ def compile_files(folder: Path) -> tuple[int, int]:
                 out, lse = module.attention(q, k, k, return_lse=True)
                 assert tuple(out.shape) == (1, heads, q_len, 128) and tuple(lse.shape) == (1, heads, q_len), \
                     (tuple(out.shape), tuple(lse.shape))
+                if module.SCALARS:  # another value of every knob: FA4's forward compiles nothing new
+                    from flash_attn.cute.interface import _flash_attn_fwd
+
+                    compiled = len(_flash_attn_fwd.compile_cache.cache)
+                    assert compiled > 0
+                    module.attention(q, k, k, scalars={n: v * 1.5 if isinstance(v, float) else v + 3
+                                                       for n, v in module.SCALARS.items()})
+                    assert len(_flash_attn_fwd.compile_cache.cache) == compiled, "a turned knob compiled again"
                 # the backward: FA4's own, with the generated score_mod derivative and the transposed lists
                 # (what the file's autograd call runs; torch's autograd engine cannot run fake CUDA
                 # tensors without CUDA, so FA4's backward entry is called as its autograd Function does)
@@ -158,7 +168,7 @@ def compile_files(folder: Path) -> tuple[int, int]:
                     score_mod=module.score_mod_cute if module.HAS_SCORE else None,
                     score_mod_bwd=module.score_mod_bwd_cute if module.HAS_SCORE else None,
                     mask_mod=module.mask_mod_cute if module.HAS_MASK else None, aux_tensors=aux,
-                    block_sparse_tensors=blocks_bwd)[:3]
+                    aux_scalars=module._dsl_scalars(module._scalars(None)), block_sparse_tensors=blocks_bwd)[:3]
                 assert dq.shape == qt.shape and dk.shape == kt.shape
             ok += 1
             print(f"OK file {label} (forward + backward, {time.time() - t0:.1f} s)", flush=True)

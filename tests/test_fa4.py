@@ -36,15 +36,19 @@ def _aux(src: fa4.Fa4Source, q_len: int, kv_len: int) -> list:
     return out
 
 
-def _check(mask: Mask, src: fa4.Fa4Source, batch: int, heads: int, q_len: int, kv_len: int) -> str | None:
+def _check(mask: Mask, src: fa4.Fa4Source, batch: int, heads: int, q_len: int, kv_len: int,
+           scalars: dict | None = None) -> str | None:
+    """What the file's CuTe DSL computes (under the model) against `mask` pair by pair; `scalars`:
+    knob values the file is called with (default: those it was generated with)."""
     ns = cute_shim.load(_mods_text(src.source))
     aux = _aux(src, q_len, kv_len)
+    knobs = tuple({**src.scalars, **(scalars or {})}.values())
     rng = torch.Generator().manual_seed(0)
     for b in range(batch):
         for h in range(heads):
             if mask.mask_mod is not None:
                 want = dense_mask(mask, (0, q_len), (0, kv_len), [b], [h])[0, 0].numpy()
-                got = cute_shim.run_mask(ns, b, h, q_len, kv_len, aux)
+                got = cute_shim.run_mask(ns, b, h, q_len, kv_len, aux, scalars=knobs)
                 if not np.array_equal(got, want):
                     bad = np.argwhere(got != want)[0]
                     return f"mask differs at b={b} h={h} q={bad[0]} kv={bad[1]}: {got[tuple(bad)]} vs {want[tuple(bad)]}"
@@ -52,7 +56,7 @@ def _check(mask: Mask, src: fa4.Fa4Source, batch: int, heads: int, q_len: int, k
                 score = torch.randn(q_len, kv_len, generator=rng) * 3
                 idx = [torch.tensor([b]), torch.tensor([h]), torch.arange(q_len), torch.arange(kv_len)]
                 want = compat.vmap_bhqkv(mask.score_mod, *idx, score=score[None, None])[0, 0].float().numpy()
-                got = cute_shim.run_score(ns, score.numpy(), b, h, aux)
+                got = cute_shim.run_score(ns, score.numpy(), b, h, aux, scalars=knobs)
                 if not np.all(np.isfinite(got)) and np.any(np.isfinite(got) != np.isfinite(want)):
                     return f"score not finite at b={b} h={h}"
                 err = np.abs(got - want) / (1 + np.abs(want))
@@ -63,7 +67,7 @@ def _check(mask: Mask, src: fa4.Fa4Source, batch: int, heads: int, q_len: int, k
                     s_in = score.clone().requires_grad_(True)
                     out = compat.vmap_bhqkv(mask.score_mod, *idx, score=s_in[None, None])[0, 0].float()
                     (want_g,) = torch.autograd.grad(out, s_in, grad)
-                    got_g = cute_shim.run_score_bwd(ns, grad.numpy(), score.numpy(), b, h, aux)
+                    got_g = cute_shim.run_score_bwd(ns, grad.numpy(), score.numpy(), b, h, aux, scalars=knobs)
                     err = np.abs(got_g - want_g.numpy()) / (1 + np.abs(want_g.numpy()))
                     if not float(np.nanmax(err)) <= 1e-4:
                         return f"score gradient differs at b={b} h={h}: max rel err {float(np.nanmax(err)):.3g}"
@@ -296,3 +300,68 @@ def test_a_score_mod_without_a_derivative_gives_a_forward_only_file_that_says_wh
     ns = _plain_part(src)
     assert ns["HAS_SCORE_GRAD"] is False and "def score_mod_bwd_cute" not in src.source
     assert "Backward: none (the score_mod's derivative could not be generated" in src.source
+
+
+@pytest.mark.parametrize("name,params,turned", [("causal_sliding_window", {"window": 24}, {"window": 40}),
+                                                ("prefix_lm", {"prefix_len": 40}, {"prefix_len": 7}),
+                                                ("softcap", {"cap": 30.0}, {"cap": 2.5})])
+def test_a_knob_is_read_at_run_time_and_turning_it_gives_the_other_masks_values(name, params, turned):
+    mask = make(name, params, q_len=96, kv_len=96)
+    src = fa4.generate(mask, 96, 96)
+    (param, value), = turned.items()
+    knob = f"knob_{param}"
+    assert src.scalars[knob] == params[param] and (knob in src.mask_scalars) == (mask.mask_mod is not None)
+    other = make(name, turned, q_len=96, kv_len=96)
+    # one text, so one FA4 compile, for every value of the knob
+    assert _mods_text(fa4.generate(other, 96, 96).source) == _mods_text(src.source)
+    assert _check(other, src, 1, 1, 96, 96, scalars={knob: value}) is None
+    # the check can fail: the file at its own value is not the other mask
+    assert _check(other, src, 1, 1, 96, 96) is not None
+
+
+def test_knobs_inside_and_masks_and_factories_are_lifted_and_python_control_flow_stays_a_literal():
+    from torch.nn.attention.flex_attention import and_masks
+
+    def window_of(size):
+        def inner(b, h, q_idx, kv_idx):
+            return q_idx - kv_idx < size
+        return inner
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    mask = Mask("gym_window", mask_mod=and_masks(causal, window_of(17)))
+    src = fa4.generate(mask, 100, 100)
+    assert list(src.scalars.values()) == [17]
+    assert _check(Mask("w9", mask_mod=and_masks(causal, window_of(9))), src, 1, 1, 100, 100,
+                  scalars={next(iter(src.scalars)): 9}) is None
+
+    steps = 3
+
+    def stepped(b, h, q_idx, kv_idx):
+        keep = q_idx >= kv_idx
+        for i in range(steps):  # steers Python: a literal, never a knob
+            keep = keep & (q_idx - kv_idx != 5 + i)
+        return keep
+
+    src = fa4.generate(Mask("stepped", mask_mod=stepped), 64, 64)
+    assert src.scalars == {} and "aux_scalars" not in _mods_text(src.source)
+    assert _check(Mask("stepped", mask_mod=stepped), src, 1, 1, 64, 64) is None
+
+
+def test_the_file_checks_the_knobs_it_is_given():
+    src = fa4.generate(make("causal_sliding_window", {"window": 24}, q_len=128, kv_len=128), 128, 128)
+    ns = _plain_part(src)
+    assert ns["_scalars"](None) == (24,) and ns["_scalars"]({"knob_window": 64.0}) == (64,)
+    with pytest.raises(ValueError, match="no knob named 'window'.*knob_window"):
+        ns["_scalars"]({"window": 64})
+    with pytest.raises(ValueError, match="integer knob"):
+        ns["_scalars"]({"knob_window": 6.5})
+    with pytest.raises(TypeError, match="Python number"):
+        ns["_scalars"]({"knob_window": torch.tensor(64)})
+    with pytest.raises(TypeError, match="Python number"):
+        ns["_scalars"]({"knob_window": True})
+    # the block lists follow the mask's knobs: another window is another key (FA4's scan there)
+    assert ns["_lists_key"](1, 1, 128, 128, "cuda:0", (24,)) != ns["_lists_key"](1, 1, 128, 128, "cuda:0", (64,))
+    section = src.section()
+    assert section["aux_scalars"] == {"knob_window": 24} and section["mask_scalars"] == ["knob_window"]

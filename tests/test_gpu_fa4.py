@@ -149,3 +149,31 @@ def test_fa4_backward_equals_the_reference(fa4_cuda, name, params, q_len, heads)
     verdict = verify(mask, Shape(q_heads=heads, kv_heads=heads // 2 or 1, q_len=q_len, head_dim=128),
                      dtype="bfloat16", device=fa4_cuda, backend="fa4", backward=True, seed=4)
     assert verdict.passed, verdict.line
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,params,turned", [("causal_sliding_window", {"window": 256}, {"window": 77}),
+                                                ("softcap", {"cap": 30.0}, {"cap": 3.0})])
+def test_a_turned_knob_runs_the_other_mask_without_compiling_again(fa4_cuda, tmp_path, name, params, turned):
+    # the file made at one value of a knob, called with another (scalars=): the reference of the
+    # mask made at that other value, forward and backward; FA4's forward cache gains no kernel
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    mask = make(name, params, q_len=1000, kv_len=1000, device=fa4_cuda)
+    module = fa4.load(fa4.write(fa4.generate(mask, 1000, 1000, heads=4), tmp_path))
+    inputs = make_inputs(Shape(q_heads=4, kv_heads=2, q_len=1000, kv_len=1000, head_dim=128), "bfloat16", fa4_cuda,
+                         seed=5, backward=True)
+    module.attention(inputs.q, inputs.k, inputs.v)  # at the generated value: compiles
+    compiled = len(_flash_attn_fwd.compile_cache.cache)
+    (param, value), = turned.items()
+    q, k, v = (t.detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
+    out = module.attention(q, k, v, scalars={f"knob_{param}": value})
+    assert len(_flash_attn_fwd.compile_cache.cache) == compiled
+    out.backward(inputs.grad_out)
+    ref = reference_attention(make(name, turned, q_len=1000, kv_len=1000, device=fa4_cuda), inputs, backward=True)
+    assert (out.detach().double() - ref.out).abs().max().item() < 2e-2
+    at_generated = reference_attention(mask, inputs)
+    assert (out.detach().double() - at_generated.out).abs().max().item() > 5e-2  # the knob did change the answer
+    for got, name in ((q.grad, "dq"), (k.grad, "dk"), (v.grad, "dv")):
+        err = (got.double() - ref.grads[name]).abs().max().item()
+        assert err < 3e-2 * max(1.0, ref.grads[name].abs().max().item()), (name, err)

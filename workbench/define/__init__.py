@@ -25,7 +25,7 @@ Example:
 
 from workbench.define.evaluate import (EvaluatorChoice, broadcast_indices, choose_evaluator, evaluate_mod,
                                        explain_mod_error, implied_size, probe, probe_grid, probe_regions)
-from workbench.define.lift import lift_scalars
+from workbench.define.lift import lift_knobs, lift_scalars
 from workbench.define.mask import (CONTEXT_KEYS, Mask, WorkbenchError, check_signature, mod_role, mod_source,
                                    positional_arity, returned_role, with_score)
 from workbench.define.targets import (bind, check_captured_devices, factory_params, library, library_variants, load_factory, make,
@@ -39,6 +39,6 @@ __all__ = ["Mask", "WorkbenchError", "with_score", "make", "bind", "prepare", "p
            "library_variants", "load_factory", "check_captured_devices", "parse_params", "factory_params", "CONTEXT_KEYS", "check_signature",
            "mod_role", "mod_source", "positional_arity", "returned_role", "captured_scalars", "captured_tensors",
            "trace_mod", "op_name", "index_reads", "data_indices", "elementwise", "structure_key", "structure_fact",
-           "forget_structures", "lift_scalars", "MASK_ARGS", "SCORE_ARGS", "evaluate_mod", "broadcast_indices",
+           "forget_structures", "lift_scalars", "lift_knobs", "MASK_ARGS", "SCORE_ARGS", "evaluate_mod", "broadcast_indices",
            "probe_grid", "probe_regions", "choose_evaluator", "EvaluatorChoice", "explain_mod_error", "implied_size",
            "check_device", "TimedOut", "call_with_timeout", "output_folder", "cdiv", "same_device"]

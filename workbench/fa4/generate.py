@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workbench.define import Mask, WorkbenchError, captured_tensors, index_reads
+from workbench.define import Mask, WorkbenchError, captured_tensors, index_reads, lift_knobs
 from workbench.define.lengths import LengthRule, relations_text
 from workbench.define.util import fill_template
 from workbench.translate.cute_dsl import cute_mods
@@ -49,6 +49,10 @@ class Fa4Source:
     length_rules: dict[str, tuple] = field(default_factory=dict)
     relations: tuple = ("lt", "eq", "gt")
     scan_shape: tuple | None = None
+    # knobs: numbers the mods capture, read at run time from FA4's aux_scalars (name -> value at
+    # generation), and those the mask_mod reads (another value there needs other block lists)
+    scalars: dict[str, int | float] = field(default_factory=dict)
+    mask_scalars: tuple = ()
     backward: str | None = None  # why the file has no backward (None: FA4's backward runs)
     key: str = ""
 
@@ -83,15 +87,17 @@ class Fa4Source:
         return {"file": self.file_name, "tensor_file": self.tensor_file, "entry": "attention",
                 "fa4_version": FA4_VERSION, "arch": "sm_90", "dtypes": ["bfloat16", "float16"],
                 "head_dims": list(HEAD_DIMS), "block_size": list(BLOCK), "aux_tensors": list(self.aux),
+                "aux_scalars": dict(self.scalars), "mask_scalars": list(self.mask_scalars),
                 "q_len": self.valid_q_len, "kv_len": self.valid_kv_len, "max_heads": self.valid_heads,
                 "max_batch": self.valid_batch, "valid_for": self.valid_for(),
                 "length_rules": {n: list(r) for n, r in self.length_rules.items()},
                 "relations": list(self.relations),
                 "scan_shape": list(self.scan_shape) if self.scan_shape else None,
                 "backward": self.backward is None, "no_backward": self.backward,
-                "call": "attention(q, k, v, *, scale=None, return_lse=False): q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] "
-                        "(FlexAttention's layout; the file transposes to FA4's [B, L, H, D]); differentiable in "
-                        "q, k, v through FA4's backward"}
+                "call": "attention(q, k, v, *, scale=None, return_lse=False, scalars=None): q [B, Hq, Lq, D], "
+                        "k/v [B, Hkv, Lk, D] (FlexAttention's layout; the file transposes to FA4's [B, L, H, D]); "
+                        "scalars={name: value} turns the aux_scalars knobs without a new compile; differentiable "
+                        "in q, k, v through FA4's backward"}
 
 
 def _aux_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -131,9 +137,12 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     kv_len = kv_len or q_len
     indexed, plan, per_token, rules, source_mask = length_plan(mask, q_len, kv_len)
     lifted = frozenset(rules)
-    captured = dict(captured_tensors(source_mask))
+    # the other numbers the mods capture (a window, a softcap, a prefix) are knobs: run-time values
+    source_mask, knobs = lift_knobs(source_mask, q_len, kv_len)
+    knob_ids = {id(source_mask.data[n]) for n in knobs}
+    captured = {n: t for n, t in captured_tensors(source_mask).items() if n in knobs or id(t) not in knob_ids}
     try:
-        mods, aux, no_grad = cute_mods(source_mask, captured, lifted)
+        mods, aux, no_grad = cute_mods(source_mask, captured, lifted, scalars=list(knobs))
         stored = {f"aux.{n}": _aux_tensor(n, captured[n]) for n in aux if n not in rules}
     except Untranslatable as exc:
         raise WorkbenchError(f"the mods cannot be written as CuTe DSL: {exc}",
@@ -147,7 +156,9 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
                     valid_heads=(mask.heads or heads) if "h" in indexed else None,
                     valid_batch=(mask.batch or batch) if "b" in indexed else None,
                     length_rules={n: r.as_tuple() for n, r in rules.items() if n in aux},
-                    relations=("lt", "eq", "gt") if per_token else plan.relations)
+                    relations=("lt", "eq", "gt") if per_token else plan.relations,
+                    scalars={n: v for n, (v, _) in knobs.items()},
+                    mask_scalars=tuple(n for n, (_, role) in knobs.items() if role == "mask"))
     reads = index_reads(mask.mask_mod)
     if mask.mask_mod is not None:
         if scan is None or (scan.q_block, scan.kv_block) != BLOCK:
@@ -182,6 +193,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@HAS_MASK@@": repr(mask.mask_mod is not None), "@@HAS_SCORE@@": repr(mask.score_mod is not None),
         "@@READS_B@@": repr("b" in reads), "@@READS_H@@": repr("h" in reads),
         "@@AUX@@": repr(aux), "@@TENSOR_FILE_NAME@@": repr(src.tensor_file),
+        "@@SCALARS@@": repr(src.scalars), "@@MASK_SCALARS@@": repr(src.mask_scalars),
         "@@SCAN_SHAPE@@": repr(src.scan_shape),
         "@@MODS_HASH@@": repr(hashlib.sha256(mods.encode()).hexdigest()),
         "@@BACKWARD_NOTE@@": "FA4's, with the generated score_mod derivative" if no_grad is None else f"none ({no_grad})",
@@ -196,7 +208,8 @@ def _key(src: Fa4Source, mods: str) -> str:
 
     digest = hashlib.sha256(mods.encode())
     digest.update(repr((src.valid_q_len, src.valid_kv_len, src.valid_heads, src.valid_batch,
-                        sorted(src.length_rules.items()), src.relations, src.scan_shape)).encode())
+                        sorted(src.length_rules.items()), src.relations, src.scan_shape,
+                        sorted(src.scalars.items()))).encode())
     for name in sorted(src.tensors):
         digest.update(name.encode())
         digest.update(src.tensors[name].reshape(-1).view(torch.uint8).numpy().tobytes())

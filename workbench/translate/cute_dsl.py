@@ -101,6 +101,7 @@ class CuteMaskEmitter(TritonMaskEmitter):
     GELU_TANH = ("(0.5 * {a} * (1.0 + cute.math.tanh(0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a}))))")
     GELU = "(0.5 * {a} * (1.0 + cute.math.erf({a} * 0.7071067811865476)))"
     DEFAULT_DTYPE = "cutlass.Float32"
+    scalars: list[str] = []  # captured 0-d tensors read as aux_scalars (knobs), in FA4's order
 
     def load(self, ptr: str, offset: str) -> str:
         name = ptr[:-4]
@@ -113,6 +114,14 @@ class CuteMaskEmitter(TritonMaskEmitter):
             return f"(({expr}) != 0)"
         return f"{self.DTYPES[dtype]}({expr})"
 
+    def constant(self, node, tensor):
+        name = self.tensor_name(tensor)
+        if tensor.dim() == 0 and name in self.scalars:
+            # a knob: one of FA4's aux_scalars, a run-time value (a new value compiles nothing)
+            kind = "cutlass.Float32" if tensor.is_floating_point() else "cutlass.Int32"
+            return f"{kind}(aux_scalars[{self.scalars.index(name)}])"
+        return super().constant(node, tensor)
+
     def view_of(self, tensor, target):
         view = super().view_of(tensor, target)
         if tensor.is_complex():
@@ -120,10 +129,20 @@ class CuteMaskEmitter(TritonMaskEmitter):
         return view
 
 
+def _emitter(gm, arg_names: list[str], captured: dict[str, torch.Tensor], lifted: frozenset,
+             scalars: list[str]) -> CuteMaskEmitter:
+    emitter = CuteMaskEmitter(gm, arg_names, captured, lifted | frozenset(scalars))
+    emitter.scalars = list(scalars)
+    return emitter
+
+
 def translate_cute(gm, fn_name: str, arg_names: list[str], captured: dict[str, torch.Tensor],
-                   lifted: frozenset = frozenset(), aux_order: list[str] | None = None) -> tuple[str, list[str]]:
+                   lifted: frozenset = frozenset(), aux_order: list[str] | None = None,
+                   scalars: list[str] = ()) -> tuple[str, list[str]]:
     """CuTe DSL source of one traced mod in FA4's convention; returns (source, captured tensor
-    names it reads). `aux_order` is the list the file passes as aux_tensors (both mods share it).
+    names it reads). `aux_order` is the list the file passes as aux_tensors (both mods share it);
+    `scalars` names the captured 0-d tensors read from FA4's aux_scalars, in order (the hooks then
+    take `aux_scalars` too).
 
     Two functions: `{fn_name}_one` computes one pair on scalars, and `{fn_name}` is FA4's hook, which
     takes TensorSSA values of any width (FA4's Hopper backward hands its score hooks 4 pairs at a
@@ -131,26 +150,28 @@ def translate_cute(gm, fn_name: str, arg_names: list[str], captured: dict[str, t
     # FA4 passes score, b, h by position and q_idx, kv_idx, seqlen_info, aux_tensors by keyword
     scalar = {"score": "score", "b": "b", "h": "h", "q_idx": "q", "kv_idx": "kv"}
     param = {"score": "score_ssa", "b": "b_idx", "h": "h_idx", "q_idx": "q_idx", "kv_idx": "kv_idx"}
-    emitter = CuteMaskEmitter(gm, [scalar[a] for a in arg_names], captured, lifted)
+    emitter = _emitter(gm, [scalar[a] for a in arg_names], captured, lifted, scalars)
     emitter.walk()
     used = [p[:-4] for p in emitter.pointers]
     order = aux_order if aux_order is not None else used
     kind = "cutlass.Float32" if arg_names[0] == "score" else "cutlass.Boolean"
     body = [f"    {name}_ptr = aux_tensors[{order.index(name)}]" for name in used]
-    one = (f"@cute.jit\ndef {fn_name}_one({', '.join(scalar[a] for a in arg_names)}, aux_tensors):\n"
+    extra = ", aux_scalars" if scalars else ""
+    one = (f"@cute.jit\ndef {fn_name}_one({', '.join(scalar[a] for a in arg_names)}, aux_tensors{extra}):\n"
            + "\n".join(body + emitter.lines) + "\n")
-    params = [param[a] for a in arg_names] + ["seqlen_info", "aux_tensors"]
+    params = [param[a] for a in arg_names] + ["seqlen_info", "aux_tensors"] + (["aux_scalars=None"] if scalars else [])
     first = param[arg_names[0]]
     hook = (f"@cute.jit\ndef {fn_name}({', '.join(params)}):\n"
             f"    out = cute.make_rmem_tensor(cute.size({first}.shape), {kind})\n"
             f"    for i in cutlass.range_constexpr(cute.size({first}.shape)):\n"
-            f"        out[i] = {kind}({fn_name}_one({', '.join(param[a] + '[i]' for a in arg_names)}, aux_tensors))\n"
+            f"        out[i] = {kind}({fn_name}_one({', '.join(param[a] + '[i]' for a in arg_names)}, "
+            f"aux_tensors{extra}))\n"
             "    return out.load()\n")
     return one + "\n\n" + hook, used
 
 
-def cute_mods(mask, captured: dict[str, torch.Tensor], lifted: frozenset = frozenset(), backward: bool = True
-              ) -> tuple[str, list[str], str | None]:
+def cute_mods(mask, captured: dict[str, torch.Tensor], lifted: frozenset = frozenset(), backward: bool = True,
+              scalars: list[str] = ()) -> tuple[str, list[str], str | None]:
     """The helpers and the translated mods (only those the mask has) as CuTe DSL source, the aux
     tensors' names in the order the file passes them, and why there is no backward (None: there
     is one). With a score_mod and `backward`, also `score_grad_cute` (d score_mod / d score,
@@ -170,28 +191,29 @@ def cute_mods(mask, captured: dict[str, torch.Tensor], lifted: frozenset = froze
             from workbench.translate.derivative import derivative_mod
 
             grad_graph = trace_mod(derivative_mod(mask.score_mod), "score")
-            probe = CuteMaskEmitter(grad_graph, ["score", "b", "h", "q", "kv"], dict(captured), lifted)
+            probe = _emitter(grad_graph, ["score", "b", "h", "q", "kv"], dict(captured), lifted, scalars)
             probe.walk()
             graphs.append(("score_grad_cute", ["score", "b", "h", "q_idx", "kv_idx"], grad_graph))
         except Exception as exc:  # Untranslatable, or a derivative that does not trace: forward only
             no_grad = f"the score_mod's derivative could not be generated: {exc}"
     # first pass: which tables each mod reads (the shared aux list is their union, in order)
     for _, names, gm in graphs:
-        probe = CuteMaskEmitter(gm, names, dict(captured), lifted)
+        probe = _emitter(gm, names, dict(captured), lifted, scalars)
         probe.walk()
         used += [p[:-4] for p in probe.pointers if p[:-4] not in used]
     for fn, names, gm in graphs:
-        src, _ = translate_cute(gm, fn, names, captured, lifted, aux_order=used)
+        src, _ = translate_cute(gm, fn, names, captured, lifted, aux_order=used, scalars=scalars)
         parts.append(src)
     if any(fn == "score_grad_cute" for fn, _, _ in graphs):
-        parts.append(SCORE_MOD_BWD)
+        parts.append(SCORE_MOD_BWD.replace("@@PARAM@@", ", aux_scalars=None" if scalars else "")
+                     .replace("@@ARG@@", ", aux_scalars=aux_scalars" if scalars else ""))
     return "\n\n".join(parts), used, no_grad
 
 
 SCORE_MOD_BWD = '''@cute.jit
-def score_mod_bwd_cute(grad_ssa, score_ssa, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+def score_mod_bwd_cute(grad_ssa, score_ssa, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors@@PARAM@@):
     # FA4's backward hook: the gradient into the score_mod's input, dO/dscore_out * d score_mod / d score
     slope = score_grad_cute(score_ssa, b_idx, h_idx, q_idx=q_idx, kv_idx=kv_idx, seqlen_info=seqlen_info,
-                            aux_tensors=aux_tensors)
+                            aux_tensors=aux_tensors@@ARG@@)
     return grad_ssa * slope
 '''

@@ -6,6 +6,7 @@ without FlexAttention or torch.compile:
     from @@MODULE@@ import attention
     out = attention(q, k, v)                          # q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D]
     out, lse = attention(q, k, v, return_lse=True)    # lse [B, Hq, Lq], float32
+    out = attention(q, k, v, scalars={...})           # other values of the knobs in SCALARS
     out.backward(grad)                                # dq, dk, dv from FA4's own backward
 
 What it computes (FlexAttention's semantics): score = (q . k) * scale, with scale = 1 / sqrt(D)
@@ -21,6 +22,9 @@ Differentiable in q, k and v: FA4's backward runs with the same mods, the score_
 block of keys, the query blocks that reach it). Captured tables do not learn here (FA4 does not
 differentiate aux tensors; the Triton port's `tables=` does).
 Backward: @@BACKWARD_NOTE@@.
+Knobs: the numbers the mods capture (SCALARS below: a window, a softcap) are FA4's `aux_scalars`,
+read at run time, so `scalars={name: value}` runs another value without compiling again; a knob the
+mask_mod reads (MASK_SCALARS) gets its block lists from FA4's full-evaluation scan at that value.
 
 How it runs: the mods are CuTe DSL functions in FA4's convention (below), passed to FA4's own
 forward with its block-sparse tensors: per row of 128 queries, the 128-key blocks that hold kept
@@ -83,6 +87,8 @@ NO_SCORE_GRAD = @@NO_SCORE_GRAD@@
 MASK_READS_BATCH = @@READS_B@@  # the block lists differ by batch entry / head
 MASK_READS_HEAD = @@READS_H@@
 AUX = @@AUX@@  # the aux_tensors both mods read, in order (captured tensors, flattened)
+SCALARS = @@SCALARS@@  # the aux_scalars both mods read, in order: name -> the value generated with
+MASK_SCALARS = @@MASK_SCALARS@@  # the knobs the mask_mod reads (other values: other block lists)
 TENSOR_FILE = @@TENSOR_FILE_NAME@@
 BLOCK = (128, 128)  # the block-sparse tensors' (queries, keys) per block
 SCAN_SHAPE = @@SCAN_SHAPE@@  # (B', H', Lq, Lk) of the stored scan (B', H' are 1 where the mask does not vary)
@@ -184,24 +190,64 @@ def _aux(device, Lq: int, Lk: int):
     return _remember(_aux_at, (str(device), Lq, Lk) if LENGTH_RULES else str(device), make)
 
 
-def _block_sparse(B: int, H: int, Lq: int, Lk: int, device, aux):
-    """FA4's BlockSparseTensorsTorch for this call: the stored exact scan at SCAN_SHAPE, else FA4's
-    full-evaluation scan of the mask_mod (cached per sizes)."""
+_DEFAULTS = tuple(SCALARS.values())
+
+
+def _scalars(given) -> tuple:
+    """The aux_scalars of a call: SCALARS with the values `given` ({name: number}) put in, each
+    kept to its knob's type (an int knob takes whole numbers only)."""
+    if not given:
+        return _DEFAULTS
+    if not isinstance(given, dict):
+        raise TypeError(f"{NAME}: scalars must be a dict {{name: number}}; got {type(given).__name__}")
+    values = dict(SCALARS)
+    for name, value in given.items():
+        if name not in SCALARS:
+            raise ValueError(f"{NAME}: no knob named {name!r}; this file's knobs are {sorted(SCALARS) or 'none'}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{NAME}: scalars[{name!r}] must be a Python number (not a tensor: reading one would "
+                            f"sync the GPU); got {type(value).__name__}")
+        if isinstance(SCALARS[name], int):
+            if (isinstance(value, float) and not value.is_integer()) or not -(2 ** 31) <= value < 2 ** 31:
+                raise ValueError(f"{NAME}: scalars[{name!r}] is an integer knob (int32); got {value!r}")
+            value = int(value)
+        values[name] = float(value) if isinstance(SCALARS[name], float) else value
+    return tuple(values.values())
+
+
+def _dsl_scalars(values: tuple):
+    """The knobs as FA4's aux_scalars: cutlass Int32 / Float32 values, which the DSL passes as
+    kernel arguments (Python ints inside aux_scalars fail its host wrapper in cutlass-dsl 4.8.1)."""
+    if not values:
+        return None
+    return tuple(cutlass.Float32(v) if isinstance(v, float) else cutlass.Int32(v) for v in values)
+
+
+def _lists_key(B: int, H: int, Lq: int, Lk: int, device, scalars: tuple) -> tuple:
+    """What a call's block lists depend on: the sizes the mask reads, and its knobs' values."""
+    return (B if MASK_READS_BATCH else 1, H if MASK_READS_HEAD else 1, Lq, Lk, str(device),
+            tuple(v for n, v in zip(SCALARS, scalars) if n in MASK_SCALARS))
+
+
+def _block_sparse(B: int, H: int, Lq: int, Lk: int, device, aux, scalars: tuple):
+    """FA4's BlockSparseTensorsTorch for this call: the stored exact scan at SCAN_SHAPE (and the
+    mask's knobs at their generated values), else FA4's full-evaluation scan of the mask_mod
+    (cached per sizes and knob values)."""
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-    b_tab = B if MASK_READS_BATCH else 1
-    h_tab = H if MASK_READS_HEAD else 1
-    key = (b_tab, h_tab, Lq, Lk, str(device))
+    key = _lists_key(B, H, Lq, Lk, device, scalars)
+    b_tab, h_tab, _, _, _, mask_knobs = key
 
     def make():
-        if SCAN_SHAPE is not None and tuple(SCAN_SHAPE) == (b_tab, h_tab, Lq, Lk):
+        stored_knobs = mask_knobs == tuple(v for n, v in SCALARS.items() if n in MASK_SCALARS)
+        if SCAN_SHAPE is not None and tuple(SCAN_SHAPE) == (b_tab, h_tab, Lq, Lk) and stored_knobs:
             t = _tensors(device)
             parts = [t[f"blocks.{n}"] for n in ("mask_cnt", "mask_idx", "full_cnt", "full_idx")]
             return BlockSparseTensorsTorch(*parts, block_size=BLOCK)
         from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
 
         return compute_block_sparsity(BLOCK[0], BLOCK[1], b_tab, h_tab, Lq, Lk, mask_mod_cute, aux, device,
-                                      use_fast_sampling=False)
+                                      aux_scalars=_dsl_scalars(scalars), use_fast_sampling=False)
     return _remember(_lists, key, make)
 
 
@@ -259,41 +305,48 @@ def _check(q, k, v):
         raise ValueError(f"{NAME}: the mask's per-sample table holds {VALID_BATCH} entries, called with B = {B}")
 
 
-def attention(q, k, v, *, scale=None, return_lse=False):
+_fa4_func: list = []
+
+
+def attention(q, k, v, *, scale=None, return_lse=False, scalars=None):
     """FlexAttention's flex_attention(q, k, v, score_mod, block_mask) with this file's mods, on FA4.
 
-    q:     [B, Hq, Lq, D]  bfloat16 / float16, CUDA; D in 64, 96, 128
-    k, v:  [B, Hkv, Lk, D] Hq a multiple of Hkv
-    scale: the softmax scale (default 1 / sqrt(D)), applied before the score_mod
+    q:       [B, Hq, Lq, D]  bfloat16 / float16, CUDA; D in 64, 96, 128
+    k, v:    [B, Hkv, Lk, D] Hq a multiple of Hkv
+    scale:   the softmax scale (default 1 / sqrt(D)), applied before the score_mod
+    scalars: {name: number} other values for the knobs in SCALARS (run-time values: no new compile)
     returns out [B, Hq, Lq, D] in q's dtype (and lse [B, Hq, Lq] float32 with return_lse)
     """
     _check_version()
     _check(q, k, v)
-    from flash_attn.cute import flash_attn_func
+    knobs = _scalars(scalars)
+    if not _fa4_func:
+        from flash_attn.cute import flash_attn_func
 
+        _fa4_func.append(flash_attn_func)
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
     if B == 0 or Lq == 0:
         out = torch.empty_like(q)
         return (out, torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)) if return_lse else out
     aux = _aux(q.device, Lq, Lk)
-    blocks = _block_sparse(B, Hq, Lq, Lk, q.device, aux) if HAS_MASK else None
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    blocks = _block_sparse(B, Hq, Lq, Lk, q.device, aux, knobs) if HAS_MASK else None
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     blocks_bwd = None
     if grad and HAS_MASK:
-        key = ("bwd", B if MASK_READS_BATCH else 1, Hq if MASK_READS_HEAD else 1, Lq, Lk, str(q.device))
         def transposed():
             from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
             lists = (blocks.mask_block_cnt, blocks.mask_block_idx, blocks.full_block_cnt, blocks.full_block_idx)
             return BlockSparseTensorsTorch(*_transposed(lists, Lq, Lk), block_size=BLOCK)
-        blocks_bwd = _remember(_lists, key, transposed)
-    out, lse = flash_attn_func(
+        blocks_bwd = _remember(_lists, ("bwd",) + _lists_key(B, Hq, Lq, Lk, q.device, knobs), transposed)
+    out, lse = _fa4_func[0](
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
         pack_gqa=False if MASK_READS_HEAD else None,
         score_mod=score_mod_cute if HAS_SCORE else None,
         score_mod_bwd=score_mod_bwd_cute if HAS_SCORE and grad else None,
         mask_mod=mask_mod_cute if HAS_MASK else None,
-        aux_tensors=aux, block_sparse_tensors=blocks, block_sparse_tensors_bwd=blocks_bwd, return_lse=True)
+        aux_tensors=aux, aux_scalars=_dsl_scalars(knobs), block_sparse_tensors=blocks,
+        block_sparse_tensors_bwd=blocks_bwd, return_lse=True)
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

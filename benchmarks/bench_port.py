@@ -159,7 +159,12 @@ def main(argv=None) -> int:
     p.add_argument("--serving", action="store_true", help="only attention_paged: a mixed step and paged prefill")
     p.add_argument("--backward", action="store_true", help="only forward + backward (training), against Flex's "
                    "Triton and FLASH backends")
+    p.add_argument("--fa4", action="store_true", help="only the FA4 columns: Flex FLASH, the FA4 export, FA4 "
+                   "direct (and the port and Flex Triton where FLASH cannot run the mask), plus each path's host "
+                   "cost per call")
     args = p.parse_args(argv)
+    if args.fa4:
+        return fa4_bench(args)
     if args.serving:
         return serving_bench(args)
     if args.backward:
@@ -209,6 +214,109 @@ def main(argv=None) -> int:
     if ratios:
         print(f"\nspeed vs Flex: min {min(ratios):.2f}x, geomean {math.exp(sum(map(math.log, ratios)) / len(ratios)):.2f}x,"
               f" faster on {sum(r > 1 for r in ratios)}/{len(ratios)}")
+    return 0
+
+
+def _host_us(fn, calls: int = 300) -> float:
+    """Microseconds of host work per call: `calls` back to back on a problem the GPU finishes at
+    once (the wall time is the host's), after a warm-up."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def fa4_bench(args) -> int:
+    """The FA4 export beside Flex's FLASH backend (the same FA4 kernel, reached through inductor) and
+    FA4 called directly; where FLASH cannot run the mask, beside the port and Flex's Triton backend
+    (the kernels that can). Each output is checked against another path's before it is timed."""
+    from workbench import fa4
+
+    folder = Path(tempfile.mkdtemp(prefix="bench_fa4_"))
+    flex = compiled_flex_attention()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, flash-attn-4 {fa4.installed()}, bf16, "
+          f"B={args.batch} H={args.heads} D={args.head_dim}, forward", flush=True)
+    print("| mask | tokens | Flex FLASH ms | FA4 export ms | export / FLASH | FA4 direct ms | port ms | Flex Triton ms "
+          "| export TFLOP/s | export first call s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    host = {}
+    for seq in args.lengths:
+        masks = masks_at(seq, args.heads, "cuda")
+        t5 = _t5_bias(seq, args.heads, "cuda")
+        t5.data["bias"].requires_grad_(False)
+        masks["T5 bias (log bucket)"] = Mask("t5_bias", mask_mod=t5.mask_mod, score_mod=t5.score_mod, data=t5.data)
+        for name, mask in masks.items():
+            if args.masks and name not in args.masks:
+                continue
+            shape = Shape(batch=args.batch, q_heads=args.heads, q_len=seq, head_dim=args.head_dim)
+            inputs = make_inputs(shape, "bfloat16", "cuda", seed=0)
+            q, k, v = inputs.q, inputs.k, inputs.v
+            row = {}
+            try:
+                block_mask = build_block_mask(mask, seq, seq, heads=args.heads, device="cuda", shrink=True)
+                scan = scan_blocks(mask, seq, seq, heads=args.heads, device="cuda", progress=False)
+                flops = 4 * scan.kept_pairs * (1 if scan.depends_on_head else args.heads) * args.head_dim * args.batch
+                flash = lambda: flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask,  # noqa: E731
+                                     kernel_options={"BACKEND": "FLASH"})
+                try:
+                    want = flash()
+                    row["flash_ms"] = timed(flash)
+                except Exception as exc:
+                    row["flash_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                    want = flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask)
+                    row["flex_ms"] = timed(lambda: flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask))
+                    module = port.load(port.build(mask, seq, seq, heads=args.heads, batch=args.batch,
+                                                  out_dir=folder / f"p{seq}{len(host)}{name[:3]}"))
+                    assert (module.attention(q, k, v).float() - want.float()).abs().max() < 3e-2, "port differs"
+                    row["port_ms"] = timed(lambda: module.attention(q, k, v))
+                t0 = time.perf_counter()
+                exported = fa4.load(fa4.write(fa4.generate(mask, seq, seq, heads=args.heads, batch=args.batch),
+                                              folder / f"f{seq}{len(host)}"))
+                got = exported.attention(q, k, v)
+                torch.cuda.synchronize()
+                row["first_s"] = time.perf_counter() - t0
+                row["fa4_export_agrees"] = bool((got.float() - want.float()).abs().max() < 3e-2)
+                row["fa4_export_ms"] = timed(lambda: exported.attention(q, k, v))
+                direct = {"causal": dict(causal=True),
+                          "sliding window 1024": dict(causal=True, window_size=(1023, 0))}.get(name)
+                if direct is not None:
+                    from flash_attn.cute import flash_attn_func
+
+                    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                    row["fa4_direct_ms"] = timed(lambda: flash_attn_func(qt, kt, vt, **direct))
+                if name == "causal" and seq == args.lengths[0]:  # host cost per call, on a problem of 128 tokens
+                    small = make_inputs(Shape(batch=1, q_heads=2, q_len=128, head_dim=args.head_dim), "bfloat16",
+                                        "cuda", seed=1)
+                    sq, sk, sv = small.q, small.k, small.v
+                    small_bm = build_block_mask(make("causal", q_len=128, kv_len=128), 128, 128, device="cuda")
+                    tiny = fa4.load(fa4.write(fa4.generate(make("causal", q_len=128, kv_len=128), 128, 128),
+                                              folder / "tiny"))
+                    from flash_attn.cute import flash_attn_func
+
+                    st = [t.transpose(1, 2) for t in (sq, sk, sv)]
+                    with torch.no_grad():
+                        host["Flex FLASH"] = _host_us(lambda: flex(sq, sk, sv, block_mask=small_bm,
+                                                                   kernel_options={"BACKEND": "FLASH"}))
+                        host["FA4 export"] = _host_us(lambda: tiny.attention(sq, sk, sv))
+                        host["FA4 direct (causal=True)"] = _host_us(lambda: flash_attn_func(*st, causal=True))
+                        host["Flex Triton"] = _host_us(lambda: flex(sq, sk, sv, block_mask=small_bm))
+            except Exception as exc:  # keep going: a failed row is a result
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:240]}"
+            if "error" in row:
+                print(f"| {name} | {seq:,} | error: {row['error']} |", flush=True)
+                continue
+            ratio = (f"{row['fa4_export_ms'] / row['flash_ms']:.3f}" if "flash_ms" in row else "-")
+            print(f"| {name} | {seq:,} | {_ms(row, 'flash_ms')} | {_ms(row, 'fa4_export_ms')} | {ratio} | "
+                  f"{_ms(row, 'fa4_direct_ms')} | {_ms(row, 'port_ms')} | {_ms(row, 'flex_ms')} | "
+                  f"{flops / row['fa4_export_ms'] / 1e9:.0f} | {row['first_s']:.1f} |", flush=True)
+    if host:
+        print("\n| path (B 1, H 2, 128 tokens, causal) | host µs per call |\n|---|---|")
+        for what, us in host.items():
+            print(f"| {what} | {us:.0f} |")
     return 0
 
 

@@ -153,7 +153,7 @@ def compile_files(folder: Path) -> tuple[int, int]:
 
                 from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-                aux = module._aux(q.device, q_len, kv_len)
+                aux = module._aux(q.device)
                 blocks_bwd = None
                 if module.HAS_MASK:  # the transposed lists' shapes (their values: test_fa4.py checks _transposed)
                     rows, cols = -(-q_len // 128), -(-kv_len // 128)
@@ -168,7 +168,7 @@ def compile_files(folder: Path) -> tuple[int, int]:
                     score_mod=module.score_mod_cute if module.HAS_SCORE else None,
                     score_mod_bwd=module.score_mod_bwd_cute if module.HAS_SCORE else None,
                     mask_mod=module.mask_mod_cute if module.HAS_MASK else None, aux_tensors=aux,
-                    aux_scalars=module._dsl_scalars(module._scalars(None)), block_sparse_tensors=blocks_bwd)[:3]
+                    aux_scalars=module._dsl_scalars(module._scalars(None, q_len, kv_len)), block_sparse_tensors=blocks_bwd)[:3]
                 assert dq.shape == qt.shape and dk.shape == kt.shape
             ok += 1
             print(f"OK file {label} (forward + backward, {time.time() - t0:.1f} s)", flush=True)

@@ -24,16 +24,18 @@ def _mods_text(source: str) -> str:
     return source[start:stop]
 
 
-def _aux(src: fa4.Fa4Source, q_len: int, kv_len: int) -> list:
+def _aux(src: fa4.Fa4Source) -> list:
     out = []
     for name in src.aux:
-        if name in src.length_rules:
-            a, b, c, d = src.length_rules[name]
-            out.append(np.array([(a * q_len + b * kv_len + c) // d], dtype=np.int64))
-        else:
-            t = src.tensors["aux." + name]
-            out.append(t.numpy().astype(np.float32 if t.is_floating_point() else np.int64))
+        t = src.tensors["aux." + name]
+        out.append(t.numpy().astype(np.float32 if t.is_floating_point() else np.int64))
     return out
+
+
+def _scalars(src: fa4.Fa4Source, q_len: int, kv_len: int, knobs: dict | None = None) -> tuple:
+    """The file's aux_scalars at these lengths: the length rules' numbers, then the knobs."""
+    rules = tuple((a * q_len + b * kv_len + c) // d for a, b, c, d in src.length_rules.values())
+    return rules + tuple({**src.scalars, **(knobs or {})}.values())
 
 
 def _check(mask: Mask, src: fa4.Fa4Source, batch: int, heads: int, q_len: int, kv_len: int,
@@ -41,8 +43,8 @@ def _check(mask: Mask, src: fa4.Fa4Source, batch: int, heads: int, q_len: int, k
     """What the file's CuTe DSL computes (under the model) against `mask` pair by pair; `scalars`:
     knob values the file is called with (default: those it was generated with)."""
     ns = cute_shim.load(_mods_text(src.source))
-    aux = _aux(src, q_len, kv_len)
-    knobs = tuple({**src.scalars, **(scalars or {})}.values())
+    aux = _aux(src)
+    knobs = _scalars(src, q_len, kv_len, scalars)
     rng = torch.Generator().manual_seed(0)
     for b in range(batch):
         for h in range(heads):
@@ -210,7 +212,7 @@ def _plain_part(src: fa4.Fa4Source) -> dict:
 def test_each_file_gives_its_hooks_their_own_kernel_cache_key():
     # FA4 keys its compiled kernels by the hooks' source text, the same in every file: without
     # __cute_hash__ a second mask in a process ran the first one's kernel
-    a = fa4.generate(make("causal", q_len=128, kv_len=128), 128, 128).source
+    a = fa4.generate(Mask("before", mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx), 128, 128).source
     b = fa4.generate(Mask("not_future", mask_mod=lambda b, h, q_idx, kv_idx: ~(kv_idx > q_idx)), 128, 128).source
     hooks = [t[t.index("def mask_mod_cute(b_idx"):].split("\n\n")[0] for t in (a, b)]
     assert hooks[0] == hooks[1]
@@ -260,7 +262,7 @@ def test_untranslatable_mods_raise_a_clear_error():
 
 
 def test_the_cute_dsl_compiles_in_fa4s_hopper_kernel(early_run):
-    # run_fa4_compile.py: every corpus mod in a kernel that calls it as FA4 does, and four generated
+    # run_fa4_compile.py: every corpus mod in a kernel that calls it as FA4 does, and five generated
     # files through FA4's own sm_90 forward under FakeTensorMode (compiled for sm_90a, not launched)
     done = early_run("fa4_compile")
     if done.returncode == 3 and done.stdout.startswith("NO FA4"):
@@ -268,7 +270,7 @@ def test_the_cute_dsl_compiles_in_fa4s_hopper_kernel(early_run):
     lines = done.stdout.splitlines()
     failed = [line for line in lines if line.startswith("FAIL")]
     assert not failed, "\n".join(failed)
-    assert f"SUMMARY {len(corpus()) + 4} compiled, 0 failed" in lines, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"SUMMARY {len(corpus()) + 5} compiled, 0 failed" in lines, done.stdout[-2000:] + done.stderr[-2000:]
 
 
 def test_verify_on_fa4_says_what_it_needs_before_running():
@@ -352,16 +354,20 @@ def test_knobs_inside_and_masks_and_factories_are_lifted_and_python_control_flow
 def test_the_file_checks_the_knobs_it_is_given():
     src = fa4.generate(make("causal_sliding_window", {"window": 24}, q_len=128, kv_len=128), 128, 128)
     ns = _plain_part(src)
-    assert ns["_scalars"](None) == (24,) and ns["_scalars"]({"knob_window": 64.0}) == (64,)
+    # the bottom-right offset Lk - Lq first (a length rule), then the window
+    assert ns["_scalars"](None, 128, 128) == (0, 24) and ns["_scalars"]({"knob_window": 64.0}, 100, 128) == (28, 64)
     with pytest.raises(ValueError, match="no knob named 'window'.*knob_window"):
-        ns["_scalars"]({"window": 64})
+        ns["_scalars"]({"window": 64}, 128, 128)
+    with pytest.raises(ValueError, match="no knob named 'len_offset'"):
+        ns["_scalars"]({"len_offset": 3}, 128, 128)
     with pytest.raises(ValueError, match="integer knob"):
-        ns["_scalars"]({"knob_window": 6.5})
+        ns["_scalars"]({"knob_window": 6.5}, 128, 128)
     with pytest.raises(TypeError, match="Python number"):
-        ns["_scalars"]({"knob_window": torch.tensor(64)})
+        ns["_scalars"]({"knob_window": torch.tensor(64)}, 128, 128)
     with pytest.raises(TypeError, match="Python number"):
-        ns["_scalars"]({"knob_window": True})
+        ns["_scalars"]({"knob_window": True}, 128, 128)
     # the block lists follow the mask's knobs: another window is another key (FA4's scan there)
-    assert ns["_lists_key"](1, 1, 128, 128, "cuda:0", (24,)) != ns["_lists_key"](1, 1, 128, 128, "cuda:0", (64,))
+    assert ns["_lists_key"](1, 1, 128, 128, "cuda:0", (0, 24)) != ns["_lists_key"](1, 1, 128, 128, "cuda:0", (0, 64))
+    assert src.aux == []  # no aux tensor: FA4 wraps every index with a divmod when there is one
     section = src.section()
     assert section["aux_scalars"] == {"knob_window": 24} and section["mask_scalars"] == ["knob_window"]

@@ -94,11 +94,11 @@ def test_fa4_device_scan_equals_the_stored_exact_scan(fa4_cuda, tmp_path):
     for mask, heads in ((Mask("head_window", mask_mod=head_window), 4), (make("document", q_len=3000, kv_len=3000), 1)):
         src = fa4.generate(mask, 3000, 3000, heads=heads)
         module = fa4.load(fa4.write(src, tmp_path))
-        aux = module._aux(fa4_cuda, 3000, 3000)
-        stored = _classes(module._block_sparse(1, heads, 3000, 3000, fa4_cuda, aux), 24, 24)
+        aux, knobs = module._aux(fa4_cuda), module._scalars(None, 3000, 3000)
+        stored = _classes(module._block_sparse(1, heads, 3000, 3000, fa4_cuda, aux, knobs), 24, 24)
         module.SCAN_SHAPE = None  # FA4's compute_block_sparsity at the same sizes
         module._lists.clear()
-        scanned = _classes(module._block_sparse(1, heads, 3000, 3000, fa4_cuda, aux), 24, 24)
+        scanned = _classes(module._block_sparse(1, heads, 3000, 3000, fa4_cuda, aux, knobs), 24, 24)
         stored = stored.expand_as(scanned)
         differ = stored != scanned
         boundary = torch.zeros_like(differ)

@@ -5,13 +5,15 @@ FA4's own forward kernel (`flash_attn.cute`) with block-sparse tensors from the 
     templates/         attention.py: the file (checks, aux tensors, block lists, the FA4 call)
 
 The file imports torch and flash_attn.cute only and exposes `attention(q, k, v, *, scale=None,
-return_lse=False)` with FlexAttention's semantics and layout; `verify(..., backend="fa4")` judges
-it against the float64 reference on a GPU with FA4 installed.
+return_lse=False, scalars=None)` with FlexAttention's semantics and layout; `verify(...,
+backend="fa4")` judges it against the float64 reference on a GPU with FA4 installed. Numbers the
+mods capture are run-time values (FA4's aux_scalars): those that follow the lengths, computed per
+call, and knobs (a window), which `scalars=` turns without a new compile.
 
     >>> from workbench import make, fa4
     >>> source = fa4.generate(make("causal_sliding_window", {"window": 64}), 256, 256)
-    >>> source.section()["aux_tensors"]
-    ['len_offset']
+    >>> source.section()["aux_scalars"], source.section()["length_rules"]
+    ({'knob_window': 64}, {'len_offset': [-1, 1, 0, 1]})
 """
 
 from __future__ import annotations

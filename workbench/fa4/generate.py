@@ -142,7 +142,9 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     knob_ids = {id(source_mask.data[n]) for n in knobs}
     captured = {n: t for n, t in captured_tensors(source_mask).items() if n in knobs or id(t) not in knob_ids}
     try:
-        mods, aux, no_grad = cute_mods(source_mask, captured, lifted, scalars=list(knobs))
+        # the numbers that follow the lengths, then the knobs, are FA4's aux_scalars: kernel arguments
+        # (a one-entry aux tensor would be a load per pair, and any aux tensor costs FA4 a divmod per pair)
+        mods, aux, no_grad = cute_mods(source_mask, captured, lifted, scalars=list(rules) + list(knobs))
         stored = {f"aux.{n}": _aux_tensor(n, captured[n]) for n in aux if n not in rules}
     except Untranslatable as exc:
         raise WorkbenchError(f"the mods cannot be written as CuTe DSL: {exc}",
@@ -155,7 +157,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
                     valid_kv_len=kv_len if per_token else None,
                     valid_heads=(mask.heads or heads) if "h" in indexed else None,
                     valid_batch=(mask.batch or batch) if "b" in indexed else None,
-                    length_rules={n: r.as_tuple() for n, r in rules.items() if n in aux},
+                    length_rules={n: r.as_tuple() for n, r in rules.items()},
                     relations=("lt", "eq", "gt") if per_token else plan.relations,
                     scalars={n: v for n, (v, _) in knobs.items()},
                     mask_scalars=tuple(n for n, (_, role) in knobs.items() if role == "mask"))

@@ -76,7 +76,7 @@ VALID_KV_LEN = @@VALID_KV_LEN@@
 VALID_HEADS = @@VALID_HEADS@@  # None: any number of query heads
 VALID_BATCH = @@VALID_BATCH@@  # None: any batch size
 # numbers the mods capture that follow the call's lengths: name -> (a, b, c, d), the value
-# (a * Lq + b * Lk + c) // d, passed as a one-entry int32 aux tensor
+# (a * Lq + b * Lk + c) // d, computed per call; the first entries of aux_scalars, before SCALARS
 LENGTH_RULES = @@LENGTH_RULES@@
 RELATIONS = @@RELATIONS@@  # "lt": Lq < Lk, "eq": Lq = Lk, "gt": Lq > Lk
 REFUSED = @@REFUSED@@
@@ -174,30 +174,24 @@ def _tensors(device) -> dict:
 _aux_at: dict = {}
 
 
-def _aux(device, Lq: int, Lk: int):
-    """The aux tensors at these lengths: captured tables as FA4 reads them, length rules' numbers
-    (made once per device and lengths: no host-to-device copy per call)."""
+def _aux(device):
+    """The aux tensors: captured tables as FA4 reads them (on the device once, no copy per call)."""
     def make():
         stored = _tensors(device)
-        out = []
-        for name in AUX:
-            if name in LENGTH_RULES:
-                a, b, c, d = LENGTH_RULES[name]
-                out.append(torch.tensor([(a * Lq + b * Lk + c) // d], dtype=torch.int32, device=device))
-            else:
-                out.append(stored["aux." + name])
-        return out or None
-    return _remember(_aux_at, (str(device), Lq, Lk) if LENGTH_RULES else str(device), make)
+        return [stored["aux." + name] for name in AUX] or None
+    return _remember(_aux_at, str(device), make)
 
 
 _DEFAULTS = tuple(SCALARS.values())
 
 
-def _scalars(given) -> tuple:
-    """The aux_scalars of a call: SCALARS with the values `given` ({name: number}) put in, each
-    kept to its knob's type (an int knob takes whole numbers only)."""
+def _scalars(given, Lq: int, Lk: int) -> tuple:
+    """The aux_scalars of a call: the length rules' numbers at (Lq, Lk), then SCALARS with the
+    values `given` ({name: number}) put in, each kept to its knob's type (an int knob takes whole
+    numbers only)."""
+    rules = tuple((a * Lq + b * Lk + c) // d for a, b, c, d in LENGTH_RULES.values())
     if not given:
-        return _DEFAULTS
+        return rules + _DEFAULTS
     if not isinstance(given, dict):
         raise TypeError(f"{NAME}: scalars must be a dict {{name: number}}; got {type(given).__name__}")
     values = dict(SCALARS)
@@ -212,7 +206,7 @@ def _scalars(given) -> tuple:
                 raise ValueError(f"{NAME}: scalars[{name!r}] is an integer knob (int32); got {value!r}")
             value = int(value)
         values[name] = float(value) if isinstance(SCALARS[name], float) else value
-    return tuple(values.values())
+    return rules + tuple(values.values())
 
 
 def _dsl_scalars(values: tuple):
@@ -225,8 +219,9 @@ def _dsl_scalars(values: tuple):
 
 def _lists_key(B: int, H: int, Lq: int, Lk: int, device, scalars: tuple) -> tuple:
     """What a call's block lists depend on: the sizes the mask reads, and its knobs' values."""
+    knobs = scalars[len(LENGTH_RULES):]  # the rules' numbers follow (Lq, Lk), already in the key
     return (B if MASK_READS_BATCH else 1, H if MASK_READS_HEAD else 1, Lq, Lk, str(device),
-            tuple(v for n, v in zip(SCALARS, scalars) if n in MASK_SCALARS))
+            tuple(v for n, v in zip(SCALARS, knobs) if n in MASK_SCALARS))
 
 
 def _block_sparse(B: int, H: int, Lq: int, Lk: int, device, aux, scalars: tuple):
@@ -319,7 +314,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, scalars=None):
     """
     _check_version()
     _check(q, k, v)
-    knobs = _scalars(scalars)
+    knobs = _scalars(scalars, q.shape[2], k.shape[2])
     if not _fa4_func:
         from flash_attn.cute import flash_attn_func
 
@@ -329,7 +324,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, scalars=None):
     if B == 0 or Lq == 0:
         out = torch.empty_like(q)
         return (out, torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)) if return_lse else out
-    aux = _aux(q.device, Lq, Lk)
+    aux = _aux(q.device)
     blocks = _block_sparse(B, Hq, Lq, Lk, q.device, aux, knobs) if HAS_MASK else None
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     blocks_bwd = None

@@ -371,3 +371,17 @@ def test_the_file_checks_the_knobs_it_is_given():
     assert src.aux == []  # no aux tensor: FA4 wraps every index with a divmod when there is one
     section = src.section()
     assert section["aux_scalars"] == {"knob_window": 24} and section["mask_scalars"] == ["knob_window"]
+
+
+def test_a_divisor_stays_a_literal_and_a_repeated_table_read_is_one_load():
+    # FA4 divides by a literal with a multiply and a shift, by a run-time value with ~20 instructions
+    src = fa4.generate(make("dilated_window", {"window": 256, "dilation": 4}, q_len=512, kv_len=512), 512, 512)
+    assert list(src.scalars) == ["knob_window"]
+    assert re.search(r"_py_mod\(\w+, 4\)", _mods_text(src.source))
+    assert _check(make("dilated_window", {"window": 100, "dilation": 4}, q_len=512, kv_len=512), src, 1, 1, 512, 512,
+                  scalars={"knob_window": 100}) is None
+    # image spans read span_id[q] twice in the traced graph: one load in the CuTe DSL
+    spans = fa4.generate(make("image_spans", q_len=1024, kv_len=1024), 1024, 1024)
+    mask_part = _mods_text(spans.source).split("def mask_mod_cute(")[0]
+    assert len(re.findall(r"span_id_ptr\[\(v_add\)\]", mask_part)) == 1
+    assert _check(make("image_spans", q_len=1024, kv_len=1024), spans, 1, 1, 1024, 1024) is None

@@ -60,7 +60,7 @@ def lift_scalars(fn: Callable | None, device, q_len: int = 300, kv_len: int = 30
     return twin, lifted
 
 
-def lift_knobs(mask, q_len: int, kv_len: int, limit: int = 16):
+def lift_knobs(mask, q_len: int, kv_len: int, limit: int = 16, literal: frozenset = frozenset()):
     """The mask's knobs lifted: every int / float the mods capture (in their closures and defaults,
     at any depth: and_masks' parts, a factory's inner closure), bools and numbers past int32
     excepted, replaced by a 0-d tensor (int32 / float32) named after the variable that held it,
@@ -68,7 +68,8 @@ def lift_knobs(mask, q_len: int, kv_len: int, limit: int = 16):
     compile again. Returns (twin mask, {name: (python value, "mask" | "score": the mod that reads it)}), or
     (mask, {}) when nothing can be lifted. Numbers the twin cannot take as tensors (one that
     steers Python code, sizes a view) are tried one by one and stay literals; at most `limit`
-    are lifted (a long captured list of spans is data, not a knob)."""
+    are lifted (a long captured list of spans is data, not a knob); the names in `literal` stay
+    literals."""
     from workbench.define.lengths import _mod_parts, _twin, _twin_agrees
 
     parts = _mod_parts(mask)
@@ -99,7 +100,9 @@ def lift_knobs(mask, q_len: int, kv_len: int, limit: int = 16):
                             data={**mask.data, **{chosen[p][0]: t for p, t in replace.items()}})
         return twin if _twin_agrees(mask, twin, q_len, kv_len) else None
 
-    chosen = named(found)
+    chosen = {path: nv for path, nv in named(found).items() if nv[0] not in literal}
+    if not chosen:
+        return mask, {}
     twin = twin_of(chosen)
     if twin is None:  # one by one: keep the numbers that lift alone, then all of them together
         chosen = {path: nv for path, nv in chosen.items() if twin_of({path: nv}) is not None}

@@ -137,8 +137,13 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     kv_len = kv_len or q_len
     indexed, plan, per_token, rules, source_mask = length_plan(mask, q_len, kv_len)
     lifted = frozenset(rules)
-    # the other numbers the mods capture (a window, a softcap, a prefix) are knobs: run-time values
-    source_mask, knobs = lift_knobs(source_mask, q_len, kv_len)
+    # the other numbers the mods capture (a window, a softcap, a prefix) are knobs: run-time values,
+    # except divisors (see _divisor_knobs)
+    lifted_mask, knobs = lift_knobs(source_mask, q_len, kv_len)
+    divisors = _divisor_knobs(lifted_mask, knobs)
+    if divisors:
+        lifted_mask, knobs = lift_knobs(source_mask, q_len, kv_len, literal=divisors)
+    source_mask = lifted_mask
     knob_ids = {id(source_mask.data[n]) for n in knobs}
     captured = {n: t for n, t in captured_tensors(source_mask).items() if n in knobs or id(t) not in knob_ids}
     try:
@@ -203,6 +208,41 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     }
     src.source = fill_template(TEMPLATE.read_text(), fills)
     return src
+
+
+def _divisor_knobs(mask: Mask, knobs: dict) -> frozenset:
+    """The knobs a mod divides by (`//`, `%`): those stay literals. FA4 divides by a literal with a
+    multiply and a shift, by a run-time value with some twenty instructions per pair (a dilation of
+    4 read from aux_scalars made a dilated window 1.8x slower than inductor's literal on an H200)."""
+    import torch.fx
+
+    from workbench.define import trace_mod
+    from workbench.define.trace import op_name
+
+    if not knobs:
+        return frozenset()
+    by_ptr = {mask.data[n].data_ptr(): n for n in knobs}
+    found = set()
+    for role, fn in (("mask", mask.mask_mod), ("score", mask.score_mod)):
+        if fn is None:
+            continue
+        gm = trace_mod(fn, role)
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or len(node.args) < 2:
+                continue
+            name = op_name(node.target)
+            if name not in ("remainder", "floor_divide", "fmod") and not (
+                    name == "div" and node.kwargs.get("rounding_mode") is not None):
+                continue
+            divisor = node.args[1]
+            while isinstance(divisor, torch.fx.Node) and divisor.op == "call_function" and op_name(divisor.target) in (
+                    "_to_copy", "to", "convert_element_type", "clone", "alias", "detach", "lift_fresh_copy"):
+                divisor = divisor.args[0]
+            if isinstance(divisor, torch.fx.Node) and divisor.op == "get_attr":
+                tensor = getattr(gm, divisor.target)
+                if tensor.data_ptr() in by_ptr:
+                    found.add(by_ptr[tensor.data_ptr()])
+    return frozenset(found)
 
 
 def _key(src: Fa4Source, mods: str) -> str:

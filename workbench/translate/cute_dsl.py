@@ -22,6 +22,8 @@ differs, and why:
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from workbench.translate.emitter import Untranslatable
@@ -129,6 +131,26 @@ class CuteMaskEmitter(TritonMaskEmitter):
         return view
 
 
+def _shared(lines: list[str]) -> list[str]:
+    """The walk's lines with repeated expressions computed once (a table read twice at one index
+    is one load): a later `name = expr` whose expr was already bound becomes an alias. Every line is
+    a pure assignment of a fresh name, so reusing the first one is exact."""
+    seen: dict[str, str] = {}
+    alias: dict[str, str] = {}
+    out = []
+    for line in lines:
+        if alias:
+            line = re.sub(r"\b[A-Za-z_]\w*\b", lambda m: alias.get(m.group(0), m.group(0)), line)
+        bound = re.match(r"^    ([A-Za-z_]\w*) = (.+)$", line)
+        if bound and bound.group(2) in seen:
+            alias[bound.group(1)] = seen[bound.group(2)]
+            continue
+        if bound:
+            seen[bound.group(2)] = bound.group(1)
+        out.append(line)
+    return out
+
+
 def _emitter(gm, arg_names: list[str], captured: dict[str, torch.Tensor], lifted: frozenset,
              scalars: list[str]) -> CuteMaskEmitter:
     emitter = CuteMaskEmitter(gm, arg_names, captured, lifted | frozenset(scalars))
@@ -158,7 +180,7 @@ def translate_cute(gm, fn_name: str, arg_names: list[str], captured: dict[str, t
     body = [f"    {name}_ptr = aux_tensors[{order.index(name)}]" for name in used]
     extra = ", aux_scalars" if scalars else ""
     one = (f"@cute.jit\ndef {fn_name}_one({', '.join(scalar[a] for a in arg_names)}, aux_tensors{extra}):\n"
-           + "\n".join(body + emitter.lines) + "\n")
+           + "\n".join(body + _shared(emitter.lines)) + "\n")
     params = [param[a] for a in arg_names] + ["seqlen_info", "aux_tensors"] + (["aux_scalars=None"] if scalars else [])
     first = param[arg_names[0]]
     hook = (f"@cute.jit\ndef {fn_name}({', '.join(params)}):\n"

@@ -374,10 +374,11 @@ def test_the_file_checks_the_knobs_it_is_given():
 
 
 def test_a_divisor_stays_a_literal_and_a_repeated_table_read_is_one_load():
-    # FA4 divides by a literal with a multiply and a shift, by a run-time value with ~20 instructions
+    # FA4 divides by a literal with a multiply and a shift, by a run-time value with ~20 instructions;
+    # a power of two is a mask (Python's % for any sign, in two's complement)
     src = fa4.generate(make("dilated_window", {"window": 256, "dilation": 4}, q_len=512, kv_len=512), 512, 512)
     assert list(src.scalars) == ["knob_window"]
-    assert re.search(r"_py_mod\(\w+, 4\)", _mods_text(src.source))
+    assert re.search(r"\(v_sub & 3\)", _mods_text(src.source)) and "_py_mod(v_sub" not in _mods_text(src.source)
     assert _check(make("dilated_window", {"window": 100, "dilation": 4}, q_len=512, kv_len=512), src, 1, 1, 512, 512,
                   scalars={"knob_window": 100}) is None
     # image spans read span_id[q] twice in the traced graph: one load in the CuTe DSL
@@ -385,3 +386,30 @@ def test_a_divisor_stays_a_literal_and_a_repeated_table_read_is_one_load():
     mask_part = _mods_text(spans.source).split("def mask_mod_cute(")[0]
     assert len(re.findall(r"span_id_ptr\[\(v_add\)\]", mask_part)) == 1
     assert _check(make("image_spans", q_len=1024, kv_len=1024), spans, 1, 1, 1024, 1024) is None
+
+
+def test_a_score_divided_by_a_fixed_number_is_multiplied_by_its_reciprocal_unless_it_is_rounded():
+    # inductor's CuTe DSL multiplies too (FLASH's softcap output is bitwise the reciprocal form's);
+    # a quotient that is rounded, compared or used as an index keeps the exact division
+    src = fa4.generate(make("softcap", {"cap": 30.0}), 64, 64)
+    assert "(score * (1.0 / cutlass.Float32(aux_scalars[0])))" in _mods_text(src.source)
+    assert _check(make("softcap", {"cap": 30.0}), src, 1, 1, 64, 64) is None
+    table = torch.randn(40)
+
+    def bucketed(score, b, h, q_idx, kv_idx):
+        return score + table[torch.floor(score.abs() / 3.0).clamp(max=39).int()] + (q_idx - kv_idx) / 7.0
+
+    mask = Mask("bucketed", score_mod=bucketed)
+    text = _mods_text(fa4.generate(mask, 64, 64).source).split("def score_grad_cute_one")[0]
+    assert re.search(r"\(\w+ / 3\.0\)", text) and re.search(r"\(\w+ \* \(1\.0 / 7\.0\)\)", text), text
+    assert _check(mask, fa4.generate(mask, 64, 64), 1, 1, 64, 64) is None
+    # the model can tell: a division rewritten where the quotient is rounded fails it
+    bad = fa4.generate(mask, 64, 64)
+    bad.source = re.sub(r"\((\w+) / 3\.0\)", r"(\1 * (1.0 / 3.0))", bad.source)
+    # just below 15: 15 / 3 is just below 5 and floors to 4, 15 * fp32(1 / 3) rounds to 5
+    score = torch.full((1, 1, 64, 64), float(np.nextafter(np.float32(15), np.float32(0))))
+    idx = [torch.tensor([0]), torch.tensor([0]), torch.arange(64), torch.arange(64)]
+    want = compat.vmap_bhqkv(bucketed, *idx, score=score)[0, 0].numpy()
+    ns = cute_shim.load(_mods_text(bad.source))
+    got = cute_shim.run_score(ns, score[0, 0].numpy(), 0, 0, _aux(bad), scalars=_scalars(bad, 64, 64))
+    assert not np.allclose(got, want, atol=1e-3)

@@ -27,7 +27,7 @@ import re
 import torch
 
 from workbench.translate.emitter import Untranslatable
-from workbench.translate.triton_mask import _BINARY, _REDUCE, _UNARY, TritonMaskEmitter
+from workbench.translate.triton_mask import _BINARY, _REDUCE, _UNARY, TritonMaskEmitter, Vec
 
 __all__ = ["CuteMaskEmitter", "translate_cute", "cute_mods", "CUTE_HELPERS", "AUX_DTYPES"]
 
@@ -93,6 +93,31 @@ def _ssa(value, dtype: cutlass.Constexpr):
 '''
 
 
+_FIXED = re.compile(r"^(-?[0-9][0-9.e+-]*|\(-?[0-9][0-9.e+-]*\)|cutlass\.(Float32|Int32)\(aux_scalars\[\d+\]\))$")
+_ROUNDING = {"floor", "ceil", "round", "trunc", "frac", "floor_divide", "remainder", "fmod", "sign"}
+
+
+def _stays_a_score(node) -> bool:
+    """Every use of `node`, transitively, is float arithmetic: nothing rounds it, casts it to an
+    integer or a bool (a comparison), or indexes a table with it."""
+    from workbench.define.trace import op_name
+
+    todo, seen = list(node.users), set()
+    while todo:
+        user = todo.pop()
+        if user in seen or user.op == "output":
+            continue
+        seen.add(user)
+        if user.op != "call_function":
+            return False
+        dtype = getattr(user.meta.get("val"), "dtype", None)
+        name = op_name(user.target)
+        if dtype is None or not dtype.is_floating_point or name in _ROUNDING or name == "index":
+            return False
+        todo.extend(user.users)
+    return True
+
+
 class CuteMaskEmitter(TritonMaskEmitter):
     """The pair-by-pair walk in CuTe DSL (scalar values; Vecs unrolled by reductions; captured
     tensors as flattened aux tensors)."""
@@ -115,6 +140,44 @@ class CuteMaskEmitter(TritonMaskEmitter):
         if dtype == torch.bool:
             return f"(({expr}) != 0)"
         return f"{self.DTYPES[dtype]}({expr})"
+
+    score_graph = False  # the walk is a score_mod's (or its derivative's): its values are scores
+
+    def call(self, op, node):
+        """Two rewrites inductor's CuTe DSL also makes, where they are exact or change a score by at
+        most an ulp; everything else is the shared walk."""
+        fast = self._fast(op, node)
+        if fast is None:
+            return super().call(op, node)
+        if isinstance(fast, Vec):
+            return fast
+        if op == "remainder":
+            self.nonneg.add(node.name)
+        self.lines.append(f"    v_{node.name} = {fast}")
+        return f"v_{node.name}"
+
+    def _fast(self, op, node):
+        args, kwargs = node.args, node.kwargs
+        dtype = getattr(node.meta.get("val"), "dtype", None)
+        divisor = args[1] if len(args) > 1 else None
+        # an integer `%` / `//` by a positive power of two: a mask and a shift, exact for any sign in
+        # two's complement (Python's floor semantics), where the DSL's remainder needs a sign fix-up
+        if (op in ("remainder", "floor_divide") or (op == "div" and kwargs.get("rounding_mode") == "floor")) and \
+                isinstance(divisor, int) and not isinstance(divisor, bool) and divisor > 0 and \
+                divisor & (divisor - 1) == 0 and dtype is not None and not dtype.is_floating_point and \
+                dtype != torch.bool:
+            template = f"({{a}} & {divisor - 1})" if op == "remainder" else f"({{a}} >> {divisor.bit_length() - 1})"
+            return self.combine(template, self.value(args[0]))
+        # a score divided by a number fixed for the call (a literal, a knob): times its reciprocal,
+        # computed once per kernel; an IEEE division per pair made a softcap 1.9x slower than
+        # inductor's, which multiplies. Only where the quotient stays a score (never rounded, cast to
+        # an integer, compared or used as an index): there one ulp is within every tolerance
+        if op == "div" and kwargs.get("rounding_mode") is None and self.score_graph and dtype is not None and \
+                dtype.is_floating_point and divisor is not None:
+            b = self.value(divisor)
+            if isinstance(b, str) and _FIXED.match(b) and _stays_a_score(node):
+                return self.combine("({a} * (1.0 / {b}))", self.value(args[0]), b)
+        return None
 
     def constant(self, node, tensor):
         name = self.tensor_name(tensor)
@@ -155,6 +218,7 @@ def _emitter(gm, arg_names: list[str], captured: dict[str, torch.Tensor], lifted
              scalars: list[str]) -> CuteMaskEmitter:
     emitter = CuteMaskEmitter(gm, arg_names, captured, lifted | frozenset(scalars))
     emitter.scalars = list(scalars)
+    emitter.score_graph = arg_names[0] == "score"
     return emitter
 
 

@@ -260,6 +260,35 @@ def column_lists(batch: int, heads: int, q_len: int, kv_len: int, device, length
                                                                            lengths).transpose(-1, -2)))
 
 
+@triton.jit
+def _bwd_prep_kernel(O, DO, Lse, Dlse, Delta, Lse2, s_ob, s_oh, s_om, s_od, s_db, s_dh, s_dm, s_dd,
+                     s_lb, s_lh, s_lm, Hq, Lq, D, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     D_PAD: tl.constexpr):
+    # what both backward kernels read per query row, in one pass over out and dO: delta =
+    # dO . O - dlse (float32; a dlse that is +-inf or NaN counts as 0) and lse2 = lse * log2(e),
+    # +inf where lse = -inf (a row that keeps nothing: every p is then exp2(s - inf) = 0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    ok = rows < Lq
+    both = ok[:, None] & (offs_d[None, :] < D)
+    rows64 = rows.to(tl.int64)
+    o = tl.load(O + b.to(tl.int64) * s_ob + h.to(tl.int64) * s_oh + rows64[:, None] * s_om + offs_d[None, :] * s_od,
+                mask=both, other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * s_db + h.to(tl.int64) * s_dh + rows64[:, None] * s_dm + offs_d[None, :] * s_dd,
+                 mask=both, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:
+        dl = tl.load(Dlse + bh.to(tl.int64) * Lq + rows, mask=ok, other=0.0).to(tl.float32)
+        delta = delta - tl.where((dl == dl) & (tl.abs(dl) != float("inf")), dl, 0.0)
+    lse = tl.load(Lse + b.to(tl.int64) * s_lb + h.to(tl.int64) * s_lh + rows64 * s_lm, mask=ok, other=0.0)
+    tl.store(Delta + bh.to(tl.int64) * Lq + rows, delta, mask=ok)
+    tl.store(Lse2 + bh.to(tl.int64) * Lq + rows, tl.where(lse == float("-inf"), float("inf"),
+                                                          lse * 1.4426950408889634), mask=ok)
+
+
 def _backward_tiles(dtype, D_PAD):
     """(dq tile, dk / dv tile) for this dtype and padded head dim."""
     wide = dtype == torch.float32 or D_PAD > 128
@@ -279,13 +308,15 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
     Hkv, Lk = k.shape[1], k.shape[2]
     captured = {**_tables(q.device, Lq, Lk), **(tables or {})}
     dout = dout if dout is not None else torch.zeros_like(out)
-    delta = (dout.float() * out.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - torch.nan_to_num(dlse.float(), posinf=0.0, neginf=0.0)
-    delta = delta.contiguous()
-    # rows that keep nothing (lse = -inf) read +inf: exp2(s - inf) = 0 for every pair
-    lse2 = torch.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634).contiguous()
     D_PAD = max(16, triton.next_power_of_2(D))
+    # delta and lse2 per row, in one launch (see _bwd_prep_kernel)
+    delta = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
+    lse2 = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
+    dlse_rows = dlse.contiguous() if dlse is not None else delta
+    prep_m = 16 if D_PAD > 128 else 32
+    _bwd_prep_kernel[(triton.cdiv(Lq, prep_m), B * Hq)](
+        out, dout, lse, dlse_rows, delta, lse2, *out.stride(), *dout.stride(), *lse.stride(), Hq, Lq, D,
+        HAS_DLSE=dlse is not None, BLOCK_M=prep_m, D_PAD=D_PAD, num_warps=4)
     dq_tile, dkdv_tile = _backward_tiles(q.dtype, D_PAD)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     flags = dict(D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, IEEE=q.dtype == torch.float32,

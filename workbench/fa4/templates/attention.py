@@ -44,6 +44,11 @@ FA4's traps this file handles:
 - FA4 caches kernels by the hooks' source text, the same in every generated file: each hook gets
   `__cute_hash__` from this file's CuTe DSL text, so two masks never share a compiled kernel;
 - FA4's packed GQA refuses per-head block lists: it is switched off when the mask reads h;
+- any aux tensor makes FA4 wrap every index with a divmod, and a one-entry table would be a load
+  per pair: numbers (the lengths' and the knobs) are aux_scalars, passed as cutlass Int32 / Float32
+  (Python ints inside aux_scalars fail cutlass-dsl 4.8.1's host wrapper);
+- a score divided by a fixed number is multiplied by its reciprocal (inductor's form; an IEEE
+  division per pair halves the speed of a softcap) where the quotient stays a score;
 - tested against flash-attn-4 @@FA4_VERSION@@ on sm_90; another version is refused (set
   FA4_ANY_VERSION=1 to try it anyway).
 

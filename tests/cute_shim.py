@@ -56,6 +56,10 @@ def _int32(x):
     return np.asarray(x).astype(np.int64)  # int32 in the DSL; int64 here (no test overflows int32)
 
 
+def _uint32(x):
+    return np.asarray(x).astype(np.int64) & 0xFFFFFFFF  # the bits of an Int32, read unsigned
+
+
 def _float32(x):
     return np.asarray(x, dtype=np.float32)
 
@@ -80,7 +84,7 @@ def _math():
 
 
 def namespace() -> dict:
-    cutlass = types.SimpleNamespace(Int32=_int32, Float32=_float32, Boolean=_boolean, Int8=_int32,
+    cutlass = types.SimpleNamespace(Int32=_int32, Uint32=_uint32, Float32=_float32, Boolean=_boolean, Int8=_int32,
                                     Constexpr=object, min=np.minimum, max=np.maximum, range_constexpr=range)
     cute = types.SimpleNamespace(jit=lambda f=None, **_: f if f is not None else (lambda g: g),
                                  make_rmem_tensor=lambda n, dtype: _Reg(n, dtype), math=_math(),

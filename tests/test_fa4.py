@@ -413,3 +413,24 @@ def test_a_score_divided_by_a_fixed_number_is_multiplied_by_its_reciprocal_unles
     ns = cute_shim.load(_mods_text(bad.source))
     got = cute_shim.run_score(ns, score[0, 0].numpy(), 0, 0, _aux(bad), scalars=_scalars(bad, 64, 64))
     assert not np.allclose(got, want, atol=1e-3)
+
+
+def test_a_range_check_is_one_unsigned_compare_exact_for_any_bound():
+    # (d >= 0) & (d < w) -> Uint32(d) < Uint32(max(w, 0)): LLVM folds it for a literal w, not for a knob
+    src = fa4.generate(make("causal_sliding_window", {"window": 24}, q_len=96, kv_len=96), 96, 96)
+    text = _mods_text(src.source)
+    assert "cutlass.Uint32(v_sub) < cutlass.Uint32(cutlass.max(cutlass.Int32(aux_scalars[1]), 0))" in text
+    ns = cute_shim.load(text)
+    d = np.arange(96)[:, None] - np.arange(96)[None, :]
+    for window in (24, 1, 0, -5):  # a window of 0 or below keeps nothing (max(w, 0) keeps it so)
+        got = cute_shim.run_mask(ns, 0, 0, 96, 96, [], scalars=(0, window))
+        assert np.array_equal(got, (d >= 0) & (d < window)), window
+
+    def closed(b, h, q_idx, kv_idx):  # the <= form, the bound a per-head table
+        return (kv_idx - q_idx <= w[h]) & (kv_idx - q_idx >= 0)
+
+    w = torch.tensor([3, 0, -1, 2 ** 31 - 1], dtype=torch.int32)
+    mask = Mask("closed", mask_mod=closed)
+    src = fa4.generate(mask, 64, 64, heads=4)
+    assert "(cutlass.max(" in _mods_text(src.source) and "-1) + 1)))" in _mods_text(src.source)
+    assert _check(mask, src, 1, 4, 64, 64) is None

@@ -159,6 +159,10 @@ class CuteMaskEmitter(TritonMaskEmitter):
     def _fast(self, op, node):
         args, kwargs = node.args, node.kwargs
         dtype = getattr(node.meta.get("val"), "dtype", None)
+        if op in ("bitwise_and", "logical_and") and len(args) == 2:
+            inside = self._range_check(*args)
+            if inside is not None:
+                return inside
         divisor = args[1] if len(args) > 1 else None
         # an integer `%` / `//` by a positive power of two: a mask and a shift, exact for any sign in
         # two's complement (Python's floor semantics), where the DSL's remainder needs a sign fix-up
@@ -177,6 +181,50 @@ class CuteMaskEmitter(TritonMaskEmitter):
             b = self.value(divisor)
             if isinstance(b, str) and _FIXED.match(b) and _stays_a_score(node):
                 return self.combine("({a} * (1.0 / {b}))", self.value(args[0]), b)
+        return None
+
+    def _range_check(self, a, b):
+        """`(x >= 0) & (x < w)` (or `x <= w`, either order) on an integer x as one unsigned compare,
+        `Uint32(x) < Uint32(max(w, 0))` (`max(w, -1) + 1` for <=): exact for every x and w, and what
+        LLVM folds to by itself when w is a literal, but not when w is a run-time knob. A window's
+        partial blocks then pay one compare per pair, as inductor's literal window does."""
+        import torch.fx
+
+        from workbench.define.trace import op_name
+
+        def compare(n):
+            if not isinstance(n, torch.fx.Node) or n.op != "call_function" or len(n.args) != 2:
+                return None
+            return op_name(n.target), n.args[0], n.args[1]
+
+        parts = [compare(a), compare(b)]
+        if None in parts:
+            return None
+        for (lo_op, x, zero), (hi_op, x2, w) in (parts, parts[::-1]):
+            same = x is x2 or (isinstance(x, torch.fx.Node) and isinstance(x2, torch.fx.Node) and
+                                x.op == x2.op == "call_function" and x.target == x2.target and x.args == x2.args and
+                                x.kwargs == x2.kwargs)  # one value computed twice (`kv - q` in both)
+            if lo_op != "ge" or hi_op not in ("lt", "le") or not same or not isinstance(x, torch.fx.Node):
+                continue
+            if not (isinstance(zero, int) and not isinstance(zero, bool) and zero == 0):
+                continue
+            x_dtype = getattr(x.meta.get("val"), "dtype", None)
+            w_dtype = getattr(w.meta.get("val"), "dtype", None) if isinstance(w, torch.fx.Node) else None
+            if x_dtype not in (torch.int32, torch.int64) or (isinstance(w, torch.fx.Node) and
+                                                          w_dtype not in (torch.int32, torch.int64)):
+                continue
+            if isinstance(w, bool) or not isinstance(w, (int, torch.fx.Node)):
+                continue
+            x_text, w_text = self.value(x), self.value(w)
+            if not isinstance(x_text, str) or not isinstance(w_text, str):
+                continue
+            if isinstance(w, int):
+                bound = max(w, 0) if hi_op == "lt" else max(w, -1) + 1
+                if bound >= 2 ** 31:
+                    continue
+                return f"(cutlass.Uint32({x_text}) < cutlass.Uint32({bound}))"
+            bound = (f"cutlass.max({w_text}, 0)" if hi_op == "lt" else f"(cutlass.max({w_text}, -1) + 1)")
+            return f"(cutlass.Uint32({x_text}) < cutlass.Uint32({bound}))"
         return None
 
     def constant(self, node, tensor):

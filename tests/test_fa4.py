@@ -422,15 +422,20 @@ def test_a_range_check_is_one_unsigned_compare_exact_for_any_bound():
     assert "cutlass.Uint32(v_sub) < cutlass.Uint32(cutlass.max(cutlass.Int32(aux_scalars[1]), 0))" in text
     ns = cute_shim.load(text)
     d = np.arange(96)[:, None] - np.arange(96)[None, :]
-    for window in (24, 1, 0, -5):  # a window of 0 or below keeps nothing (max(w, 0) keeps it so)
+    for window in (24, 1, 0):
         got = cute_shim.run_mask(ns, 0, 0, 96, 96, [], scalars=(0, window))
         assert np.array_equal(got, (d >= 0) & (d < window)), window
+    # the window was generated >= 0: the file keeps it so
+    with pytest.raises(ValueError, match="generated non-negative"):
+        _plain_part(src)["_scalars"]({"knob_window": -5}, 96, 96)
 
-    def closed(b, h, q_idx, kv_idx):  # the <= form, the bound a per-head table
-        return (kv_idx - q_idx <= w[h]) & (kv_idx - q_idx >= 0)
+    def bounds(b, h, q_idx, kv_idx):  # both forms, the bounds per-head tables (any sign)
+        d = kv_idx - q_idx
+        return ((d <= w[h]) & (d >= 0)) | ((d >= 0) & (d < -u[h]))
 
     w = torch.tensor([3, 0, -1, 2 ** 31 - 1], dtype=torch.int32)
-    mask = Mask("closed", mask_mod=closed)
+    u = torch.tensor([-2, 5, 7, -40], dtype=torch.int32)  # -u: 2, -5, -7, 40 (a bound of -5 keeps nothing)
+    mask = Mask("bounds", mask_mod=bounds)
     src = fa4.generate(mask, 64, 64, heads=4)
     assert "(cutlass.max(" in _mods_text(src.source) and "-1) + 1)))" in _mods_text(src.source)
     assert _check(mask, src, 1, 4, 64, 64) is None

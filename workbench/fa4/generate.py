@@ -53,6 +53,7 @@ class Fa4Source:
     # generation), and those the mask_mod reads (another value there needs other block lists)
     scalars: dict[str, int | float] = field(default_factory=dict)
     mask_scalars: tuple = ()
+    nonneg_scalars: tuple = ()  # integer knobs generated >= 0, which must stay so
     backward: str | None = None  # why the file has no backward (None: FA4's backward runs)
     key: str = ""
 
@@ -149,7 +150,11 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     try:
         # the numbers that follow the lengths, then the knobs, are FA4's aux_scalars: kernel arguments
         # (a one-entry aux tensor would be a load per pair, and any aux tensor costs FA4 a divmod per pair)
-        mods, aux, no_grad = cute_mods(source_mask, captured, lifted, scalars=list(rules) + list(knobs))
+        # an integer knob generated >= 0 stays >= 0 (the file refuses a negative value), so the
+        # translation keeps the fast forms a non-negative literal gets (a plain `%`, `//`)
+        nonneg = frozenset(n for n, (v, _) in knobs.items() if isinstance(v, int) and v >= 0)
+        mods, aux, no_grad = cute_mods(source_mask, captured, lifted, scalars=list(rules) + list(knobs),
+                                       nonneg=nonneg)
         stored = {f"aux.{n}": _aux_tensor(n, captured[n]) for n in aux if n not in rules}
     except Untranslatable as exc:
         raise WorkbenchError(f"the mods cannot be written as CuTe DSL: {exc}",
@@ -165,6 +170,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
                     length_rules={n: r.as_tuple() for n, r in rules.items()},
                     relations=("lt", "eq", "gt") if per_token else plan.relations,
                     scalars={n: v for n, (v, _) in knobs.items()},
+                    nonneg_scalars=tuple(sorted(nonneg)),
                     mask_scalars=tuple(n for n, (_, role) in knobs.items() if role == "mask"))
     reads = index_reads(mask.mask_mod)
     if mask.mask_mod is not None:
@@ -201,6 +207,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@READS_B@@": repr("b" in reads), "@@READS_H@@": repr("h" in reads),
         "@@AUX@@": repr(aux), "@@TENSOR_FILE_NAME@@": repr(src.tensor_file),
         "@@SCALARS@@": repr(src.scalars), "@@MASK_SCALARS@@": repr(src.mask_scalars),
+        "@@NONNEG_SCALARS@@": repr(src.nonneg_scalars),
         "@@SCAN_SHAPE@@": repr(src.scan_shape),
         "@@MODS_HASH@@": repr(hashlib.sha256(mods.encode()).hexdigest()),
         "@@BACKWARD_NOTE@@": "FA4's, with the generated score_mod derivative" if no_grad is None else f"none ({no_grad})",

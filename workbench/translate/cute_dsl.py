@@ -129,6 +129,7 @@ class CuteMaskEmitter(TritonMaskEmitter):
     GELU = "(0.5 * {a} * (1.0 + cute.math.erf({a} * 0.7071067811865476)))"
     DEFAULT_DTYPE = "cutlass.Float32"
     scalars: list[str] = []  # captured 0-d tensors read as aux_scalars (knobs), in FA4's order
+    nonneg_scalars: frozenset = frozenset()  # those the file keeps >= 0 (its `%`, `//` rely on it)
 
     def load(self, ptr: str, offset: str) -> str:
         name = ptr[:-4]
@@ -232,6 +233,8 @@ class CuteMaskEmitter(TritonMaskEmitter):
         if tensor.dim() == 0 and name in self.scalars:
             # a knob: one of FA4's aux_scalars, a run-time value (a new value compiles nothing)
             kind = "cutlass.Float32" if tensor.is_floating_point() else "cutlass.Int32"
+            if name in self.nonneg_scalars:
+                self.nonneg.add(node.name)
             return f"{kind}(aux_scalars[{self.scalars.index(name)}])"
         return super().constant(node, tensor)
 
@@ -263,16 +266,17 @@ def _shared(lines: list[str]) -> list[str]:
 
 
 def _emitter(gm, arg_names: list[str], captured: dict[str, torch.Tensor], lifted: frozenset,
-             scalars: list[str]) -> CuteMaskEmitter:
+             scalars: list[str], nonneg: frozenset = frozenset()) -> CuteMaskEmitter:
     emitter = CuteMaskEmitter(gm, arg_names, captured, lifted | frozenset(scalars))
     emitter.scalars = list(scalars)
+    emitter.nonneg_scalars = frozenset(nonneg)
     emitter.score_graph = arg_names[0] == "score"
     return emitter
 
 
 def translate_cute(gm, fn_name: str, arg_names: list[str], captured: dict[str, torch.Tensor],
                    lifted: frozenset = frozenset(), aux_order: list[str] | None = None,
-                   scalars: list[str] = ()) -> tuple[str, list[str]]:
+                   scalars: list[str] = (), nonneg: frozenset = frozenset()) -> tuple[str, list[str]]:
     """CuTe DSL source of one traced mod in FA4's convention; returns (source, captured tensor
     names it reads). `aux_order` is the list the file passes as aux_tensors (both mods share it);
     `scalars` names the captured 0-d tensors read from FA4's aux_scalars, in order (the hooks then
@@ -284,7 +288,7 @@ def translate_cute(gm, fn_name: str, arg_names: list[str], captured: dict[str, t
     # FA4 passes score, b, h by position and q_idx, kv_idx, seqlen_info, aux_tensors by keyword
     scalar = {"score": "score", "b": "b", "h": "h", "q_idx": "q", "kv_idx": "kv"}
     param = {"score": "score_ssa", "b": "b_idx", "h": "h_idx", "q_idx": "q_idx", "kv_idx": "kv_idx"}
-    emitter = _emitter(gm, [scalar[a] for a in arg_names], captured, lifted, scalars)
+    emitter = _emitter(gm, [scalar[a] for a in arg_names], captured, lifted, scalars, nonneg)
     emitter.walk()
     used = [p[:-4] for p in emitter.pointers]
     order = aux_order if aux_order is not None else used
@@ -305,7 +309,7 @@ def translate_cute(gm, fn_name: str, arg_names: list[str], captured: dict[str, t
 
 
 def cute_mods(mask, captured: dict[str, torch.Tensor], lifted: frozenset = frozenset(), backward: bool = True,
-              scalars: list[str] = ()) -> tuple[str, list[str], str | None]:
+              scalars: list[str] = (), nonneg: frozenset = frozenset()) -> tuple[str, list[str], str | None]:
     """The helpers and the translated mods (only those the mask has) as CuTe DSL source, the aux
     tensors' names in the order the file passes them, and why there is no backward (None: there
     is one). With a score_mod and `backward`, also `score_grad_cute` (d score_mod / d score,
@@ -325,18 +329,18 @@ def cute_mods(mask, captured: dict[str, torch.Tensor], lifted: frozenset = froze
             from workbench.translate.derivative import derivative_mod
 
             grad_graph = trace_mod(derivative_mod(mask.score_mod), "score")
-            probe = _emitter(grad_graph, ["score", "b", "h", "q", "kv"], dict(captured), lifted, scalars)
+            probe = _emitter(grad_graph, ["score", "b", "h", "q", "kv"], dict(captured), lifted, scalars, nonneg)
             probe.walk()
             graphs.append(("score_grad_cute", ["score", "b", "h", "q_idx", "kv_idx"], grad_graph))
         except Exception as exc:  # Untranslatable, or a derivative that does not trace: forward only
             no_grad = f"the score_mod's derivative could not be generated: {exc}"
     # first pass: which tables each mod reads (the shared aux list is their union, in order)
     for _, names, gm in graphs:
-        probe = _emitter(gm, names, dict(captured), lifted, scalars)
+        probe = _emitter(gm, names, dict(captured), lifted, scalars, nonneg)
         probe.walk()
         used += [p[:-4] for p in probe.pointers if p[:-4] not in used]
     for fn, names, gm in graphs:
-        src, _ = translate_cute(gm, fn, names, captured, lifted, aux_order=used, scalars=scalars)
+        src, _ = translate_cute(gm, fn, names, captured, lifted, aux_order=used, scalars=scalars, nonneg=nonneg)
         parts.append(src)
     if any(fn == "score_grad_cute" for fn, _, _ in graphs):
         parts.append(SCORE_MOD_BWD.replace("@@PARAM@@", ", aux_scalars=None" if scalars else "")

@@ -94,6 +94,7 @@ MASK_READS_HEAD = @@READS_H@@
 AUX = @@AUX@@  # the aux_tensors both mods read, in order (captured tensors, flattened)
 SCALARS = @@SCALARS@@  # the aux_scalars both mods read, in order: name -> the value generated with
 MASK_SCALARS = @@MASK_SCALARS@@  # the knobs the mask_mod reads (other values: other block lists)
+NONNEG_SCALARS = @@NONNEG_SCALARS@@  # integer knobs generated >= 0: the CuTe DSL above relies on them staying so
 TENSOR_FILE = @@TENSOR_FILE_NAME@@
 BLOCK = (128, 128)  # the block-sparse tensors' (queries, keys) per block
 SCAN_SHAPE = @@SCAN_SHAPE@@  # (B', H', Lq, Lk) of the stored scan (B', H' are 1 where the mask does not vary)
@@ -210,6 +211,10 @@ def _scalars(given, Lq: int, Lk: int) -> tuple:
             if (isinstance(value, float) and not value.is_integer()) or not -(2 ** 31) <= value < 2 ** 31:
                 raise ValueError(f"{NAME}: scalars[{name!r}] is an integer knob (int32); got {value!r}")
             value = int(value)
+            if value < 0 and name in NONNEG_SCALARS:
+                raise ValueError(f"{NAME}: scalars[{name!r}] = {value}: this knob was generated non-negative "
+                                 f"({SCALARS[name]}) and the file's `%` / `//` rely on it; export the file again "
+                                 "from a mask made with a negative value")
         values[name] = float(value) if isinstance(SCALARS[name], float) else value
     return rules + tuple(values.values())
 

@@ -439,3 +439,21 @@ def test_a_range_check_is_one_unsigned_compare_exact_for_any_bound():
     src = fa4.generate(mask, 64, 64, heads=4)
     assert "(cutlass.max(" in _mods_text(src.source) and "-1) + 1)))" in _mods_text(src.source)
     assert _check(mask, src, 1, 4, 64, 64) is None
+
+
+def test_a_window_from_a_moving_start_is_one_unsigned_compare_too():
+    # NATTEN's (x >= lo) & (x < lo + k) with x, lo >= 0, split across a chain of ands
+    src = fa4.generate(make("neighborhood_2d", {"kernel": 13}, q_len=8192, kv_len=8192), 8192, 8192)
+    text = _mods_text(src.source).split("def mask_mod_cute(")[0]
+    assert re.search(r"return v_\w+\n", text)
+    final = re.search(r"    (v_\w+) = (.+)\n    return \1", text).group(2)
+    assert final.count("cutlass.Uint32(") == 4 and final.count("< cutlass.Uint32(13)") == 2, final
+
+    def band(b, h, q_idx, kv_idx):  # the <= form: keys lo .. lo + 4, lo = clamp(q - 2, 0, 91)
+        lo = (q_idx - 2).clamp(0, 91)
+        return (kv_idx <= lo + 4) & (q_idx >= 0) & (kv_idx >= lo)
+
+    mask = Mask("band", mask_mod=band)
+    src = fa4.generate(mask, 100, 100)
+    assert "< cutlass.Uint32(5))" in _mods_text(src.source)
+    assert _check(mask, src, 1, 1, 100, 100) is None

@@ -160,8 +160,8 @@ class CuteMaskEmitter(TritonMaskEmitter):
     def _fast(self, op, node):
         args, kwargs = node.args, node.kwargs
         dtype = getattr(node.meta.get("val"), "dtype", None)
-        if op in ("bitwise_and", "logical_and") and len(args) == 2:
-            inside = self._range_check(*args)
+        if op in ("bitwise_and", "logical_and") and len(args) == 2 and dtype == torch.bool:
+            inside = self._range_check(node)
             if inside is not None:
                 return inside
         divisor = args[1] if len(args) > 1 else None
@@ -184,49 +184,97 @@ class CuteMaskEmitter(TritonMaskEmitter):
                 return self.combine("({a} * (1.0 / {b}))", self.value(args[0]), b)
         return None
 
-    def _range_check(self, a, b):
-        """`(x >= 0) & (x < w)` (or `x <= w`, either order) on an integer x as one unsigned compare,
-        `Uint32(x) < Uint32(max(w, 0))` (`max(w, -1) + 1` for <=): exact for every x and w, and what
-        LLVM folds to by itself when w is a literal, but not when w is a run-time knob. A window's
-        partial blocks then pay one compare per pair, as inductor's literal window does."""
+    def _range_check(self, node):
+        """Range checks in an and of comparisons, each as one unsigned compare, exact for every value:
+        `(x >= 0) & (x < w)` (or `x <= w`) as `Uint32(x) < Uint32(max(w, 0))` (`max(w, -1) + 1` for
+        <=), what LLVM folds a literal w to by itself but not a run-time knob; and, for non-negative
+        x and lo, `(x >= lo) & (x < lo + k)` (a NATTEN window) as `Uint32(x - lo) < k`. The and's
+        operands are gathered through nested ands (`a & b & c & d`), so a pair split across them
+        still meets. A window's partial blocks then pay one compare per pair, as a literal's do."""
         import torch.fx
 
         from workbench.define.trace import op_name
 
+        def is_and(n):
+            return (isinstance(n, torch.fx.Node) and n.op == "call_function" and len(n.args) == 2 and
+                    op_name(n.target) in ("bitwise_and", "logical_and") and
+                    getattr(n.meta.get("val"), "dtype", None) == torch.bool)
+
+        def leaves(n):
+            if is_and(n) and len(n.users) == 1:
+                return leaves(n.args[0]) + leaves(n.args[1])
+            return [n]
+
         def compare(n):
             if not isinstance(n, torch.fx.Node) or n.op != "call_function" or len(n.args) != 2:
                 return None
-            return op_name(n.target), n.args[0], n.args[1]
+            name = op_name(n.target)
+            return (name, n.args[0], n.args[1]) if name in ("ge", "lt", "le") else None
 
-        parts = [compare(a), compare(b)]
-        if None in parts:
-            return None
-        for (lo_op, x, zero), (hi_op, x2, w) in (parts, parts[::-1]):
-            same = x is x2 or (isinstance(x, torch.fx.Node) and isinstance(x2, torch.fx.Node) and
-                                x.op == x2.op == "call_function" and x.target == x2.target and x.args == x2.args and
-                                x.kwargs == x2.kwargs)  # one value computed twice (`kv - q` in both)
-            if lo_op != "ge" or hi_op not in ("lt", "le") or not same or not isinstance(x, torch.fx.Node):
-                continue
-            if not (isinstance(zero, int) and not isinstance(zero, bool) and zero == 0):
-                continue
-            x_dtype = getattr(x.meta.get("val"), "dtype", None)
-            w_dtype = getattr(w.meta.get("val"), "dtype", None) if isinstance(w, torch.fx.Node) else None
-            if x_dtype not in (torch.int32, torch.int64) or (isinstance(w, torch.fx.Node) and
-                                                          w_dtype not in (torch.int32, torch.int64)):
-                continue
-            if isinstance(w, bool) or not isinstance(w, (int, torch.fx.Node)):
-                continue
-            x_text, w_text = self.value(x), self.value(w)
-            if not isinstance(x_text, str) or not isinstance(w_text, str):
-                continue
-            if isinstance(w, int):
-                bound = max(w, 0) if hi_op == "lt" else max(w, -1) + 1
-                if bound >= 2 ** 31:
-                    continue
+        def same(a, b):  # one value, or one computed twice (`kv - q` in both)
+            return a is b or (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and
+                              a.op == b.op == "call_function" and a.target == b.target and a.args == b.args and
+                              a.kwargs == b.kwargs)
+
+        def integer(v):
+            if isinstance(v, bool):
+                return False
+            if isinstance(v, int):
+                return True
+            return isinstance(v, torch.fx.Node) and getattr(v.meta.get("val"), "dtype", None) in (torch.int32,
+                                                                                                  torch.int64)
+
+        def pair(lower, upper):
+            (lo_op, x, lo), (hi_op, x2, hi) = lower, upper
+            if lo_op != "ge" or hi_op not in ("lt", "le") or not same(x, x2) or not isinstance(x, torch.fx.Node):
+                return None
+            if not (integer(x) and integer(lo) and integer(hi)):
+                return None
+            x_text = self.value(x)
+            if not isinstance(x_text, str):
+                return None
+            if isinstance(lo, int) and lo == 0:
+                if isinstance(hi, int):
+                    bound = max(hi, 0) if hi_op == "lt" else max(hi, -1) + 1
+                    return f"(cutlass.Uint32({x_text}) < cutlass.Uint32({bound}))" if bound < 2 ** 31 else None
+                w_text = self.value(hi)
+                if not isinstance(w_text, str):
+                    return None
+                bound = f"cutlass.max({w_text}, 0)" if hi_op == "lt" else f"(cutlass.max({w_text}, -1) + 1)"
                 return f"(cutlass.Uint32({x_text}) < cutlass.Uint32({bound}))"
-            bound = (f"cutlass.max({w_text}, 0)" if hi_op == "lt" else f"(cutlass.max({w_text}, -1) + 1)")
-            return f"(cutlass.Uint32({x_text}) < cutlass.Uint32({bound}))"
-        return None
+            # x >= lo and x < lo + k, with x, lo >= 0 (x - lo cannot overflow) and a literal k >= 0
+            if not (isinstance(lo, torch.fx.Node) and isinstance(hi, torch.fx.Node) and hi.op == "call_function"
+                    and op_name(hi.target) == "add" and len(hi.args) == 2):
+                return None
+            base, k = hi.args
+            if not same(base, lo) or isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                return None
+            k = k if hi_op == "lt" else k + 1
+            lo_text = self.value(lo)
+            if not (self.is_nonneg(x) and self.is_nonneg(lo)) or not isinstance(lo_text, str) or k >= 2 ** 31:
+                return None
+            return f"(cutlass.Uint32({x_text} - {lo_text}) < cutlass.Uint32({k}))"
+
+        parts = leaves(node.args[0]) + leaves(node.args[1])
+        exprs, used = [], set()
+        for i, lower in enumerate(parts):
+            for j, upper in enumerate(parts):
+                if i in used or j in used or i == j:
+                    continue
+                a, b = compare(lower), compare(upper)
+                expr = pair(a, b) if a is not None and b is not None else None
+                if expr is not None:
+                    exprs.append(expr)
+                    used |= {i, j}
+        if not exprs:
+            return None
+        for i, leaf in enumerate(parts):
+            if i not in used:
+                value = self.value(leaf)
+                if not isinstance(value, str):
+                    return None
+                exprs.append(value)
+        return "(" + " & ".join(exprs) + ")"
 
     def constant(self, node, tensor):
         name = self.tensor_name(tensor)

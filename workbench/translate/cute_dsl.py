@@ -145,8 +145,10 @@ class CuteMaskEmitter(TritonMaskEmitter):
     score_graph = False  # the walk is a score_mod's (or its derivative's): its values are scores
 
     def call(self, op, node):
-        """Two rewrites inductor's CuTe DSL also makes, where they are exact or change a score by at
-        most an ulp; everything else is the shared walk."""
+        """The forms inductor's CuTe DSL (or LLVM, given its literals) reaches and the shared walk
+        does not: range checks as unsigned compares, `%` / `//` by a power of two, a score times a
+        reciprocal (see _fast); each exact, or a score off by at most an ulp. Everything else is
+        the shared walk."""
         fast = self._fast(op, node)
         if fast is None:
             return super().call(op, node)

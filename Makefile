@@ -43,6 +43,10 @@ bench-gpu:
 	$(PYTHON) benchmarks/bench_attention.py > $(BENCH)/attention.md
 	$(PYTHON) benchmarks/bench_port.py --lengths 8192 32768 --decode > $(BENCH)/port.md
 	$(PYTHON) benchmarks/bench_port.py --segments > $(BENCH)/segments.md
+	$(PYTHON) benchmarks/bench_port.py --serving > $(BENCH)/serving.md
+	$(PYTHON) benchmarks/bench_paged.py > $(BENCH)/paged.md
+	$(PYTHON) benchmarks/bench_port.py --backward --lengths 8192 32768 > $(BENCH)/backward.md
+	$(PYTHON) benchmarks/bench_port.py --fa4 --lengths 8192 32768 > $(BENCH)/fa4.md
 	$(PYTHON) benchmarks/bench_verify.py --lengths 262144 1048576 > $(BENCH)/verify.md
 
 ## JupyterLab on notebooks/

@@ -324,6 +324,24 @@ def _fold_piece(acc, l_i, m_i, acc_s, l_s, m_s):
 
 
 @triton.jit
+def _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, start, split_keys, INVARIANT: tl.constexpr):
+    # invariant mode, before the tile at `start`: when it begins the next piece of split_keys keys,
+    # the piece so far is folded into the total (t_*) and the running state starts empty (one
+    # helper for the contiguous and the paged kernels: their pieces must meet with the same bits)
+    if INVARIANT:
+        here = start // split_keys
+        if here != piece:
+            t_acc, t_l, t_m = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
+            acc = tl.zeros_like(acc)
+            l_i = tl.zeros_like(l_i)
+            m_i = tl.full(m_i.shape, float("-inf"), tl.float32)
+            piece = here
+    return acc, l_i, m_i, t_acc, t_l, t_m, piece
+
+
+# the step's counts change every step: compiled once for any value (no specialization on 1 or on
+# multiples of 16), so an engine's steps do not compile new variants of the kernel
+@triton.jit
 def _invariant_block(acc, l_i, m_i, t_acc, t_l, t_m, piece, i, j, n_p, n_f, p_row, f_row, q, K_block, V_block,
                      s_kn, s_kd, s_vn, s_vd, rows, offs_d, b, h, Lq, Lk, D, sm_scale, qk_scale, q_off, kv_off,
                      split_keys, @@ALL_PTR_PARAMS@@
@@ -340,13 +358,8 @@ def _invariant_block(acc, l_i, m_i, t_acc, t_l, t_m, piece, i, j, n_p, n_f, p_ro
     c = tl.minimum(cp, cf)
     for sub in tl.static_range(TABLE_N // BLOCK_N):
         start_n = c * TABLE_N + sub * BLOCK_N
-        here = start_n // split_keys
-        if here != piece:
-            t_acc, t_l, t_m = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
-            acc = tl.zeros_like(acc)
-            l_i = tl.zeros_like(l_i)
-            m_i = tl.full(m_i.shape, float("-inf"), tl.float32)
-            piece = here
+        acc, l_i, m_i, t_acc, t_l, t_m, piece = _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, start_n,
+                                                            split_keys, INVARIANT=True)
         if take_p:
             if start_n < Lk:
                 acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, start_n,

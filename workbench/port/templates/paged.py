@@ -228,23 +228,6 @@ def _kept_scores(s, req, h_idx, q_idx, kv_idx, keys, L, visit, masked, @@MASK_PT
     return tl.where(keep, s, float("-inf"))
 
 
-@triton.jit
-def _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, start, split_keys, INVARIANT: tl.constexpr):
-    # invariant mode, before the tile at `start`: when it begins the next piece of split_keys keys,
-    # the piece so far is folded into the total (t_*) and the running state starts empty
-    if INVARIANT:
-        here = start // split_keys
-        if here != piece:
-            t_acc, t_l, t_m = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
-            acc = tl.zeros_like(acc)
-            l_i = tl.zeros_like(l_i)
-            m_i = tl.full(m_i.shape, float("-inf"), tl.float32)
-            piece = here
-    return acc, l_i, m_i, t_acc, t_l, t_m, piece
-
-
-# the step's counts change every step: compiled once for any value (no specialization on 1 or on
-# multiples of 16), so an engine's steps do not compile new variants of the kernel
 @triton.jit(do_not_specialize=["num_seqs", "total_q", "valid_q_len", "valid_kv_len", "num_pages", "max_keys"])
 def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table, cu_seqlens_q, seq_lens,
                   s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, s_bt,

@@ -319,6 +319,10 @@ def test_a_knob_is_read_at_run_time_and_turning_it_gives_the_other_masks_values(
     assert _check(other, src, 1, 1, 96, 96, scalars={knob: value}) is None
     # the check can fail: the file at its own value is not the other mask
     assert _check(other, src, 1, 1, 96, 96) is not None
+    if mask.mask_mod is not None:  # a turned knob at other lengths too (Lq = 1, Lq < Lk): the rules still follow
+        for q_len, kv_len in ((1, 77), (64, 200)):
+            assert _check(bind(make(name, turned, q_len=q_len, kv_len=kv_len), q_len, kv_len, "cpu"), src, 1, 1,
+                          q_len, kv_len, scalars={knob: value}) is None, (q_len, kv_len)
 
 
 def test_knobs_inside_and_masks_and_factories_are_lifted_and_python_control_flow_stays_a_literal():

@@ -56,28 +56,29 @@ def _dot32(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit
-def _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, q_off, kv_off,
+def _bwd_tile(qk, dp, q_pos, kv_pos, lse2, delta, b, h, Lq, Lk, sm_scale, q_off, kv_off,
               @@ALL_PTR_PARAMS@@ @@DTABLE_PTR_PARAMS@@
-              MASKED: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
-              LEARN: tl.constexpr, DETERMINISTIC: tl.constexpr):
-    # one tile of queries x keys: q, do [M, D]; k, v [N, D]; lse2 = lse * log2(e) [M] (+inf for
-    # rows that keep nothing); delta [M]. Returns p [M, N] and dx [M, N] = ds * score_grad * scale,
-    # both 0 outside the kept pairs (and outside the lengths: the clamped rows and keys). LEARN:
-    # also add ds into the gradients of the learnable tables the score_mod reads
-    qk = _dot32(q, tl.trans(k), IEEE=IEEE, WIDEN=WIDEN)
-    q_idx = tl.minimum(offs_m, Lq - 1)[:, None] + q_off
-    kv_idx = tl.minimum(offs_n, Lk - 1)[None, :] + kv_off
+              MASKED: tl.constexpr, HAS_SCORE: tl.constexpr, LEARN: tl.constexpr, DETERMINISTIC: tl.constexpr):
+    # one tile of pairs, either way round: queries down and keys across (the dq kernel: qk = q . k^T
+    # [M, N], q_pos [M, 1], kv_pos [1, N]) or keys down and queries across (the dk / dv kernel:
+    # qk = k . q^T [N, M], q_pos [1, M], kv_pos [N, 1]), so that each kernel's p and ds come out of
+    # its first dots already in the shape its last dots take them in (no transpose of a register
+    # tile). dp = dO . v^T in qk's shape; lse2 = lse * log2(e) (+inf for rows that keep nothing) and
+    # delta broadcast like q_pos. Returns p and dx = ds * score_grad * scale in qk's shape, both 0
+    # outside the kept pairs (and outside the lengths: the clamped rows and keys). LEARN: also add
+    # ds into the gradients of the learnable tables the score_mod reads
+    q_idx = tl.minimum(q_pos, Lq - 1) + q_off
+    kv_idx = tl.minimum(kv_pos, Lk - 1) + kv_off
     x = qk * sm_scale
     if HAS_SCORE:
         s = score_mod_triton(x, b, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
     else:
         s = x * 1.4426950408889634
-    keep = (offs_m < Lq)[:, None] & (offs_n < Lk)[None, :]
+    keep = (q_pos < Lq) & (kv_pos < Lk)
     if MASKED:
         keep = keep & (mask_mod_triton(b, h, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0)
-    p = tl.where(keep, tl.math.exp2(s - lse2[:, None]), 0.0)
-    dp = _dot32(do, tl.trans(v), IEEE=IEEE, WIDEN=WIDEN)
-    ds = p * (dp - delta[:, None])
+    p = tl.where(keep, tl.math.exp2(s - lse2), 0.0)
+    ds = p * (dp - delta)
     if LEARN != 0:
         score_table_grad_triton(x, b, h, q_idx, kv_idx, ds@@TGRAD_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, LEARN=LEARN,
                                 DETERMINISTIC=DETERMINISTIC)
@@ -102,9 +103,11 @@ def _bwd_dq_block(dq, q, do, lse2, delta, at, K_bh, V_bh, s_kn, s_kd, s_vn, s_vd
         cols = tl.minimum(offs_n, Lk - 1)
         k = tl.load(K_bh + cols[:, None] * s_kn + offs_d[None, :] * s_kd, mask=d_ok[None, :], other=0.0)
         v = tl.load(V_bh + cols[:, None] * s_vn + offs_d[None, :] * s_vd, mask=d_ok[None, :], other=0.0)
-        p, dx = _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 0, 0
-                          @@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, MASKED=MASKED, HAS_SCORE=HAS_SCORE,
-                          IEEE=IEEE, WIDEN=WIDEN, LEARN=LEARN, DETERMINISTIC=DETERMINISTIC)
+        qk = _dot32(q, tl.trans(k), IEEE=IEEE, WIDEN=WIDEN)  # [M, N]
+        dp = _dot32(do, tl.trans(v), IEEE=IEEE, WIDEN=WIDEN)
+        p, dx = _bwd_tile(qk, dp, offs_m[:, None], offs_n[None, :], lse2[:, None], delta[:, None], b, h, Lq, Lk,
+                          sm_scale, 0, 0@@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, MASKED=MASKED, HAS_SCORE=HAS_SCORE,
+                          LEARN=LEARN, DETERMINISTIC=DETERMINISTIC)
         dq += _dot32(dx if IEEE else dx.to(k.dtype), k, IEEE=IEEE, WIDEN=WIDEN)
     return dq
 
@@ -125,11 +128,14 @@ def _bwd_dkdv_block(dk, dv, k, v, at, Q_bh, DO_bh, Lse2, Delta, bh, s_qm, s_qd, 
         do = tl.load(DO_bh + rows[:, None] * s_om + offs_d[None, :] * s_od, mask=d_ok[None, :], other=0.0)
         lse2 = tl.load(Lse2 + bh.to(tl.int64) * Lq + rows)
         delta = tl.load(Delta + bh.to(tl.int64) * Lq + rows)
-        p, dx = _bwd_tile(q, k, v, do, lse2, delta, offs_m, offs_n, b, h, Lq, Lk, sm_scale, 0, 0
-                          @@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, MASKED=MASKED, HAS_SCORE=HAS_SCORE,
-                          IEEE=IEEE, WIDEN=WIDEN, LEARN=0, DETERMINISTIC=False)
-        dv += _dot32(tl.trans(p if IEEE else p.to(do.dtype)), do, IEEE=IEEE, WIDEN=WIDEN)
-        dk += _dot32(tl.trans(dx if IEEE else dx.to(q.dtype)), q, IEEE=IEEE, WIDEN=WIDEN)
+        # keys down, queries across: pT and dxT come out of these dots as the next dots take them
+        qkT = _dot32(k, tl.trans(q), IEEE=IEEE, WIDEN=WIDEN)  # [N, M]
+        dpT = _dot32(v, tl.trans(do), IEEE=IEEE, WIDEN=WIDEN)
+        pT, dxT = _bwd_tile(qkT, dpT, offs_m[None, :], offs_n[:, None], lse2[None, :], delta[None, :], b, h, Lq, Lk,
+                            sm_scale, 0, 0@@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, MASKED=MASKED, HAS_SCORE=HAS_SCORE,
+                            LEARN=0, DETERMINISTIC=False)
+        dv += _dot32(pT if IEEE else pT.to(do.dtype), do, IEEE=IEEE, WIDEN=WIDEN)
+        dk += _dot32(dxT if IEEE else dxT.to(q.dtype), q, IEEE=IEEE, WIDEN=WIDEN)
     return dk, dv
 
 

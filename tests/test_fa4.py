@@ -256,6 +256,24 @@ def test_the_file_refuses_what_fa4_cannot_run_before_importing_it():
         ns["_check"](*(torch.randn(1, 2, 128, 64, dtype=torch.bfloat16),) * 3)
 
 
+def test_the_file_refuses_a_gpu_generation_whose_fa4_tiles_differ(monkeypatch):
+    # the block-sparse tensors are cut at sm_90's 128 x 128; on Blackwell FA4 takes 256-query
+    # blocks: the file says so instead of passing FA4 lists of the wrong size
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ns = _plain_part(fa4.generate(make("causal", q_len=128, kv_len=128), 128, 128))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(1, 2, 128, 64, dtype=torch.bfloat16, device="cuda")
+        monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_100a")
+        with pytest.raises(RuntimeError, match="sm_100.*FA4_ANY_ARCH=1"):
+            ns["_check"](q, q, q)
+        monkeypatch.setenv("FA4_ANY_ARCH", "1")
+        ns["_check"](q, q, q)  # the user's override: FA4 judges the blocks itself
+        monkeypatch.delenv("FA4_ANY_ARCH")
+        monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_90")
+        ns["_check"](q, q, q)
+
+
 def test_untranslatable_mods_raise_a_clear_error():
     with pytest.raises(WorkbenchError, match="CuTe DSL"):
         fa4.generate(Mask("complex", mask_mod=lambda b, h, q, kv: torch.tensor([1j])[0].real > q), 64, 64)

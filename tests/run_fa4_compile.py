@@ -138,14 +138,18 @@ def compile_files(folder: Path) -> tuple[int, int]:
                 out, lse = module.attention(q, k, k, return_lse=True)
                 assert tuple(out.shape) == (1, heads, q_len, 128) and tuple(lse.shape) == (1, heads, q_len), \
                     (tuple(out.shape), tuple(lse.shape))
-                if module.SCALARS:  # another value of every knob: FA4's forward compiles nothing new
+                if module.SCALARS:  # other values of every knob: the first compiles the knob-reading
+                    # copies of the mods once, the next nothing new
                     from flash_attn.cute.interface import _flash_attn_fwd
 
                     compiled = len(_flash_attn_fwd.compile_cache.cache)
                     assert compiled > 0
-                    module.attention(q, k, k, scalars={n: v * 1.5 if isinstance(v, float) else v + 3
-                                                       for n, v in module.SCALARS.items()})
-                    assert len(_flash_attn_fwd.compile_cache.cache) == compiled, "a turned knob compiled again"
+                    for turn in (3, 5):
+                        module.attention(q, k, k, scalars={n: v * turn / 2 if isinstance(v, float) else v + turn
+                                                           for n, v in module.SCALARS.items()})
+                        assert len(_flash_attn_fwd.compile_cache.cache) == compiled + 1, \
+                            f"after turning the knobs to a {'first' if turn == 3 else 'second'} value, FA4 holds " \
+                            f"{len(_flash_attn_fwd.compile_cache.cache) - compiled} new kernels, not 1"
                 # the backward: FA4's own, with the generated score_mod derivative and the transposed lists
                 # (what the file's autograd call runs; torch's autograd engine cannot run fake CUDA
                 # tensors without CUDA, so FA4's backward entry is called as its autograd Function does)
@@ -161,14 +165,13 @@ def compile_files(folder: Path) -> tuple[int, int]:
                     cnt, idx = ((1, h_tab, cols), (1, h_tab, cols, rows))
                     blocks_bwd = BlockSparseTensorsTorch(*(torch.empty(shape, dtype=torch.int32, device="cuda")
                                                            for shape in (cnt, idx, cnt, idx)), block_size=(128, 128))
+                mask_mod, score_mod, score_mod_bwd, read = module._mods(module._scalars(None, q_len, kv_len))
                 qt, kt = q.transpose(1, 2), k.transpose(1, 2)
                 o = torch.empty(qt.shape, dtype=qt.dtype, device="cuda")
                 dq, dk, dv = _flash_attn_bwd(
                     qt, kt, kt, o, torch.empty_like(o), torch.empty(1, heads, q_len, device="cuda"), None, False, 0.0,
-                    score_mod=module.score_mod_cute if module.HAS_SCORE else None,
-                    score_mod_bwd=module.score_mod_bwd_cute if module.HAS_SCORE else None,
-                    mask_mod=module.mask_mod_cute if module.HAS_MASK else None, aux_tensors=aux,
-                    aux_scalars=module._dsl_scalars(module._scalars(None, q_len, kv_len)), block_sparse_tensors=blocks_bwd)[:3]
+                    score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux,
+                    aux_scalars=module._dsl_scalars(read), block_sparse_tensors=blocks_bwd)[:3]
                 assert dq.shape == qt.shape and dk.shape == kt.shape
             ok += 1
             print(f"OK file {label} (forward + backward, {time.time() - t0:.1f} s)", flush=True)

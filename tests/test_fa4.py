@@ -38,13 +38,42 @@ def _scalars(src: fa4.Fa4Source, q_len: int, kv_len: int, knobs: dict | None = N
     return rules + tuple({**src.scalars, **(knobs or {})}.values())
 
 
+_MOD_NAMES = ("mask_mod_cute", "score_mod_cute", "score_mod_bwd_cute")
+
+
+def _variants(src: fa4.Fa4Source, knobs: tuple) -> list:
+    """[(namespace, aux_scalars)]: the mods the file runs at these aux_scalars values, as its _mods
+    picks them: at the generated knob values the mods with them written in (reading the length
+    rules' numbers only), and the `*_knobs` copies, which read every value (the file runs them at
+    other values; checked at the generated ones too, so both translations of every mod are)."""
+    ns = cute_shim.load(_mods_text(src.source))
+    if not any(n + "_knobs" in ns for n in _MOD_NAMES):
+        return [(ns, knobs)]
+    rules = len(src.length_rules)
+    out = []
+    if knobs[rules:] == tuple(src.scalars.values()):
+        out.append((ns, knobs[:rules]))
+    copy = dict(ns)
+    for n in _MOD_NAMES:
+        copy.pop(n, None)
+        if n + "_knobs" in ns:
+            copy[n] = ns[n + "_knobs"]
+    return out + [(copy, knobs)]
+
+
 def _check(mask: Mask, src: fa4.Fa4Source, batch: int, heads: int, q_len: int, kv_len: int,
            scalars: dict | None = None) -> str | None:
     """What the file's CuTe DSL computes (under the model) against `mask` pair by pair; `scalars`:
     knob values the file is called with (default: those it was generated with)."""
-    ns = cute_shim.load(_mods_text(src.source))
-    aux = _aux(src)
-    knobs = _scalars(src, q_len, kv_len, scalars)
+    for ns, knobs in _variants(src, _scalars(src, q_len, kv_len, scalars)):
+        why = _check_mods(mask, ns, _aux(src), knobs, batch, heads, q_len, kv_len)
+        if why is not None:
+            return why
+    return None
+
+
+def _check_mods(mask: Mask, ns: dict, aux: list, knobs: tuple, batch: int, heads: int, q_len: int,
+                kv_len: int) -> str | None:
     rng = torch.Generator().manual_seed(0)
     for b in range(batch):
         for h in range(heads):
@@ -203,7 +232,7 @@ def _plain_part(src: fa4.Fa4Source) -> dict:
     tail = src.source.split("# ---------------------------------------------------------------- what this file was generated for")[1]
     import re
 
-    tail = re.sub(r"(?m)^if HAS_(MASK|SCORE):\n(    .*\n)+", "", tail)  # the lines that set the hooks' attributes
+    tail = re.sub(r"(?m)^for _suffix in .*:\n(    .*\n)+", "", tail)  # the lines that set the hooks' attributes
     exec(compile(head.split('"""', 2)[2].replace("import cutlass\nimport cutlass.cute as cute\n", "") + tail,
                  "fa4file", "exec"), ns)
     return ns
@@ -218,7 +247,8 @@ def test_each_file_gives_its_hooks_their_own_kernel_cache_key():
     assert hooks[0] == hooks[1]
     keys = [re.search(r"^MODS_HASH = '([0-9a-f]+)'$", t, re.M).group(1) for t in (a, b)]
     assert keys[0] != keys[1]
-    assert all('mask_mod_cute.__cute_hash__ = MODS_HASH + ".mask"' in t for t in (a, b))
+    assert all('globals()["mask_mod_cute" + _suffix].__cute_hash__ = MODS_HASH + ".mask" + _suffix' in t
+               for t in (a, b))
 
 
 @pytest.mark.parametrize("name,params,q_len,kv_len", [("causal", {}, 300, 333), ("document", None, 512, 512),
@@ -332,8 +362,12 @@ def test_a_knob_is_read_at_run_time_and_turning_it_gives_the_other_masks_values(
     knob = f"knob_{param}"
     assert src.scalars[knob] == params[param] and (knob in src.mask_scalars) == (mask.mask_mod is not None)
     other = make(name, turned, q_len=96, kv_len=96)
-    # one text, so one FA4 compile, for every value of the knob
-    assert _mods_text(fa4.generate(other, 96, 96).source) == _mods_text(src.source)
+    # the knob-reading copies are one text for every value of the knob (one FA4 compile serves every
+    # turned value); the mods at the file's own value have it written in
+    knob_part = "# The same mods reading the knobs"
+    assert _mods_text(fa4.generate(other, 96, 96).source).split(knob_part)[1] == \
+        _mods_text(src.source).split(knob_part)[1]
+    assert _mods_text(fa4.generate(other, 96, 96).source) != _mods_text(src.source)
     assert _check(other, src, 1, 1, 96, 96, scalars={knob: value}) is None
     # the check can fail: the file at its own value is not the other mask
     assert _check(other, src, 1, 1, 96, 96) is not None
@@ -442,11 +476,12 @@ def test_a_range_check_is_one_unsigned_compare_exact_for_any_bound():
     src = fa4.generate(make("causal_sliding_window", {"window": 24}, q_len=96, kv_len=96), 96, 96)
     text = _mods_text(src.source)
     assert "cutlass.Uint32(v_sub) < cutlass.Uint32(cutlass.max(cutlass.Int32(aux_scalars[1]), 0))" in text
-    ns = cute_shim.load(text)
+    assert "cutlass.Uint32(v_sub) < cutlass.Uint32(24)" in text.split("# The same mods reading the knobs")[0]
     d = np.arange(96)[:, None] - np.arange(96)[None, :]
     for window in (24, 1, 0):
-        got = cute_shim.run_mask(ns, 0, 0, 96, 96, [], scalars=(0, window))
-        assert np.array_equal(got, (d >= 0) & (d < window)), window
+        for ns, values in _variants(src, (0, window)):  # the literal at 24, the knob copy at each value
+            got = cute_shim.run_mask(ns, 0, 0, 96, 96, [], scalars=values)
+            assert np.array_equal(got, (d >= 0) & (d < window)), window
     # the window was generated >= 0: the file keeps it so
     with pytest.raises(ValueError, match="generated non-negative"):
         _plain_part(src)["_scalars"]({"knob_window": -5}, 96, 96)

@@ -152,11 +152,12 @@ def test_fa4_backward_equals_the_reference(fa4_cuda, name, params, q_len, heads)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,params,turned", [("causal_sliding_window", {"window": 256}, {"window": 77}),
-                                                ("softcap", {"cap": 30.0}, {"cap": 3.0})])
-def test_a_turned_knob_runs_the_other_mask_without_compiling_again(fa4_cuda, tmp_path, name, params, turned):
+@pytest.mark.parametrize("name,params,turned,again", [("causal_sliding_window", {"window": 256}, {"window": 77}, 500),
+                                                      ("softcap", {"cap": 30.0}, {"cap": 3.0}, 7.5)])
+def test_a_turned_knob_runs_the_other_mask_without_compiling_again(fa4_cuda, tmp_path, name, params, turned, again):
     # the file made at one value of a knob, called with another (scalars=): the reference of the
-    # mask made at that other value, forward and backward; FA4's forward cache gains no kernel
+    # mask made at that other value, forward and backward. The first turned value compiles the
+    # knob-reading copies of the mods (one forward kernel); a third value compiles nothing new
     from flash_attn.cute.interface import _flash_attn_fwd
 
     mask = make(name, params, q_len=1000, kv_len=1000, device=fa4_cuda)
@@ -168,7 +169,12 @@ def test_a_turned_knob_runs_the_other_mask_without_compiling_again(fa4_cuda, tmp
     (param, value), = turned.items()
     q, k, v = (t.detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
     out = module.attention(q, k, v, scalars={f"knob_{param}": value})
-    assert len(_flash_attn_fwd.compile_cache.cache) == compiled
+    assert len(_flash_attn_fwd.compile_cache.cache) == compiled + 1
+    with torch.no_grad():
+        third = module.attention(inputs.q, inputs.k, inputs.v, scalars={f"knob_{param}": again})
+    assert len(_flash_attn_fwd.compile_cache.cache) == compiled + 1
+    want = reference_attention(make(name, {param: again}, q_len=1000, kv_len=1000, device=fa4_cuda), inputs)
+    assert (third.double() - want.out).abs().max().item() < 2e-2
     out.backward(inputs.grad_out)
     ref = reference_attention(make(name, turned, q_len=1000, kv_len=1000, device=fa4_cuda), inputs, backward=True)
     assert (out.detach().double() - ref.out).abs().max().item() < 2e-2

@@ -7,8 +7,9 @@ FA4's own forward kernel (`flash_attn.cute`) with block-sparse tensors from the 
 The file imports torch and flash_attn.cute only and exposes `attention(q, k, v, *, scale=None,
 return_lse=False, scalars=None)` with FlexAttention's semantics and layout; `verify(...,
 backend="fa4")` judges it against the float64 reference on a GPU with FA4 installed. Numbers the
-mods capture are run-time values (FA4's aux_scalars): those that follow the lengths, computed per
-call, and knobs (a window), which `scalars=` turns without a new compile.
+mods capture: those that follow the lengths are run-time values (FA4's aux_scalars), computed per
+call; knobs (a window) run written into the mods at their generated values, and `scalars=` turns
+them through copies of the mods that read them as aux_scalars (compiled once, on the first turn).
 
     >>> from workbench import make, fa4
     >>> source = fa4.generate(make("causal_sliding_window", {"window": 64}), 256, 256)

@@ -20,7 +20,7 @@ import torch
 from workbench.define import Mask, WorkbenchError, captured_tensors, index_reads, lift_knobs
 from workbench.define.lengths import LengthRule, relations_text
 from workbench.define.util import fill_template
-from workbench.translate.cute_dsl import cute_mods
+from workbench.translate.cute_dsl import CUTE_HELPERS, cute_mods
 from workbench.translate.emitter import Untranslatable
 
 __all__ = ["Fa4Source", "generate", "unsupported_reason", "FA4_VERSION", "BLOCK", "HEAD_DIMS", "block_tensors"]
@@ -140,6 +140,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     lifted = frozenset(rules)
     # the other numbers the mods capture (a window, a softcap, a prefix) are knobs: run-time values,
     # except divisors (see _divisor_knobs)
+    plain_mask = source_mask  # the knobs as the literals they were
     lifted_mask, knobs = lift_knobs(source_mask, q_len, kv_len)
     divisors = _divisor_knobs(lifted_mask, knobs)
     if divisors:
@@ -155,6 +156,16 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         nonneg = frozenset(n for n, (v, _) in knobs.items() if isinstance(v, int) and v >= 0)
         mods, aux, no_grad = cute_mods(source_mask, captured, lifted, scalars=list(rules) + list(knobs),
                                        nonneg=nonneg)
+        # the file runs the knobs' generated values with them written in (the code inductor writes:
+        # a literal folds into the instructions; read from aux_scalars, a dilated window's width
+        # cost 10% and a 2-D neighbourhood's 1.6x on an H200), and other values through the copies
+        # above (`*_knobs`), compiled on the first call that turns a knob
+        knob_mods = None
+        if knobs:
+            literal, literal_aux, literal_no_grad = cute_mods(plain_mask, captured_tensors(plain_mask), lifted,
+                                                              scalars=list(rules))
+            if literal_aux == aux and literal_no_grad == no_grad:
+                knob_mods, mods = _renamed_knob_mods(mods), literal
         stored = {f"aux.{n}": _aux_tensor(n, captured[n]) for n in aux if n not in rules}
     except Untranslatable as exc:
         raise WorkbenchError(f"the mods cannot be written as CuTe DSL: {exc}",
@@ -190,7 +201,8 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
             src.scan_shape = (int(classes.shape[0]), int(classes.shape[1]), q_len, kv_len)
     src.tensors = stored
     src.backward = no_grad
-    src.key = _key(src, mods)
+    all_mods = mods + (knob_mods or "")
+    src.key = _key(src, all_mods)
     source_comment = textwrap.indent(mask.source.strip() or "(source not available)", "    ")
     fills = {
         "@@TITLE@@": f"{mask.name}: attention with this mask and score on FlashAttention-4's kernel.",
@@ -198,7 +210,9 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@TENSOR_FILE@@": src.tensor_file or "nothing (no tensors)",
         "@@FA4_VERSION@@": FA4_VERSION, "@@FA4_VERSION_REPR@@": repr(FA4_VERSION),
         "@@SOURCE@@": source_comment.replace('"""', "'''").replace("\\", "\\\\"),
-        "@@MODS@@": mods.rstrip(), "@@NAME@@": repr(mask.name),
+        "@@MODS@@": (mods.rstrip() + ("\n\n\n# The same mods reading the knobs from aux_scalars (after the length rules' numbers), for "
+                                      "calls that turn a knob\n\n" + knob_mods.strip() if knob_mods else "")),
+        "@@KNOB_MODS@@": repr(knob_mods is not None), "@@NAME@@": repr(mask.name),
         "@@VALID_Q_LEN@@": repr(src.valid_q_len), "@@VALID_KV_LEN@@": repr(src.valid_kv_len),
         "@@VALID_HEADS@@": repr(src.valid_heads), "@@VALID_BATCH@@": repr(src.valid_batch),
         "@@LENGTH_RULES@@": repr(src.length_rules), "@@RELATIONS@@": repr(src.relations),
@@ -209,12 +223,25 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@SCALARS@@": repr(src.scalars), "@@MASK_SCALARS@@": repr(src.mask_scalars),
         "@@NONNEG_SCALARS@@": repr(src.nonneg_scalars),
         "@@SCAN_SHAPE@@": repr(src.scan_shape),
-        "@@MODS_HASH@@": repr(hashlib.sha256(mods.encode()).hexdigest()),
+        "@@MODS_HASH@@": repr(hashlib.sha256(all_mods.encode()).hexdigest()),
         "@@BACKWARD_NOTE@@": "FA4's, with the generated score_mod derivative" if no_grad is None else f"none ({no_grad})",
         "@@HAS_SCORE_GRAD@@": repr(no_grad is None), "@@NO_SCORE_GRAD@@": repr(no_grad),
     }
     src.source = fill_template(TEMPLATE.read_text(), fills)
     return src
+
+
+_MOD_NAMES = ("mask_mod_cute_one", "mask_mod_cute", "score_mod_cute_one", "score_mod_cute", "score_grad_cute_one",
+              "score_grad_cute", "score_mod_bwd_cute")
+
+
+def _renamed_knob_mods(text: str) -> str:
+    """cute_mods' text of the knob-reading mods without the shared helpers, each function `NAME`
+    renamed `NAME_knobs` (calls between them included)."""
+    import re
+
+    assert text.startswith(CUTE_HELPERS), "cute_mods' text no longer starts with its helpers"
+    return re.sub(r"\b(" + "|".join(_MOD_NAMES) + r")\b", r"\1_knobs", text[len(CUTE_HELPERS):])
 
 
 def _divisor_knobs(mask: Mask, knobs: dict) -> frozenset:

@@ -22,9 +22,11 @@ Differentiable in q, k and v: FA4's backward runs with the same mods, the score_
 block of keys, the query blocks that reach it). Captured tables do not learn here (FA4 does not
 differentiate aux tensors; the Triton port's `tables=` does).
 Backward: @@BACKWARD_NOTE@@.
-Knobs: the numbers the mods capture (SCALARS below: a window, a softcap) are FA4's `aux_scalars`,
-read at run time, so `scalars={name: value}` runs another value without compiling again; a knob the
-mask_mod reads (MASK_SCALARS) gets its block lists from FA4's full-evaluation scan at that value.
+Knobs: the numbers the mods capture (SCALARS below: a window, a softcap) run at their generated
+values written into the mods (the fastest code), and `scalars={name: value}` runs other values
+through copies of the mods that read them as FA4's `aux_scalars`: the first such call compiles
+those copies, later values compile nothing. A knob the mask_mod reads (MASK_SCALARS) gets its block
+lists from FA4's full-evaluation scan at that value.
 
 How it runs: the mods are CuTe DSL functions in FA4's convention (below), passed to FA4's own
 forward with its block-sparse tensors: per row of 128 queries, the 128-key blocks that hold kept
@@ -106,14 +108,21 @@ DTYPES = (torch.bfloat16, torch.float16)
 # same in every generated file (they call the per-pair functions above): each hook gets a hash of
 # this file's whole CuTe DSL part instead, so two masks never share a kernel
 MODS_HASH = @@MODS_HASH@@
-if HAS_MASK:
-    mask_mod_cute.__vec_size__ = 1
-    mask_mod_cute.__cute_hash__ = MODS_HASH + ".mask"
-if HAS_SCORE:
-    score_mod_cute.__vec_size__ = 1
-    score_mod_cute.__cute_hash__ = MODS_HASH + ".score"
-    if HAS_SCORE_GRAD:
-        score_mod_bwd_cute.__cute_hash__ = MODS_HASH + ".score_bwd"
+# KNOB_MODS: the mods come twice. Those without a suffix have the knobs' generated values (SCALARS)
+# written in, as inductor writes them (a literal folds into the instructions: read from
+# aux_scalars, a dilated window's width cost 10% and a 2-D neighbourhood's 1.6x on an H200); the
+# `*_knobs` copies read them from aux_scalars, for calls that turn a knob (compiled by FA4 on the
+# first such call; later values compile nothing). Without KNOB_MODS the mods read every knob there.
+KNOB_MODS = @@KNOB_MODS@@
+for _suffix in ("", "_knobs") if KNOB_MODS else ("",):
+    if HAS_MASK:
+        globals()["mask_mod_cute" + _suffix].__vec_size__ = 1
+        globals()["mask_mod_cute" + _suffix].__cute_hash__ = MODS_HASH + ".mask" + _suffix
+    if HAS_SCORE:
+        globals()["score_mod_cute" + _suffix].__vec_size__ = 1
+        globals()["score_mod_cute" + _suffix].__cute_hash__ = MODS_HASH + ".score" + _suffix
+        if HAS_SCORE_GRAD:
+            globals()["score_mod_bwd_cute" + _suffix].__cute_hash__ = MODS_HASH + ".score_bwd" + _suffix
 
 
 _version_checked: list = []
@@ -234,6 +243,19 @@ def _scalars(given, Lq: int, Lk: int) -> tuple:
     return rules + tuple(values.values())
 
 
+def _mods(values: tuple) -> tuple:
+    """(mask_mod, score_mod, score_mod_bwd, the aux_scalars values they read) for a call whose
+    aux_scalars values are `values` (the length rules' numbers, then SCALARS): at the generated
+    values the mods with them written in (which read the rules' numbers only), else the copies
+    that read the knobs too (see KNOB_MODS)."""
+    suffix = "_knobs" if KNOB_MODS and values[len(LENGTH_RULES):] != _DEFAULTS else ""
+    read = values if suffix or not KNOB_MODS else values[:len(LENGTH_RULES)]
+    named = globals()
+    return (named["mask_mod_cute" + suffix] if HAS_MASK else None,
+            named["score_mod_cute" + suffix] if HAS_SCORE else None,
+            named["score_mod_bwd_cute" + suffix] if HAS_SCORE and HAS_SCORE_GRAD else None, read)
+
+
 def _dsl_scalars(values: tuple):
     """The knobs as FA4's aux_scalars: cutlass Int32 / Float32 values, which the DSL passes as
     kernel arguments (Python ints inside aux_scalars fail its host wrapper in cutlass-dsl 4.8.1)."""
@@ -266,8 +288,9 @@ def _block_sparse(B: int, H: int, Lq: int, Lk: int, device, aux, scalars: tuple)
             return BlockSparseTensorsTorch(*parts, block_size=BLOCK)
         from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
 
-        return compute_block_sparsity(BLOCK[0], BLOCK[1], b_tab, h_tab, Lq, Lk, mask_mod_cute, aux, device,
-                                      aux_scalars=_dsl_scalars(scalars), use_fast_sampling=False)
+        mask_mod, _, _, read = _mods(scalars)
+        return compute_block_sparsity(BLOCK[0], BLOCK[1], b_tab, h_tab, Lq, Lk, mask_mod, aux, device,
+                                      aux_scalars=_dsl_scalars(read), use_fast_sampling=False)
     return _remember(_lists, key, make)
 
 
@@ -340,7 +363,8 @@ def attention(q, k, v, *, scale=None, return_lse=False, scalars=None):
     q:       [B, Hq, Lq, D]  bfloat16 / float16, CUDA; D in 64, 96, 128
     k, v:    [B, Hkv, Lk, D] Hq a multiple of Hkv
     scale:   the softmax scale (default 1 / sqrt(D)), applied before the score_mod
-    scalars: {name: number} other values for the knobs in SCALARS (run-time values: no new compile)
+    scalars: {name: number} other values for the knobs in SCALARS (run-time values: the first call
+             with other values compiles the knob-reading mods once, later values nothing new)
     returns out [B, Hq, Lq, D] in q's dtype (and lse [B, Hq, Lq] float32 with return_lse)
     """
     _check_version()
@@ -366,13 +390,12 @@ def attention(q, k, v, *, scale=None, return_lse=False, scalars=None):
             lists = (blocks.mask_block_cnt, blocks.mask_block_idx, blocks.full_block_cnt, blocks.full_block_idx)
             return BlockSparseTensorsTorch(*_transposed(lists, Lq, Lk), block_size=BLOCK)
         blocks_bwd = _remember(_lists, ("bwd",) + _lists_key(B, Hq, Lq, Lk, q.device, knobs), transposed)
+    mask_mod, score_mod, score_mod_bwd, read = _mods(knobs)
     out, lse = _fa4_func[0](
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
         pack_gqa=False if MASK_READS_HEAD else None,
-        score_mod=score_mod_cute if HAS_SCORE else None,
-        score_mod_bwd=score_mod_bwd_cute if HAS_SCORE and grad else None,
-        mask_mod=mask_mod_cute if HAS_MASK else None,
-        aux_tensors=aux, aux_scalars=_dsl_scalars(knobs), block_sparse_tensors=blocks,
+        score_mod=score_mod, score_mod_bwd=score_mod_bwd if grad else None, mask_mod=mask_mod,
+        aux_tensors=aux, aux_scalars=_dsl_scalars(read), block_sparse_tensors=blocks,
         block_sparse_tensors_bwd=blocks_bwd, return_lse=True)
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

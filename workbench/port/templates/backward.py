@@ -316,13 +316,13 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
     Hkv, Lk = k.shape[1], k.shape[2]
     captured = {**_tables(q.device, Lq, Lk), **(tables or {})}
     dout = dout if dout is not None else torch.zeros_like(out)
-    D_PAD = max(16, triton.next_power_of_2(D))
+    D_PAD = max(16, _next_pow2(D))
     # delta and lse2 per row, in one launch (see _bwd_prep_kernel)
     delta = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
     lse2 = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
     dlse_rows = dlse.contiguous() if dlse is not None else delta
     prep_m = 16 if D_PAD > 128 else 32
-    _bwd_prep_kernel[(triton.cdiv(Lq, prep_m), B * Hq)](
+    _bwd_prep_kernel[(_cdiv(Lq, prep_m), B * Hq)](
         out, dout, lse, dlse_rows, delta, lse2, *out.stride(), *dout.stride(), *lse.stride(), Hq, Lq, D,
         HAS_DLSE=dlse is not None, BLOCK_M=prep_m, D_PAD=D_PAD, num_warps=4)
     dq_tile, dkdv_tile = _backward_tiles(q.dtype, D_PAD)
@@ -343,16 +343,16 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
     dk = torch.empty(B, Hkv, Lk, D, dtype=k.dtype, device=q.device)
     dv = torch.empty(B, Hkv, Lk, D, dtype=v.dtype, device=q.device)
     rows_lists = block_lists(B, Hq, Lq, Lk, q.device)
-    n_rows, n_cols = triton.cdiv(Lq, TABLE_M), triton.cdiv(Lk, TABLE_N)
+    n_rows, n_cols = _cdiv(Lq, TABLE_M), _cdiv(Lk, TABLE_N)
     s_th = n_rows if MASK_READS_HEAD else 0
     s_tb = (Hq if MASK_READS_HEAD else 1) * n_rows if MASK_READS_BATCH else 0
-    _bwd_dq_kernel[(triton.cdiv(Lq, dq_tile[0]), B * Hq)](
+    _bwd_dq_kernel[(_cdiv(Lq, dq_tile[0]), B * Hq)](
         q, k, v, dout, lse2, delta, dq, *rows_lists, *strides, s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale,
         *pointers, *d_tables, LEARN=bits, DETERMINISTIC=bool(deterministic), **flags, **tile(*dq_tile))
     col_lists = column_lists(B, Hq, Lq, Lk, q.device)
     c_th = n_cols if MASK_READS_HEAD else 0
     c_tb = (Hq if MASK_READS_HEAD else 1) * n_cols if MASK_READS_BATCH else 0
-    _bwd_dkdv_kernel[(triton.cdiv(Lk, dkdv_tile[1]), B * Hkv)](
+    _bwd_dkdv_kernel[(_cdiv(Lk, dkdv_tile[1]), B * Hkv)](
         q, k, v, dout, lse2, delta, dk, dv, *col_lists, *strides, c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, D,
         scale, *pointers, *d_tables, **flags, **tile(*dkdv_tile))
     if deterministic:
@@ -405,6 +405,9 @@ class _Attention(torch.autograd.Function):
         out, lse = _attention(q, k, v, scale, True, bounds, invariant, tables=tables)
         ctx.save_for_backward(q, k, v, out, lse, *values)
         ctx.scale, ctx.names, ctx.deterministic = scale, names, deterministic
+        # an output the caller did not use (lse, most often) comes to backward as None, not as a
+        # tensor of zeros made and read every step
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod

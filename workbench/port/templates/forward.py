@@ -197,7 +197,7 @@ def _scan_block_lists(b_tab, h_tab, q_len, kv_len, device, q_off, kv_off, length
 
 def _block_classes(b_tab, h_tab, q_len, kv_len, device, q_off, kv_off, lengths) -> torch.Tensor:
     """[b_tab, h_tab, rows, cols] int8: EMPTY, PARTIAL or FULL for every block of 128 x 128 pairs."""
-    n_rows, n_cols = triton.cdiv(q_len, TABLE_M), triton.cdiv(kv_len, TABLE_N)
+    n_rows, n_cols = _cdiv(q_len, TABLE_M), _cdiv(kv_len, TABLE_N)
     if HAS_MASK:
         classes = torch.empty(b_tab, h_tab, n_rows, n_cols, dtype=torch.int8, device=device)
         tables = _tables(device, *lengths)
@@ -640,6 +640,17 @@ def _attention_kernel(Q, K, V, Out, Lse, partial_num, partial_idx, full_num, ful
         tl.store(Lse + bh.to(tl.int64) * L_out + start + offs_m, lse, mask=row_ok)
 
 
+def _cdiv(a: int, b: int) -> int:
+    # triton.cdiv without its constexpr-function wrapper (about 2 us a call on the host, several
+    # calls a step)
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    # triton.next_power_of_2 for n >= 1, likewise
+    return 1 << (n - 1).bit_length()
+
+
 def _bucket(n: int) -> int:
     # autotune once per power-of-two size class, not once per length
     return 1 << max(0, (n - 1).bit_length())
@@ -794,7 +805,7 @@ def _stack_segment_lists(batch: int, heads: int, bounds: tuple, device) -> tuple
         if stop > start:
             parts.append(block_lists(batch, heads, stop - start, stop - start, device, start, start,
                                      lengths=(bounds[-1], bounds[-1])))
-            info += [(start, stop - start, r) for r in range(triton.cdiv(stop - start, TABLE_M))]
+            info += [(start, stop - start, r) for r in range(_cdiv(stop - start, TABLE_M))]
     n_cols = max(p[1].shape[-1] for p in parts)
     stacked = []
     for i in range(4):
@@ -822,7 +833,7 @@ def _attention(q, k, v, scale, return_lse, bounds, invariant=False, tables=None)
     if bounds is None:
         partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device)
         segments = partial_num  # not read
-        n_rows = triton.cdiv(Lq, TABLE_M)
+        n_rows = _cdiv(Lq, TABLE_M)
     else:
         partial_num, partial_idx, full_num, full_idx, segments = segment_lists(B, Hq, bounds, q.device)
         n_rows = segments.shape[0]
@@ -833,12 +844,12 @@ def _attention(q, k, v, scale, return_lse, bounds, invariant=False, tables=None)
     s_th = n_rows if MASK_READS_HEAD else 0
     s_tb = (Hq if MASK_READS_HEAD else 1) * n_rows if MASK_READS_BATCH else 0
     if bounds is None:
-        grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
+        grid = lambda meta: (_cdiv(Lq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
         longest = Lq
     else:
         grid = lambda meta: (n_rows * (TABLE_M // meta["BLOCK_M"]), B * Hq)  # noqa: E731
         longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    D_PAD = max(16, triton.next_power_of_2(D))
+    D_PAD = max(16, _next_pow2(D))
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     args = (q, k, v, out, lse, partial_num, partial_idx, full_num, full_idx,
             *q.stride(), *k.stride(), *v.stride(), s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale,

@@ -622,10 +622,10 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
         per_request = total_q // max(num_seqs, 1)
         block_m, block_n, warps, stages = next((tile for least, tile in PAGED_TILES if per_request >= least),
                                                PAGED_TILES[-1][1])
-        block_m = max(block_m, triton.next_power_of_2(group))
+        block_m = max(block_m, _next_pow2(group))
     tokens = block_m // group
     row_blocks = total_q // tokens + num_seqs  # the program slots (see _paged_kernel): from shapes alone
-    D_PAD = max(16, triton.next_power_of_2(D))
+    D_PAD = max(16, _next_pow2(D))
     # split the keys when the call has too few programs to fill the GPU (decode, short chunks); the
     # number of pieces from the block table's capacity: a shape, not a content
     capacity = block_table.shape[1] * page_size
@@ -654,7 +654,7 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
         ordered = bool(invariant) or splits > FOLD_AT_ONCE
         _paged_fold[(total_q, Hq)](out, lse, part_acc, part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D,
                                    splits, split_keys, D_PAD=D_PAD, RETURN_LSE=return_lse, INTERPRET=_INTERPRET,
-                                   ORDERED=ordered, PIECES=1 if ordered else triton.next_power_of_2(splits),
+                                   ORDERED=ordered, PIECES=1 if ordered else _next_pow2(splits),
                                    num_warps=1 if ordered else 4, **({} if _INTERPRET else {"num_stages": 3}),
                                    **(_fusion() if invariant else {}))
     return (out, lse) if return_lse else out

@@ -72,8 +72,8 @@ def test_a_wrong_port_backward_fails_verify(tmp_path):
 
     path = port.build(make("causal"), 64, 64, out_dir=tmp_path)
     text = path.read_text()
-    assert "    ds = p * (dp - delta[:, None])\n" in text
-    path.write_text(text.replace("    ds = p * (dp - delta[:, None])\n", "    ds = 1.1 * p * (dp - delta[:, None])\n"))
+    assert "    ds = p * (dp - delta)\n" in text
+    path.write_text(text.replace("    ds = p * (dp - delta)\n", "    ds = 1.1 * p * (dp - delta)\n"))
     verdict = verify(make("causal"), Shape(q_heads=2, q_len=64, kv_len=64, head_dim=16), dtype="float32",
                      backend=PortBackend(path), backward=True, seed=0)
     failed = {c.name for c in verdict.checks if not c.passed}
@@ -98,7 +98,7 @@ def test_conformance_judges_a_backward_on_the_golden_gradients(tmp_path, capsys)
     assert code == 0 and summary["passed"] and all(r["dk_max_abs_err"] < 1e-4 for r in summary["vectors"]), summary
 
     text = port_file.read_text()
-    port_file.write_text(text.replace("    ds = p * (dp - delta[:, None])\n", "    ds = 1.1 * p * (dp - delta[:, None])\n"))
+    port_file.write_text(text.replace("    ds = p * (dp - delta)\n", "    ds = 1.1 * p * (dp - delta)\n"))
     report = conformance(json_path, str(port_file), backward=True)
     # ("gradients wrong" is said only where the output itself passed: the forward is still right)
     assert not report.passed and all("gradients wrong" in r["message"] and "dq" in r["message"] for r in report.rows), \

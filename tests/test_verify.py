@@ -468,3 +468,25 @@ def test_learned_table_gradient_tolerance_follows_the_pairs_it_sums():
     assert not compare("dbias_table", wrong.float(), ref, tol).passed
     small = _grad_tolerance("float32", "dbias_table", ref, Shape(q_heads=1, q_len=8, head_dim=8))
     assert small.rel_fro == 2e-5  # a small problem keeps the plain float32 limit
+
+
+def test_an_lse_near_zero_is_judged_by_its_terms_not_its_size():
+    # one key: lse = q.k * scale, a sum of O(1) terms that can cancel to 9e-4; float32 rounds it
+    # by about 1e-8, 1.2e-5 of its value. Seen as a FAIL of a correct kernel at Lq = Lk = 1
+    # (`verify causal --q-len 1 --kv-len 1 --eager --dtype float32 --seed 2085182340`)
+    from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare
+
+    ref = torch.tensor([[[9.0e-4]]], dtype=torch.float64)
+    assert compare("lse", ref + 1.1e-8, ref, LSE_TOLERANCE["float32"]).passed
+    # the Frobenius check still catches a bias every element hides under its own tolerance: at lse
+    # ~ 5 (6e-5 each, within 1e-4 + 5e-5) and at lse ~ 0 (5e-5 each)
+    g = torch.Generator().manual_seed(0)
+    big = 5 + torch.randn(1, 4, 256, generator=g, dtype=torch.float64)
+    assert not compare("lse", big + 6e-5, big, LSE_TOLERANCE["float32"]).passed
+    small = 1e-3 * torch.randn(1, 4, 256, generator=g, dtype=torch.float64)
+    check = compare("lse", small + 5e-5, small, LSE_TOLERANCE["float32"])
+    assert check.bad_count == 0 and not check.passed
+    # and outputs keep the plain relative check
+    out = 1e-3 * torch.randn(1, 1, 4, 8, generator=g, dtype=torch.float64)
+    check = compare("out", out * (1 + 2e-5), out, TOLERANCES["float32"])
+    assert check.bad_count == 0 and not check.passed

@@ -64,8 +64,8 @@ def lift_knobs(mask, q_len: int, kv_len: int, limit: int = 16, literal: frozense
     """The mask's knobs lifted: every int / float the mods capture (in their closures and defaults,
     at any depth: and_masks' parts, a factory's inner closure), bools and numbers past int32
     excepted, replaced by a 0-d tensor (int32 / float32) named after the variable that held it,
-    so a generated kernel reads them at run time (FA4's `aux_scalars`) and a turned knob does not
-    compile again. Returns (twin mask, {name: (python value, "mask" | "score": the mod that reads it)}), or
+    so a generated kernel can read them at run time (FA4's `aux_scalars`) and a turned knob does not
+    compile again for each value. Returns (twin mask, {name: (python value, "mask" | "score": the mod that reads it)}), or
     (mask, {}) when nothing can be lifted. Numbers the twin cannot take as tensors (one that
     steers Python code, sizes a view) are tried one by one and stay literals; at most `limit`
     are lifted (a long captured list of spans is data, not a knob); the names in `literal` stay

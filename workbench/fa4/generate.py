@@ -97,7 +97,8 @@ class Fa4Source:
                 "backward": self.backward is None, "no_backward": self.backward,
                 "call": "attention(q, k, v, *, scale=None, return_lse=False, scalars=None): q [B, Hq, Lq, D], "
                         "k/v [B, Hkv, Lk, D] (FlexAttention's layout; the file transposes to FA4's [B, L, H, D]); "
-                        "scalars={name: value} turns the aux_scalars knobs without a new compile; differentiable "
+                        "scalars={name: value} turns the knobs (read from aux_scalars by copies of the mods compiled "
+                        "once, on the first turn); differentiable "
                         "in q, k, v through FA4's backward"}
 
 

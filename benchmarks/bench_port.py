@@ -349,6 +349,19 @@ def _step_timer(step):
     return do_bench(step, warmup=5, rep=30), peak
 
 
+def _host_ms(step, calls: int = 30) -> float:
+    """Host time (ms) per training step: `calls` steps back to back, timed until the last one has
+    been issued (not run): what Python, autograd and the launches cost. A step whose host time
+    exceeds its GPU time is bound by the host."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    return 1e3 * (issued - start) / calls
+
+
 def backward_bench(args) -> int:
     from workbench.run import learnable_tensors
 
@@ -358,8 +371,9 @@ def backward_bench(args) -> int:
           f"D={args.head_dim}, forward + backward; do_bench medians (ms), TFLOP/s on kept pairs (3.5x the "
           "forward's flops), peak GiB over one step\n", flush=True)
     print("| mask | tokens | port ms (TFLOP/s, GiB) | port deterministic ms | Flex Triton ms (TFLOP/s, GiB) | "
-          "Flex FLASH ms (TFLOP/s) | port / Flex Triton | port / FLASH | dq max abs diff vs Flex |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "Flex FLASH ms (TFLOP/s) | port / Flex Triton | port / FLASH | host ms per step (port, Flex Triton) | "
+          "dq max abs diff vs Flex |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     wanted = ("causal", "sliding window 1024", "document (8 docs)", "prefix-LM 2048", "per-head window",
               "image spans + softcap")
     for seq in args.lengths:
@@ -417,9 +431,10 @@ def _backward_row(name, mask, seq, args, flex, folder, learn) -> str:
     except Exception as exc:  # not installed, or it cannot run this mask
         flash, vs_flash = f"n/a ({type(exc).__name__}: {str(exc)[:80]})", "-"
     det = f"{det_ms:.2f}" if tables else "- (no tables)"
+    host = f"{_host_ms(port_step):.2f}, {_host_ms(flex_step):.2f}"
     return (f"| {name} | {seq:,} | {port_ms:.2f} ({flops / port_ms / 1e9:.0f}, {port_gib:.2f}) | {det} | "
             f"{flex_ms:.2f} ({flops / flex_ms / 1e9:.0f}, {flex_gib:.2f}) | {flash} | {flex_ms / port_ms:.2f}x | "
-            f"{vs_flash} | {diff:.1e} |")
+            f"{vs_flash} | {host} | {diff:.1e} |")
 
 
 def segments_cost(args) -> int:

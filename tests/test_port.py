@@ -220,6 +220,36 @@ except RuntimeError as exc:
     assert "head dim 16 in torch.float32" in done.stdout and "add a smaller one to SEGMENT_CONFIGS" in done.stdout
 
 
+def test_the_autotuner_is_consulted_once_per_key(tmp_path):
+    # the forward launches with the tiles its autotuner chose once per key (length buckets, head
+    # dim, dtypes), not through the autotuner's per-call argument dict: the autotuner runs once for
+    # two calls at one length, once more at another bucket, and the answers are the same bits
+    path = port.build(make("causal"), 64, 64, heads=1, out_dir=tmp_path)
+    script = f"""
+import importlib.util, torch
+spec = importlib.util.spec_from_file_location("p", {str(path)!r}); m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+runs = []
+tuner_run = m._attention_kernel.run
+def counted(*args, **kwargs):
+    runs.append(1)
+    return tuner_run(*args, **kwargs)
+m._attention_kernel.run = counted
+q, k, v = (torch.randn(1, 2, 50, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+a = m.attention(q, k, v)
+b = m.attention(q, k, v)
+print("after two calls", len(runs), len(m._tuned_for), torch.equal(a, b))
+q2 = torch.randn(1, 2, 300, 16)
+m.attention(q2, q2, q2)
+m.attention(q2, q2, q2)
+print("after another length", len(runs), len(m._tuned_for))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert "after two calls 1 1 True" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "after another length 2 2" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
 def test_float32_at_wide_head_dims_gets_tiles_that_fit_a_hopper_gpu(tmp_path):
     # compiled for sm_90, float32 at D = 128 needs 256-352 KB of shared memory in every larger tile
     # (an H200 has 227 KB): the autotuner must also try the small tiles there, and only there

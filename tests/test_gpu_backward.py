@@ -20,6 +20,8 @@ pytestmark = pytest.mark.gpu
 
 
 def test_the_backward_cases_match_the_reference_on_cuda(cuda):
+    # each case compiles its own kernels (about 35 s a case on an H200's host): BWD_SHARD=i/n in
+    # the environment runs every n-th case, so shards can run side by side in separate processes
     done = subprocess.run([sys.executable, str(ROOT / "run_port_backward.py"), "cuda", "10"], capture_output=True,
                           text=True, timeout=1200, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     summary = [line for line in done.stdout.splitlines() if line.startswith("SUMMARY")]

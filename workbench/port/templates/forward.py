@@ -339,8 +339,6 @@ def _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, start, split_keys, INVARI
     return acc, l_i, m_i, t_acc, t_l, t_m, piece
 
 
-# the step's counts change every step: compiled once for any value (no specialization on 1 or on
-# multiples of 16), so an engine's steps do not compile new variants of the kernel
 @triton.jit
 def _invariant_block(acc, l_i, m_i, t_acc, t_l, t_m, piece, i, j, n_p, n_f, p_row, f_row, q, K_block, V_block,
                      s_kn, s_kd, s_vn, s_vd, rows, offs_d, b, h, Lq, Lk, D, sm_scale, qk_scale, q_off, kv_off,

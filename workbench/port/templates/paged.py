@@ -228,6 +228,8 @@ def _kept_scores(s, req, h_idx, q_idx, kv_idx, keys, L, visit, masked, @@MASK_PT
     return tl.where(keep, s, float("-inf"))
 
 
+# the step's counts change every step: compiled once for any value (no specialization on 1 or on
+# multiples of 16), so an engine's steps do not compile new variants of the kernel
 @triton.jit(do_not_specialize=["num_seqs", "total_q", "valid_q_len", "valid_kv_len", "num_pages", "max_keys"])
 def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table, cu_seqlens_q, seq_lens,
                   s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, s_bt,

@@ -15,7 +15,8 @@ is faster). The FA4 columns need flash-attn-4 (the `fa4` extra): Flex's FLASH ba
 export (`workbench.fa4`: the spec's `flash_attn_cute` file, checked against Flex before timing;
 its first call, block lists included, is in --json), and FA4's flash_attn_func with the mask's
 FlashAttention arguments (causal, window) where it has them; "cannot run" where one refuses the
-mask. --decode adds Lq = 1 against each length. --segments times the port on document masks
+mask; with --fa4 the FA4 paths are timed in turn over --rounds rounds and their medians reported
+(clock and temperature drift reach each path alike). --decode adds Lq = 1 against each length. --segments times the port on document masks
 (8, 32 and 64 documents, uneven lengths) with its default tiling and with cu_seqlens (tiles from each
 document's start: packing-invariant), and checks that both give the same attention.
 --serving times attention_paged (bf16, 32 query / 8 kv heads, D 128, page size 16): a mixed engine
@@ -74,6 +75,16 @@ def timed(fn):
 
     with torch.no_grad():
         return do_bench(fn, warmup=25, rep=100)
+
+
+def timed_in_turn(fns: dict, rounds: int) -> dict:
+    """{path: median ms} over `rounds` rounds in which every path is timed once, one after another:
+    a drift of the GPU's clocks or temperature reaches every path alike, so their ratio holds."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(timed(fn))
+    return {name: sorted(ms)[len(ms) // 2] for name, ms in times.items()}
 
 
 def one(name, mask, shape: Shape, folder: Path, with_sdpa: bool) -> dict:
@@ -159,6 +170,8 @@ def main(argv=None) -> int:
     p.add_argument("--serving", action="store_true", help="only attention_paged: a mixed step and paged prefill")
     p.add_argument("--backward", action="store_true", help="only forward + backward (training), against Flex's "
                    "Triton and FLASH backends")
+    p.add_argument("--rounds", type=int, default=5, help="--fa4: rounds in which the FA4 paths are timed in turn "
+                   "(medians reported)")
     p.add_argument("--fa4", action="store_true", help="only the FA4 columns: Flex FLASH, the FA4 export, FA4 "
                    "direct (and the port and Flex Triton where FLASH cannot run the mask), plus each path's host "
                    "cost per call")
@@ -264,7 +277,6 @@ def fa4_bench(args) -> int:
                                      kernel_options={"BACKEND": "FLASH"})
                 try:
                     want = flash()
-                    row["flash_ms"] = timed(flash)
                 except Exception as exc:
                     row["flash_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
                     want = flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask)
@@ -280,14 +292,17 @@ def fa4_bench(args) -> int:
                 torch.cuda.synchronize()
                 row["first_s"] = time.perf_counter() - t0
                 row["fa4_export_agrees"] = bool((got.float() - want.float()).abs().max() < 3e-2)
-                row["fa4_export_ms"] = timed(lambda: exported.attention(q, k, v))
+                paths = {"fa4_export_ms": lambda: exported.attention(q, k, v)}
+                if "flash_error" not in row:
+                    paths["flash_ms"] = flash
                 direct = {"causal": dict(causal=True),
                           "sliding window 1024": dict(causal=True, window_size=(1023, 0))}.get(name)
                 if direct is not None:
                     from flash_attn.cute import flash_attn_func
 
                     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-                    row["fa4_direct_ms"] = timed(lambda: flash_attn_func(qt, kt, vt, **direct))
+                    paths["fa4_direct_ms"] = lambda: flash_attn_func(qt, kt, vt, **direct)
+                row.update(timed_in_turn(paths, args.rounds))
                 if name == "causal" and seq == args.lengths[0]:  # host cost per call, on a problem of 128 tokens
                     small = make_inputs(Shape(batch=1, q_heads=2, q_len=128, head_dim=args.head_dim), "bfloat16",
                                         "cuda", seed=1)
@@ -417,13 +432,22 @@ def _backward_row(name, mask, seq, args, flex, folder, learn) -> str:
         clear()
         flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask, **options).backward(grad_out)
 
-    port_step()
+    try:
+        port_step()
+    except Exception as exc:
+        raise RuntimeError(f"the port: {type(exc).__name__}: {exc}") from exc
     dq_port = q.grad.clone()
-    flex_step()
-    diff = float((dq_port.float() - q.grad.float()).abs().max())
     port_ms, port_gib = _step_timer(port_step)
     det_ms, _ = _step_timer(lambda: port_step(True)) if tables else (float("nan"), 0)
-    flex_ms, flex_gib = _step_timer(flex_step)
+    try:  # Flex's own failures (its compile, its tiles) are a result too: the port's figures stand
+        flex_step()
+        diff = f"{float((dq_port.float() - q.grad.float()).abs().max()):.1e}"
+        flex_ms, flex_gib = _step_timer(flex_step)
+        flex_host = f"{_host_ms(flex_step):.2f}"
+    except Exception as exc:
+        det = f"{det_ms:.2f}" if tables else "- (no tables)"
+        return (f"| {name} | {seq:,} | {port_ms:.2f} ({flops / port_ms / 1e9:.0f}, {port_gib:.2f}) | {det} | "
+                f"cannot run ({type(exc).__name__}: {str(exc)[:100]}) | - | - | - | {_host_ms(port_step):.2f}, - | - |")
     try:
         flash_ms, _ = _step_timer(lambda: flex_step(kernel_options={"BACKEND": "FLASH"}))
         flash = f"{flash_ms:.2f} ({flops / flash_ms / 1e9:.0f})"
@@ -431,10 +455,10 @@ def _backward_row(name, mask, seq, args, flex, folder, learn) -> str:
     except Exception as exc:  # not installed, or it cannot run this mask
         flash, vs_flash = f"n/a ({type(exc).__name__}: {str(exc)[:80]})", "-"
     det = f"{det_ms:.2f}" if tables else "- (no tables)"
-    host = f"{_host_ms(port_step):.2f}, {_host_ms(flex_step):.2f}"
+    host = f"{_host_ms(port_step):.2f}, {flex_host}"
     return (f"| {name} | {seq:,} | {port_ms:.2f} ({flops / port_ms / 1e9:.0f}, {port_gib:.2f}) | {det} | "
             f"{flex_ms:.2f} ({flops / flex_ms / 1e9:.0f}, {flex_gib:.2f}) | {flash} | {flex_ms / port_ms:.2f}x | "
-            f"{vs_flash} | {host} | {diff:.1e} |")
+            f"{vs_flash} | {host} | {diff} |")
 
 
 def segments_cost(args) -> int:

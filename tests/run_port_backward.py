@@ -7,9 +7,9 @@ dv, and the gradients of learnable tables, against the float64 reference's autog
 Cases: the corpus at its lengths (GQA where the heads allow, Lq != Lk where a mask is defined
 so), the random mods (odd lengths, Lq < Lk), learnable tables (a T5-style bucketed bias at a
 computed index, a per-head slope, a 0-d temperature), a finite-difference check of the gradient
-along a random direction, packed documents (cu_seqlens), rows that keep nothing, a gradient flowing into lse, Lq = 1, bfloat16,
-and deterministic=True run twice (bitwise). Prints `CASE <id> OK|FAIL
-detail`, then a SUMMARY line; exits 1 on any failure."""
+along a random direction, packed documents (cu_seqlens), rows that keep nothing, a gradient
+flowing into lse, Lq = 1, bfloat16, deterministic=True run twice (bitwise), and dq and dk / dv in
+two launches (bitwise one launch's). Prints `CASE <id> OK|FAIL detail`, then a SUMMARY line; exits 1 on any failure."""
 
 import os
 import random
@@ -30,12 +30,28 @@ from workbench.run import Shape, learnable_tensors, make_inputs  # noqa: E402
 from workbench.verify import TOLERANCES, compare, reference_attention  # noqa: E402
 from workbench.verify.compare import _grad_tolerance  # noqa: E402
 
-def run(mask, shape, dtype, device, folder, lse_weight=None, deterministic=False, cu_seqlens=None):
+class _Launches:
+    """Stands in for a kernel of the file, recording each launch's kernel name in `launched`."""
+
+    def __init__(self, name, kernel, launched):
+        self.name, self.kernel, self.launched = name, kernel, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
+
+
+def run(mask, shape, dtype, device, folder, lse_weight=None, deterministic=False, cu_seqlens=None, fused=True):
     """(out, lse, grads by the reference's names) of the port's forward and backward on fresh
-    inputs, with the loss sum(out * grad_out) (+ sum(lse * lse_weight))."""
+    inputs, with the loss sum(out * grad_out) (+ sum(lse * lse_weight)). fused=False: dq and
+    dk / dv in two launches (the path where their tiles cannot share one), checked to be taken."""
     mask = prepare(mask, None, shape.q_len, shape.kv_len, device, heads=shape.q_heads)
     module = port.load(port.build(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch,
                                   out_dir=folder))
+    module.BWD_FUSED = fused
+    launched = []
+    for name in ("_bwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"):
+        setattr(module, name, _Launches(name, getattr(module, name), launched))
     inputs = make_inputs(shape, dtype, device, seed=0, backward=True)
     learn = learnable_tensors(mask)
     tables = {name: t.detach().clone().requires_grad_() for name, t in learn.items()}
@@ -46,6 +62,8 @@ def run(mask, shape, dtype, device, folder, lse_weight=None, deterministic=False
     if lse_weight is not None:
         loss = loss + (torch.where(lse.isinf(), 0.0, lse) * lse_weight).sum()
     loss.backward()
+    want = ["_bwd_kernel"] if fused else ["_bwd_dq_kernel", "_bwd_dkdv_kernel"]
+    assert launched == want, f"the backward launched {launched}, not {want}"
     grads = {"dq": q.grad, "dk": k.grad, "dv": v.grad, **{f"d{n}": t.grad for n, t in tables.items()}}
     return mask, inputs, out.detach(), grads
 
@@ -80,11 +98,17 @@ def finite_difference(mask, shape, dtype, device, folder, eps=1e-3) -> str | Non
 
 
 def check(mask, shape, dtype, device, folder, lse_grad=False, deterministic=False, fd=False,
-          cu_seqlens=None) -> str | None:
+          cu_seqlens=None, two_launches=False) -> str | None:
     if fd:
         return finite_difference(mask, shape, dtype, device, folder)
     weight = torch.randn(shape.batch, shape.q_heads, shape.q_len, device=device) if lse_grad else None
-    mask, inputs, out, grads = run(mask, shape, dtype, device, folder, weight, deterministic, cu_seqlens)
+    mask, inputs, out, grads = run(mask, shape, dtype, device, folder, weight, deterministic, cu_seqlens,
+                                   fused=not two_launches)
+    if two_launches:  # the same bits as one launch
+        _, _, _, fused = run(mask, shape, dtype, device, folder / "fused", weight, deterministic, cu_seqlens)
+        differ = [n for n in grads if not torch.equal(grads[n], fused[n])]
+        if differ:
+            return f"two launches gave other bits than one in {differ}"
     if weight is not None:  # the reference's loss has no lse term: fold it into grad_out's rows instead
         return _check_lse(mask, inputs, grads, weight, dtype)
     ref = reference_attention(mask, inputs, backward=True, device=device, progress=False)
@@ -158,6 +182,8 @@ def special_cases() -> list[tuple[str, Mask, Shape, str, dict]]:
         ("learn_slope_and_temperature_deterministic", slope_mask, Shape(batch=2, q_heads=H, kv_heads=1, q_len=70,
                                                                         kv_len=70, head_dim=16), "float32",
          {"deterministic": True}),
+        ("learn_t5_bias_two_launches", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=77, kv_len=90,
+                                                      head_dim=16), "float32", {"two_launches": True}),
         ("finite_difference_t5_bias", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=90, kv_len=90,
                                                      head_dim=16), "float32", {"fd": True}),
         ("packed_documents", doc_mask, Shape(batch=1, q_heads=4, kv_heads=2, q_len=150, kv_len=150, head_dim=16),
@@ -247,6 +273,8 @@ def main(argv):
     # whose cases each compile their own kernels, can be split across processes
     shard, shards = (int(x) for x in os.environ.get("BWD_SHARD", "0/1").split("/"))
     todo = [c for n, c in enumerate(cases(n_random, length)) if n % shards == shard]
+    only = [w for w in os.environ.get("BWD_ONLY", "").split(",") if w]  # BWD_ONLY=a,b: the cases naming a or b
+    todo = [c for c in todo if not only or any(w in c[0] for w in only)]
     failed = 0
     for n, (case, mask, shape, dtype, options) in enumerate(todo):
         try:

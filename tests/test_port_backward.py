@@ -118,3 +118,4 @@ def test_conformance_judges_a_backward_on_the_golden_gradients(tmp_path, capsys)
 
     with pytest.raises(WorkbenchError, match="carry no gradients"):
         conformance(json_path, str(port_file), backward=True)
+

@@ -18,12 +18,12 @@ import triton.language as tl
 #     dx_ij = ds_ij * score_grad(x_ij)         x = q . k * scale, the score_mod's input
 #     dq_i = scale * sum_j dx_ij k_j           dk_j = scale * sum_i dx_ij q_i
 # score_grad is d score_mod / d score, generated from the score_mod's traced graph
-# (workbench.translate.derivative), never written per mod. Two kernels, with no atomics for dq, dk
-# and dv (every call gives them the same bits): dq, one program per block of queries over the forward's block
-# lists; dk and dv, one program per block of keys over the *column* lists (the same classes read
-# down the columns) and every query head of its kv head's group, which sums GQA's heads in
-# registers. A row that keeps nothing has lse = -inf; it is read as +inf, so its p is 0 and its
-# gradients are exactly 0, never NaN.
+# (workbench.translate.derivative), never written per mod. Two kinds of program, with no atomics
+# for dq, dk and dv (every call gives them the same bits): dq, one program per block of queries
+# over the forward's block lists; dk and dv, one program per block of keys over the *column* lists
+# (the same classes read down the columns) and every query head of its kv head's group, which
+# sums GQA's heads in registers. One launch runs both (_bwd_kernel). A row that keeps nothing has
+# lse = -inf; it is read as +inf, so its p is 0 and its gradients are exactly 0, never NaN.
 
 HAS_SCORE_GRAD = @@HAS_SCORE_GRAD@@  # the score_mod's derivative was generated (or there is no score_mod)
 NO_SCORE_GRAD = @@NO_SCORE_GRAD@@  # why not, when it was not
@@ -44,6 +44,8 @@ GRAD_TABLES = @@GRAD_TABLES@@
 # small tiles every head dim fits.
 BWD_DQ_TILES = [(32, 32, 4, 1), (32, 32, 4, 1)] if _INTERPRET else [(128, 64, 8, 2), (32, 32, 4, 1)]
 BWD_DKDV_TILES = [(32, 32, 4, 1), (32, 32, 4, 1)] if _INTERPRET else [(64, 128, 8, 2), (32, 32, 4, 1)]
+# dq and dk / dv in one launch (_bwd_kernel) when their tiles share warps and stages; False: two
+BWD_FUSED = True
 
 @triton.jit
 def _dot32(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
@@ -149,10 +151,25 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ, partial_num, partial_idx, full_
                    LEARN: tl.constexpr, DETERMINISTIC: tl.constexpr, D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr,
                    IEEE: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr, TABLE_M: tl.constexpr,
                    TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # one program = BLOCK_M queries of one (batch, query head): dq over the kv blocks the forward
-    # visited (its full and partial lists; the mask is evaluated in partial blocks only)
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    _bwd_dq_program(tl.program_id(0), tl.program_id(1), Q, K, V, DO, Lse2, Delta, DQ, partial_num, partial_idx,
+                    full_num, full_idx, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+                    s_ob, s_oh, s_om, s_od, s_tb, s_th, n_cols, Hq, group, Lq, Lk, D,
+                    sm_scale@@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, LEARN=LEARN, DETERMINISTIC=DETERMINISTIC, D_PAD=D_PAD,
+                    HAS_SCORE=HAS_SCORE, IEEE=IEEE, WIDEN=WIDEN, INTERPRET=INTERPRET, TABLE_M=TABLE_M,
+                    TABLE_N=TABLE_N, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+
+
+@triton.jit
+def _bwd_dq_program(pid_m, bh, Q, K, V, DO, Lse2, Delta, DQ, partial_num, partial_idx, full_num, full_idx,
+                    s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+                    s_ob, s_oh, s_om, s_od, s_tb, s_th, n_cols, Hq, group, Lq, Lk, D, sm_scale,
+                    @@ALL_PTR_PARAMS@@ @@DTABLE_PTR_PARAMS@@
+                    LEARN: tl.constexpr, DETERMINISTIC: tl.constexpr, D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr,
+                    IEEE: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr, TABLE_M: tl.constexpr,
+                    TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # one program = BLOCK_M queries (block pid_m) of one (batch, query head) bh: dq over the kv
+    # blocks the forward visited (its full and partial lists; the mask is evaluated in partial
+    # blocks only)
     b = bh // Hq
     h = bh % Hq
     kv_h = h // group
@@ -201,10 +218,24 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV, partial_num, partial_idx,
                      D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
                      INTERPRET: tl.constexpr, TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr):
-    # one program = BLOCK_N keys of one (batch, kv head): dk and dv summed over the query heads of
-    # its group (in order) and over the query blocks of the column lists
-    pid_n = tl.program_id(0)
-    bkh = tl.program_id(1)
+    _bwd_dkdv_program(tl.program_id(0), tl.program_id(1), Q, K, V, DO, Lse2, Delta, DK, DV, partial_num, partial_idx,
+                      full_num, full_idx, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+                      s_ob, s_oh, s_om, s_od, s_tb, s_th, n_rows, Hq, Hkv, group, Lq, Lk, D,
+                      sm_scale@@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
+                      WIDEN=WIDEN, INTERPRET=INTERPRET, TABLE_M=TABLE_M, TABLE_N=TABLE_N, BLOCK_M=BLOCK_M,
+                      BLOCK_N=BLOCK_N)
+
+
+@triton.jit
+def _bwd_dkdv_program(pid_n, bkh, Q, K, V, DO, Lse2, Delta, DK, DV, partial_num, partial_idx, full_num, full_idx,
+                      s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+                      s_ob, s_oh, s_om, s_od, s_tb, s_th, n_rows, Hq, Hkv, group, Lq, Lk, D, sm_scale,
+                      @@ALL_PTR_PARAMS@@ @@DTABLE_PTR_PARAMS@@
+                      D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                      INTERPRET: tl.constexpr, TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    # one program = BLOCK_N keys (block pid_n) of one (batch, kv head) bkh: dk and dv summed over
+    # the query heads of its group (in order) and over the query blocks of the column lists
     b = bkh // Hkv
     kv_h = bkh % Hkv
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -251,6 +282,39 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV, partial_num, partial_idx,
     ok = (offs_n < Lk)[:, None] & d_ok[None, :]
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=ok)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _bwd_kernel(Q, K, V, DO, Lse2, Delta, DQ, DK, DV, r_partial_num, r_partial_idx, r_full_num, r_full_idx,
+                c_partial_num, c_partial_idx, c_full_num, c_full_idx,
+                s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+                s_ob, s_oh, s_om, s_od, s_tb, s_th, c_tb, c_th, n_rows, n_cols, Hq, Hkv, group, Lq, Lk, D, sm_scale,
+                kv_programs, kv_blocks, q_blocks, @@ALL_PTR_PARAMS@@ @@DTABLE_PTR_PARAMS@@
+                LEARN: tl.constexpr, DETERMINISTIC: tl.constexpr, D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr,
+                IEEE: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr, TABLE_M: tl.constexpr,
+                TABLE_N: tl.constexpr, DQ_M: tl.constexpr, DQ_N: tl.constexpr, KV_M: tl.constexpr,
+                KV_N: tl.constexpr):
+    # both kernels in one launch (when their tiles share warps and stages): the first kv_programs
+    # (= kv_blocks * B * Hkv) programs are the dk / dv kernel's, the rest the dq kernel's. The
+    # dk / dv programs, the longer ones, start first and the dq programs fill the GPU behind them,
+    # so neither kernel's last wave runs alone, and a training step has one launch less. Each
+    # program computes exactly what it computes in its own kernel: the same bits
+    pid = tl.program_id(0)
+    if pid < kv_programs:
+        _bwd_dkdv_program(pid % kv_blocks, pid // kv_blocks, Q, K, V, DO, Lse2, Delta, DK, DV, c_partial_num,
+                          c_partial_idx, c_full_num, c_full_idx, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
+                          s_vb, s_vh, s_vn, s_vd, s_ob, s_oh, s_om, s_od, c_tb, c_th, n_rows, Hq, Hkv, group, Lq, Lk,
+                          D, sm_scale@@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, IEEE=IEEE,
+                          WIDEN=WIDEN, INTERPRET=INTERPRET, TABLE_M=TABLE_M, TABLE_N=TABLE_N, BLOCK_M=KV_M,
+                          BLOCK_N=KV_N)
+    else:
+        p = pid - kv_programs
+        _bwd_dq_program(p % q_blocks, p // q_blocks, Q, K, V, DO, Lse2, Delta, DQ, r_partial_num, r_partial_idx,
+                        r_full_num, r_full_idx, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn,
+                        s_vd, s_ob, s_oh, s_om, s_od, s_tb, s_th, n_cols, Hq, group, Lq, Lk, D,
+                        sm_scale@@ALL_PTR_ARGS@@@@DTABLE_PTR_ARGS@@, LEARN=LEARN, DETERMINISTIC=DETERMINISTIC,
+                        D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, IEEE=IEEE, WIDEN=WIDEN, INTERPRET=INTERPRET,
+                        TABLE_M=TABLE_M, TABLE_N=TABLE_N, BLOCK_M=DQ_M, BLOCK_N=DQ_N)
 
 
 _column_lists: dict = {}
@@ -303,11 +367,39 @@ def _backward_tiles(dtype, D_PAD):
     return BWD_DQ_TILES[int(wide)], BWD_DKDV_TILES[int(wide)]
 
 
+_bwd_tile_for: dict = {}  # (kernel, tile asked for, device, dtype, D_PAD, learning tables, deterministic) -> tile
+
+
+def _launch_backward(kernel, grid_of, args, kwargs, tile, key):
+    """kernel[grid_of(tile)](*args, **kwargs, tile) with `tile` (BLOCK_M, BLOCK_N, warps, stages),
+    or, where the chip has no room for it (shared memory: a score_mod's tables and their gradients
+    add to the tile's), with fewer stages, then the small tile every head dim fits. Stages only move
+    loads earlier, and the tile only changes which sums the registers hold: the gradients are the
+    reference's either way. The tile that fits is kept per key."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+
+    def launch(t):
+        m, n, w, stages = t
+        kernel[grid_of(t)](*args, **kwargs, BLOCK_M=m, BLOCK_N=n, num_warps=w,
+                           **({} if interpret else {"num_stages": stages}))
+
+    if interpret:
+        return launch(tile)
+    m, n, w, stages = tile
+    small = BWD_DQ_TILES[1] if kernel is _bwd_dq_kernel else BWD_DKDV_TILES[1]
+    candidates = [(m, n, w, depth) for depth in range(stages, 0, -1)] + [small]
+    if _first_that_fits(candidates, launch, _bwd_tile_for, key) is None:
+        raise RuntimeError(f"{NAME}: no backward tile of {candidates} (BLOCK_M, BLOCK_N, warps, stages) fits "
+                           f"{key[2]} for head dim {key[4]} in {key[3]} (shared memory / registers): put a smaller "
+                           "tile in this file's BWD_DQ_TILES / BWD_DKDV_TILES")
+
+
 def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn=(), deterministic=False):
     """(dq, dk, dv, {name: gradient}) of attention(q, k, v) for the upstream gradients dout
     [B, Hq, Lq, D] and dlse [B, Hq, Lq] (or None), from the forward's out and lse; `tables`: the
     call's replaced tables, `learn`: the names of GRAD_TABLES whose gradient is wanted. Two
-    launches; atomics only for the tables' gradients (integer ones with `deterministic`)."""
+    launches (the prep, then dq and dk / dv together; three where they cannot share one); atomics
+    only for the tables' gradients (integer ones with `deterministic`)."""
     if not HAS_SCORE_GRAD:
         raise RuntimeError(f"{NAME}: the score_mod's derivative could not be generated ({NO_SCORE_GRAD}), so this "
                            "file has no backward; call attention() under torch.no_grad(), or train with "
@@ -329,9 +421,6 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     flags = dict(D_PAD=D_PAD, HAS_SCORE=HAS_SCORE, IEEE=q.dtype == torch.float32,
                  WIDEN=interpret and q.dtype == torch.bfloat16, INTERPRET=interpret, TABLE_M=TABLE_M, TABLE_N=TABLE_N)
-
-    def tile(m, n, warps, stages):
-        return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, **({} if interpret else {"num_stages": stages}))
     pointers = [captured[name] for name in ALL_POINTERS]
     # the tables' gradients in float32 (a 1-element stand-in for tables that do not learn now)
     d_tables = [torch.zeros(captured[name].shape if name in learn else (1,),
@@ -346,15 +435,37 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
     n_rows, n_cols = _cdiv(Lq, TABLE_M), _cdiv(Lk, TABLE_N)
     s_th = n_rows if MASK_READS_HEAD else 0
     s_tb = (Hq if MASK_READS_HEAD else 1) * n_rows if MASK_READS_BATCH else 0
-    _bwd_dq_kernel[(_cdiv(Lq, dq_tile[0]), B * Hq)](
-        q, k, v, dout, lse2, delta, dq, *rows_lists, *strides, s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk, D, scale,
-        *pointers, *d_tables, LEARN=bits, DETERMINISTIC=bool(deterministic), **flags, **tile(*dq_tile))
+    key = (str(q.device), q.dtype, D_PAD, bits, bool(deterministic))
     col_lists = column_lists(B, Hq, Lq, Lk, q.device)
     c_th = n_cols if MASK_READS_HEAD else 0
     c_tb = (Hq if MASK_READS_HEAD else 1) * n_cols if MASK_READS_BATCH else 0
-    _bwd_dkdv_kernel[(_cdiv(Lk, dkdv_tile[1]), B * Hkv)](
-        q, k, v, dout, lse2, delta, dk, dv, *col_lists, *strides, c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, D,
-        scale, *pointers, *d_tables, **flags, **tile(*dkdv_tile))
+    if BWD_FUSED and dq_tile[2:] == dkdv_tile[2:]:  # one launch for both, where a depth fits (see _bwd_kernel)
+        kv_blocks, q_blocks = _cdiv(Lk, dkdv_tile[1]), _cdiv(Lq, dq_tile[0])
+        args = (q, k, v, dout, lse2, delta, dq, dk, dv, *rows_lists, *col_lists, *strides, s_tb, s_th, c_tb, c_th,
+                n_rows, n_cols, Hq, Hkv, Hq // Hkv, Lq, Lk, D, scale, kv_blocks * B * Hkv, kv_blocks, q_blocks,
+                *pointers, *d_tables)
+        grid = (kv_blocks * B * Hkv + q_blocks * B * Hq,)
+
+        def fused(stages):
+            _bwd_kernel[grid](*args, LEARN=bits, DETERMINISTIC=bool(deterministic), **flags, DQ_M=dq_tile[0],
+                              DQ_N=dq_tile[1], KV_M=dkdv_tile[0], KV_N=dkdv_tile[1], num_warps=dq_tile[2],
+                              **({} if interpret else {"num_stages": stages}))
+
+        depths = [dq_tile[3]] if interpret else list(range(min(dq_tile[3], dkdv_tile[3]), 0, -1))
+        if _first_that_fits(depths, fused, _bwd_tile_for, ("fused", dq_tile, dkdv_tile, *key)) is not None:
+            return _backward_result(dq, dk, dv, d_tables, captured, learn, deterministic)
+    _launch_backward(_bwd_dq_kernel, lambda t: (_cdiv(Lq, t[0]), B * Hq),
+                     (q, k, v, dout, lse2, delta, dq, *rows_lists, *strides, s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk,
+                      D, scale, *pointers, *d_tables),
+                     dict(LEARN=bits, DETERMINISTIC=bool(deterministic), **flags), dq_tile, ("dq", dq_tile, *key))
+    _launch_backward(_bwd_dkdv_kernel, lambda t: (_cdiv(Lk, t[1]), B * Hkv),
+                     (q, k, v, dout, lse2, delta, dk, dv, *col_lists, *strides, c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv,
+                      Lq, Lk, D, scale, *pointers, *d_tables), flags, dkdv_tile, ("dkdv", dkdv_tile, *key))
+    return _backward_result(dq, dk, dv, d_tables, captured, learn, deterministic)
+
+
+def _backward_result(dq, dk, dv, d_tables, captured, learn, deterministic):
+    """(dq, dk, dv, {name: the learning table's gradient, in its dtype})."""
     if deterministic:
         d_tables = [d.double() / 4294967296.0 for d in d_tables]
     grads = {name: d.to(captured[name].dtype) for name, d in zip(GRAD_TABLES, d_tables) if name in learn}

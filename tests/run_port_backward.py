@@ -63,7 +63,8 @@ def run(mask, shape, dtype, device, folder, lse_weight=None, deterministic=False
         loss = loss + (torch.where(lse.isinf(), 0.0, lse) * lse_weight).sum()
     loss.backward()
     want = ["_bwd_kernel"] if fused else ["_bwd_dq_kernel", "_bwd_dkdv_kernel"]
-    assert launched == want, f"the backward launched {launched}, not {want}"
+    # (a tile that does not fit is tried again with fewer stages: the same kernel twice in a row)
+    assert list(dict.fromkeys(launched)) == want, f"the backward launched {launched}, not {want}"
     grads = {"dq": q.grad, "dk": k.grad, "dv": v.grad, **{f"d{n}": t.grad for n, t in tables.items()}}
     return mask, inputs, out.detach(), grads
 

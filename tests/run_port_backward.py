@@ -273,9 +273,9 @@ def main(argv):
     # BWD_SHARD=i/n: every n-th case from the i-th (the refusals in shard 0), so that a GPU run,
     # whose cases each compile their own kernels, can be split across processes
     shard, shards = (int(x) for x in os.environ.get("BWD_SHARD", "0/1").split("/"))
-    todo = [c for n, c in enumerate(cases(n_random, length)) if n % shards == shard]
     only = [w for w in os.environ.get("BWD_ONLY", "").split(",") if w]  # BWD_ONLY=a,b: the cases naming a or b
-    todo = [c for c in todo if not only or any(w in c[0] for w in only)]
+    todo = [c for c in cases(n_random, length) if not only or any(w in c[0] for w in only)]
+    todo = [c for n, c in enumerate(todo) if n % shards == shard]
     failed = 0
     for n, (case, mask, shape, dtype, options) in enumerate(todo):
         try:
@@ -286,7 +286,7 @@ def main(argv):
         size = f"B={shape.batch} Hq={shape.q_heads} Hkv={shape.kv_heads} {shape.q_len}x{shape.kv_len} D={shape.head_dim}"
         print(f"CASE {case}-{dtype} {'OK' if problem is None else 'FAIL'} {size}" + (f": {problem}" if problem else ""),
               flush=True)
-    refused = refusals(device, folder) if shard == 0 else []
+    refused = refusals(device, folder) if shard == 0 and not only else []
     for case, text in refused:
         ok = text is not None and REFUSALS[case] in text
         failed += not ok

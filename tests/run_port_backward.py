@@ -26,6 +26,7 @@ from mod_corpus import corpus  # noqa: E402
 from run_port_corpus import random_mod  # noqa: E402
 from workbench import Mask, make, port, with_score  # noqa: E402
 from workbench.define import prepare  # noqa: E402
+from workbench.define.trace import captured_tensors  # noqa: E402
 from workbench.run import Shape, learnable_tensors, make_inputs  # noqa: E402
 from workbench.verify import TOLERANCES, compare, reference_attention  # noqa: E402
 from workbench.verify.compare import _grad_tolerance  # noqa: E402
@@ -45,6 +46,10 @@ def run(mask, shape, dtype, device, folder, lse_weight=None, deterministic=False
     """(out, lse, grads by the reference's names) of the port's forward and backward on fresh
     inputs, with the loss sum(out * grad_out) (+ sum(lse * lse_weight)). fused=False: dq and
     dk / dv in two launches (the path where their tiles cannot share one), checked to be taken."""
+    if str(device) != "cpu":  # the cases' tables are made on the CPU, as users make them: moved, in place,
+        for t in captured_tensors(mask).values():  # to where this run is (their mods capture them)
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                t.data = t.data.to(device)
     mask = prepare(mask, None, shape.q_len, shape.kv_len, device, heads=shape.q_heads)
     module = port.load(port.build(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch,
                                   out_dir=folder))
@@ -166,7 +171,13 @@ def special_cases() -> list[tuple[str, Mask, Shape, str, dict]]:
     def late_keys(b, h, q_idx, kv_idx):  # rows 0..9 keep nothing
         return (kv_idx <= q_idx) & (kv_idx >= 10)
 
+    wide = torch.randn(H, 200, generator=torch.Generator().manual_seed(6)) * 0.5
+
+    def relative(score, b, h, q_idx, kv_idx):  # 200 entries a tile may read: added pair by pair
+        return score + wide[h, (q_idx - kv_idx + 100).clamp(0, 199)]
+
     t5_mask = Mask("learn_t5_bias", mask_mod=causal, score_mod=t5, data={"bias": bias.requires_grad_()})
+    wide_mask = Mask("learn_wide_relative_table", score_mod=relative, data={"wide": wide.requires_grad_()})
     slope_mask = Mask("learn_slope_and_temperature", mask_mod=causal, score_mod=sloped,
                       data={"slope": slope.requires_grad_(), "temp": temp.requires_grad_()})
     def distance(score, b, h, q_idx, kv_idx):
@@ -185,6 +196,8 @@ def special_cases() -> list[tuple[str, Mask, Shape, str, dict]]:
          {"deterministic": True}),
         ("learn_t5_bias_two_launches", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=77, kv_len=90,
                                                       head_dim=16), "float32", {"two_launches": True}),
+        ("learn_wide_relative_table", wide_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=150, kv_len=130,
+                                                       head_dim=16), "float32", {}),
         ("finite_difference_t5_bias", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=90, kv_len=90,
                                                      head_dim=16), "float32", {"fd": True}),
         ("packed_documents", doc_mask, Shape(batch=1, q_heads=4, kv_heads=2, q_len=150, kv_len=150, head_dim=16),

@@ -7,6 +7,7 @@ computes something else is a row that says so.
     python benchmarks/bench_backward_tiles.py                 # causal at 8K and 32K
     python benchmarks/bench_backward_tiles.py --window        # and a sliding window of 1,024
     python benchmarks/bench_backward_tiles.py --lengths 8192
+    python benchmarks/bench_backward_tiles.py --pairs         # dq and dk / dv tiles that run in one launch
 """
 
 import argparse
@@ -23,6 +24,9 @@ from workbench import make, port  # noqa: E402
 
 DQ_TILES = [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (64, 64, 4, 1)]
 DKDV_TILES = [(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (64, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 1)]
+# --pairs: (dq tile, dk / dv tile) pairs with one warp count and depth, which run in one launch
+PAIRS = [((128, 64, 8, 2), (64, 128, 8, 2)), ((128, 64, 8, 3), (64, 128, 8, 3)), ((128, 64, 8, 1), (64, 128, 8, 1)),
+         ((128, 128, 8, 2), (64, 128, 8, 2)), ((64, 64, 4, 3), (64, 64, 4, 3)), ((128, 64, 8, 2), (128, 128, 8, 2))]
 
 
 def main(argv=None):
@@ -30,6 +34,7 @@ def main(argv=None):
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--window", action="store_true", help="also a sliding window of 1,024")
+    ap.add_argument("--pairs", action="store_true", help="only the one-launch pairs of PAIRS (both kernels' tiles)")
     a = ap.parse_args(argv)
     masks = {"causal": make("causal")}
     if a.window:
@@ -56,10 +61,15 @@ def main(argv=None):
 
             module.BWD_DQ_TILES, module.BWD_DKDV_TILES = own
             want = backward()
-            rows = [("dq", t) for t in DQ_TILES] + [("dk / dv", t) for t in DKDV_TILES]
+            rows = ([("pair", t) for t in PAIRS] + [("two launches", PAIRS[0])] if a.pairs else
+                    [("dq", t) for t in DQ_TILES] + [("dk / dv", t) for t in DKDV_TILES])
             for which, tile in rows:
                 module.BWD_DQ_TILES, module.BWD_DKDV_TILES = [list(x) for x in own]
-                (module.BWD_DQ_TILES if which == "dq" else module.BWD_DKDV_TILES)[0] = tile
+                module.BWD_FUSED = which != "two launches"
+                if which in ("pair", "two launches"):
+                    module.BWD_DQ_TILES[0], module.BWD_DKDV_TILES[0] = tile
+                else:
+                    (module.BWD_DQ_TILES if which == "dq" else module.BWD_DKDV_TILES)[0] = tile
                 try:
                     got = backward()
                     diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(got, want))

@@ -10,8 +10,10 @@ garbage in the block table past each request's pages. Request r's rows must equa
 the mask seen from the request: b = r, q_idx = its positions seq_len - n_q + i, kv_idx = 0 ..
 seq_len - 1. Page size 16 runs split-KV (pieces of SPLIT_KEYS keys folded by a second kernel),
 the others one piece. `corpus`: every mod of the test corpus instead (corpus_cases), one step each.
-Prints `CASE <id> OK|FAIL detail` per case (ids: `case_ids`), then a SUMMARY line."""
+PAGED_ONLY=a,b runs only the cases whose id holds a or b; PAGED_PAGE_LOADS sets the file's knob of
+that name ("carried" or "in tile") in every case. Prints `CASE <id> OK|FAIL detail` per case (ids: `case_ids`), then a SUMMARY line."""
 
+import os
 import random
 import sys
 import tempfile
@@ -161,6 +163,7 @@ def check(case, mask, heads, kv_heads, dtype, page, device, folder, rng, batch=N
     source = port.generate(mask, length or 256, length or 256, heads=heads, batch=num_seqs)
     module = port.load(port.write(source, folder / case.replace("+", "_")))
     # half the cases with split-KV (pieces of the keys folded by a second kernel), half without
+    module.PAGED_PAGE_LOADS = os.environ.get("PAGED_PAGE_LOADS", module.PAGED_PAGE_LOADS)
     module.SPLIT_WHEN_PROGRAMS_BELOW = 1 << 30 if "-p16" in case or "bfloat16" in case or "-p48" in case else 0
     if case.endswith("-n32") and device == "cpu":
         module.PAGED_TILES = [(0, WIDE_KEY_TILE)]
@@ -195,6 +198,8 @@ def main(argv) -> int:
     todo = ([(case, mask, heads, kv, "float32", 16, batch, length)
              for case, mask, heads, kv, batch, length in corpus_cases()] if "corpus" in argv
             else [(*c, None, None) for c in cases()])
+    only = [w for w in os.environ.get("PAGED_ONLY", "").split(",") if w]  # cases whose id holds one of these
+    todo = [c for c in todo if not only or any(w in c[0] for w in only)]
     for case, mask, heads, kv_heads, dtype, page, batch, length in todo:
         total += 1
         try:

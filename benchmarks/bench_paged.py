@@ -14,7 +14,6 @@ through PAGED_TILES), the split-KV piece size (FAST_SPLIT_KEYS) and the mode (fa
     python benchmarks/bench_paged.py                       # the file's defaults
     python benchmarks/bench_paged.py --sweep               # tiles x piece sizes, decode and prefill
     python benchmarks/bench_paged.py --prefill 8192 32768  # prefill rows only at these lengths
-    python benchmarks/bench_paged.py --page-loads carried "in tile"  # each variant with both page loads
 """
 
 import argparse
@@ -84,12 +83,11 @@ def _set_variant(module, tile, split_keys, defaults):
 
 
 def _label(tile, split_keys, invariant, module):
-    loads = f", pages {module.PAGED_PAGE_LOADS}"
     if invariant:
         m, n, w = module.INVARIANT_TILE
-        return f"invariant {m}x{n} w{w} s{module.INVARIANT_PAGED_STAGES}, pieces {module.SPLIT_KEYS}{loads}"
+        return f"invariant {m}x{n} w{w} s{module.INVARIANT_PAGED_STAGES}, pieces {module.SPLIT_KEYS}"
     t = "file's tiles" if tile is None else "{}x{} w{} s{}".format(*tile)
-    return f"fast {t}, pieces {split_keys or module.FAST_SPLIT_KEYS or module.SPLIT_KEYS}{loads}"
+    return f"fast {t}, pieces {split_keys or module.FAST_SPLIT_KEYS or module.SPLIT_KEYS}"
 
 
 def decode(module, variants, pages, defaults):
@@ -110,9 +108,8 @@ def decode(module, variants, pages, defaults):
                 want = sdpa().view(B, Hq, D).float()
                 sd = do_bench(sdpa, warmup=10, rep=50)
                 sd_graph = graph_ms(sdpa)
-                for (tile, keys, invariant), loads in ((v, p) for v in variants for p in defaults["loads"]):
+                for tile, keys, invariant in variants:
                     _set_variant(module, tile, keys, defaults)
-                    module.PAGED_PAGE_LOADS = loads
                     label = _label(tile, keys, invariant, module)
                     call = lambda: module.attention_paged(q, kc, vc, table, cu, lens, invariant=invariant)  # noqa: E731
                     try:
@@ -152,9 +149,8 @@ def prefill(module, variants, lengths, pages, defaults):
                 tiles = "?" if config is None else (f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} "
                                                     f"w{config.num_warps} s{config.num_stages}")
                 want = want[0].transpose(0, 1).float()
-                for (tile, invariant), loads in ((v, p) for v in variants for p in defaults["loads"]):
+                for tile, invariant in variants:
                     _set_variant(module, tile, None, defaults)
-                    module.PAGED_PAGE_LOADS = loads
                     label = _label(tile, None, invariant, module)
                     call = lambda: module.attention_paged(q, kc, vc, table, cu, lens, invariant=invariant)  # noqa: E731
                     try:
@@ -180,12 +176,9 @@ def main(argv=None):
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--once", type=int, nargs=3, metavar=("B", "L", "PAGE"),
                     help="only three calls of the file's default decode at this shape (for a profiler)")
-    ap.add_argument("--page-loads", nargs="+", default=None, choices=["carried", "in tile"],
-                    help="PAGED_PAGE_LOADS values to time each variant with (default: the file's)")
     a = ap.parse_args(argv)
     module = port.load(port.build(make("causal"), 256, 256, out_dir=tempfile.mkdtemp()))
-    defaults = {"tiles": list(module.PAGED_TILES), "split": module.FAST_SPLIT_KEYS,
-                "loads": a.page_loads or [module.PAGED_PAGE_LOADS]}
+    defaults = {"tiles": list(module.PAGED_TILES), "split": module.FAST_SPLIT_KEYS}
     if a.once:
         args = decode_case(*a.once)
         with torch.no_grad():

@@ -31,7 +31,9 @@ mask) on causal, sliding window 1024, 8 documents, prefix-LM 2048, per-head wind
 softcap and a T5-style learnable bias table (its gradient included; FLASH refuses captured tensors
 that require grad), with the port's deterministic=True beside it; dq of the port and of Flex are
 compared first; TFLOP/s count 3.5x the forward's flops (1 forward + 2.5 backward); peak memory is
-torch.cuda.max_memory_allocated over one step.
+torch.cuda.max_memory_allocated over one step. Short steps are bound by the host (Python, autograd,
+the launches): beside the step's time stand the host's time per step and the GPU kernels' sum per
+step (torch.profiler), what the step costs where the host runs ahead.
 """
 
 from __future__ import annotations
@@ -377,6 +379,21 @@ def _host_ms(step, calls: int = 30) -> float:
     return 1e3 * (issued - start) / calls
 
 
+def _kernel_ms(step, steps: int = 10) -> float:
+    """GPU time (ms) per training step: the sum of the kernels one step runs (torch.profiler,
+    averaged over `steps`), without the host's gaps between them: what the step costs where the
+    host runs ahead of the GPU (a model whose other layers keep the GPU busy)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0) / steps / 1e3
+
+
 def backward_bench(args) -> int:
     from workbench.run import learnable_tensors
 
@@ -387,8 +404,8 @@ def backward_bench(args) -> int:
           "forward's flops), peak GiB over one step\n", flush=True)
     print("| mask | tokens | port ms (TFLOP/s, GiB) | port deterministic ms | Flex Triton ms (TFLOP/s, GiB) | "
           "Flex FLASH ms (TFLOP/s) | port / Flex Triton | port / FLASH | host ms per step (port, Flex Triton) | "
-          "dq max abs diff vs Flex |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "GPU kernels ms per step (port, Flex Triton, FLASH) | kernels: port / Flex Triton | dq max abs diff vs Flex |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     wanted = ("causal", "sliding window 1024", "document (8 docs)", "prefix-LM 2048", "per-head window",
               "image spans + softcap")
     for seq in args.lengths:
@@ -447,18 +464,21 @@ def _backward_row(name, mask, seq, args, flex, folder, learn) -> str:
     except Exception as exc:
         det = f"{det_ms:.2f}" if tables else "- (no tables)"
         return (f"| {name} | {seq:,} | {port_ms:.2f} ({flops / port_ms / 1e9:.0f}, {port_gib:.2f}) | {det} | "
-                f"cannot run ({type(exc).__name__}: {str(exc)[:100]}) | - | - | - | {_host_ms(port_step):.2f}, - | - |")
+                f"cannot run ({type(exc).__name__}: {str(exc)[:100]}) | - | - | - | {_host_ms(port_step):.2f}, - | "
+                f"{_kernel_ms(port_step):.3f}, -, - | - | - |")
+    port_gpu, flex_gpu, flash_gpu = _kernel_ms(port_step), _kernel_ms(flex_step), "-"
     try:
         flash_ms, _ = _step_timer(lambda: flex_step(kernel_options={"BACKEND": "FLASH"}))
         flash = f"{flash_ms:.2f} ({flops / flash_ms / 1e9:.0f})"
         vs_flash = f"{flash_ms / port_ms:.2f}x"
+        flash_gpu = f"{_kernel_ms(lambda: flex_step(kernel_options={'BACKEND': 'FLASH'})):.3f}"
     except Exception as exc:  # not installed, or it cannot run this mask
         flash, vs_flash = f"n/a ({type(exc).__name__}: {str(exc)[:80]})", "-"
     det = f"{det_ms:.2f}" if tables else "- (no tables)"
     host = f"{_host_ms(port_step):.2f}, {flex_host}"
     return (f"| {name} | {seq:,} | {port_ms:.2f} ({flops / port_ms / 1e9:.0f}, {port_gib:.2f}) | {det} | "
             f"{flex_ms:.2f} ({flops / flex_ms / 1e9:.0f}, {flex_gib:.2f}) | {flash} | {flex_ms / port_ms:.2f}x | "
-            f"{vs_flash} | {host} | {diff} |")
+            f"{vs_flash} | {host} | {port_gpu:.3f}, {flex_gpu:.3f}, {flash_gpu} | {flex_gpu / port_gpu:.2f}x | {diff} |")
 
 
 def segments_cost(args) -> int:

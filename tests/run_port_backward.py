@@ -110,9 +110,11 @@ def check(mask, shape, dtype, device, folder, lse_grad=False, deterministic=Fals
     weight = torch.randn(shape.batch, shape.q_heads, shape.q_len, device=device) if lse_grad else None
     mask, inputs, out, grads = run(mask, shape, dtype, device, folder, weight, deterministic, cu_seqlens,
                                    fused=not two_launches)
-    if two_launches:  # the same bits as one launch
+    if two_launches:  # the same bits as one launch: dq, dk, dv always; a table's gradient where it is
+        # summed in a fixed order (deterministic=True); float atomics add in the order the GPU runs them
         _, _, _, fused = run(mask, shape, dtype, device, folder / "fused", weight, deterministic, cu_seqlens)
-        differ = [n for n in grads if not torch.equal(grads[n], fused[n])]
+        exact = [n for n in grads if deterministic or n in ("dq", "dk", "dv")]
+        differ = [n for n in exact if not torch.equal(grads[n], fused[n])]
         if differ:
             return f"two launches gave other bits than one in {differ}"
     if weight is not None:  # the reference's loss has no lse term: fold it into grad_out's rows instead
@@ -196,6 +198,9 @@ def special_cases() -> list[tuple[str, Mask, Shape, str, dict]]:
          {"deterministic": True}),
         ("learn_t5_bias_two_launches", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=77, kv_len=90,
                                                       head_dim=16), "float32", {"two_launches": True}),
+        ("learn_t5_bias_two_launches_deterministic", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=77,
+                                                                    kv_len=90, head_dim=16), "float32",
+         {"two_launches": True, "deterministic": True}),
         ("learn_wide_relative_table", wide_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=150, kv_len=130,
                                                        head_dim=16), "float32", {}),
         ("finite_difference_t5_bias", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=90, kv_len=90,

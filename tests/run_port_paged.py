@@ -10,8 +10,7 @@ garbage in the block table past each request's pages. Request r's rows must equa
 the mask seen from the request: b = r, q_idx = its positions seq_len - n_q + i, kv_idx = 0 ..
 seq_len - 1. Page size 16 runs split-KV (pieces of SPLIT_KEYS keys folded by a second kernel),
 the others one piece. `corpus`: every mod of the test corpus instead (corpus_cases), one step each.
-PAGED_ONLY=a,b runs only the cases whose id holds a or b; PAGED_PAGE_LOADS sets the file's knob of
-that name ("carried" or "in tile") in every case. Prints `CASE <id> OK|FAIL detail` per case (ids: `case_ids`), then a SUMMARY line."""
+PAGED_ONLY=a,b runs only the cases whose id holds a or b. Prints `CASE <id> OK|FAIL detail` per case (ids: `case_ids`), then a SUMMARY line."""
 
 import os
 import random
@@ -163,7 +162,6 @@ def check(case, mask, heads, kv_heads, dtype, page, device, folder, rng, batch=N
     source = port.generate(mask, length or 256, length or 256, heads=heads, batch=num_seqs)
     module = port.load(port.write(source, folder / case.replace("+", "_")))
     # half the cases with split-KV (pieces of the keys folded by a second kernel), half without
-    module.PAGED_PAGE_LOADS = os.environ.get("PAGED_PAGE_LOADS", module.PAGED_PAGE_LOADS)
     module.SPLIT_WHEN_PROGRAMS_BELOW = 1 << 30 if "-p16" in case or "bfloat16" in case or "-p48" in case else 0
     if case.endswith("-n32") and device == "cpu":
         module.PAGED_TILES = [(0, WIDE_KEY_TILE)]

@@ -40,9 +40,10 @@ GRAD_TABLES = @@GRAD_TABLES@@
 # wider side. Both walk 128-key (128-query) blocks of the lists in sub-tiles of their other side.
 # The first entries were chosen on an H200 by benchmarks/bench_backward_tiles.py (causal, 8K and 32K,
 # bf16, D 128; dk / dv re-chosen for its keys-down tiles: 64 queries x 128 keys, 8 warps, 2 stages,
-# 10% faster than 64 x 64 on causal at 8K; docs/benchmarks.md); the float32 / wide ones are the
-# small tiles every head dim fits.
-BWD_DQ_TILES = [(32, 32, 4, 1), (32, 32, 4, 1)] if _INTERPRET else [(128, 64, 8, 2), (32, 32, 4, 1)]
+# 10% faster than 64 x 64 on causal at 8K; dq re-chosen in one launch with it (--pairs): 128 x 128,
+# 2-3.5% faster than 128 x 64 on causal and a window; docs/benchmarks.md); the float32 / wide ones
+# are the small tiles every head dim fits.
+BWD_DQ_TILES = [(32, 32, 4, 1), (32, 32, 4, 1)] if _INTERPRET else [(128, 128, 8, 2), (32, 32, 4, 1)]
 BWD_DKDV_TILES = [(32, 32, 4, 1), (32, 32, 4, 1)] if _INTERPRET else [(64, 128, 8, 2), (32, 32, 4, 1)]
 # dq and dk / dv in one launch (_bwd_kernel) when their tiles share warps and stages; False: two
 BWD_FUSED = True

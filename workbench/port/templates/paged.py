@@ -21,10 +21,6 @@ HAS_LENGTH_RULES_IN_PAGES = any(a + b != 0 for a, b, c, d in LENGTH_RULES.values
 # no room for falls back to fewer stages (_launch_paged)
 PAGED_TILES = ([(0, (16, 16, 4, 1))] if _INTERPRET else
                [(128, (128, 128, 8, 3)), (32, (64, 64, 4, 3)), (0, (16, 64, 4, 3))])
-# where a tile's page numbers come from: "carried" (loaded one tile ahead by the key loop, one number
-# per page, broadcast to the keys) or "in tile" (each operand loads its keys' page numbers in its own
-# shape inside the tile, an indirect load Triton's pipeliner issues stages ahead)
-PAGED_PAGE_LOADS = "carried"
 PAGED_PIPELINE = True  # the key loop as a `for` loop with predicated loads (pipelined); False: `while`
 PAGED_STAGES = None  # a pipeline depth for every tile (None: each tile's own)
 INVARIANT_PAGED_STAGES = 3  # invariant mode's pipeline depth (stages never change a bit)
@@ -88,10 +84,10 @@ def _paged_tile(acc, l_i, m_i, page_bad, pages, start, q, req, kv_h, group, q_lo
                 sm_scale, qk_scale, @@ALL_PTR_PARAMS@@ @@RANGE_PTR_PARAMS@@
                 HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr, HEADS_DIFFER: tl.constexpr,
                 IEEE: tl.constexpr, WIDEN: tl.constexpr, SKIP: tl.constexpr, TAIL: tl.constexpr, EVEN_D: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGES_IN_TILE: tl.constexpr):
+                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     # one tile of BLOCK_N keys from `start`, read through the block table (`pages`: the tile's page,
-    # or each key's, from _tile_pages; PAGES_IN_TILE: the request's block-table row), into the
-    # online softmax. A tile the mask's bounds say keeps nothing is skipped (SKIP: a branch around it; else its loads are predicated off and its scores
+    # or each key's, from _tile_pages), into the online softmax. A tile the mask's bounds say keeps
+    # nothing is skipped (SKIP: a branch around it; else its loads are predicated off and its scores
     # are -inf, which leaves (acc, l, m) as they are, bit for bit, and keeps the loads outside any
     # branch so Triton can pipeline them); one they say keeps everything runs without the mask.
     # TAIL: the request's last tile, whose keys may run past its end (only it checks keys against L)
@@ -111,13 +107,13 @@ def _paged_tile(acc, l_i, m_i, page_bad, pages, start, q, req, kv_h, group, q_lo
                 acc, l_i, m_i, page_bad, pages, visit, masked, start, q, req, q_pos, h, L, num_pages, K_cache, V_cache,
                 s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d, d_ok, sm_scale, qk_scale,
                 @@ALL_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, IEEE=IEEE, WIDEN=WIDEN, TAIL=TAIL,
-                EVEN_D=EVEN_D, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, PAGES_IN_TILE=PAGES_IN_TILE)
+                EVEN_D=EVEN_D, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
     else:
         acc, l_i, m_i, page_bad = _paged_tile_body(
             acc, l_i, m_i, page_bad, pages, visit, masked, start, q, req, q_pos, h, L, num_pages, K_cache, V_cache,
             s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d, d_ok, sm_scale, qk_scale,
             @@ALL_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, IEEE=IEEE, WIDEN=WIDEN, TAIL=TAIL,
-            EVEN_D=EVEN_D, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, PAGES_IN_TILE=PAGES_IN_TILE)
+            EVEN_D=EVEN_D, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
     return acc, l_i, m_i, page_bad
 
 
@@ -148,8 +144,7 @@ def _paged_tile_body(acc, l_i, m_i, page_bad, pages, visit, masked, start, q, re
                      V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, kv_h, offs_d, d_ok, sm_scale, qk_scale,
                      @@ALL_PTR_PARAMS@@
                      HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
-                     TAIL: tl.constexpr, EVEN_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PAGES_IN_TILE: tl.constexpr):
+                     TAIL: tl.constexpr, EVEN_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     keys = start + offs_n
     if TAIL:  # keys past the end read the last one again (a valid page), then are dropped
@@ -158,30 +153,9 @@ def _paged_tile_body(acc, l_i, m_i, page_bad, pages, visit, masked, start, q, re
         keys_in = keys
     # pages outside the cache are read as page 0 and make the rows NaN (page_bad, reduced once
     # after the loop); pages of tiles the bounds skip are never read, and never judged
-    if PAGES_IN_TILE:
-        # `pages` is the request's block-table row: the tile's page (a page holds whole tiles) or
-        # each key's, loaded here once in k's shape [1, BLOCK_N] and once in v's [BLOCK_N, 1]
-        # (no layout conversion between them); the keys are inside the request (keys_in < L)
-        if PAGE_SIZE % BLOCK_N == 0:
-            pk = tl.load(pages + tl.maximum(start, 0) // PAGE_SIZE, mask=visit, other=0)
-            pv = pk
-        else:
-            pk = tl.load(pages + (keys_in // PAGE_SIZE)[None, :], mask=visit, other=0)
-            pv = tl.load(pages + (keys_in // PAGE_SIZE)[:, None], mask=visit, other=0)
-        ok_k = (pk >= 0) & (pk < num_pages)
-        if PAGE_SIZE % BLOCK_N == 0:
-            page_bad = page_bad | ((ok_k == 0) & visit).to(tl.int32)
-        else:
-            page_bad = page_bad | tl.max(((ok_k == 0) & visit).to(tl.int32), 0)
-        pk = tl.where(ok_k, pk, 0).to(tl.int64)
-        pv = tl.where((pv >= 0) & (pv < num_pages), pv, 0).to(tl.int64)
-        page = pk
-    else:
-        page_ok = (pages >= 0) & (pages < num_pages)
-        page_bad = page_bad | ((page_ok == 0) & visit).to(tl.int32)
-        page = tl.where(page_ok, pages, 0).to(tl.int64)
-        pk = page
-        pv = page
+    page_ok = (pages >= 0) & (pages < num_pages)
+    page_bad = page_bad | ((page_ok == 0) & visit).to(tl.int32)
+    page = tl.where(page_ok, pages, 0).to(tl.int64)
     # each key's address, as (a part that changes with the tile) + (one that does not: computed once,
     # before the key loop). A page that holds whole tiles: one page per tile, its keys in a row;
     # tiles that hold whole pages: each key's page, its slot fixed by its place in the tile. Keys
@@ -191,16 +165,6 @@ def _paged_tile_body(acc, l_i, m_i, page_bad, pages, visit, masked, start, q, re
         v_tile = page * s_vp + (start % PAGE_SIZE) * s_vs
         k_fixed = offs_n[None, :] * s_ks + kv_h * s_kh + offs_d[:, None] * s_kd
         v_fixed = offs_n[:, None] * s_vs + kv_h * s_vh + offs_d[None, :] * s_vd
-    elif PAGES_IN_TILE and BLOCK_N % PAGE_SIZE == 0:  # (page numbers already in each operand's shape)
-        k_tile = pk * s_kp
-        v_tile = pv * s_vp
-        k_fixed = (offs_n % PAGE_SIZE)[None, :] * s_ks + kv_h * s_kh + offs_d[:, None] * s_kd
-        v_fixed = (offs_n % PAGE_SIZE)[:, None] * s_vs + kv_h * s_vh + offs_d[None, :] * s_vd
-    elif PAGES_IN_TILE:
-        k_tile = pk * s_kp + (keys_in % PAGE_SIZE)[None, :] * s_ks
-        v_tile = pv * s_vp + (keys_in % PAGE_SIZE)[:, None] * s_vs
-        k_fixed = kv_h * s_kh + offs_d[:, None] * s_kd
-        v_fixed = kv_h * s_vh + offs_d[None, :] * s_vd
     elif BLOCK_N % PAGE_SIZE == 0:
         k_tile = (page * s_kp)[None, :]
         v_tile = (page * s_vp)[:, None]
@@ -275,8 +239,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
                   D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr,
                   IEEE: tl.constexpr, WIDEN: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
                   SPLIT: tl.constexpr, INVARIANT: tl.constexpr, PIPELINE: tl.constexpr, HEADS_DIFFER: tl.constexpr,
-                  EVEN_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PAGES_IN_TILE: tl.constexpr):
+                  EVEN_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # one program = `tokens` query tokens of one request times the `group` query heads that share
     # kv head kv_h (grouped-query attention: row r is token r // group, head kv_h * group + r % group,
     # so each K/V tile is read once for the whole group), over one piece of the request's keys
@@ -368,17 +331,11 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
     fold = INVARIANT and not SPLIT
     # (the block table is read up to the request's length: the pages of keys up to L, never past)
     pages_end = tl.minimum(stop, L)
-    if PAGES_IN_TILE:  # each tile reads its page numbers itself from the request's row
-        pages = block_table + req.to(tl.int64) * s_bt
-    else:
-        pages = _tile_pages(start, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
+    pages = _tile_pages(start, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
     if PIPELINE:  # a `for` loop (Triton pipelines its loads); the interpreter runs the `while` below
         for kv_start in range(start, stop_even, BLOCK_N):
-            if PAGES_IN_TILE:
-                pages_next = pages
-            else:
-                pages_next = _tile_pages(kv_start + BLOCK_N, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE,
-                                         BLOCK_N=BLOCK_N)
+            pages_next = _tile_pages(kv_start + BLOCK_N, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE,
+                                     BLOCK_N=BLOCK_N)
             acc, l_i, m_i, t_acc, t_l, t_m, piece = _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, kv_start,
                                                                 split_keys, INVARIANT=fold)
             acc, l_i, m_i, page_bad = _paged_tile(
@@ -386,14 +343,12 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
                 K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok, sm_scale, qk_scale,
                 @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=BOUNDS,
                 HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=False, TAIL=False, EVEN_D=EVEN_D,
-                PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, PAGES_IN_TILE=PAGES_IN_TILE)
+                PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
             pages = pages_next
     else:
         kv_start = start
         while kv_start < stop_even:
-            if not PAGES_IN_TILE:
-                pages = _tile_pages(kv_start, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE,
-                                    BLOCK_N=BLOCK_N)
+            pages = _tile_pages(kv_start, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
             acc, l_i, m_i, t_acc, t_l, t_m, piece = _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, kv_start,
                                                                 split_keys, INVARIANT=fold)
             acc, l_i, m_i, page_bad = _paged_tile(
@@ -401,10 +356,9 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
                 K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok, sm_scale, qk_scale,
                 @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=BOUNDS,
                 HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=True, TAIL=False, EVEN_D=EVEN_D,
-                PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, PAGES_IN_TILE=PAGES_IN_TILE)
+                PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
             kv_start += BLOCK_N
-        if not PAGES_IN_TILE:
-            pages = _tile_pages(full_end, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
+        pages = _tile_pages(full_end, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
     if has_tail:  # (the loop left `pages` at this tile's)
         acc, l_i, m_i, t_acc, t_l, t_m, piece = _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, full_end,
                                                             split_keys, INVARIANT=fold)
@@ -413,7 +367,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
             K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok, sm_scale, qk_scale,
             @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=BOUNDS,
             HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=True, TAIL=True, EVEN_D=EVEN_D,
-            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, PAGES_IN_TILE=PAGES_IN_TILE)
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
     if INVARIANT and not SPLIT:
         acc, l_i, m_i = _fold_piece(t_acc, t_l, t_m, acc, l_i, m_i)
     inside = inside & (tl.max(page_bad, 0) == 0)
@@ -695,7 +649,6 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
                  RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, INVARIANT=bool(invariant),
                  PIPELINE=PAGED_PIPELINE and not _INTERPRET, HEADS_DIFFER=MASK_READS_HEAD and group > 1,
                  EVEN_D=D == D_PAD, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-                 PAGES_IN_TILE=PAGED_PAGE_LOADS == "in tile",
                  **(_fusion() if invariant else {}))
     _launch_paged((row_blocks, Hkv, splits), args, flags, PAGED_STAGES or stages, q.device)
     if split:

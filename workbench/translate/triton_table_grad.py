@@ -105,6 +105,28 @@ class _TableGradEmitter(TritonMaskEmitter):
                 f"({self.as_elementwise(self.value(i))})"
                 for i, stride in zip(indices, base.strides)
                 if not (hasattr(i, "op") and _reaches(i, self.pair_args))] if p != "0") or "0"
+            if len(pair_dims) == 1:
+                # one dim follows the pair (a T5 bucket, a clamped distance): only the entries the
+                # tile's adding pairs read are visited, from the least to the greatest (a tile far
+                # from the diagonal reads one or two buckets, not all of them), each an add over
+                # the tile and one atomic add
+                (v, stride, n), = pair_dims
+                idx_v, lo_v, hi_v = self.fresh("idx"), self.fresh("lo"), self.fresh("hi")
+                at = f"e_ * {stride}" if stride != 1 else "e_"
+                self.lines += [f"        {idx_v} = ({v}) + zero_",
+                               f"        {lo_v} = tl.maximum(tl.min(tl.min(tl.where(ds != 0.0, {idx_v}, {n}), 1), 0), 0)",
+                               f"        {hi_v} = tl.minimum(tl.max(tl.max(tl.where(ds != 0.0, {idx_v}, -1), 1), 0), "
+                               f"{n - 1})",
+                               "        if DETERMINISTIC:",
+                               f"            {add}_units = tl.floor({add} * 4294967296.0 + 0.5).to(tl.int64)",
+                               f"            for e_ in range({lo_v}, {hi_v} + 1):",
+                               f"                tl.atomic_add(d_{name}_ptr + ({fixed}) + {at}, tl.sum(tl.sum(tl.where("
+                               f"{idx_v} == e_, {add}_units, 0), 1), 0))",
+                               "        else:",
+                               f"            for e_ in range({lo_v}, {hi_v} + 1):",
+                               f"                tl.atomic_add(d_{name}_ptr + ({fixed}) + {at}, tl.sum(tl.sum(tl.where("
+                               f"{idx_v} == e_, {add}, 0.0), 1), 0))"]
+                return "0"
             loops = [f"e{d}_" for d in range(len(pair_dims))]
             entry = " + ".join(f"{e} * {stride}" for e, (_, stride, _) in zip(loops, pair_dims))
             rel_v = self.fresh("rel")

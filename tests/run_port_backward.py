@@ -74,11 +74,17 @@ def run(mask, shape, dtype, device, folder, lse_weight=None, deterministic=False
     return mask, inputs, out.detach(), grads
 
 
-def finite_difference(mask, shape, dtype, device, folder, eps=1e-3) -> str | None:
+def finite_difference(mask, shape, dtype, device, folder, eps=None) -> str | None:
     """The gradient along a random direction u of (q, k, v, the learnable tables) against the
     central difference (L(x + eps u) - L(x - eps u)) / 2 eps of the port's own forward, L =
     sum(out * grad_out). (Not torch.autograd.gradcheck: the kernels accumulate in float32, so the
     file runs float32 at most; in float32 the difference is good to about 1e-4 here.)"""
+    # the step: on a GPU each float32 forward's rounding (about 1e-7 of each of the 5,760 outputs,
+    # in an order the kernel picks) moves L by about 1e-5, 4e-3 of the difference at eps = 1e-3
+    # (measured on an H200: dk -1.45758 by the backward, -1.45313 by the difference); at 1e-2 that
+    # is 4e-4, and the central difference's own error (eps^2) is still inside the tolerance (under
+    # the interpreter the case passes at eps 1e-2 and 3e-2 too)
+    eps = eps if eps is not None else (1e-3 if device == "cpu" else 1e-2)
     mask, inputs, _, grads = run(mask, shape, dtype, device, folder)
     module = port.load(port.build(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch,
                                   out_dir=folder))

@@ -5,6 +5,7 @@ process on one GPU.
     python benchmarks/bench_port.py [--lengths 8192 32768] [--heads 16] [--head-dim 128] [--batch 1]
         [--masks NAME ...] [--decode] [--json FILE]
     python benchmarks/bench_port.py --serving
+    python benchmarks/bench_port.py --hopper [--lengths 8192 32768] [--rounds 5]
 
 For each mask and length: the port is generated (`workbench.port`), its block lists built and
 its autotuning done; FlexAttention is compiled with this workbench's block mask (equal to
@@ -177,7 +178,11 @@ def main(argv=None) -> int:
     p.add_argument("--fa4", action="store_true", help="only the FA4 columns: Flex FLASH, the FA4 export, FA4 "
                    "direct (and the port and Flex Triton where FLASH cannot run the mask), plus each path's host "
                    "cost per call")
+    p.add_argument("--hopper", action="store_true", help="only the port's Hopper kernel (Gluon, sm_90) beside its "
+                   "portable kernel, Flex Triton and Flex FLASH")
     args = p.parse_args(argv)
+    if args.hopper:
+        return hopper_bench(args)
     if args.fa4:
         return fa4_bench(args)
     if args.serving:
@@ -243,6 +248,69 @@ def _host_us(fn, calls: int = 300) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / calls * 1e6
+
+
+def hopper_bench(args) -> int:
+    """The port's Hopper kernel (templates/hopper.py, Gluon: TMA and warpgroup MMA) beside the
+    portable kernel of the same file, Flex's Triton backend and Flex's FLASH backend (FA4, where it
+    is installed and can run the mask), timed in turn over --rounds rounds; each output is checked
+    against Flex Triton's first, and the Hopper column only counts calls that ran the Hopper kernel."""
+    folder = Path(tempfile.mkdtemp(prefix="bench_hopper_"))
+    flex = compiled_flex_attention()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={args.batch} H={args.heads} "
+          f"D={args.head_dim}, forward; medians of {args.rounds} rounds timed in turn", flush=True)
+    print("| mask | tokens | Hopper kernel ms (TFLOP/s) | portable port ms | Flex Triton ms | Flex FLASH ms | "
+          "portable / Hopper | Flex Triton / Hopper | FLASH / Hopper | max abs diff vs Flex |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for seq in args.lengths:
+        for name, mask in masks_at(seq, args.heads, "cuda").items():
+            if args.masks and name not in args.masks:
+                continue
+            shape = Shape(batch=args.batch, q_heads=args.heads, q_len=seq, head_dim=args.head_dim)
+            inputs = make_inputs(shape, "bfloat16", "cuda", seed=0)
+            q, k, v = inputs.q, inputs.k, inputs.v
+            try:
+                module = port.load(port.build(mask, seq, seq, heads=args.heads, batch=args.batch,
+                                              out_dir=folder / f"{seq}_{name[:12]}".replace(" ", "_")))
+                block_mask = build_block_mask(mask, seq, seq, heads=args.heads, device="cuda", shrink=True)
+                scan = scan_blocks(mask, seq, seq, heads=args.heads, device="cuda", progress=False)
+                flops = 4 * scan.kept_pairs * (1 if scan.depends_on_head else args.heads) * args.head_dim * args.batch
+                with torch.no_grad():
+                    want = flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask)
+                    module.HOPPER = True
+                    if not module._hopper_ready(q, k, v, None, False):
+                        raise RuntimeError(f"the Hopper kernel does not take this call ({module.HOPPER_MODS or 'shape'})")
+                    diff = float((module.attention(q, k, v).float() - want.float()).abs().max())
+
+                def hopper(module=module):
+                    module.HOPPER = True
+                    return module.attention(q, k, v)
+
+                def portable(module=module):
+                    module.HOPPER = False
+                    return module.attention(q, k, v)
+
+                paths = {"hopper": hopper, "portable": portable,
+                         "flex": lambda: flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask)}
+                try:
+                    with torch.no_grad():
+                        flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask, kernel_options={"BACKEND": "FLASH"})
+                    paths["flash"] = lambda: flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask,
+                                                  kernel_options={"BACKEND": "FLASH"})
+                except Exception:  # not installed, or it cannot run this mask
+                    pass
+                ms = timed_in_turn(paths, args.rounds)
+            except Exception as exc:  # a failed row is a result
+                print(f"| {name} | {seq:,} | error: {type(exc).__name__}: {str(exc)[:200]} |", flush=True)
+                continue
+            flash = f"{ms['flash']:.3f}" if "flash" in ms else "-"
+            vs_flash = f"{ms['flash'] / ms['hopper']:.2f}x" if "flash" in ms else "-"
+            wrong = "" if diff < 3e-2 else " **differs**"
+            print(f"| {name} | {seq:,} | {ms['hopper']:.3f} ({flops / ms['hopper'] / 1e9:.0f}) | {ms['portable']:.3f} | "
+                  f"{ms['flex']:.3f} | {flash} | {ms['portable'] / ms['hopper']:.2f}x | {ms['flex'] / ms['hopper']:.2f}x | "
+                  f"{vs_flash} | {diff:.1e}{wrong} |", flush=True)
+            torch.cuda.empty_cache()
+    return 0
 
 
 def fa4_bench(args) -> int:

@@ -96,3 +96,51 @@ def test_float32_at_wide_head_dims(cuda, head_dim):
     result = invariance.check("causal", q_len=700, heads=2, head_dim=head_dim, dtype="float32", device=cuda,
                               backend="port", layouts=["run", "batch", "padded"])
     assert result.passed, result.line
+
+
+def _hopper_cases():
+    sys.path.insert(0, str(ROOT / "tests"))
+    from run_hopper_compile import masks
+
+    # (id, mask, B, Hq, Hkv, Lq, Lk, D, dtype): the compile script's masks (library, softcap, ALiBi,
+    # users' per-head / per-sample tables and .any() spans) at 1,024 tokens, GQA, bf16, D 128; and
+    # causal at 8K in fp16 at D 64, full attention at Lq < Lk
+    out = [(m.name, m, 2, 4, 2, 1024, 1024, 128, "bfloat16") for m in masks()]
+    out.append(("causal_8k_fp16_d64", make("causal", q_len=8192, kv_len=8192), 1, 8, 8, 8192, 8192, 64, "float16"))
+    out.append(("full_512x2048", make("full"), 1, 4, 1, 512, 2048, 128, "bfloat16"))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _hopper_cases(), ids=lambda c: c[0])
+def test_hopper_kernel_matches_the_reference(cuda, tmp_path, case):
+    # the Gluon sm_90 kernel (templates/hopper.py, HOPPER on) against the float64 reference, and the
+    # call must have gone through it
+    import torch
+
+    from workbench import port
+    from workbench.run import Inputs
+    from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention
+
+    name, mask, B, Hq, Hkv, Lq, Lk, D, dtype = case
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90 only")
+    module = port.load(port.build(mask, Lq, Lk, heads=Hq, batch=B, out_dir=tmp_path))
+    assert module.HOPPER_MODS is None, module.HOPPER_MODS
+    module.HOPPER = True
+    calls = []
+    real = module._attention_hopper
+    module._attention_hopper = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    real_dtype = getattr(torch, dtype)
+    q = torch.randn(B, Hq, Lq, D, device="cuda", generator=g).to(real_dtype)
+    k = torch.randn(B, Hkv, Lk, D, device="cuda", generator=g).to(real_dtype)
+    v = torch.randn(B, Hkv, Lk, D, device="cuda", generator=g).to(real_dtype)
+    with torch.no_grad():
+        out, lse = module.attention(q, k, v, return_lse=True)
+    assert calls, "attention() did not run the Hopper kernel"
+    shape = Shape(batch=B, q_heads=Hq, kv_heads=Hkv, q_len=Lq, kv_len=Lk, head_dim=D)
+    ref = reference_attention(mask, Inputs(q=q, k=k, v=v, shape=shape, dtype=dtype, seed=0), progress=False)
+    checks = [compare("out", out, ref.out, TOLERANCES[dtype]), compare("lse", lse, ref.lse, LSE_TOLERANCE[dtype])]
+    assert all(c.passed for c in checks), "; ".join(
+        f"{c.name}: max abs err {c.max_abs_err:.3g}, {c.bad_count} bad, {c.nan_count} NaN" for c in checks)

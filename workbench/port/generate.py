@@ -35,6 +35,11 @@ __all__ = ["PortSource", "generate", "length_plan", "check_supported", "pinned_c
 TEMPLATE = Path(__file__).with_name("templates") / "forward.py"
 PAGED_TEMPLATE = Path(__file__).with_name("templates") / "paged.py"  # attention_paged, appended
 BACKWARD_TEMPLATE = Path(__file__).with_name("templates") / "backward.py"  # dq, dk, dv, appended
+HOPPER_TEMPLATE = Path(__file__).with_name("templates") / "hopper.py"  # the sm_90 forward in Gluon, appended
+# the Triton names the mods' translation writes that Gluon has under the same name (tl.X -> gl.X)
+GLUON_NAMES = frozenset({"where", "minimum", "maximum", "log", "log2", "exp", "exp2", "load", "erf", "sqrt", "rsqrt",
+                         "sin", "cos", "floor", "ceil", "abs", "float16", "bfloat16", "float32", "float64", "int1",
+                         "int8", "uint8", "int16", "int32", "int64"})
 ENTRY = "attention"
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -211,7 +216,8 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         return "".join(f", {p}" for p in ptrs)
 
     text = (TEMPLATE.read_text() + "\n\n" + template_body(PAGED_TEMPLATE) + "\n\n"
-            + template_body(BACKWARD_TEMPLATE))
+            + template_body(BACKWARD_TEMPLATE) + "\n\n" + template_body(HOPPER_TEMPLATE))
+    gluon_mods, no_gluon = _gluon_mods(parts)
     source_comment = textwrap.indent(mask.source.strip() or "(source not available)", "    ")
     fills = {
         "@@TITLE@@": f"{mask.name}: attention with this mask and score as one standalone Triton kernel.",
@@ -242,11 +248,38 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@WIDE_ROW_CONFIGS@@": repr(WIDE_ROW_CONFIGS),
         "@@HAS_BOUNDS@@": repr(has_bounds),
         "@@RANGE_PTR_PARAMS@@": params(range_ptrs), "@@RANGE_PTR_ARGS@@": args(range_ptrs),
+        "@@HOPPER_MODS@@": repr(no_gluon), "@@GLUON_MODS@@": gluon_mods,
     }
     text = fill_template(text, fills)
     text = re.sub(r"\n[ ]+\n", "\n", text)  # parameter lines left empty by masks without tables
     port.source = text
     return port
+
+
+def _gluon_mods(parts: list[str]) -> tuple[str, str | None]:
+    """The mask_mod and score_mod as Gluon functions (mask_mod_gluon, score_mod_gluon, and the
+    helpers they call, each named *_gluon) for the Hopper kernel, indented for its `if` block: the
+    Triton translation with Gluon's names, which are the same for every elementwise op it writes
+    (tl.sigmoid, which Gluon lacks, as the same 1 / (1 + exp(-x))). (text, None), or (a stand-in,
+    the reason) when the translation uses a name Gluon lacks."""
+    renames = {"mask_mod_triton": "mask_mod_gluon", "score_mod_triton": "score_mod_gluon"}
+    picked = []
+    for part in parts:
+        names = re.findall(r"^def (\w+)\(", part, re.MULTILINE)
+        if names and all(n in renames or n.startswith("_py_") for n in names):
+            picked.append(part.strip())
+            renames.update({n: f"{n}_gluon" for n in names if n.startswith("_py_")})
+    text = "\n\n".join(picked).replace("tl.sigmoid(", "_sigmoid_gluon(")
+    missing = sorted(set(re.findall(r"\btl\.([A-Za-z_0-9]+)", text)) - GLUON_NAMES)
+    if missing:
+        return "    pass", f"the mods use {', '.join('tl.' + n for n in missing)}, which Gluon does not have"
+    text = re.sub(r"\btl\.", "gl.", text.replace("@triton.jit", "@gluon.jit"))
+    for old, new in renames.items():
+        text = re.sub(rf"\b{old}\(", f"{new}(", text)
+    if "_sigmoid_gluon(" in text:
+        text = ("@gluon.jit\ndef _sigmoid_gluon(x):\n    # tl.sigmoid's formula\n    return 1 / (1 + gl.exp(-x))\n\n"
+                + text)
+    return textwrap.indent(text, "    "), None
 
 
 def _score_grad(mask: Mask, lifted: frozenset, parts: list[str]) -> tuple[list[str], str | None]:

@@ -1,0 +1,113 @@
+"""The port's Hopper kernel (templates/hopper.py, Gluon) compiled for sm_90a on a machine without a
+GPU: Triton's compiler runs against a stand-in driver that names the target (no launch), then
+ptxas reports the kernel's registers and spills. For each mask: the library at 1,024 tokens, and
+users' mods (per-head and per-sample tables, spans with .any(), documents, a softcap). Usage:
+
+    python tests/run_hopper_compile.py [NAME ...]
+
+Prints `CASE <mask> OK|FAIL <registers, spills, shared memory>` per mask, then a SUMMARY line;
+exits 1 on any failure. It never runs the kernel: whether it computes attention is for a GPU
+(tests/test_gpu_port.py)."""
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from workbench import Mask, make, port, with_score  # noqa: E402
+
+
+class _Target:
+    """Stands in for the CUDA driver: an sm_90 target, device 0, stream 0; nothing launches."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def ptxas(kernel) -> str:
+    """registers, spill stores / loads, as ptxas -v reads them off the kernel's PTX."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    done = subprocess.run([str(tool), "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                          text=True)
+    lines = [ln.split("info    :")[-1].strip() for ln in done.stderr.splitlines() if "registers" in ln or "spill" in ln]
+    if done.returncode:
+        raise RuntimeError(done.stderr[-500:])
+    return "; ".join(lines)
+
+
+def masks() -> list[Mask]:
+    heads_w = torch.tensor([64, 128, 256, 1024])
+    lens = torch.tensor([300, 1024])
+    spans = torch.tensor([[100, 300], [600, 700]])
+
+    def head_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < heads_w[h])
+
+    def per_sample_prefix(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (kv_idx < lens[b])
+
+    def image_spans(b, h, q_idx, kv_idx):
+        both = ((q_idx[..., None] >= spans[:, 0]) & (q_idx[..., None] < spans[:, 1])
+                & (kv_idx[..., None] >= spans[:, 0]) & (kv_idx[..., None] < spans[:, 1]))
+        return (kv_idx <= q_idx) | both.any(-1)
+
+    return [make("causal"), make("full"), make("causal_sliding_window", {"window": 256}),
+            make("document", {"doc_lengths": [300, 400, 324]}, q_len=1024, kv_len=1024),
+            with_score(make("causal"), make("softcap")), with_score(make("causal"), make("alibi", {"num_heads": 4})),
+            Mask("users_head_window", mask_mod=head_window), Mask("users_per_sample_prefix", mask_mod=per_sample_prefix),
+            Mask("users_image_spans", mask_mod=image_spans)]
+
+
+def main(argv) -> int:
+    driver.set_active(_Target())
+    folder = Path(tempfile.mkdtemp(prefix="hopper_compile_"))
+    failed = total = 0
+    for mask in masks():
+        if argv and mask.name not in argv:
+            continue
+        total += 1
+        try:
+            module = port.load(port.build(mask, 1024, 1024, heads=4, batch=2, out_dir=folder / mask.name))
+            if module.HOPPER_MODS is not None:
+                raise RuntimeError(f"no Gluon copy of the mods: {module.HOPPER_MODS}")
+            B, H, L, D = 2, 4, 1024, 128
+            q, k, v = (torch.zeros(B, H if i == 0 else 2, L, D, dtype=torch.bfloat16) for i in range(3))
+            tables = module._tables(q.device, L, L)
+            # (the block lists come from a scan kernel that would launch: int32 lists of their shapes)
+            rows, cols = L // 128, L // 128
+            module.block_lists = lambda *a, **kw: (torch.zeros(rows, dtype=torch.int32),
+                                                   torch.zeros(rows, cols, dtype=torch.int32),
+                                                   torch.zeros(rows, dtype=torch.int32),
+                                                   torch.zeros(rows, cols, dtype=torch.int32))
+            grid, args, options, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
+            kernel = module._hopper_attention_kernel.warmup(*args, grid=grid, **options)
+            detail = f"{ptxas(kernel)}; shared {kernel.metadata.shared} bytes"
+            problem = None if "0 bytes spill stores" in detail else f"spills: {detail}"
+        except Exception as exc:
+            problem, detail = f"{type(exc).__name__}: {str(exc)[:400]}", ""
+        failed += problem is not None
+        print(f"CASE {mask.name} {'OK ' + detail if problem is None else 'FAIL ' + problem}", flush=True)
+    print(f"SUMMARY {total - failed}/{total} masks' Hopper kernels compile for sm_90a without spills")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

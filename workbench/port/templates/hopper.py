@@ -1,0 +1,203 @@
+"""The port's Hopper forward, appended to forward.py by `port.generate`: the same block lists and
+the same mask / score translation as the portable kernel, written in Gluon (Triton's layout-explicit
+language) for sm_90: keys and values arrive by TMA into a ring of shared-memory buffers a few tiles
+ahead, and both matmuls are warpgroup MMAs (wgmma). Markers: @@HOPPER_MODS@@ (None, or why the
+mods have no Gluon copy), @@GLUON_MODS@@ (mask_mod_gluon / score_mod_gluon, the Triton mods with
+Gluon's names, indented), @@ALL_PTR_PARAMS@@ / @@MASK_PTR_ARGS@@ / @@SCORE_PTR_ARGS@@."""
+
+import torch
+
+# ---------------------------------------------------------------- Hopper (sm_90): TMA + warpgroup MMA
+
+# Off until this kernel has been checked against the float64 reference and timed on an H100 / H200
+# (tests/test_gpu_port.py::test_hopper_kernel_matches_the_portable_one, benchmarks/bench_port.py
+# --hopper); on, attention() runs it where _hopper_ready says it can and the portable kernel elsewhere
+HOPPER = os.environ.get("PORT_HOPPER") == "1"
+# (BLOCK_N, K / V buffers, warps): 128 query rows per program (two warpgroups of 64), BLOCK_N keys
+# per tile; 128 x 2 needs 160 KB of shared memory at D 128 and 166 registers, no spills (sm_90a)
+HOPPER_TILE = (128, 2, 8)
+HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
+
+try:  # Gluon and its Hopper module: Triton 3.5 and later
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
+    _HAS_GLUON = True
+except ImportError:  # older Triton: the portable kernel runs everywhere
+    _HAS_GLUON = False
+
+if _HAS_GLUON and HOPPER_MODS is None:
+@@GLUON_MODS@@
+
+    @gluon.jit
+    def _hopper_tile_start(t, n_f, idx_f, idx_p, SUB: gl.constexpr, TABLE_N: gl.constexpr,
+                           BLOCK_N: gl.constexpr):
+        # the first key of a row's t-th tile, and whether its block is full: the full blocks come
+        # first, then the partial ones, each block TABLE_N keys in SUB tiles of BLOCK_N
+        j = t // SUB
+        full = j < n_f
+        c = gl.load(gl.where(full, idx_f + j, idx_p + (j - n_f)))
+        return c * TABLE_N + (t % SUB) * BLOCK_N, full
+
+    @gluon.jit
+    def _hopper_load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, slot, row, pred):
+        # keys and values of one tile (rows row .. row + BLOCK_N of the [B * Hkv * Lk, D] views)
+        # into buffer `slot`, each signalling its own barrier when its bytes have landed
+        mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [row, 0], k_bars.index(slot), k_smem.index(slot), pred=pred)
+        mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(v_desc, [row, 0], v_bars.index(slot), v_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def _hopper_attention_kernel(q_desc, k_desc, v_desc, Out, Lse, partial_num, partial_idx, full_num, full_idx,
+                                 s_tb, s_th, n_cols, Hq, group, Lq, Lk, sm_scale, @@ALL_PTR_PARAMS@@
+                                 HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
+                                 TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+        # one program = BLOCK_M queries of one (batch entry, head) over the blocks its row of the
+        # lists names (full ones without the mask, then partial ones with it). Lq and Lk are
+        # multiples of BLOCK_M and TABLE_N (_hopper_ready), so no tile runs past a sequence.
+        # Per tile t: wait for its keys, S = Q K^T (wgmma, Q and K from shared memory), the
+        # score_mod and mask, the online softmax (base 2, the same steps as _online_softmax_step),
+        # wait for its values, O += P V (wgmma, P from registers). The tile NUM_BUF - 1 ahead is
+        # loaded into the buffer the previous tile has finished with, so loads overlap the math.
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+        SUB: gl.constexpr = TABLE_N // BLOCK_N
+        dtype: gl.constexpr = q_desc.dtype
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // Hq
+        h = bh % Hq
+        kv_row0 = (b * (Hq // group) + h // group) * Lk  # this kv head's first key row
+        # S [BLOCK_M, BLOCK_N] and O [BLOCK_M, D] in wgmma's accumulator layouts (warps stacked
+        # along the rows: a row's values stay in one warp); P as wgmma's register operand
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_bar, q_smem)
+        # this block of queries' row of the lists (strides 0 along axes the mask does not read)
+        row = b * s_tb + h * s_th + (pid_m * BLOCK_M) // TABLE_M
+        n_f = gl.load(full_num + row)
+        n_tiles = (n_f + gl.load(partial_num + row)) * SUB
+        idx_f = full_idx + row * n_cols
+        idx_p = partial_idx + row * n_cols
+        for i in gl.static_range(NUM_BUF - 1):  # the first tiles, ahead of the loop
+            start, _ = _hopper_tile_start(gl.minimum(i, gl.maximum(n_tiles - 1, 0)), n_f, idx_f, idx_p, SUB, TABLE_N,
+                                          BLOCK_N)
+            _hopper_load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, kv_row0 + start, i < n_tiles)
+        qk_scale = sm_scale * 1.4426950408889634  # log2(e): the softmax runs in base 2
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
+        q_idx = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))[:, None]
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
+        mbarrier.wait(q_bar, 0)
+        for t in range(0, n_tiles):
+            slot = t % NUM_BUF
+            phase = (t // NUM_BUF) & 1  # the slot's barriers complete once per use
+            ahead = t + NUM_BUF - 1  # into the buffer tile t - 1 used, whose MMAs have been waited for
+            a_start, _ = _hopper_tile_start(gl.minimum(ahead, n_tiles - 1), n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+            _hopper_load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead % NUM_BUF, kv_row0 + a_start,
+                            ahead < n_tiles)
+            start, full = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+            mbarrier.wait(k_bars.index(slot), phase)
+            qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)),
+                               gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+            kv_idx = start + cols
+            if HAS_SCORE:
+                s = score_mod_gluon(qk * sm_scale, b, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
+            else:
+                s = qk * qk_scale
+            if not full:
+                s = gl.where(mask_mod_gluon(b, h, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            # rows with nothing kept yet stay at -inf; shift them by 0 so exp2 gives 0, not NaN
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            mbarrier.wait(v_bars.index(slot), phase)
+            acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            m_i = m_new
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+        # rows that kept nothing: out 0 and lse -inf
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+        out = acc / l_safe[:, None]
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        gl.store(Out + (bh.to(gl.int64) * Lq + rows)[:, None] * HEAD_D + offs_d[None, :], out.to(dtype))
+        if RETURN_LSE:
+            m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+            lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * 0.6931471805599453)
+            gl.store(Lse + bh.to(gl.int64) * Lq + rows, lse)
+
+
+def _hopper_ready(q, k, v, bounds, invariant) -> bool:
+    """Whether this call runs the Hopper kernel: HOPPER on, Gluon there and the mods translated,
+    an sm_90 GPU, bf16 / fp16, D 64 or 128, contiguous q, k, v, Lq and Lk multiples of 128, not
+    packed (cu_seqlens) and not invariant mode. Any other call runs the portable kernel."""
+    if not (HOPPER and _HAS_GLUON and HOPPER_MODS is None) or _INTERPRET or bounds is not None or invariant:
+        return False
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    B, Hq, Lq, D = q.shape
+    return (q.dtype in (torch.bfloat16, torch.float16) and D in (64, 128) and Lq % 128 == 0 and k.shape[2] % 128 == 0
+            and TABLE_M == 128 and TABLE_N % HOPPER_TILE[0] == 0
+            and all(t.is_contiguous() for t in (q, k, v)))
+
+
+def _hopper_descriptor(t, rows: int):
+    """A TMA descriptor over t's [B * H * L, D] view, in tiles of `rows` rows."""
+    flat = t.reshape(-1, t.shape[-1])
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([rows, flat.shape[1]], dtype)
+    return _GluonDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, flat.shape[1]], layout)
+
+
+def _hopper_launch(q, k, v, scale, return_lse, tables):
+    """(grid, arguments, options, out, lse) of _hopper_attention_kernel for this call."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    block_n, buffers, warps = HOPPER_TILE
+    partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device)
+    n_rows = _cdiv(Lq, TABLE_M)
+    s_th = n_rows if MASK_READS_HEAD else 0
+    s_tb = (Hq if MASK_READS_HEAD else 1) * n_rows if MASK_READS_BATCH else 0
+    out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device) if return_lse else out
+    args = (_hopper_descriptor(q, 128), _hopper_descriptor(k, block_n), _hopper_descriptor(v, block_n), out, lse,
+            partial_num, partial_idx, full_num, full_idx, s_tb, s_th, partial_idx.shape[-1], Hq, Hq // Hkv, Lq, Lk,
+            scale, *[tables[n] for n in ALL_POINTERS])
+    options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers,
+                   num_warps=warps)
+    return (Lq // 128, B * Hq), args, options, out, lse
+
+
+def _attention_hopper(q, k, v, scale, return_lse, tables):
+    """attention()'s forward through _hopper_attention_kernel (see _hopper_ready)."""
+    grid, args, options, out, lse = _hopper_launch(q, k, v, scale, return_lse, tables)
+    _hopper_attention_kernel[grid](*args, **options)
+    return (out, lse) if return_lse else out

@@ -97,10 +97,14 @@ def main(argv) -> int:
                                                    torch.zeros(rows, cols, dtype=torch.int32),
                                                    torch.zeros(rows, dtype=torch.int32),
                                                    torch.zeros(rows, cols, dtype=torch.int32))
-            grid, args, options, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
-            kernel = module._hopper_attention_kernel.warmup(*args, grid=grid, **options)
-            detail = f"{ptxas(kernel)}; shared {kernel.metadata.shared} bytes"
-            problem = None if "0 bytes spill stores" in detail else f"spills: {detail}"
+            details = []
+            for loop in ("serial", "overlap"):  # both orders of the tile loop (HOPPER_LOOP)
+                module.HOPPER_LOOP = loop
+                grid, args, options, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
+                kernel = module._hopper_attention_kernel.warmup(*args, grid=grid, **options)
+                details.append(f"{loop}: {ptxas(kernel)}; shared {kernel.metadata.shared} bytes")
+            detail = " | ".join(details)
+            problem = None if detail.count(" 0 bytes spill stores") == 2 else f"spills: {detail}"
         except Exception as exc:
             problem, detail = f"{type(exc).__name__}: {str(exc)[:400]}", ""
         failed += problem is not None

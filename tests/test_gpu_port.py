@@ -112,10 +112,11 @@ def _hopper_cases():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("loop", ["serial", "overlap"])
 @pytest.mark.parametrize("case", _hopper_cases(), ids=lambda c: c[0])
-def test_hopper_kernel_matches_the_reference(cuda, tmp_path, case):
-    # the Gluon sm_90 kernel (templates/hopper.py, HOPPER on) against the float64 reference, and the
-    # call must have gone through it
+def test_hopper_kernel_matches_the_reference(cuda, tmp_path, case, loop):
+    # the Gluon sm_90 kernel (templates/hopper.py, HOPPER on, both orders of its tile loop) against
+    # the float64 reference, and the call must have gone through it
     import torch
 
     from workbench import port
@@ -127,7 +128,7 @@ def test_hopper_kernel_matches_the_reference(cuda, tmp_path, case):
         pytest.skip("the Hopper kernel runs on sm_90 only")
     module = port.load(port.build(mask, Lq, Lk, heads=Hq, batch=B, out_dir=tmp_path))
     assert module.HOPPER_MODS is None, module.HOPPER_MODS
-    module.HOPPER = True
+    module.HOPPER, module.HOPPER_LOOP = True, loop
     calls = []
     real = module._attention_hopper
     module._attention_hopper = lambda *a, **kw: calls.append(1) or real(*a, **kw)

@@ -10,15 +10,21 @@ import torch
 # ---------------------------------------------------------------- Hopper (sm_90): TMA + warpgroup MMA
 
 # Off until this kernel has been checked against the float64 reference and timed on an H100 / H200
-# (tests/test_gpu_port.py::test_hopper_kernel_matches_the_portable_one, benchmarks/bench_port.py
+# (tests/test_gpu_port.py::test_hopper_kernel_matches_the_reference, benchmarks/bench_port.py
 # --hopper); on, attention() runs it where _hopper_ready says it can and the portable kernel elsewhere
 HOPPER = os.environ.get("PORT_HOPPER") == "1"
 # (BLOCK_N, K / V buffers, warps): 128 query rows per program (two warpgroups of 64), BLOCK_N keys
-# per tile; 128 x 2 needs 160 KB of shared memory at D 128 and 166 registers, no spills (sm_90a)
+# per tile; 128 x 2 needs 160 KB of shared memory at D 128; compiled for sm_90a, the library's and
+# users' mods take 167-254 registers (serial loop) and 193-255 (overlap), with no spills
+# (tests/run_hopper_compile.py)
 HOPPER_TILE = (128, 2, 8)
+# the tile loop: "serial" (S = Q K^T, softmax, O += P V, one after another) or "overlap"
+# (FlashAttention-3's order within a warpgroup: tile t's S = Q K^T and tile t-1's O += P V are
+# issued together, and tile t's softmax runs while P V does); the same arithmetic either way
+HOPPER_LOOP = "serial"
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
-try:  # Gluon and its Hopper module: Triton 3.5 and later
+try:  # Gluon and its Hopper module (Triton 3.6 has them; older versions run the portable kernel only)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -41,26 +47,63 @@ if _HAS_GLUON and HOPPER_MODS is None:
         return c * TABLE_N + (t % SUB) * BLOCK_N, full
 
     @gluon.jit
-    def _hopper_load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, slot, row, pred):
-        # keys and values of one tile (rows row .. row + BLOCK_N of the [B * Hkv * Lk, D] views)
-        # into buffer `slot`, each signalling its own barrier when its bytes have landed
-        mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(k_desc, [row, 0], k_bars.index(slot), k_smem.index(slot), pred=pred)
-        mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(v_desc, [row, 0], v_bars.index(slot), v_smem.index(slot), pred=pred)
+    def _hopper_load(desc, smem, bars, slot, row, pred):
+        # one tile of keys or values (rows row .. row + BLOCK_N of the [B * Hkv * Lk, D] view) into
+        # buffer `slot`, which signals its barrier when the bytes have landed
+        mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(desc, [row, 0], bars.index(slot), smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def _hopper_softmax(qk, m_i, l_i, b, h, q_idx, kv_idx, full, sm_scale, @@ALL_PTR_PARAMS@@
+                        HAS_SCORE: gl.constexpr, dtype: gl.constexpr, p_layout: gl.constexpr):
+        # one tile's scores (score_mod, then the mask unless the block is full) into the online
+        # softmax, base 2, the steps of _online_softmax_step: (P as the P V matmul's register
+        # operand, the rows' rescale alpha, the new max, the new sum)
+        if HAS_SCORE:
+            s = score_mod_gluon(qk * sm_scale, b, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
+        else:
+            s = qk * (sm_scale * 1.4426950408889634)
+        if not full:
+            s = gl.where(mask_mod_gluon(b, h, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        # rows with nothing kept yet stay at -inf; shift them by 0 so exp2 gives 0, not NaN
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
+
+    @gluon.jit
+    def _hopper_store(Out, Lse, acc, m_i, l_i, bh, pid_m, Lq, RETURN_LSE: gl.constexpr, o_layout: gl.constexpr):
+        # out = acc / l (rows that kept nothing: 0, lse -inf), stored row by row
+        BLOCK_M: gl.constexpr = acc.shape[0]
+        HEAD_D: gl.constexpr = acc.shape[1]
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+        out = acc / l_safe[:, None]
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        gl.store(Out + (bh.to(gl.int64) * Lq + rows)[:, None] * HEAD_D + offs_d[None, :], out.to(Out.dtype.element_ty))
+        if RETURN_LSE:
+            m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+            lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * 0.6931471805599453)
+            gl.store(Lse + bh.to(gl.int64) * Lq + rows, lse)
 
     @gluon.jit
     def _hopper_attention_kernel(q_desc, k_desc, v_desc, Out, Lse, partial_num, partial_idx, full_num, full_idx,
                                  s_tb, s_th, n_cols, Hq, group, Lq, Lk, sm_scale, @@ALL_PTR_PARAMS@@
                                  HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
-                                 TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+                                 TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, OVERLAP: gl.constexpr,
+                                 num_warps: gl.constexpr):
         # one program = BLOCK_M queries of one (batch entry, head) over the blocks its row of the
         # lists names (full ones without the mask, then partial ones with it). Lq and Lk are
         # multiples of BLOCK_M and TABLE_N (_hopper_ready), so no tile runs past a sequence.
-        # Per tile t: wait for its keys, S = Q K^T (wgmma, Q and K from shared memory), the
-        # score_mod and mask, the online softmax (base 2, the same steps as _online_softmax_step),
-        # wait for its values, O += P V (wgmma, P from registers). The tile NUM_BUF - 1 ahead is
-        # loaded into the buffer the previous tile has finished with, so loads overlap the math.
+        # Keys and values arrive by TMA into rings of NUM_BUF buffers, each tile's NUM_BUF ahead
+        # of its use (a buffer is refilled as soon as the matmul reading it has finished). Per
+        # tile t: S = Q K^T (wgmma, Q and K from shared memory), the score_mod, the mask and the
+        # online softmax (_hopper_softmax), then O = O * alpha + P V (wgmma, P from registers).
+        # OVERLAP: tile t's S = Q K^T is issued with tile t-1's P V, and t's softmax runs while
+        # P V does (then O is rescaled): the same operations on each tile in the same order.
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -96,63 +139,75 @@ if _HAS_GLUON and HOPPER_MODS is None:
         n_tiles = (n_f + gl.load(partial_num + row)) * SUB
         idx_f = full_idx + row * n_cols
         idx_p = partial_idx + row * n_cols
-        for i in gl.static_range(NUM_BUF - 1):  # the first tiles, ahead of the loop
-            start, _ = _hopper_tile_start(gl.minimum(i, gl.maximum(n_tiles - 1, 0)), n_f, idx_f, idx_p, SUB, TABLE_N,
-                                          BLOCK_N)
-            _hopper_load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, kv_row0 + start, i < n_tiles)
-        qk_scale = sm_scale * 1.4426950408889634  # log2(e): the softmax runs in base 2
+        last = gl.maximum(n_tiles - 1, 0)
+        for i in gl.static_range(NUM_BUF):  # the first NUM_BUF tiles, ahead of the loop
+            start, _ = _hopper_tile_start(gl.minimum(i, last), n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+            _hopper_load(k_desc, k_smem, k_bars, i, kv_row0 + start, i < n_tiles)
+            _hopper_load(v_desc, v_smem, v_bars, i, kv_row0 + start, i < n_tiles)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         q_idx = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))[:, None]
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
         mbarrier.wait(q_bar, 0)
-        for t in range(0, n_tiles):
-            slot = t % NUM_BUF
-            phase = (t // NUM_BUF) & 1  # the slot's barriers complete once per use
-            ahead = t + NUM_BUF - 1  # into the buffer tile t - 1 used, whose MMAs have been waited for
-            a_start, _ = _hopper_tile_start(gl.minimum(ahead, n_tiles - 1), n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
-            _hopper_load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead % NUM_BUF, kv_row0 + a_start,
-                            ahead < n_tiles)
-            start, full = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
-            mbarrier.wait(k_bars.index(slot), phase)
-            qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)),
-                               gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+        if not OVERLAP:
+            for t in range(0, n_tiles):
+                slot = t % NUM_BUF
+                phase = (t // NUM_BUF) & 1  # a buffer's barrier completes once per use
+                start, full = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+                refill, _ = _hopper_tile_start(gl.minimum(t + NUM_BUF, last), n_f, idx_f, idx_p, SUB, TABLE_N,
+                                               BLOCK_N)
+                mbarrier.wait(k_bars.index(slot), phase)
+                qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+                _hopper_load(k_desc, k_smem, k_bars, slot, kv_row0 + refill, t + NUM_BUF < n_tiles)
+                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
+                                                     @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                mbarrier.wait(v_bars.index(slot), phase)
+                acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                _hopper_load(v_desc, v_smem, v_bars, slot, kv_row0 + refill, t + NUM_BUF < n_tiles)
+        elif n_tiles > 0:
+            # tile 0: S and softmax alone
+            start, full = _hopper_tile_start(0, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+            refill, _ = _hopper_tile_start(gl.minimum(NUM_BUF, last), n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+            mbarrier.wait(k_bars.index(0), 0)
+            qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-            kv_idx = start + cols
-            if HAS_SCORE:
-                s = score_mod_gluon(qk * sm_scale, b, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
-            else:
-                s = qk * qk_scale
-            if not full:
-                s = gl.where(mask_mod_gluon(b, h, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            # rows with nothing kept yet stay at -inf; shift them by 0 so exp2 gives 0, not NaN
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            mbarrier.wait(v_bars.index(slot), phase)
-            acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+            _hopper_load(k_desc, k_smem, k_bars, 0, kv_row0 + refill, NUM_BUF < n_tiles)
+            p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
+                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
+            for t in range(1, n_tiles):
+                slot = t % NUM_BUF
+                phase = (t // NUM_BUF) & 1
+                prev = (t - 1) % NUM_BUF
+                start, full = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+                refill, _ = _hopper_tile_start(gl.minimum(t + NUM_BUF, last), n_f, idx_f, idx_p, SUB, TABLE_N,
+                                               BLOCK_N)
+                refill_v, _ = _hopper_tile_start(gl.minimum(t - 1 + NUM_BUF, last), n_f, idx_f, idx_p, SUB,
+                                                 TABLE_N, BLOCK_N)
+                mbarrier.wait(k_bars.index(slot), phase)
+                qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                mbarrier.wait(v_bars.index(prev), ((t - 1) // NUM_BUF) & 1)
+                acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+                qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S is done; P V may still run
+                _hopper_load(k_desc, k_smem, k_bars, slot, kv_row0 + refill, t + NUM_BUF < n_tiles)
+                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
+                                                     @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                _hopper_load(v_desc, v_smem, v_bars, prev, kv_row0 + refill_v, t - 1 + NUM_BUF < n_tiles)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            final = (n_tiles - 1) % NUM_BUF
+            mbarrier.wait(v_bars.index(final), ((n_tiles - 1) // NUM_BUF) & 1)
+            acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            m_i = m_new
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(NUM_BUF):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
-        # rows that kept nothing: out 0 and lse -inf
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-        out = acc / l_safe[:, None]
-        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-        gl.store(Out + (bh.to(gl.int64) * Lq + rows)[:, None] * HEAD_D + offs_d[None, :], out.to(dtype))
-        if RETURN_LSE:
-            m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-            lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * 0.6931471805599453)
-            gl.store(Lse + bh.to(gl.int64) * Lq + rows, lse)
+        _hopper_store(Out, Lse, acc, m_i, l_i, bh, pid_m, Lq, RETURN_LSE, o_layout)
 
 
 def _hopper_ready(q, k, v, bounds, invariant) -> bool:
@@ -192,7 +247,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
             partial_num, partial_idx, full_num, full_idx, s_tb, s_th, partial_idx.shape[-1], Hq, Hq // Hkv, Lq, Lk,
             scale, *[tables[n] for n in ALL_POINTERS])
     options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers,
-                   num_warps=warps)
+                   OVERLAP=HOPPER_LOOP == "overlap", num_warps=warps)
     return (Lq // 128, B * Hq), args, options, out, lse
 
 

@@ -112,10 +112,10 @@ def _hopper_cases():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loop", ["serial", "overlap"])
+@pytest.mark.parametrize("loop", ["serial", "overlap", "specialized"])
 @pytest.mark.parametrize("case", _hopper_cases(), ids=lambda c: c[0])
 def test_hopper_kernel_matches_the_reference(cuda, tmp_path, case, loop):
-    # the Gluon sm_90 kernel (templates/hopper.py, HOPPER on, both orders of its tile loop) against
+    # the Gluon sm_90 kernel (templates/hopper.py, HOPPER on, each form of its tile loop) against
     # the float64 reference, and the call must have gone through it
     import torch
 

@@ -20,7 +20,8 @@ HOPPER = os.environ.get("PORT_HOPPER") == "1"
 HOPPER_TILE = (128, 2, 8)
 # the tile loop: "serial" (S = Q K^T, softmax, O += P V, one after another) or "overlap"
 # (FlashAttention-3's order within a warpgroup: tile t's S = Q K^T and tile t-1's O += P V are
-# issued together, and tile t's softmax runs while P V does); the same arithmetic either way
+# issued together, and tile t's softmax runs while P V does), or "specialized" (the overlapped
+# loop in the kernel's warps, and one more warp that only issues the loads); the same arithmetic
 HOPPER_LOOP = "serial"
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
@@ -210,6 +211,128 @@ if _HAS_GLUON and HOPPER_MODS is None:
         _hopper_store(Out, Lse, acc, m_i, l_i, bh, pid_m, Lq, RETURN_LSE, o_layout)
 
 
+    @gluon.jit
+    def _hopper_producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f, n_tiles,
+                         idx_f, idx_p, SUB: gl.constexpr, TABLE_N: gl.constexpr):
+        # the load warp of the specialized kernel: each tile's keys, then its values, into the
+        # ring as soon as the consumers have released the buffer (its `empty` barrier; they start
+        # released: a fresh barrier's phase 1 counts as complete)
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+        for t in range(0, n_tiles):
+            slot = t % NUM_BUF
+            phase = (t // NUM_BUF) & 1
+            start, _ = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+            mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            _hopper_load(k_desc, k_smem, k_ready, slot, kv_row0 + start, True)
+            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            _hopper_load(v_desc, v_smem, v_ready, slot, kv_row0 + start, True)
+
+    @gluon.jit
+    def _hopper_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, Out, Lse, b, h, bh,
+                         pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@
+                         HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
+                         TABLE_N: gl.constexpr, num_warps: gl.constexpr):
+        # the math warps of the specialized kernel: the overlapped loop of _hopper_attention_kernel
+        # (S of tile t issued with P V of tile t - 1, the softmax under P V), releasing each buffer
+        # to the load warp when the matmul reading it has finished
+        BLOCK_M: gl.constexpr = q_smem.type.shape[0]
+        HEAD_D: gl.constexpr = q_smem.type.shape[1]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        q_idx = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))[:, None]
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
+        mbarrier.wait(q_bar, 0)
+        if n_tiles > 0:
+            start, full = _hopper_tile_start(0, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+            mbarrier.wait(k_ready.index(0), 0)
+            qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+            mbarrier.arrive(k_empty.index(0), count=1)
+            p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
+                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
+            for t in range(1, n_tiles):
+                slot = t % NUM_BUF
+                prev = (t - 1) % NUM_BUF
+                start, full = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+                mbarrier.wait(k_ready.index(slot), (t // NUM_BUF) & 1)
+                qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev), ((t - 1) // NUM_BUF) & 1)
+                acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+                qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S is done; P V may still run
+                mbarrier.arrive(k_empty.index(slot), count=1)
+                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
+                                                     @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            final = (n_tiles - 1) % NUM_BUF
+            mbarrier.wait(v_ready.index(final), ((n_tiles - 1) // NUM_BUF) & 1)
+            acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(final), count=1)
+        _hopper_store(Out, Lse, acc, m_i, l_i, bh, pid_m, Lq, RETURN_LSE, o_layout)
+
+    @gluon.jit
+    def _hopper_specialized_kernel(q_desc, k_desc, v_desc, Out, Lse, partial_num, partial_idx, full_num, full_idx,
+                                   s_tb, s_th, n_cols, Hq, group, Lq, Lk, sm_scale, @@ALL_PTR_PARAMS@@
+                                   HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
+                                   TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, OVERLAP: gl.constexpr,
+                                   num_warps: gl.constexpr):
+        # _hopper_attention_kernel's work split by role (HOPPER_LOOP = "specialized"): one warp
+        # issues the TMA loads of keys and values (_hopper_producer), the kernel's warps do the
+        # matmuls and the softmax (_hopper_consumer); `ready` / `empty` barriers per buffer pass
+        # each buffer back and forth. (OVERLAP is not read: the consumers' loop is the overlapped one.)
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+        SUB: gl.constexpr = TABLE_N // BLOCK_N
+        dtype: gl.constexpr = q_desc.dtype
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // Hq
+        h = bh % Hq
+        kv_row0 = (b * (Hq // group) + h // group) * Lk
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=1)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_bar, q_smem)
+        row = b * s_tb + h * s_th + (pid_m * BLOCK_M) // TABLE_M
+        n_f = gl.load(full_num + row)
+        n_tiles = (n_f + gl.load(partial_num + row)) * SUB
+        idx_f = full_idx + row * n_cols
+        idx_p = partial_idx + row * n_cols
+        gl.warp_specialize([
+            (_hopper_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, Out, Lse, b, h, bh,
+                                pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE,
+                                RETURN_LSE, SUB, TABLE_N, num_warps)),
+            (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
+                                n_tiles, idx_f, idx_p, SUB, TABLE_N)),
+        ], [1], [24])
+
+
 def _hopper_ready(q, k, v, bounds, invariant) -> bool:
     """Whether this call runs the Hopper kernel: HOPPER on, Gluon there and the mods translated,
     an sm_90 GPU, bf16 / fp16, D 64 or 128, contiguous q, k, v, Lq and Lk multiples of 128, not
@@ -247,12 +370,18 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
             partial_num, partial_idx, full_num, full_idx, s_tb, s_th, partial_idx.shape[-1], Hq, Hq // Hkv, Lq, Lk,
             scale, *[tables[n] for n in ALL_POINTERS])
     options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers,
-                   OVERLAP=HOPPER_LOOP == "overlap", num_warps=warps)
+                   OVERLAP=HOPPER_LOOP != "serial", num_warps=warps)
     return (Lq // 128, B * Hq), args, options, out, lse
+
+
+def _hopper_kernel():
+    """The kernel HOPPER_LOOP names: the one-role kernel (serial or overlapped loop) or the
+    warp-specialized one."""
+    return _hopper_specialized_kernel if HOPPER_LOOP == "specialized" else _hopper_attention_kernel
 
 
 def _attention_hopper(q, k, v, scale, return_lse, tables):
     """attention()'s forward through _hopper_attention_kernel (see _hopper_ready)."""
     grid, args, options, out, lse = _hopper_launch(q, k, v, scale, return_lse, tables)
-    _hopper_attention_kernel[grid](*args, **options)
+    _hopper_kernel()[grid](*args, **options)
     return (out, lse) if return_lse else out

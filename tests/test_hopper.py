@@ -61,3 +61,15 @@ def test_the_mods_gluon_copy_and_the_kernel_stays_off_until_asked(tmp_path, monk
     import torch
     q = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16)
     assert module.HOPPER is True and not module._hopper_ready(q, q, q, None, False)  # a CPU tensor: never
+
+
+def test_mods_with_a_name_gluon_lacks_keep_the_portable_kernel():
+    # a translation that writes a Triton name with no Gluon counterpart gets no Gluon copy: the file
+    # says why (HOPPER_MODS) and the Hopper kernel never takes its calls
+    from workbench.port.generate import _gluon_mods
+
+    part = "@triton.jit\ndef mask_mod_triton(b, h, q_idx, kv_idx):\n    return tl.cumsum(q_idx, 0) >= kv_idx\n"
+    text, reason = _gluon_mods([part])
+    assert reason == "the mods use tl.cumsum, which Gluon does not have" and "mask_mod_gluon" not in text
+    text, reason = _gluon_mods([part.replace("tl.cumsum(q_idx, 0)", "tl.maximum(q_idx, 0)")])
+    assert reason is None and "gl.maximum(q_idx, 0)" in text and "@gluon.jit" in text

@@ -118,14 +118,22 @@ class _TableGradEmitter(TritonMaskEmitter):
                                f"        {hi_v} = tl.minimum(tl.max(tl.max(tl.where(ds != 0.0, {idx_v}, -1), 1), 0), "
                                f"{n - 1})",
                                "        if DETERMINISTIC:",
-                               f"            {add}_units = tl.floor({add} * 4294967296.0 + 0.5).to(tl.int64)",
-                               f"            for e_ in range({lo_v}, {hi_v} + 1):",
-                               f"                tl.atomic_add(d_{name}_ptr + ({fixed}) + {at}, tl.sum(tl.sum(tl.where("
-                               f"{idx_v} == e_, {add}_units, 0), 1), 0))",
-                               "        else:",
-                               f"            for e_ in range({lo_v}, {hi_v} + 1):",
-                               f"                tl.atomic_add(d_{name}_ptr + ({fixed}) + {at}, tl.sum(tl.sum(tl.where("
-                               f"{idx_v} == e_, {add}, 0.0), 1), 0))"]
+                               f"            {add}_units = tl.floor({add} * 4294967296.0 + 0.5).to(tl.int64)"]
+                for deterministic in (True, False):
+                    value, zero = (f"{add}_units", "0") if deterministic else (add, "0.0")
+                    step = (f"tl.atomic_add(d_{name}_ptr + ({fixed}) + {at}, tl.sum(tl.sum(tl.where({idx_v} == e_, "
+                            f"{value}, {zero}), 1), 0))")
+                    if not deterministic:
+                        self.lines.append("        else:")
+                    # (_WHILE_LOOPS: the interpreter, which runs `range` to Python numbers only)
+                    self.lines += ["            if _WHILE_LOOPS:",
+                                   f"                e_ = {lo_v}",
+                                   f"                while e_ <= {hi_v}:",
+                                   f"                    {step}",
+                                   "                    e_ += 1",
+                                   "            else:",
+                                   f"                for e_ in range({lo_v}, {hi_v} + 1):",
+                                   f"                    {step}"]
                 return "0"
             loops = [f"e{d}_" for d in range(len(pair_dims))]
             entry = " + ".join(f"{e} * {stride}" for e, (_, stride, _) in zip(loops, pair_dims))

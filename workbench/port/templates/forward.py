@@ -269,6 +269,9 @@ def _attend_block(acc, l_i, m_i, q, K_block, V_block, s_kn, s_kd, s_vn, s_vd, st
 # row's place in the tile; there the dots are written as explicit sums over the shared axis, the
 # same order for every row, so a row's bits never depend on which slot of a tile it fills.
 _ROWWISE_DOTS = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+# Triton's CPU interpreter runs `range` to Python numbers only: a loop to a bound the kernel computes
+# runs as a `while` loop there (the same steps)
+_WHILE_LOOPS = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """The port's Hopper kernel (templates/hopper.py, Gluon) compiled for sm_90a on a machine without a
 GPU: Triton's compiler runs against a stand-in driver that names the target (no launch), then
 ptxas reports the kernel's registers and spills. For each mask: the library at 1,024 tokens, and
-users' mods (per-head and per-sample tables, spans with .any(), documents, a softcap). Usage:
+users' mods (per-head and per-sample tables, spans with .any(), and_masks, documents, a softcap). Usage:
 
     python tests/run_hopper_compile.py [NAME ...]
 
@@ -69,7 +69,15 @@ def masks() -> list[Mask]:
                 & (kv_idx[..., None] >= spans[:, 0]) & (kv_idx[..., None] < spans[:, 1]))
         return (kv_idx <= q_idx) | both.any(-1)
 
-    return [make("causal"), make("full"), make("causal_sliding_window", {"window": 256}),
+    from torch.nn.attention.flex_attention import and_masks
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def near(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 200
+
+    return [Mask("users_and_masks", mask_mod=and_masks(causal, near)), make("causal"), make("full"), make("causal_sliding_window", {"window": 256}),
             make("document", {"doc_lengths": [300, 400, 324]}, q_len=1024, kv_len=1024),
             with_score(make("causal"), make("softcap")), with_score(make("causal"), make("alibi", {"num_heads": 4})),
             Mask("users_head_window", mask_mod=head_window), Mask("users_per_sample_prefix", mask_mod=per_sample_prefix),

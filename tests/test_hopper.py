@@ -73,3 +73,14 @@ def test_mods_with_a_name_gluon_lacks_keep_the_portable_kernel():
     assert reason == "the mods use tl.cumsum, which Gluon does not have" and "mask_mod_gluon" not in text
     text, reason = _gluon_mods([part.replace("tl.cumsum(q_idx, 0)", "tl.maximum(q_idx, 0)")])
     assert reason is None and "gl.maximum(q_idx, 0)" in text and "@gluon.jit" in text
+
+
+@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
+def test_a_loop_the_kernel_does_not_have_is_refused_by_name(tmp_path):
+    import torch
+
+    module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
+    module.HOPPER_LOOP = "pingpong"
+    q = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="HOPPER_LOOP = 'pingpong' names no form.*'serial', 'overlap' or 'specialized'"):
+        module._hopper_launch(q, q, q, 0.125, False, {})

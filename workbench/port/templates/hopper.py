@@ -357,6 +357,9 @@ def _hopper_descriptor(t, rows: int):
 
 def _hopper_launch(q, k, v, scale, return_lse, tables):
     """(grid, arguments, options, out, lse) of _hopper_attention_kernel for this call."""
+    if HOPPER_LOOP not in ("serial", "overlap", "specialized"):
+        raise ValueError(f"HOPPER_LOOP = {HOPPER_LOOP!r} names no form of the Hopper kernel's tile loop: set it to "
+                         "'serial', 'overlap' or 'specialized'")
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     block_n, buffers, warps = HOPPER_TILE

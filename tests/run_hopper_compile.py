@@ -53,10 +53,11 @@ def ptxas(kernel) -> str:
     return "; ".join(lines)
 
 
-def masks() -> list[Mask]:
-    heads_w = torch.tensor([64, 128, 256, 1024])
-    lens = torch.tensor([300, 1024])
-    spans = torch.tensor([[100, 300], [600, 700]])
+def masks(device: str = "cpu") -> list[Mask]:
+    """The compiled masks, their captured tensors on `device` (the GPU test runs them there)."""
+    heads_w = torch.tensor([64, 128, 256, 1024], device=device)
+    lens = torch.tensor([300, 1024], device=device)
+    spans = torch.tensor([[100, 300], [600, 700]], device=device)
 
     def head_window(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < heads_w[h])
@@ -77,9 +78,11 @@ def masks() -> list[Mask]:
     def near(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < 200
 
-    return [Mask("users_and_masks", mask_mod=and_masks(causal, near)), make("causal"), make("full"), make("causal_sliding_window", {"window": 256}),
-            make("document", {"doc_lengths": [300, 400, 324]}, q_len=1024, kv_len=1024),
-            with_score(make("causal"), make("softcap")), with_score(make("causal"), make("alibi", {"num_heads": 4})),
+    return [Mask("users_and_masks", mask_mod=and_masks(causal, near)), make("causal"), make("full"),
+            make("causal_sliding_window", {"window": 256}),
+            make("document", {"doc_lengths": [300, 400, 324]}, q_len=1024, kv_len=1024, device=device),
+            with_score(make("causal"), make("softcap")),
+            with_score(make("causal"), make("alibi", {"num_heads": 4}, device=device)),
             Mask("users_head_window", mask_mod=head_window), Mask("users_per_sample_prefix", mask_mod=per_sample_prefix),
             Mask("users_image_spans", mask_mod=image_spans)]
 

@@ -98,22 +98,30 @@ def test_float32_at_wide_head_dims(cuda, head_dim):
     assert result.passed, result.line
 
 
-def _hopper_cases():
+_HOPPER_CASES = ["users_and_masks", "causal_bottom_right", "full", "causal_sliding_window_256", "document_causal_3docs",
+                 "causal_bottom_right+softcap_30", "causal_bottom_right+alibi_4heads", "users_head_window", "users_per_sample_prefix",
+                 "users_image_spans", "causal_8k_fp16_d64", "full_512x2048"]
+
+
+def _hopper_case(name: str):
+    # (mask, B, Hq, Hkv, Lq, Lk, D, dtype): the compile script's masks (library, softcap, ALiBi, users'
+    # per-head / per-sample tables and .any() spans; their tensors on the GPU) at 1,024 tokens, GQA,
+    # bf16, D 128; and causal at 8K in fp16 at D 64, full attention at Lq < Lk
     sys.path.insert(0, str(ROOT / "tests"))
     from run_hopper_compile import masks
 
-    # (id, mask, B, Hq, Hkv, Lq, Lk, D, dtype): the compile script's masks (library, softcap, ALiBi,
-    # users' per-head / per-sample tables and .any() spans) at 1,024 tokens, GQA, bf16, D 128; and
-    # causal at 8K in fp16 at D 64, full attention at Lq < Lk
-    out = [(m.name, m, 2, 4, 2, 1024, 1024, 128, "bfloat16") for m in masks()]
-    out.append(("causal_8k_fp16_d64", make("causal", q_len=8192, kv_len=8192), 1, 8, 8, 8192, 8192, 64, "float16"))
-    out.append(("full_512x2048", make("full"), 1, 4, 1, 512, 2048, 128, "bfloat16"))
-    return out
+    if name == "causal_8k_fp16_d64":
+        return make("causal", q_len=8192, kv_len=8192), 1, 8, 8, 8192, 8192, 64, "float16"
+    if name == "full_512x2048":
+        return make("full"), 1, 4, 1, 512, 2048, 128, "bfloat16"
+    found = {m.name: m for m in masks("cuda")}
+    assert name in found, f"no compile-script mask named {name}: {sorted(found)}"
+    return found[name], 2, 4, 2, 1024, 1024, 128, "bfloat16"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("loop", ["serial", "overlap", "specialized"])
-@pytest.mark.parametrize("case", _hopper_cases(), ids=lambda c: c[0])
+@pytest.mark.parametrize("case", _HOPPER_CASES)
 def test_hopper_kernel_matches_the_reference(cuda, tmp_path, case, loop):
     # the Gluon sm_90 kernel (templates/hopper.py, HOPPER on, each form of its tile loop) against
     # the float64 reference, and the call must have gone through it
@@ -123,9 +131,9 @@ def test_hopper_kernel_matches_the_reference(cuda, tmp_path, case, loop):
     from workbench.run import Inputs
     from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention
 
-    name, mask, B, Hq, Hkv, Lq, Lk, D, dtype = case
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernel runs on sm_90 only")
+    mask, B, Hq, Hkv, Lq, Lk, D, dtype = _hopper_case(case)
     module = port.load(port.build(mask, Lq, Lk, heads=Hq, batch=B, out_dir=tmp_path))
     assert module.HOPPER_MODS is None, module.HOPPER_MODS
     module.HOPPER, module.HOPPER_LOOP = True, loop

@@ -180,8 +180,9 @@ def main(argv=None) -> int:
                    "cost per call")
     p.add_argument("--hopper", action="store_true", help="only the port's Hopper kernel (Gluon, sm_90) beside its "
                    "portable kernel, Flex Triton and Flex FLASH")
-    p.add_argument("--loops", nargs="+", default=["serial", "overlap", "specialized"],
-                   choices=["serial", "overlap", "specialized"], help="--hopper: the forms of its tile loop to time")
+    p.add_argument("--loops", nargs="+", default=["serial", "overlap", "specialized", "pingpong"],
+                   help="--hopper: the forms of its tile loop to time (HOPPER_LOOP), each optionally with its number "
+                   "of K / V buffers: pingpong:3")
     args = p.parse_args(argv)
     if args.hopper:
         return hopper_bench(args)
@@ -257,7 +258,7 @@ def hopper_bench(args) -> int:
     portable kernel of the same file, Flex's Triton backend and Flex's FLASH backend (FA4, where it
     is installed and can run the mask), timed in turn over --rounds rounds; each output is checked
     against Flex Triton's first, and the Hopper columns only count calls that ran the Hopper kernel
-    (each form of its tile loop, HOPPER_LOOP "serial", "overlap" and "specialized")."""
+    (each form of its tile loop, HOPPER_LOOP "serial", "overlap", "specialized" and "pingpong")."""
     folder = Path(tempfile.mkdtemp(prefix="bench_hopper_"))
     flex = compiled_flex_attention()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={args.batch} H={args.heads} "
@@ -284,9 +285,15 @@ def hopper_bench(args) -> int:
                 if not module._hopper_ready(q, k, v, None, False):
                     raise RuntimeError(f"the Hopper kernel does not take this call ({module.HOPPER_MODS or 'shape'})")
 
-                def hopper(loop, module=module):
+                def hopper(variant, module=module):
+                    loop, _, buffers = variant.partition(":")
+                    block_n, default_buffers, warps = module.HOPPER_TILE
                     module.HOPPER, module.HOPPER_LOOP = True, loop
-                    return module.attention(q, k, v)
+                    module.HOPPER_TILE = (block_n, int(buffers or default_buffers), warps)
+                    try:
+                        return module.attention(q, k, v)
+                    finally:
+                        module.HOPPER_TILE = (block_n, default_buffers, warps)
 
                 def portable(module=module):
                     module.HOPPER = False

@@ -120,3 +120,30 @@ def test_with_score_combines_and_rejects_non_scores():
     assert combined.name == "causal_bottom_right+softcap_10"
     with pytest.raises(WorkbenchError, match="has no score_mod"):
         with_score(make("causal"), make("full"))
+
+
+def test_a_span_table_off_the_cpu_is_traced_on_its_own_device():
+    # a user's Gemma-style span mask with its table on an accelerator: `q_idx[..., None]` is a
+    # 1-element tensor, which must share the table's device, so the mod is traced on that device
+    # (here "meta" stands in for a GPU); tracing on the CPU failed with "Expected all tensors to
+    # be on the same device"
+    from workbench.define.trace import trace_mod
+
+    spans = torch.tensor([[100, 300], [600, 700]], device="meta")
+
+    def image_spans(b, h, q_idx, kv_idx):
+        inside = ((q_idx[..., None] >= spans[:, 0]) & (q_idx[..., None] < spans[:, 1])
+                  & (kv_idx[..., None] >= spans[:, 0]) & (kv_idx[..., None] < spans[:, 1]))
+        return (kv_idx <= q_idx) | inside.any(-1)
+
+    graph = trace_mod(image_spans, "mask")
+    ops = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
+    assert any("any" in op for op in ops) and any("le" in op for op in ops), ops
+    cpu_spans = torch.tensor([[100, 300], [600, 700]])
+
+    def image_spans_cpu(b, h, q_idx, kv_idx):
+        inside = ((q_idx[..., None] >= cpu_spans[:, 0]) & (q_idx[..., None] < cpu_spans[:, 1])
+                  & (kv_idx[..., None] >= cpu_spans[:, 0]) & (kv_idx[..., None] < cpu_spans[:, 1]))
+        return (kv_idx <= q_idx) | inside.any(-1)
+
+    assert {str(n.target) for n in trace_mod(image_spans_cpu, "mask").graph.nodes if n.op == "call_function"} == ops

@@ -80,7 +80,8 @@ def test_a_loop_the_kernel_does_not_have_is_refused_by_name(tmp_path):
     import torch
 
     module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
-    module.HOPPER_LOOP = "pingpong"
+    module.HOPPER_LOOP = "ping-pong"
     q = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="HOPPER_LOOP = 'pingpong' names no form.*'serial', 'overlap' or 'specialized'"):
+    with pytest.raises(ValueError, match="HOPPER_LOOP = 'ping-pong' names no form.*'serial', 'overlap', 'specialized', "
+                       "'pingpong'"):
         module._hopper_launch(q, q, q, 0.125, False, {})

@@ -68,10 +68,9 @@ def _trace_without_scalar_reads(twin: Callable) -> None:
     _traces.setdefault(twin, {})["mask"] = graph
 
 
-def captured_tensors(mask: Mask) -> dict[str, torch.Tensor]:
-    """Tensors the mods read: `Mask.data` plus any tensor in the mods' closures, and in the
-    closures of mods they wrap (torch's and_masks / or_masks, attention-gym's factories)."""
-    found = {k: t for k, t in mask.data.items() if isinstance(t, torch.Tensor)}
+def _closure_tensors(fns, found: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`found` plus every tensor in the closures of `fns`, and in the closures of the mods they
+    wrap (torch's and_masks / or_masks, attention-gym's factories), by name."""
     seen: set[int] = set()
 
     def walk(fn, depth=0):
@@ -91,9 +90,24 @@ def captured_tensors(mask: Mask) -> dict[str, torch.Tensor]:
                     elif callable(item):
                         walk(item, depth + 1)
 
-    walk(mask.mask_mod)
-    walk(mask.score_mod)
+    for fn in fns:
+        walk(fn)
     return found
+
+
+def captured_tensors(mask: Mask) -> dict[str, torch.Tensor]:
+    """Tensors the mods read: `Mask.data` plus any tensor in the mods' closures, and in the
+    closures of mods they wrap (torch's and_masks / or_masks, attention-gym's factories)."""
+    return _closure_tensors([mask.mask_mod, mask.score_mod],
+                            {k: t for k, t in mask.data.items() if isinstance(t, torch.Tensor)})
+
+
+def _trace_device(fn: Callable) -> torch.device:
+    """Where a mod's index tensors are made when it is traced: the device of the tensors it
+    captures when they all lie on one accelerator (a span table on the GPU is compared with
+    `q_idx[..., None]`, a 1-element tensor that must share its device), else the CPU."""
+    devices = {t.device for t in _closure_tensors([fn], {}).values() if t.device.type != "cpu"}
+    return devices.pop() if len(devices) == 1 else torch.device("cpu")
 
 
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
@@ -231,9 +245,10 @@ def trace_mod(fn: Callable, role: str = "mask"):
     except TypeError:  # not weak-referenceable (a builtin): trace every time
         cached = {}
     if role not in cached:
-        args = [torch.tensor(0, dtype=torch.int32) for _ in range(4)]
+        device = _trace_device(fn)
+        args = [torch.tensor(0, dtype=torch.int32, device=device) for _ in range(4)]
         if role == "score":
-            args = [torch.tensor(0.0, dtype=torch.float32)] + args
+            args = [torch.tensor(0.0, dtype=torch.float32, device=device)] + args
         try:
             with compat.getitem_as_index():
                 cached[role] = compat.make_fx_trace(fn, *args)

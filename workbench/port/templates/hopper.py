@@ -21,8 +21,11 @@ HOPPER_TILE = (128, 2, 8)
 # the tile loop: "serial" (S = Q K^T, softmax, O += P V, one after another) or "overlap"
 # (FlashAttention-3's order within a warpgroup: tile t's S = Q K^T and tile t-1's O += P V are
 # issued together, and tile t's softmax runs while P V does), or "specialized" (the overlapped
-# loop in the kernel's warps, and one more warp that only issues the loads); the same arithmetic
+# loop in the kernel's warps, and one more warp that only issues the loads), or "pingpong" (two
+# warpgroups of 64 rows each run the overlapped loop and take turns on the tensor cores, one warp
+# loads); the same arithmetic
 HOPPER_LOOP = "serial"
+HOPPER_LOOPS = ("serial", "overlap", "specialized", "pingpong")
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 try:  # Gluon and its Hopper module (Triton 3.6 has them; older versions run the portable kernel only)
@@ -59,30 +62,40 @@ if _HAS_GLUON and HOPPER_MODS is None:
                         HAS_SCORE: gl.constexpr, dtype: gl.constexpr, p_layout: gl.constexpr):
         # one tile's scores (score_mod, then the mask unless the block is full) into the online
         # softmax, base 2, the steps of _online_softmax_step: (P as the P V matmul's register
-        # operand, the rows' rescale alpha, the new max, the new sum)
+        # operand, the rows' rescale alpha, the new max, the new sum). Without a score_mod the
+        # scale folds into the exponent: the row max is taken over the raw scores and times
+        # c = scale * log2(e) (c > 0, _hopper_ready), and P = exp2(qk * c - max), one fused
+        # multiply-add per score.
         if HAS_SCORE:
             s = score_mod_gluon(qk * sm_scale, b, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
         else:
-            s = qk * (sm_scale * 1.4426950408889634)
+            s = qk
         if not full:
             s = gl.where(mask_mod_gluon(b, h, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        if HAS_SCORE:
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+        else:
+            c = sm_scale * 1.4426950408889634
+            m_new = gl.maximum(m_i, gl.max(s, 1) * c)
         # rows with nothing kept yet stay at -inf; shift them by 0 so exp2 gives 0, not NaN
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
+        if HAS_SCORE:
+            p = gl.exp2(s - m_safe[:, None])
+        else:
+            p = gl.exp2(gl.fma(s, c, -m_safe[:, None]))
         l_i = l_i * alpha + gl.sum(p, 1)
         return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
 
     @gluon.jit
-    def _hopper_store(Out, Lse, acc, m_i, l_i, bh, pid_m, Lq, RETURN_LSE: gl.constexpr, o_layout: gl.constexpr):
-        # out = acc / l (rows that kept nothing: 0, lse -inf), stored row by row
+    def _hopper_store(Out, Lse, acc, m_i, l_i, bh, row0, Lq, RETURN_LSE: gl.constexpr, o_layout: gl.constexpr):
+        # out = acc / l (rows that kept nothing: 0, lse -inf) for query rows row0 .. row0 + rows
         BLOCK_M: gl.constexpr = acc.shape[0]
         HEAD_D: gl.constexpr = acc.shape[1]
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         l_safe = gl.where(l_o == 0.0, 1.0, l_o)
         out = acc / l_safe[:, None]
-        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
         gl.store(Out + (bh.to(gl.int64) * Lq + rows)[:, None] * HEAD_D + offs_d[None, :], out.to(Out.dtype.element_ty))
         if RETURN_LSE:
@@ -110,7 +123,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
         SUB: gl.constexpr = TABLE_N // BLOCK_N
         dtype: gl.constexpr = q_desc.dtype
-        pid_m = gl.program_id(0)
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the last rows first: under a causal mask the heaviest
         bh = gl.program_id(1)
         b = bh // Hq
         h = bh % Hq
@@ -208,7 +221,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         for i in gl.static_range(NUM_BUF):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
-        _hopper_store(Out, Lse, acc, m_i, l_i, bh, pid_m, Lq, RETURN_LSE, o_layout)
+        _hopper_store(Out, Lse, acc, m_i, l_i, bh, pid_m * BLOCK_M, Lq, RETURN_LSE, o_layout)
 
 
     @gluon.jit
@@ -281,7 +294,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
             acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(final), count=1)
-        _hopper_store(Out, Lse, acc, m_i, l_i, bh, pid_m, Lq, RETURN_LSE, o_layout)
+        _hopper_store(Out, Lse, acc, m_i, l_i, bh, pid_m * BLOCK_M, Lq, RETURN_LSE, o_layout)
 
     @gluon.jit
     def _hopper_specialized_kernel(q_desc, k_desc, v_desc, Out, Lse, partial_num, partial_idx, full_num, full_idx,
@@ -298,7 +311,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
         SUB: gl.constexpr = TABLE_N // BLOCK_N
         dtype: gl.constexpr = q_desc.dtype
-        pid_m = gl.program_id(0)
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the last rows first: under a causal mask the heaviest
         bh = gl.program_id(1)
         b = bh // Hq
         h = bh % Hq
@@ -333,11 +346,142 @@ if _HAS_GLUON and HOPPER_MODS is None:
         ], [1], [24])
 
 
-def _hopper_ready(q, k, v, bounds, invariant) -> bool:
+    @gluon.jit
+    def _hopper_pingpong_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, Out, Lse,
+                                  b, h, bh, pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@
+                                  HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
+                                  TABLE_N: gl.constexpr, WG: gl.constexpr):
+        # one warpgroup (4 warps) of the ping-pong kernel: query rows WG * 64 .. WG * 64 + 64 of the
+        # program's 128, the overlapped loop (tile t's S = Q K^T issued with tile t-1's P V, the
+        # softmax under P V). The two warpgroups take turns to issue their matmuls (`turn`, one
+        # barrier each: a warpgroup waits for its own, issues, then signals the other's), so one's
+        # softmax runs while the other's matmuls hold the tensor cores. Warpgroup 0 goes first: its
+        # first wait is for parity 1, which a fresh barrier counts as complete.
+        HALF: gl.constexpr = q_smem.type.shape[0] // 2
+        HEAD_D: gl.constexpr = q_smem.type.shape[1]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_part = q_smem.slice(WG * HALF, HALF)
+        mine = turn.index(WG)
+        other = turn.index(1 - WG)
+        row0 = pid_m * (2 * HALF) + WG * HALF
+        m_i = gl.full([HALF], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([HALF], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([HALF, HEAD_D], gl.float32, layout=o_layout)
+        zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
+        q_idx = (row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)))[:, None]
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
+        mbarrier.wait(q_bar, 0)
+        if n_tiles > 0:
+            # turn 0: tile 0's S alone
+            start, full = _hopper_tile_start(0, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+            mbarrier.wait(k_ready.index(0), 0)
+            mbarrier.wait(mine, 1 - WG)
+            qk = warpgroup_mma(q_part, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.arrive(other)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+            mbarrier.arrive(k_empty.index(0))
+            p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
+                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
+            for t in range(1, n_tiles):  # turn t: tile t's S with tile t-1's P V
+                slot = t % NUM_BUF
+                prev = (t - 1) % NUM_BUF
+                start, full = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+                mbarrier.wait(k_ready.index(slot), (t // NUM_BUF) & 1)
+                mbarrier.wait(v_ready.index(prev), ((t - 1) // NUM_BUF) & 1)
+                mbarrier.wait(mine, (t & 1) ^ (1 - WG))
+                qk = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+                mbarrier.arrive(other)
+                qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S is done; P V may still run
+                mbarrier.arrive(k_empty.index(slot))
+                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
+                                                     @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(prev))
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            # turn n_tiles: the last tile's P V
+            final = (n_tiles - 1) % NUM_BUF
+            mbarrier.wait(v_ready.index(final), ((n_tiles - 1) // NUM_BUF) & 1)
+            mbarrier.wait(mine, (n_tiles & 1) ^ (1 - WG))
+            acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
+            mbarrier.arrive(other)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(final))
+        _hopper_store(Out, Lse, acc, m_i, l_i, bh, row0, Lq, RETURN_LSE, o_layout)
+
+    @gluon.jit
+    def _hopper_pingpong_kernel(q_desc, k_desc, v_desc, Out, Lse, partial_num, partial_idx, full_num, full_idx,
+                                s_tb, s_th, n_cols, Hq, group, Lq, Lk, sm_scale, @@ALL_PTR_PARAMS@@
+                                HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
+                                TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, OVERLAP: gl.constexpr,
+                                num_warps: gl.constexpr):
+        # HOPPER_LOOP = "pingpong" (FlashAttention-3's schedule): three roles in one program of 128
+        # queries. Two warpgroups each own 64 of the rows and run the overlapped loop; they issue
+        # their matmuls in turn (_hopper_pingpong_consumer), so the tensor cores work on one's
+        # while the other computes its softmax. One more warp only issues the TMA loads
+        # (_hopper_producer); each K / V buffer is released when both warpgroups have read it.
+        # The kernel's own warps (num_warps = 4) are warpgroup 0. (OVERLAP is not read.)
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+        SUB: gl.constexpr = TABLE_N // BLOCK_N
+        dtype: gl.constexpr = q_desc.dtype
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the last rows first: under a causal mask the heaviest
+        bh = gl.program_id(1)
+        b = bh // Hq
+        h = bh % Hq
+        kv_row0 = (b * (Hq // group) + h // group) * Lk
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both warpgroups release a buffer
+            mbarrier.init(v_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_bar, q_smem)
+        row = b * s_tb + h * s_th + (pid_m * BLOCK_M) // TABLE_M
+        n_f = gl.load(full_num + row)
+        n_tiles = (n_f + gl.load(partial_num + row)) * SUB
+        idx_f = full_idx + row * n_cols
+        idx_p = partial_idx + row * n_cols
+        gl.warp_specialize([
+            (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, Out,
+                                         Lse, b, h, bh, pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale,
+                                         @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, 0)),
+            (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, Out,
+                                         Lse, b, h, bh, pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale,
+                                         @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, 1)),
+            (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
+                                n_tiles, idx_f, idx_p, SUB, TABLE_N)),
+        ], [4, 1], [240, 24])
+
+
+def _hopper_ready(q, k, v, bounds, invariant, scale=None) -> bool:
     """Whether this call runs the Hopper kernel: HOPPER on, Gluon there and the mods translated,
     an sm_90 GPU, bf16 / fp16, D 64 or 128, contiguous q, k, v, Lq and Lk multiples of 128, not
-    packed (cu_seqlens) and not invariant mode. Any other call runs the portable kernel."""
+    packed (cu_seqlens), not invariant mode and a positive scale. Any other call runs the
+    portable kernel."""
     if not (HOPPER and _HAS_GLUON and HOPPER_MODS is None) or _INTERPRET or bounds is not None or invariant:
+        return False
+    if scale is not None and not scale > 0:
         return False
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
@@ -357,9 +501,9 @@ def _hopper_descriptor(t, rows: int):
 
 def _hopper_launch(q, k, v, scale, return_lse, tables):
     """(grid, arguments, options, out, lse) of _hopper_attention_kernel for this call."""
-    if HOPPER_LOOP not in ("serial", "overlap", "specialized"):
+    if HOPPER_LOOP not in HOPPER_LOOPS:
         raise ValueError(f"HOPPER_LOOP = {HOPPER_LOOP!r} names no form of the Hopper kernel's tile loop: set it to "
-                         "'serial', 'overlap' or 'specialized'")
+                         f"one of {', '.join(map(repr, HOPPER_LOOPS))}")
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     block_n, buffers, warps = HOPPER_TILE
@@ -373,14 +517,15 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
             partial_num, partial_idx, full_num, full_idx, s_tb, s_th, partial_idx.shape[-1], Hq, Hq // Hkv, Lq, Lk,
             scale, *[tables[n] for n in ALL_POINTERS])
     options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers,
-                   OVERLAP=HOPPER_LOOP != "serial", num_warps=warps)
+                   OVERLAP=HOPPER_LOOP != "serial", num_warps=4 if HOPPER_LOOP == "pingpong" else warps)
     return (Lq // 128, B * Hq), args, options, out, lse
 
 
 def _hopper_kernel():
     """The kernel HOPPER_LOOP names: the one-role kernel (serial or overlapped loop) or the
     warp-specialized one."""
-    return _hopper_specialized_kernel if HOPPER_LOOP == "specialized" else _hopper_attention_kernel
+    return {"specialized": _hopper_specialized_kernel, "pingpong": _hopper_pingpong_kernel}.get(HOPPER_LOOP,
+                                                                                              _hopper_attention_kernel)
 
 
 def _attention_hopper(q, k, v, scale, return_lse, tables):

@@ -166,6 +166,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--kv-heads", type=int, help="--hopper: grouped-query attention with this many kv heads")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="--hopper: q, k, v's dtype")
     p.add_argument("--masks", nargs="*")
     p.add_argument("--decode", action="store_true", help="also Lq = 1 against each length")
     p.add_argument("--json", help="write the rows here")
@@ -261,8 +263,10 @@ def hopper_bench(args) -> int:
     (each form of its tile loop, HOPPER_LOOP "serial", "overlap", "specialized" and "pingpong")."""
     folder = Path(tempfile.mkdtemp(prefix="bench_hopper_"))
     flex = compiled_flex_attention()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={args.batch} H={args.heads} "
-          f"D={args.head_dim}, forward; medians of {args.rounds} rounds timed in turn", flush=True)
+    kv_heads = args.kv_heads or args.heads
+    gqa = {"enable_gqa": True} if kv_heads != args.heads else {}
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, B={args.batch} H={args.heads} "
+          f"Hkv={kv_heads} D={args.head_dim}, forward; medians of {args.rounds} rounds timed in turn", flush=True)
     loops = list(args.loops)
     print("| mask | tokens | " + " | ".join(f"Hopper {loop} ms (TFLOP/s)" for loop in loops) + " | portable port ms | "
           "Flex Triton ms | Flex FLASH ms | portable / best Hopper | Flex Triton / best Hopper | FLASH / best Hopper | "
@@ -272,8 +276,8 @@ def hopper_bench(args) -> int:
         for name, mask in masks_at(seq, args.heads, "cuda").items():
             if args.masks and name not in args.masks:
                 continue
-            shape = Shape(batch=args.batch, q_heads=args.heads, q_len=seq, head_dim=args.head_dim)
-            inputs = make_inputs(shape, "bfloat16", "cuda", seed=0)
+            shape = Shape(batch=args.batch, q_heads=args.heads, kv_heads=kv_heads, q_len=seq, head_dim=args.head_dim)
+            inputs = make_inputs(shape, args.dtype, "cuda", seed=0)
             q, k, v = inputs.q, inputs.k, inputs.v
             try:
                 module = port.load(port.build(mask, seq, seq, heads=args.heads, batch=args.batch,
@@ -301,17 +305,18 @@ def hopper_bench(args) -> int:
 
                 diff = 0.0
                 with torch.no_grad():
-                    want = flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask)
+                    want = flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask, **gqa)
                     for loop in loops:
                         diff = max(diff, float((hopper(loop).float() - want.float()).abs().max()))
                 paths = {loop: (lambda loop=loop: hopper(loop)) for loop in loops}
                 paths.update(portable=portable, flex=lambda: flex(q, k, v, score_mod=mask.score_mod,
-                                                                  block_mask=block_mask))
+                                                                  block_mask=block_mask, **gqa))
                 try:
                     with torch.no_grad():
-                        flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask, kernel_options={"BACKEND": "FLASH"})
+                        flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask, kernel_options={"BACKEND": "FLASH"},
+                             **gqa)
                     paths["flash"] = lambda: flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask,
-                                                  kernel_options={"BACKEND": "FLASH"})
+                                                  kernel_options={"BACKEND": "FLASH"}, **gqa)
                 except Exception:  # not installed, or it cannot run this mask
                     pass
                 ms = timed_in_turn(paths, args.rounds)

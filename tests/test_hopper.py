@@ -35,9 +35,9 @@ def test_hopper_kernel_compiles_for_sm90_without_spills():
     assert "SUMMARY 3/3" in done.stdout, done.stdout[-3000:]
 
 
-def test_the_mods_gluon_copy_and_the_kernel_stays_off_until_asked(tmp_path, monkeypatch):
+def test_the_mods_gluon_copy_and_the_kernel_is_on_unless_turned_off(tmp_path, monkeypatch):
     # the Gluon copy of a user's mod keeps its table reads and Python floor division; the file runs
-    # the portable kernel unless PORT_HOPPER=1 (or HOPPER = True), and never on a CPU
+    # the Hopper kernel unless PORT_HOPPER=0 (or HOPPER = False), and never on a CPU
     ids = [0, 0, 1, 1, 1, 2, 2, 2] * 16
 
     def docs_floor(b, h, q_idx, kv_idx):
@@ -53,10 +53,10 @@ def test_the_mods_gluon_copy_and_the_kernel_stays_off_until_asked(tmp_path, monk
     assert "_py_floordiv_gluon(" in gluon_part and "tl." not in gluon_part.split("def _hopper_tile_start")[0]
     soft = port.generate(with_score(make("causal"), make("softcap")), 128, 128).source
     assert "def _sigmoid_gluon(x)" in soft and "HOPPER_MODS = None" in soft
-    monkeypatch.delenv("PORT_HOPPER", raising=False)
+    monkeypatch.setenv("PORT_HOPPER", "0")
     module = port.load(port.write(generated, tmp_path / "off"))
     assert module.HOPPER is False
-    monkeypatch.setenv("PORT_HOPPER", "1")
+    monkeypatch.delenv("PORT_HOPPER", raising=False)
     module = port.load(port.write(generated, tmp_path / "on"))
     import torch
     q = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16)
@@ -82,6 +82,6 @@ def test_a_loop_the_kernel_does_not_have_is_refused_by_name(tmp_path):
     module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
     module.HOPPER_LOOP = "ping-pong"
     q = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="HOPPER_LOOP = 'ping-pong' names no form.*'serial', 'overlap', 'specialized', "
-                       "'pingpong'"):
+    with pytest.raises(ValueError, match="HOPPER_LOOP = 'ping-pong' names no form.*'auto', 'serial', 'overlap', "
+                       "'specialized', 'pingpong'"):
         module._hopper_launch(q, q, q, 0.125, False, {})

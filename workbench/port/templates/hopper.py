@@ -9,23 +9,26 @@ import torch
 
 # ---------------------------------------------------------------- Hopper (sm_90): TMA + warpgroup MMA
 
-# Off until this kernel has been checked against the float64 reference and timed on an H100 / H200
-# (tests/test_gpu_port.py::test_hopper_kernel_matches_the_reference, benchmarks/bench_port.py
-# --hopper); on, attention() runs it where _hopper_ready says it can and the portable kernel elsewhere
-HOPPER = os.environ.get("PORT_HOPPER") == "1"
+# On: attention() runs this kernel where _hopper_ready says it can (an H100 / H200, bf16 / fp16, ...)
+# and the portable kernel elsewhere; PORT_HOPPER=0 in the environment (or HOPPER = False) turns it
+# off. Checked against the float64 reference by tests/test_gpu_port.py, timed by
+# benchmarks/bench_port.py --hopper (docs/benchmarks.md).
+HOPPER = os.environ.get("PORT_HOPPER", "1") != "0"
 # (BLOCK_N, K / V buffers, warps): 128 query rows per program (two warpgroups of 64), BLOCK_N keys
-# per tile; 128 x 2 needs 160 KB of shared memory at D 128; compiled for sm_90a, the library's and
-# users' mods take 167-254 registers (serial loop) and 193-255 (overlap), with no spills
-# (tests/run_hopper_compile.py)
-HOPPER_TILE = (128, 2, 8)
+# per tile; buffers 0 = the loop's own choice (3 for "pingpong", whose two warpgroups release a
+# buffer half a tile apart; 2 for the others). At D 128, 2 buffers take 160 KB of shared memory and
+# 3 take 224 KB; compiled for sm_90a, the library's and users' mods take 167-255 registers with no
+# spills (tests/run_hopper_compile.py)
+HOPPER_TILE = (128, 0, 8)
 # the tile loop: "serial" (S = Q K^T, softmax, O += P V, one after another) or "overlap"
 # (FlashAttention-3's order within a warpgroup: tile t's S = Q K^T and tile t-1's O += P V are
 # issued together, and tile t's softmax runs while P V does), or "specialized" (the overlapped
 # loop in the kernel's warps, and one more warp that only issues the loads), or "pingpong" (two
 # warpgroups of 64 rows each run the overlapped loop and take turns on the tensor cores, one warp
-# loads); the same arithmetic
-HOPPER_LOOP = "serial"
-HOPPER_LOOPS = ("serial", "overlap", "specialized", "pingpong")
+# loads); the same arithmetic. "auto": "pingpong" without a score_mod, "specialized" with one (on
+# the H200 a heavy score_mod, image spans + softcap, ran 1.14x faster so: docs/benchmarks.md)
+HOPPER_LOOP = "auto"
+HOPPER_LOOPS = ("auto", "serial", "overlap", "specialized", "pingpong")
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 try:  # Gluon and its Hopper module (Triton 3.6 has them; older versions run the portable kernel only)
@@ -506,7 +509,9 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
                          f"one of {', '.join(map(repr, HOPPER_LOOPS))}")
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
+    loop = _hopper_loop()
     block_n, buffers, warps = HOPPER_TILE
+    buffers = buffers or (3 if loop == "pingpong" else 2)
     partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device)
     n_rows = _cdiv(Lq, TABLE_M)
     s_th = n_rows if MASK_READS_HEAD else 0
@@ -517,14 +522,21 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
             partial_num, partial_idx, full_num, full_idx, s_tb, s_th, partial_idx.shape[-1], Hq, Hq // Hkv, Lq, Lk,
             scale, *[tables[n] for n in ALL_POINTERS])
     options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers,
-                   OVERLAP=HOPPER_LOOP != "serial", num_warps=4 if HOPPER_LOOP == "pingpong" else warps)
+                   OVERLAP=loop != "serial", num_warps=4 if loop == "pingpong" else warps)
     return (Lq // 128, B * Hq), args, options, out, lse
 
 
+def _hopper_loop() -> str:
+    """The form of the tile loop this call runs: HOPPER_LOOP, with "auto" resolved."""
+    if HOPPER_LOOP == "auto":
+        return "specialized" if HAS_SCORE else "pingpong"
+    return HOPPER_LOOP
+
+
 def _hopper_kernel():
-    """The kernel HOPPER_LOOP names: the one-role kernel (serial or overlapped loop) or the
-    warp-specialized one."""
-    return {"specialized": _hopper_specialized_kernel, "pingpong": _hopper_pingpong_kernel}.get(HOPPER_LOOP,
+    """The kernel HOPPER_LOOP names: the one-role kernel (serial or overlapped loop), the
+    warp-specialized one or the ping-pong one."""
+    return {"specialized": _hopper_specialized_kernel, "pingpong": _hopper_pingpong_kernel}.get(_hopper_loop(),
                                                                                               _hopper_attention_kernel)
 
 

@@ -85,3 +85,72 @@ def test_a_loop_the_kernel_does_not_have_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="HOPPER_LOOP = 'ping-pong' names no form.*'auto', 'serial', 'overlap', "
                        "'specialized', 'pingpong'"):
         module._hopper_launch(q, q, q, 0.125, False, {})
+
+
+_FAILING_HOPPER = """
+import sys, warnings
+import torch
+from workbench import make, port
+from workbench.run import Inputs, Shape
+from workbench.verify import reference_attention
+
+mask = make("causal_sliding_window", {"window": 40})
+module = port.load(port.build(mask, 128, 128, heads=2, out_dir=sys.argv[1]))
+attempts = []
+
+class Broken:  # the Hopper kernel as a Triton it was not built for would launch it
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            attempts.append(grid)
+            raise RuntimeError("PTX .version 9.9 does not support .target sm_90a")
+        return launch
+
+module._hopper_kernel = Broken
+module._hopper_launch = lambda q, k, v, scale, return_lse, tables: ((1, 1), (), {}, None, None)
+# a CPU is never sm_90: take the Hopper path unless this kind of call already failed
+module._hopper_ready = lambda q, k, v, bounds, invariant, scale=None: \
+    (q.dtype, q.shape[-1], module._hopper_loop()) not in module._HOPPER_FAILED
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 128, 32, generator=g) for _ in range(3))
+with warnings.catch_warnings(record=True) as first:
+    warnings.simplefilter("always")
+    out = module.attention(q, k, v)
+ref = reference_attention(mask, Inputs(q=q, k=k, v=v, shape=Shape(q_heads=2, q_len=128, head_dim=32),
+                                       dtype="float32", seed=0), progress=False)
+with warnings.catch_warnings(record=True) as second:
+    warnings.simplefilter("always")
+    again = module.attention(q, k, v)
+print("WARNED", [str(w.message) for w in first if w.category is RuntimeWarning])
+print("ERROR", float((out.double() - ref.out).abs().max()), bool(torch.isnan(out).any()))
+print("ATTEMPTS", len(attempts), "SECOND", len(second), torch.equal(again, out))
+"""
+
+
+def test_a_hopper_kernel_that_fails_here_warns_once_and_the_portable_kernel_answers(tmp_path):
+    # a compile or launch failure of the Hopper kernel (a Triton or driver the kernel was not built
+    # for) must not cost the user the call: one warning naming the cause, the portable kernel's
+    # answer (equal to the float64 reference), and later calls of that kind skip the attempt
+    # (under Triton's interpreter, in a process of its own)
+    script = tmp_path / "failing.py"
+    script.write_text(_FAILING_HOPPER)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "port")], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in done.stdout.splitlines() if " " in line}
+    assert "the Hopper kernel (pingpong loop, torch.float32, D 32) failed here (RuntimeError: PTX .version 9.9" \
+        in lines["WARNED"] and "portable kernel instead" in lines["WARNED"] and "PORT_HOPPER=0" in lines["WARNED"]
+    error, nan = lines["ERROR"].split()
+    assert float(error) < 1e-4 and nan == "False", lines["ERROR"]
+    assert lines["ATTEMPTS"] == "1 SECOND 0 True", lines["ATTEMPTS"]
+
+
+def test_an_older_triton_runs_the_portable_kernel_only(tmp_path, monkeypatch):
+    # the Hopper kernel is written against Triton 3.6's Gluon; with 3.5 the file must not try it
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "3.5.1")
+    module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
+    assert module._HAS_GLUON is False and "_hopper_pingpong_kernel" not in vars(module)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "new"))
+    assert module._HAS_GLUON is _has_gluon()

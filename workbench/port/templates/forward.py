@@ -858,8 +858,10 @@ def _attention(q, k, v, scale, return_lse, bounds, invariant=False, tables=None)
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     tables = {**_tables(q.device, Lq, Lk), **{n: t.detach().contiguous() for n, t in (tables or {}).items()}}
-    if _hopper_ready(q, k, v, bounds, invariant, scale):  # (hopper.py's: off unless HOPPER)
-        return _attention_hopper(q, k, v, scale, return_lse, tables)
+    if _hopper_ready(q, k, v, bounds, invariant, scale):  # (hopper.py's: sm_90, bf16 / fp16, ...)
+        done = _attention_hopper(q, k, v, scale, return_lse, tables)
+        if done is not None:  # (None: that kernel failed here, and warned; the portable one runs)
+            return done
     if bounds is None:
         partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device)
         segments = partial_num  # not read

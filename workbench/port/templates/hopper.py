@@ -31,14 +31,21 @@ HOPPER_LOOP = "auto"
 HOPPER_LOOPS = ("auto", "serial", "overlap", "specialized", "pingpong")
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
-try:  # Gluon and its Hopper module (Triton 3.6 has them; older versions run the portable kernel only)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
-    _HAS_GLUON = True
-except ImportError:  # older Triton: the portable kernel runs everywhere
-    _HAS_GLUON = False
+# Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved
+# between 3.4, 3.5 and 3.6: warp_specialize's arguments, the descriptors); with an older Triton the
+# portable kernel runs everywhere
+_HAS_GLUON = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit()) >= (3, 6)
+if _HAS_GLUON:
+    try:
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
+    except ImportError:  # a build without Gluon
+        _HAS_GLUON = False
+# (dtype, D, loop) whose Hopper kernel failed to build or launch here: those calls run the portable
+# kernel, after one warning that names the cause (see _attention_hopper)
+_HOPPER_FAILED: dict = {}
 
 if _HAS_GLUON and HOPPER_MODS is None:
 @@GLUON_MODS@@
@@ -489,6 +496,8 @@ def _hopper_ready(q, k, v, bounds, invariant, scale=None) -> bool:
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     B, Hq, Lq, D = q.shape
+    if (q.dtype, D, _hopper_loop()) in _HOPPER_FAILED:
+        return False
     return (q.dtype in (torch.bfloat16, torch.float16) and D in (64, 128) and Lq % 128 == 0 and k.shape[2] % 128 == 0
             and TABLE_M == 128 and TABLE_N % HOPPER_TILE[0] == 0
             and all(t.is_contiguous() for t in (q, k, v)))
@@ -541,7 +550,20 @@ def _hopper_kernel():
 
 
 def _attention_hopper(q, k, v, scale, return_lse, tables):
-    """attention()'s forward through _hopper_attention_kernel (see _hopper_ready)."""
+    """attention()'s forward through the Hopper kernel (see _hopper_ready), or None when that
+    kernel failed to compile or launch for this kind of call (then the caller runs the portable
+    one): the first failure warns with its cause, later calls of the same kind skip the attempt."""
     grid, args, options, out, lse = _hopper_launch(q, k, v, scale, return_lse, tables)
-    _hopper_kernel()[grid](*args, **options)
+    kind = (q.dtype, q.shape[-1], _hopper_loop())
+    try:
+        _hopper_kernel()[grid](*args, **options)
+    except Exception as exc:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            raise
+        _HOPPER_FAILED[kind] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        import warnings
+        warnings.warn(f"{NAME}: the Hopper kernel ({_hopper_loop()} loop, {q.dtype}, D {q.shape[-1]}) failed here "
+                      f"({_HOPPER_FAILED[kind]}); these calls run the portable kernel instead. Set PORT_HOPPER=0 "
+                      "to run it from the start, and please report the cause", RuntimeWarning, stacklevel=3)
+        return None
     return (out, lse) if return_lse else out

@@ -83,7 +83,7 @@ def test_a_loop_the_kernel_does_not_have_is_refused_by_name(tmp_path):
     module.HOPPER_LOOP = "ping-pong"
     q = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="HOPPER_LOOP = 'ping-pong' names no form.*'auto', 'serial', 'overlap', "
-                       "'specialized', 'pingpong'"):
+                       "'specialized', 'pingpong', 'persistent'"):
         module._hopper_launch(q, q, q, 0.125, False, {})
 
 

@@ -25,10 +25,12 @@ HOPPER_TILE = (128, 0, 8)
 # issued together, and tile t's softmax runs while P V does), or "specialized" (the overlapped
 # loop in the kernel's warps, and one more warp that only issues the loads), or "pingpong" (two
 # warpgroups of 64 rows each run the overlapped loop and take turns on the tensor cores, one warp
-# loads); the same arithmetic. "auto": "pingpong" without a score_mod, "specialized" with one (on
+# loads), or "persistent" (pingpong's roles in one program per SM that walks the tiles in turn,
+# loading the next tile's queries, keys and values under the current one's work: not yet run on a
+# GPU); the same arithmetic. "auto": "pingpong" without a score_mod, "specialized" with one (on
 # the H200 a heavy score_mod, image spans + softcap, ran 1.14x faster so: docs/benchmarks.md)
 HOPPER_LOOP = "auto"
-HOPPER_LOOPS = ("auto", "serial", "overlap", "specialized", "pingpong")
+HOPPER_LOOPS = ("auto", "serial", "overlap", "specialized", "pingpong", "persistent")
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 # Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved
@@ -484,6 +486,191 @@ if _HAS_GLUON and HOPPER_MODS is None:
         ], [4, 1], [240, 24])
 
 
+    @gluon.jit
+    def _hopper_tile_of(tile, num_m, BH, Hq, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
+                        TABLE_M: gl.constexpr, BLOCK_M: gl.constexpr, SUB: gl.constexpr):
+        # the persistent kernel's tile number -> (pid_m, bh, b, h, the row's full-block count, its
+        # tile count, its lists): every head's last row block first, then every head's one before
+        # (under a causal mask the heaviest work first across the whole grid)
+        bh = tile % BH
+        pid_m = num_m - 1 - tile // BH
+        b = bh // Hq
+        h = bh % Hq
+        row = b * s_tb + h * s_th + (pid_m * BLOCK_M) // TABLE_M
+        n_f = gl.load(full_num + row)
+        n_tiles = (n_f + gl.load(partial_num + row)) * SUB
+        return pid_m, bh, b, h, n_f, n_tiles, full_idx + row * n_cols, partial_idx + row * n_cols
+
+    @gluon.jit
+    def _hopper_persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                                    k_empty, v_empty, num_m, BH, Hq, group, Lq, Lk, s_tb, s_th, n_cols, full_num,
+                                    partial_num, full_idx, partial_idx, TABLE_M: gl.constexpr, SUB: gl.constexpr,
+                                    TABLE_N: gl.constexpr):
+        # the load warp of the persistent kernel: for each of this program's tiles in turn, its 128
+        # queries into one of two Q buffers (once both warpgroups are done with the tile before the
+        # last), then its keys and values into the ring, running on into the next tile's while the
+        # warpgroups finish this one. `c` counts K / V tiles over all of the program's tiles.
+        BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+        c = 0
+        j = 0
+        for tile in range(gl.program_id(0), num_m * BH, gl.num_programs(0)):
+            pid_m, bh, b, h, n_f, n_tiles, idx_f, idx_p = _hopper_tile_of(
+                tile, num_m, BH, Hq, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx, TABLE_M,
+                BLOCK_M, SUB)
+            kv_row0 = (b * (Hq // group) + h // group) * Lk
+            qs = j % 2
+            mbarrier.wait(q_empty.index(qs), ((j // 2) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_ready.index(qs), q_smem.index(qs))
+            for t in range(0, n_tiles):
+                slot = c % NUM_BUF
+                phase = (c // NUM_BUF) & 1
+                start, _ = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+                mbarrier.wait(k_empty.index(slot), phase ^ 1)
+                _hopper_load(k_desc, k_smem, k_ready, slot, kv_row0 + start, True)
+                mbarrier.wait(v_empty.index(slot), phase ^ 1)
+                _hopper_load(v_desc, v_smem, v_ready, slot, kv_row0 + start, True)
+                c += 1
+            j += 1
+
+    @gluon.jit
+    def _hopper_persistent_consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                                    Out, Lse, num_m, BH, Hq, Lq, s_tb, s_th, n_cols, full_num, partial_num, full_idx,
+                                    partial_idx, sm_scale, @@ALL_PTR_PARAMS@@
+                                    HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
+                                    SUB: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr):
+        # one warpgroup of the persistent kernel: _hopper_pingpong_consumer's loop over each of the
+        # program's tiles in turn (rows WG * 64 .. + 64 of the tile's 128). The K / V slots and
+        # their phases follow `c`, and the turns `u`, counted over all of the program's tiles
+        # exactly as the load warp and the other warpgroup count them.
+        BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+        HALF: gl.constexpr = BLOCK_M // 2
+        HEAD_D: gl.constexpr = q_smem.type.shape[2]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        mine = turn.index(WG)
+        other = turn.index(1 - WG)
+        zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
+        c = 0
+        u = 0
+        j = 0
+        for tile in range(gl.program_id(0), num_m * BH, gl.num_programs(0)):
+            pid_m, bh, b, h, n_f, n_tiles, idx_f, idx_p = _hopper_tile_of(
+                tile, num_m, BH, Hq, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx, TABLE_M,
+                BLOCK_M, SUB)
+            qs = j % 2
+            q_part = q_smem.index(qs).slice(WG * HALF, HALF)
+            row0 = pid_m * BLOCK_M + WG * HALF
+            m_i = gl.full([HALF], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([HALF], gl.float32, layout=gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([HALF, HEAD_D], gl.float32, layout=o_layout)
+            q_idx = (row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)))[:, None]
+            mbarrier.wait(q_ready.index(qs), (j // 2) & 1)
+            if n_tiles > 0:
+                start, full = _hopper_tile_start(0, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+                slot = c % NUM_BUF
+                mbarrier.wait(k_ready.index(slot), (c // NUM_BUF) & 1)
+                mbarrier.wait(mine, (u & 1) ^ (1 - WG))
+                qk = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                mbarrier.arrive(other)
+                u += 1
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+                mbarrier.arrive(k_empty.index(slot))
+                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
+                                                     @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
+                for t in range(1, n_tiles):  # tile t's S with tile t-1's P V
+                    prev = c % NUM_BUF
+                    prev_phase = (c // NUM_BUF) & 1
+                    c += 1
+                    slot = c % NUM_BUF
+                    start, full = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+                    mbarrier.wait(k_ready.index(slot), (c // NUM_BUF) & 1)
+                    mbarrier.wait(v_ready.index(prev), prev_phase)
+                    mbarrier.wait(mine, (u & 1) ^ (1 - WG))
+                    qk = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                       is_async=True)
+                    acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+                    mbarrier.arrive(other)
+                    u += 1
+                    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
+                    mbarrier.arrive(k_empty.index(slot))
+                    p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
+                                                         @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                    mbarrier.arrive(v_empty.index(prev))
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                final = c % NUM_BUF
+                mbarrier.wait(v_ready.index(final), (c // NUM_BUF) & 1)
+                mbarrier.wait(mine, (u & 1) ^ (1 - WG))
+                acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
+                mbarrier.arrive(other)
+                u += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(final))
+                c += 1
+            mbarrier.arrive(q_empty.index(qs))
+            _hopper_store(Out, Lse, acc, m_i, l_i, bh, row0, Lq, RETURN_LSE, o_layout)
+            j += 1
+
+    @gluon.jit
+    def _hopper_persistent_kernel(q_desc, k_desc, v_desc, Out, Lse, partial_num, partial_idx, full_num, full_idx,
+                                  s_tb, s_th, n_cols, Hq, group, Lq, Lk, sm_scale, @@ALL_PTR_PARAMS@@
+                                  HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
+                                  TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, OVERLAP: gl.constexpr,
+                                  num_warps: gl.constexpr, BH=1):
+        # HOPPER_LOOP = "persistent": the ping-pong kernel's roles, but one program per SM walks
+        # tiles (pid_m, bh) in turn, heaviest first (_hopper_tile_of): the load warp brings the
+        # next tile's queries (two Q buffers), keys and values while the warpgroups finish this one,
+        # so a short row's start-up hides under its neighbour's work. (OVERLAP is not read.)
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+        SUB: gl.constexpr = TABLE_N // BLOCK_N
+        dtype: gl.constexpr = q_desc.dtype
+        num_m = Lq // BLOCK_M
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both warpgroups release a Q buffer
+            mbarrier.init(turn.index(i), count=1)
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        gl.warp_specialize([
+            (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                           turn, Out, Lse, num_m, BH, Hq, Lq, s_tb, s_th, n_cols, full_num, partial_num,
+                                           full_idx, partial_idx, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
+                                           TABLE_M, SUB, TABLE_N, 0)),
+            (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                           turn, Out, Lse, num_m, BH, Hq, Lq, s_tb, s_th, n_cols, full_num, partial_num,
+                                           full_idx, partial_idx, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
+                                           TABLE_M, SUB, TABLE_N, 1)),
+            (_hopper_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                           v_ready, k_empty, v_empty, num_m, BH, Hq, group, Lq, Lk, s_tb, s_th, n_cols,
+                                           full_num, partial_num, full_idx, partial_idx, TABLE_M, SUB, TABLE_N)),
+        ], [4, 1], [240, 40])  # (the load warp walks the tiles too: 40 registers)
+
+
 def _hopper_ready(q, k, v, bounds, invariant, scale=None) -> bool:
     """Whether this call runs the Hopper kernel: HOPPER on, Gluon there and the mods translated,
     an sm_90 GPU, bf16 / fp16, D 64 or 128, contiguous q, k, v, Lq and Lk multiples of 128, not
@@ -520,7 +707,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
     Hkv, Lk = k.shape[1], k.shape[2]
     loop = _hopper_loop()
     block_n, buffers, warps = HOPPER_TILE
-    buffers = buffers or (3 if loop == "pingpong" else 2)
+    buffers = buffers or (3 if loop == "pingpong" else 2)  # ("persistent": two Q buffers leave room for 2)
     partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device)
     n_rows = _cdiv(Lq, TABLE_M)
     s_th = n_rows if MASK_READS_HEAD else 0
@@ -531,8 +718,22 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
             partial_num, partial_idx, full_num, full_idx, s_tb, s_th, partial_idx.shape[-1], Hq, Hq // Hkv, Lq, Lk,
             scale, *[tables[n] for n in ALL_POINTERS])
     options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers,
-                   OVERLAP=loop != "serial", num_warps=4 if loop == "pingpong" else warps)
-    return (Lq // 128, B * Hq), args, options, out, lse
+                   OVERLAP=loop != "serial", num_warps=4 if loop in ("pingpong", "persistent") else warps)
+    grid = (Lq // 128, B * Hq)
+    if loop == "persistent":  # one program per SM (or per tile, if fewer), each walking tiles in turn
+        options["BH"] = B * Hq
+        grid = (min(grid[0] * grid[1], _sm_count(q.device)),)
+    return grid, args, options, out, lse
+
+
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device) -> int:
+    """The GPU's number of SMs (cached: the query costs a driver call)."""
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
 
 
 def _hopper_loop() -> str:
@@ -545,8 +746,8 @@ def _hopper_loop() -> str:
 def _hopper_kernel():
     """The kernel HOPPER_LOOP names: the one-role kernel (serial or overlapped loop), the
     warp-specialized one or the ping-pong one."""
-    return {"specialized": _hopper_specialized_kernel, "pingpong": _hopper_pingpong_kernel}.get(_hopper_loop(),
-                                                                                              _hopper_attention_kernel)
+    return {"specialized": _hopper_specialized_kernel, "pingpong": _hopper_pingpong_kernel,
+            "persistent": _hopper_persistent_kernel}.get(_hopper_loop(), _hopper_attention_kernel)
 
 
 def _attention_hopper(q, k, v, scale, return_lse, tables):

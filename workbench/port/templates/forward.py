@@ -47,6 +47,7 @@ import json
 import math
 import os
 import struct
+import warnings
 
 import torch
 import triton

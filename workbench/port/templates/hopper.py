@@ -762,7 +762,6 @@ def _attention_hopper(q, k, v, scale, return_lse, tables):
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             raise
         _HOPPER_FAILED[kind] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        import warnings
         warnings.warn(f"{NAME}: the Hopper kernel ({_hopper_loop()} loop, {q.dtype}, D {q.shape[-1]}) failed here "
                       f"({_HOPPER_FAILED[kind]}); these calls run the portable kernel instead. Set PORT_HOPPER=0 "
                       "to run it from the start, and please report the cause", RuntimeWarning, stacklevel=3)

@@ -150,7 +150,7 @@ def test_an_older_triton_runs_the_portable_kernel_only(tmp_path, monkeypatch):
 
     monkeypatch.setattr(triton, "__version__", "3.5.1")
     module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
-    assert module._HAS_GLUON is False and "_hopper_pingpong_kernel" not in vars(module)
+    assert module._HAS_GLUON is False and "_hopper_specialized_kernel" not in vars(module)
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "new"))
     assert module._HAS_GLUON is _has_gluon()

@@ -18,7 +18,8 @@ HOPPER = os.environ.get("PORT_HOPPER", "1") != "0"
 # per tile; buffers 0 = the loop's own choice (3 for "pingpong", whose two warpgroups release a
 # buffer half a tile apart; 2 for the others). At D 128, 2 buffers take 160 KB of shared memory and
 # 3 take 224 KB; compiled for sm_90a, the library's and users' mods take 167-255 registers with no
-# spills (tests/run_hopper_compile.py)
+# spills (the persistent form keeps up to 32 bytes of its arguments in local memory, once per
+# program; tests/run_hopper_compile.py)
 HOPPER_TILE = (128, 0, 8)
 # the tile loop: "serial" (S = Q K^T, softmax, O += P V, one after another) or "overlap"
 # (FlashAttention-3's order within a warpgroup: tile t's S = Q K^T and tile t-1's O += P V are
@@ -313,11 +314,16 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                    s_tb, s_th, n_cols, Hq, group, Lq, Lk, sm_scale, @@ALL_PTR_PARAMS@@
                                    HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                    TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, OVERLAP: gl.constexpr,
-                                   num_warps: gl.constexpr):
-        # _hopper_attention_kernel's work split by role (HOPPER_LOOP = "specialized"): one warp
-        # issues the TMA loads of keys and values (_hopper_producer), the kernel's warps do the
-        # matmuls and the softmax (_hopper_consumer); `ready` / `empty` barriers per buffer pass
-        # each buffer back and forth. (OVERLAP is not read: the consumers' loop is the overlapped one.)
+                                   num_warps: gl.constexpr, PINGPONG: gl.constexpr = False):
+        # _hopper_attention_kernel's work split by role: one warp issues the TMA loads of keys and
+        # values (_hopper_producer); `ready` / `empty` barriers per buffer pass each buffer back and
+        # forth. HOPPER_LOOP = "specialized": the kernel's warps do the matmuls and the softmax
+        # (_hopper_consumer). "pingpong" (PINGPONG, FlashAttention-3's schedule): two warpgroups
+        # each own 64 of the 128 rows and run the overlapped loop, issuing their matmuls in turn
+        # (_hopper_pingpong_consumer, the `turn` barriers), so the tensor cores work on one's while
+        # the other computes its softmax; a buffer is released when both have read it; the
+        # kernel's own warps (num_warps = 4) are warpgroup 0. (OVERLAP is not read: the consumers'
+        # loops are the overlapped one.)
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -336,12 +342,21 @@ if _HAS_GLUON and HOPPER_MODS is None:
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        if PINGPONG:
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(NUM_BUF):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=1)
+            if PINGPONG:  # both warpgroups release a buffer
+                mbarrier.init(k_empty.index(i), count=2)
+                mbarrier.init(v_empty.index(i), count=2)
+            else:
+                mbarrier.init(k_empty.index(i), count=1)
+                mbarrier.init(v_empty.index(i), count=1)
+        if PINGPONG:
+            for i in gl.static_range(2):
+                mbarrier.init(turn.index(i), count=1)
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_bar, q_smem)
         row = b * s_tb + h * s_th + (pid_m * BLOCK_M) // TABLE_M
@@ -349,13 +364,25 @@ if _HAS_GLUON and HOPPER_MODS is None:
         n_tiles = (n_f + gl.load(partial_num + row)) * SUB
         idx_f = full_idx + row * n_cols
         idx_p = partial_idx + row * n_cols
-        gl.warp_specialize([
-            (_hopper_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, Out, Lse, b, h, bh,
-                                pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE,
-                                RETURN_LSE, SUB, TABLE_N, num_warps)),
-            (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
-                                n_tiles, idx_f, idx_p, SUB, TABLE_N)),
-        ], [1], [24])
+        if PINGPONG:
+            gl.warp_specialize([
+                (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+                                             Out, Lse, b, h, bh, pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale,
+                                             @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, 0)),
+                (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+                                             Out, Lse, b, h, bh, pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale,
+                                             @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, 1)),
+                (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
+                                    n_tiles, idx_f, idx_p, SUB, TABLE_N)),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_hopper_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, Out, Lse, b, h,
+                                    bh, pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE,
+                                    RETURN_LSE, SUB, TABLE_N, num_warps)),
+                (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
+                                    n_tiles, idx_f, idx_p, SUB, TABLE_N)),
+            ], [1], [24])
 
 
     @gluon.jit
@@ -427,64 +454,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(final))
         _hopper_store(Out, Lse, acc, m_i, l_i, bh, row0, Lq, RETURN_LSE, o_layout)
-
-    @gluon.jit
-    def _hopper_pingpong_kernel(q_desc, k_desc, v_desc, Out, Lse, partial_num, partial_idx, full_num, full_idx,
-                                s_tb, s_th, n_cols, Hq, group, Lq, Lk, sm_scale, @@ALL_PTR_PARAMS@@
-                                HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
-                                TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, OVERLAP: gl.constexpr,
-                                num_warps: gl.constexpr):
-        # HOPPER_LOOP = "pingpong" (FlashAttention-3's schedule): three roles in one program of 128
-        # queries. Two warpgroups each own 64 of the rows and run the overlapped loop; they issue
-        # their matmuls in turn (_hopper_pingpong_consumer), so the tensor cores work on one's
-        # while the other computes its softmax. One more warp only issues the TMA loads
-        # (_hopper_producer); each K / V buffer is released when both warpgroups have read it.
-        # The kernel's own warps (num_warps = 4) are warpgroup 0. (OVERLAP is not read.)
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-        HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
-        SUB: gl.constexpr = TABLE_N // BLOCK_N
-        dtype: gl.constexpr = q_desc.dtype
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the last rows first: under a causal mask the heaviest
-        bh = gl.program_id(1)
-        b = bh // Hq
-        h = bh % Hq
-        kv_row0 = (b * (Hq // group) + h // group) * Lk
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # both warpgroups release a buffer
-            mbarrier.init(v_empty.index(i), count=2)
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_bar, q_smem)
-        row = b * s_tb + h * s_th + (pid_m * BLOCK_M) // TABLE_M
-        n_f = gl.load(full_num + row)
-        n_tiles = (n_f + gl.load(partial_num + row)) * SUB
-        idx_f = full_idx + row * n_cols
-        idx_p = partial_idx + row * n_cols
-        gl.warp_specialize([
-            (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, Out,
-                                         Lse, b, h, bh, pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale,
-                                         @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, 0)),
-            (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, Out,
-                                         Lse, b, h, bh, pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale,
-                                         @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, 1)),
-            (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
-                                n_tiles, idx_f, idx_p, SUB, TABLE_N)),
-        ], [4, 1], [240, 24])
-
 
     @gluon.jit
     def _hopper_tile_of(tile, num_m, BH, Hq, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
@@ -720,6 +689,8 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
     options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers,
                    OVERLAP=loop != "serial", num_warps=4 if loop in ("pingpong", "persistent") else warps)
     grid = (Lq // 128, B * Hq)
+    if loop == "pingpong":
+        options["PINGPONG"] = True
     if loop == "persistent":  # one program per SM (or per tile, if fewer), each walking tiles in turn
         options["BH"] = B * Hq
         grid = (min(grid[0] * grid[1], _sm_count(q.device)),)
@@ -746,7 +717,7 @@ def _hopper_loop() -> str:
 def _hopper_kernel():
     """The kernel HOPPER_LOOP names: the one-role kernel (serial or overlapped loop), the
     warp-specialized one or the ping-pong one."""
-    return {"specialized": _hopper_specialized_kernel, "pingpong": _hopper_pingpong_kernel,
+    return {"specialized": _hopper_specialized_kernel, "pingpong": _hopper_specialized_kernel,
             "persistent": _hopper_persistent_kernel}.get(_hopper_loop(), _hopper_attention_kernel)
 
 

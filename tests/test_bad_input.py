@@ -410,3 +410,14 @@ def test_inputs_are_random_never_zeros():
 
     inputs = make_inputs(Shape(q_len=8, head_dim=8), "float32")
     assert all(float(t.abs().sum()) > 0 and math.isfinite(float(t.sum())) for t in (inputs.q, inputs.k, inputs.v))
+
+
+def test_spec_validation_without_jsonschema_names_the_package(monkeypatch):
+    # an environment assembled by hand (a GPU box with a carried site folder) can lack a declared dependency
+    import sys
+
+    from workbench.export.files import validate_doc
+
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # `import jsonschema` now raises ImportError
+    with pytest.raises(WorkbenchError, match=r"needs the `jsonschema` package.*Fix: install it"):
+        validate_doc({"name": "x"})

@@ -144,7 +144,12 @@ def _schema() -> dict:
 
 
 def validate_doc(doc: dict, where: str = "spec") -> None:
-    import jsonschema
+    try:
+        import jsonschema
+    except ImportError as exc:  # a declared dependency; an environment assembled by hand can lack it
+        raise WorkbenchError("checking a porting spec against its schema needs the `jsonschema` package, which is "
+                             "not installed", "install it (`pip install jsonschema`, or `make test` / "
+                             "`pip install -e .` which pull it in)") from exc
 
     try:
         jsonschema.validate(doc, _schema())

@@ -260,7 +260,9 @@ def hopper_bench(args) -> int:
     portable kernel of the same file, Flex's Triton backend and Flex's FLASH backend (FA4, where it
     is installed and can run the mask), timed in turn over --rounds rounds; each output is checked
     against Flex Triton's first, and the Hopper columns only count calls that ran the Hopper kernel
-    (each form of its tile loop, HOPPER_LOOP "serial", "overlap", "specialized" and "pingpong")."""
+    (each form of its tile loop, HOPPER_LOOP "serial", "overlap", "specialized" and "pingpong").
+    Beside the calls' times, each path's GPU kernels alone (torch.profiler): at short lengths a
+    call's time can be its host's."""
     folder = Path(tempfile.mkdtemp(prefix="bench_hopper_"))
     flex = compiled_flex_attention()
     kv_heads = args.kv_heads or args.heads
@@ -270,8 +272,8 @@ def hopper_bench(args) -> int:
     loops = list(args.loops)
     print("| mask | tokens | " + " | ".join(f"Hopper {loop} ms (TFLOP/s)" for loop in loops) + " | portable port ms | "
           "Flex Triton ms | Flex FLASH ms | portable / best Hopper | Flex Triton / best Hopper | FLASH / best Hopper | "
-          "max abs diff vs Flex | first Hopper call s |")
-    print("|---" * (len(loops) + 10) + "|")
+          "GPU kernels ms: best Hopper / portable / Flex Triton / FLASH | max abs diff vs Flex | first Hopper call s |")
+    print("|---" * (len(loops) + 11) + "|")
     for seq in args.lengths:
         for name, mask in masks_at(seq, args.heads, "cuda").items():
             if args.masks and name not in args.masks:
@@ -333,9 +335,15 @@ def hopper_bench(args) -> int:
             vs_flash = f"{ms['flash'] / best:.2f}x" if "flash" in ms else "-"
             wrong = "" if diff < 3e-2 else " **differs**"
             cells = " | ".join(f"{ms[loop]:.3f} ({flops / ms[loop] / 1e9:.0f})" for loop in loops)
+            # a short call's time above can be the host's (Python, the launch): the kernels alone,
+            # what a CUDA graph or a busy stream would see
+            with torch.no_grad():
+                kernels = [_kernel_ms(paths[p]) if p in paths else None
+                           for p in (min(loops, key=lambda loop: ms[loop]), "portable", "flex", "flash")]
+            kernels = " / ".join("-" if t is None else f"{t:.3f}" for t in kernels)
             print(f"| {name} | {seq:,} | {cells} | {ms['portable']:.3f} | {ms['flex']:.3f} | {flash} | "
-                  f"{ms['portable'] / best:.2f}x | {ms['flex'] / best:.2f}x | {vs_flash} | {diff:.1e}{wrong} | "
-                  f"{max(first.values()):.2f} |", flush=True)
+                  f"{ms['portable'] / best:.2f}x | {ms['flex'] / best:.2f}x | {vs_flash} | {kernels} | "
+                  f"{diff:.1e}{wrong} | {max(first.values()):.2f} |", flush=True)
             torch.cuda.empty_cache()
     return 0
 

@@ -182,7 +182,7 @@ def main(argv=None) -> int:
                    "cost per call")
     p.add_argument("--hopper", action="store_true", help="only the port's Hopper kernel (Gluon, sm_90) beside its "
                    "portable kernel, Flex Triton and Flex FLASH")
-    p.add_argument("--loops", nargs="+", default=["serial", "overlap", "specialized", "pingpong"],
+    p.add_argument("--loops", nargs="+", default=["specialized", "pingpong"],
                    help="--hopper: the forms of its tile loop to time (HOPPER_LOOP), each optionally with its number "
                    "of K / V buffers: pingpong:3")
     args = p.parse_args(argv)
@@ -260,7 +260,7 @@ def hopper_bench(args) -> int:
     portable kernel of the same file, Flex's Triton backend and Flex's FLASH backend (FA4, where it
     is installed and can run the mask), timed in turn over --rounds rounds; each output is checked
     against Flex Triton's first, and the Hopper columns only count calls that ran the Hopper kernel
-    (each form of its tile loop, HOPPER_LOOP "serial", "overlap", "specialized" and "pingpong").
+    (each form of its tile loop, HOPPER_LOOP "specialized" and "pingpong", or "auto").
     Beside the calls' times, each path's GPU kernels alone (torch.profiler): at short lengths a
     call's time can be its host's."""
     folder = Path(tempfile.mkdtemp(prefix="bench_hopper_"))

@@ -126,7 +126,7 @@ def _hopper_case(name: str):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loop", ["auto", "serial", "overlap", "specialized", "pingpong", "persistent"])
+@pytest.mark.parametrize("loop", ["auto", "specialized", "pingpong"])
 @pytest.mark.parametrize("case", _HOPPER_CASES)
 def test_hopper_kernel_matches_the_reference(cuda, tmp_path, case, loop):
     # the Gluon sm_90 kernel (templates/hopper.py, HOPPER on, each form of its tile loop) against

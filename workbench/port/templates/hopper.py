@@ -14,24 +14,22 @@ import torch
 # off. Checked against the float64 reference by tests/test_gpu_port.py, timed by
 # benchmarks/bench_port.py --hopper (docs/benchmarks.md).
 HOPPER = os.environ.get("PORT_HOPPER", "1") != "0"
-# (BLOCK_N, K / V buffers, warps): 128 query rows per program (two warpgroups of 64), BLOCK_N keys
-# per tile; buffers 0 = the loop's own choice (3 for "pingpong", whose two warpgroups release a
-# buffer half a tile apart; 2 for the others). At D 128, 2 buffers take 160 KB of shared memory and
-# 3 take 224 KB; compiled for sm_90a, the library's and users' mods take 167-255 registers with no
-# spills (the persistent form keeps up to 32 bytes of its arguments in local memory, once per
-# program; tests/run_hopper_compile.py)
+# (BLOCK_N, K / V buffers, warps): 128 query rows per program, BLOCK_N keys per tile; buffers 0 =
+# the loop's own choice (3 for "pingpong", whose two warpgroups release a buffer half a tile apart;
+# 2 for "specialized"); warps: the math warps of "specialized" ("pingpong" has two warpgroups of 4).
+# At D 128, 2 buffers take 160 KB of shared memory and 3 take 224 KB; compiled for sm_90a, the
+# library's and users' mods take 167-255 registers with no spills (tests/run_hopper_compile.py)
 HOPPER_TILE = (128, 0, 8)
-# the tile loop: "serial" (S = Q K^T, softmax, O += P V, one after another) or "overlap"
-# (FlashAttention-3's order within a warpgroup: tile t's S = Q K^T and tile t-1's O += P V are
-# issued together, and tile t's softmax runs while P V does), or "specialized" (the overlapped
-# loop in the kernel's warps, and one more warp that only issues the loads), or "pingpong" (two
-# warpgroups of 64 rows each run the overlapped loop and take turns on the tensor cores, one warp
-# loads), or "persistent" (pingpong's roles in one program per SM that walks the tiles in turn,
-# loading the next tile's queries, keys and values under the current one's work: not yet run on a
-# GPU); the same arithmetic. "auto": "pingpong" without a score_mod, "specialized" with one (on
-# the H200 a heavy score_mod, image spans + softcap, ran 1.14x faster so: docs/benchmarks.md)
+# the tile loop, both forms warp-specialized (one warp only issues the TMA loads) and both with
+# FlashAttention-3's order within a warpgroup (tile t's S = Q K^T issued with tile t-1's P V, and
+# t's softmax running while P V does): "specialized" (one group of math warps over the 128 rows) or
+# "pingpong" (two warpgroups of 64 rows take turns on the tensor cores, so one's softmax runs
+# under the other's matmuls); the same arithmetic. "auto": "pingpong" without a score_mod,
+# "specialized" with one (on the H200 a heavy score_mod, image spans + softcap, ran 1.14x faster
+# so). One-warpgroup loops without a load warp and a persistent form were measured slower
+# (docs/benchmarks.md) and are not kept.
 HOPPER_LOOP = "auto"
-HOPPER_LOOPS = ("auto", "serial", "overlap", "specialized", "pingpong", "persistent")
+HOPPER_LOOPS = ("auto", "specialized", "pingpong")
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 # Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved
@@ -117,127 +115,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
             gl.store(Lse + bh.to(gl.int64) * Lq + rows, lse)
 
     @gluon.jit
-    def _hopper_attention_kernel(q_desc, k_desc, v_desc, Out, Lse, partial_num, partial_idx, full_num, full_idx,
-                                 s_tb, s_th, n_cols, Hq, group, Lq, Lk, sm_scale, @@ALL_PTR_PARAMS@@
-                                 HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
-                                 TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, OVERLAP: gl.constexpr,
-                                 num_warps: gl.constexpr):
-        # one program = BLOCK_M queries of one (batch entry, head) over the blocks its row of the
-        # lists names (full ones without the mask, then partial ones with it). Lq and Lk are
-        # multiples of BLOCK_M and TABLE_N (_hopper_ready), so no tile runs past a sequence.
-        # Keys and values arrive by TMA into rings of NUM_BUF buffers, each tile's NUM_BUF ahead
-        # of its use (a buffer is refilled as soon as the matmul reading it has finished). Per
-        # tile t: S = Q K^T (wgmma, Q and K from shared memory), the score_mod, the mask and the
-        # online softmax (_hopper_softmax), then O = O * alpha + P V (wgmma, P from registers).
-        # OVERLAP: tile t's S = Q K^T is issued with tile t-1's P V, and t's softmax runs while
-        # P V does (then O is rescaled): the same operations on each tile in the same order.
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-        HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
-        SUB: gl.constexpr = TABLE_N // BLOCK_N
-        dtype: gl.constexpr = q_desc.dtype
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the last rows first: under a causal mask the heaviest
-        bh = gl.program_id(1)
-        b = bh // Hq
-        h = bh % Hq
-        kv_row0 = (b * (Hq // group) + h // group) * Lk  # this kv head's first key row
-        # S [BLOCK_M, BLOCK_N] and O [BLOCK_M, D] in wgmma's accumulator layouts (warps stacked
-        # along the rows: a row's values stay in one warp); P as wgmma's register operand
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_D, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(k_bars.index(i), count=1)
-            mbarrier.init(v_bars.index(i), count=1)
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_bar, q_smem)
-        # this block of queries' row of the lists (strides 0 along axes the mask does not read)
-        row = b * s_tb + h * s_th + (pid_m * BLOCK_M) // TABLE_M
-        n_f = gl.load(full_num + row)
-        n_tiles = (n_f + gl.load(partial_num + row)) * SUB
-        idx_f = full_idx + row * n_cols
-        idx_p = partial_idx + row * n_cols
-        last = gl.maximum(n_tiles - 1, 0)
-        for i in gl.static_range(NUM_BUF):  # the first NUM_BUF tiles, ahead of the loop
-            start, _ = _hopper_tile_start(gl.minimum(i, last), n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
-            _hopper_load(k_desc, k_smem, k_bars, i, kv_row0 + start, i < n_tiles)
-            _hopper_load(v_desc, v_smem, v_bars, i, kv_row0 + start, i < n_tiles)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
-        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        q_idx = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))[:, None]
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
-        mbarrier.wait(q_bar, 0)
-        if not OVERLAP:
-            for t in range(0, n_tiles):
-                slot = t % NUM_BUF
-                phase = (t // NUM_BUF) & 1  # a buffer's barrier completes once per use
-                start, full = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
-                refill, _ = _hopper_tile_start(gl.minimum(t + NUM_BUF, last), n_f, idx_f, idx_p, SUB, TABLE_N,
-                                               BLOCK_N)
-                mbarrier.wait(k_bars.index(slot), phase)
-                qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-                _hopper_load(k_desc, k_smem, k_bars, slot, kv_row0 + refill, t + NUM_BUF < n_tiles)
-                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
-                                                     @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                mbarrier.wait(v_bars.index(slot), phase)
-                acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                _hopper_load(v_desc, v_smem, v_bars, slot, kv_row0 + refill, t + NUM_BUF < n_tiles)
-        elif n_tiles > 0:
-            # tile 0: S and softmax alone
-            start, full = _hopper_tile_start(0, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
-            refill, _ = _hopper_tile_start(gl.minimum(NUM_BUF, last), n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
-            mbarrier.wait(k_bars.index(0), 0)
-            qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-            _hopper_load(k_desc, k_smem, k_bars, 0, kv_row0 + refill, NUM_BUF < n_tiles)
-            p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
-                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
-            for t in range(1, n_tiles):
-                slot = t % NUM_BUF
-                phase = (t // NUM_BUF) & 1
-                prev = (t - 1) % NUM_BUF
-                start, full = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
-                refill, _ = _hopper_tile_start(gl.minimum(t + NUM_BUF, last), n_f, idx_f, idx_p, SUB, TABLE_N,
-                                               BLOCK_N)
-                refill_v, _ = _hopper_tile_start(gl.minimum(t - 1 + NUM_BUF, last), n_f, idx_f, idx_p, SUB,
-                                                 TABLE_N, BLOCK_N)
-                mbarrier.wait(k_bars.index(slot), phase)
-                qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                mbarrier.wait(v_bars.index(prev), ((t - 1) // NUM_BUF) & 1)
-                acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-                qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S is done; P V may still run
-                _hopper_load(k_desc, k_smem, k_bars, slot, kv_row0 + refill, t + NUM_BUF < n_tiles)
-                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
-                                                     @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                _hopper_load(v_desc, v_smem, v_bars, prev, kv_row0 + refill_v, t - 1 + NUM_BUF < n_tiles)
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            final = (n_tiles - 1) % NUM_BUF
-            mbarrier.wait(v_bars.index(final), ((n_tiles - 1) // NUM_BUF) & 1)
-            acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.invalidate(q_bar)
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.invalidate(k_bars.index(i))
-            mbarrier.invalidate(v_bars.index(i))
-        _hopper_store(Out, Lse, acc, m_i, l_i, bh, pid_m * BLOCK_M, Lq, RETURN_LSE, o_layout)
-
-
-    @gluon.jit
     def _hopper_producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f, n_tiles,
                          idx_f, idx_p, SUB: gl.constexpr, TABLE_N: gl.constexpr):
         # the load warp of the specialized kernel: each tile's keys, then its values, into the
@@ -259,9 +136,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                          pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@
                          HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
                          TABLE_N: gl.constexpr, num_warps: gl.constexpr):
-        # the math warps of the specialized kernel: the overlapped loop of _hopper_attention_kernel
-        # (S of tile t issued with P V of tile t - 1, the softmax under P V), releasing each buffer
-        # to the load warp when the matmul reading it has finished
+        # the math warps of the specialized kernel, over the program's BLOCK_M queries. Per tile t:
+        # S = Q K^T (wgmma, Q and K from shared memory), then the score_mod, the mask and the online
+        # softmax (_hopper_softmax), then O = O * alpha + P V (wgmma, P from registers). Overlapped
+        # as in FlashAttention-3: tile t's S is issued together with tile t-1's P V, and t's
+        # softmax runs while P V does (O is rescaled after). Each buffer goes back to the load warp
+        # (its `empty` barrier) as soon as the matmul reading it has finished.
         BLOCK_M: gl.constexpr = q_smem.type.shape[0]
         HEAD_D: gl.constexpr = q_smem.type.shape[1]
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -313,17 +193,19 @@ if _HAS_GLUON and HOPPER_MODS is None:
     def _hopper_specialized_kernel(q_desc, k_desc, v_desc, Out, Lse, partial_num, partial_idx, full_num, full_idx,
                                    s_tb, s_th, n_cols, Hq, group, Lq, Lk, sm_scale, @@ALL_PTR_PARAMS@@
                                    HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
-                                   TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, OVERLAP: gl.constexpr,
-                                   num_warps: gl.constexpr, PINGPONG: gl.constexpr = False):
-        # _hopper_attention_kernel's work split by role: one warp issues the TMA loads of keys and
-        # values (_hopper_producer); `ready` / `empty` barriers per buffer pass each buffer back and
-        # forth. HOPPER_LOOP = "specialized": the kernel's warps do the matmuls and the softmax
-        # (_hopper_consumer). "pingpong" (PINGPONG, FlashAttention-3's schedule): two warpgroups
-        # each own 64 of the 128 rows and run the overlapped loop, issuing their matmuls in turn
-        # (_hopper_pingpong_consumer, the `turn` barriers), so the tensor cores work on one's while
-        # the other computes its softmax; a buffer is released when both have read it; the
-        # kernel's own warps (num_warps = 4) are warpgroup 0. (OVERLAP is not read: the consumers'
-        # loops are the overlapped one.)
+                                   TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
+                                   PINGPONG: gl.constexpr = False):
+        # one program = BLOCK_M queries of one (batch entry, head) over the blocks its row of the
+        # lists names (full ones without the mask, then partial ones with it). Lq and Lk are
+        # multiples of BLOCK_M and TABLE_N (_hopper_ready), so no tile runs past a sequence. The
+        # work is split by role: one warp issues the TMA loads of keys and values into rings of
+        # NUM_BUF buffers (_hopper_producer); `ready` / `empty` barriers per buffer pass each
+        # buffer back and forth. HOPPER_LOOP = "specialized": the kernel's warps do the matmuls and
+        # the softmax (_hopper_consumer). "pingpong" (PINGPONG, FlashAttention-3's schedule): two
+        # warpgroups each own 64 of the 128 rows and run the same overlapped loop, issuing their
+        # matmuls in turn (_hopper_pingpong_consumer, the `turn` barriers), so the tensor cores
+        # work on one's while the other computes its softmax; a buffer is released when both have
+        # read it; the kernel's own warps (num_warps = 4) are warpgroup 0.
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -383,7 +265,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
                                     n_tiles, idx_f, idx_p, SUB, TABLE_N)),
             ], [1], [24])
-
 
     @gluon.jit
     def _hopper_pingpong_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, Out, Lse,
@@ -455,191 +336,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
             mbarrier.arrive(v_empty.index(final))
         _hopper_store(Out, Lse, acc, m_i, l_i, bh, row0, Lq, RETURN_LSE, o_layout)
 
-    @gluon.jit
-    def _hopper_tile_of(tile, num_m, BH, Hq, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
-                        TABLE_M: gl.constexpr, BLOCK_M: gl.constexpr, SUB: gl.constexpr):
-        # the persistent kernel's tile number -> (pid_m, bh, b, h, the row's full-block count, its
-        # tile count, its lists): every head's last row block first, then every head's one before
-        # (under a causal mask the heaviest work first across the whole grid)
-        bh = tile % BH
-        pid_m = num_m - 1 - tile // BH
-        b = bh // Hq
-        h = bh % Hq
-        row = b * s_tb + h * s_th + (pid_m * BLOCK_M) // TABLE_M
-        n_f = gl.load(full_num + row)
-        n_tiles = (n_f + gl.load(partial_num + row)) * SUB
-        return pid_m, bh, b, h, n_f, n_tiles, full_idx + row * n_cols, partial_idx + row * n_cols
-
-    @gluon.jit
-    def _hopper_persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                                    k_empty, v_empty, num_m, BH, Hq, group, Lq, Lk, s_tb, s_th, n_cols, full_num,
-                                    partial_num, full_idx, partial_idx, TABLE_M: gl.constexpr, SUB: gl.constexpr,
-                                    TABLE_N: gl.constexpr):
-        # the load warp of the persistent kernel: for each of this program's tiles in turn, its 128
-        # queries into one of two Q buffers (once both warpgroups are done with the tile before the
-        # last), then its keys and values into the ring, running on into the next tile's while the
-        # warpgroups finish this one. `c` counts K / V tiles over all of the program's tiles.
-        BLOCK_M: gl.constexpr = q_smem.type.shape[1]
-        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-        NUM_BUF: gl.constexpr = k_smem.type.shape[0]
-        c = 0
-        j = 0
-        for tile in range(gl.program_id(0), num_m * BH, gl.num_programs(0)):
-            pid_m, bh, b, h, n_f, n_tiles, idx_f, idx_p = _hopper_tile_of(
-                tile, num_m, BH, Hq, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx, TABLE_M,
-                BLOCK_M, SUB)
-            kv_row0 = (b * (Hq // group) + h // group) * Lk
-            qs = j % 2
-            mbarrier.wait(q_empty.index(qs), ((j // 2) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_ready.index(qs), q_smem.index(qs))
-            for t in range(0, n_tiles):
-                slot = c % NUM_BUF
-                phase = (c // NUM_BUF) & 1
-                start, _ = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
-                mbarrier.wait(k_empty.index(slot), phase ^ 1)
-                _hopper_load(k_desc, k_smem, k_ready, slot, kv_row0 + start, True)
-                mbarrier.wait(v_empty.index(slot), phase ^ 1)
-                _hopper_load(v_desc, v_smem, v_ready, slot, kv_row0 + start, True)
-                c += 1
-            j += 1
-
-    @gluon.jit
-    def _hopper_persistent_consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                                    Out, Lse, num_m, BH, Hq, Lq, s_tb, s_th, n_cols, full_num, partial_num, full_idx,
-                                    partial_idx, sm_scale, @@ALL_PTR_PARAMS@@
-                                    HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
-                                    SUB: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr):
-        # one warpgroup of the persistent kernel: _hopper_pingpong_consumer's loop over each of the
-        # program's tiles in turn (rows WG * 64 .. + 64 of the tile's 128). The K / V slots and
-        # their phases follow `c`, and the turns `u`, counted over all of the program's tiles
-        # exactly as the load warp and the other warpgroup count them.
-        BLOCK_M: gl.constexpr = q_smem.type.shape[1]
-        HALF: gl.constexpr = BLOCK_M // 2
-        HEAD_D: gl.constexpr = q_smem.type.shape[2]
-        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-        NUM_BUF: gl.constexpr = k_smem.type.shape[0]
-        dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_D, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        mine = turn.index(WG)
-        other = turn.index(1 - WG)
-        zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
-        c = 0
-        u = 0
-        j = 0
-        for tile in range(gl.program_id(0), num_m * BH, gl.num_programs(0)):
-            pid_m, bh, b, h, n_f, n_tiles, idx_f, idx_p = _hopper_tile_of(
-                tile, num_m, BH, Hq, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx, TABLE_M,
-                BLOCK_M, SUB)
-            qs = j % 2
-            q_part = q_smem.index(qs).slice(WG * HALF, HALF)
-            row0 = pid_m * BLOCK_M + WG * HALF
-            m_i = gl.full([HALF], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([HALF], gl.float32, layout=gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([HALF, HEAD_D], gl.float32, layout=o_layout)
-            q_idx = (row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)))[:, None]
-            mbarrier.wait(q_ready.index(qs), (j // 2) & 1)
-            if n_tiles > 0:
-                start, full = _hopper_tile_start(0, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
-                slot = c % NUM_BUF
-                mbarrier.wait(k_ready.index(slot), (c // NUM_BUF) & 1)
-                mbarrier.wait(mine, (u & 1) ^ (1 - WG))
-                qk = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                mbarrier.arrive(other)
-                u += 1
-                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-                mbarrier.arrive(k_empty.index(slot))
-                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
-                                                     @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
-                for t in range(1, n_tiles):  # tile t's S with tile t-1's P V
-                    prev = c % NUM_BUF
-                    prev_phase = (c // NUM_BUF) & 1
-                    c += 1
-                    slot = c % NUM_BUF
-                    start, full = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
-                    mbarrier.wait(k_ready.index(slot), (c // NUM_BUF) & 1)
-                    mbarrier.wait(v_ready.index(prev), prev_phase)
-                    mbarrier.wait(mine, (u & 1) ^ (1 - WG))
-                    qk = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                       is_async=True)
-                    acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-                    mbarrier.arrive(other)
-                    u += 1
-                    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
-                    mbarrier.arrive(k_empty.index(slot))
-                    p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
-                                                         @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                    mbarrier.arrive(v_empty.index(prev))
-                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                final = c % NUM_BUF
-                mbarrier.wait(v_ready.index(final), (c // NUM_BUF) & 1)
-                mbarrier.wait(mine, (u & 1) ^ (1 - WG))
-                acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
-                mbarrier.arrive(other)
-                u += 1
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(v_empty.index(final))
-                c += 1
-            mbarrier.arrive(q_empty.index(qs))
-            _hopper_store(Out, Lse, acc, m_i, l_i, bh, row0, Lq, RETURN_LSE, o_layout)
-            j += 1
-
-    @gluon.jit
-    def _hopper_persistent_kernel(q_desc, k_desc, v_desc, Out, Lse, partial_num, partial_idx, full_num, full_idx,
-                                  s_tb, s_th, n_cols, Hq, group, Lq, Lk, sm_scale, @@ALL_PTR_PARAMS@@
-                                  HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
-                                  TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, OVERLAP: gl.constexpr,
-                                  num_warps: gl.constexpr, BH=1):
-        # HOPPER_LOOP = "persistent": the ping-pong kernel's roles, but one program per SM walks
-        # tiles (pid_m, bh) in turn, heaviest first (_hopper_tile_of): the load warp brings the
-        # next tile's queries (two Q buffers), keys and values while the warpgroups finish this one,
-        # so a short row's start-up hides under its neighbour's work. (OVERLAP is not read.)
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-        HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
-        SUB: gl.constexpr = TABLE_N // BLOCK_N
-        dtype: gl.constexpr = q_desc.dtype
-        num_m = Lq // BLOCK_M
-        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_D], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], v_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=2)  # both warpgroups release a Q buffer
-            mbarrier.init(turn.index(i), count=1)
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
-        gl.warp_specialize([
-            (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                                           turn, Out, Lse, num_m, BH, Hq, Lq, s_tb, s_th, n_cols, full_num, partial_num,
-                                           full_idx, partial_idx, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
-                                           TABLE_M, SUB, TABLE_N, 0)),
-            (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                                           turn, Out, Lse, num_m, BH, Hq, Lq, s_tb, s_th, n_cols, full_num, partial_num,
-                                           full_idx, partial_idx, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
-                                           TABLE_M, SUB, TABLE_N, 1)),
-            (_hopper_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                                           v_ready, k_empty, v_empty, num_m, BH, Hq, group, Lq, Lk, s_tb, s_th, n_cols,
-                                           full_num, partial_num, full_idx, partial_idx, TABLE_M, SUB, TABLE_N)),
-        ], [4, 1], [240, 40])  # (the load warp walks the tiles too: 40 registers)
-
-
 def _hopper_ready(q, k, v, bounds, invariant, scale=None) -> bool:
     """Whether this call runs the Hopper kernel: HOPPER on, Gluon there and the mods translated,
     an sm_90 GPU, bf16 / fp16, D 64 or 128, contiguous q, k, v, Lq and Lk multiples of 128, not
@@ -685,7 +381,7 @@ def _hopper_descriptor(t, rows: int):
 
 
 def _hopper_launch(q, k, v, scale, return_lse, tables):
-    """(grid, arguments, options, out, lse) of _hopper_attention_kernel for this call."""
+    """(grid, arguments, options, out, lse) of _hopper_specialized_kernel for this call."""
     if HOPPER_LOOP not in HOPPER_LOOPS:
         raise ValueError(f"HOPPER_LOOP = {HOPPER_LOOP!r} names no form of the Hopper kernel's tile loop: set it to "
                          f"one of {', '.join(map(repr, HOPPER_LOOPS))}")
@@ -693,7 +389,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
     Hkv, Lk = k.shape[1], k.shape[2]
     loop = _hopper_loop()
     block_n, buffers, warps = HOPPER_TILE
-    buffers = buffers or (3 if loop == "pingpong" else 2)  # ("persistent": two Q buffers leave room for 2)
+    buffers = buffers or (3 if loop == "pingpong" else 2)
     partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device)
     n_rows = _cdiv(Lq, TABLE_M)
     s_th = n_rows if MASK_READS_HEAD else 0
@@ -704,24 +400,9 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
             partial_num, partial_idx, full_num, full_idx, s_tb, s_th, partial_idx.shape[-1], Hq, Hq // Hkv, Lq, Lk,
             scale, *[tables[n] for n in ALL_POINTERS])
     options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers,
-                   OVERLAP=loop != "serial", num_warps=4 if loop in ("pingpong", "persistent") else warps)
+                   PINGPONG=loop == "pingpong", num_warps=4 if loop == "pingpong" else warps)
     grid = (Lq // 128, B * Hq)
-    if loop == "pingpong":
-        options["PINGPONG"] = True
-    if loop == "persistent":  # one program per SM (or per tile, if fewer), each walking tiles in turn
-        options["BH"] = B * Hq
-        grid = (min(grid[0] * grid[1], _sm_count(q.device)),)
     return grid, args, options, out, lse
-
-
-_SM_COUNTS: dict = {}
-
-
-def _sm_count(device) -> int:
-    """The GPU's number of SMs (cached: the query costs a driver call)."""
-    if device not in _SM_COUNTS:
-        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNTS[device]
 
 
 def _hopper_loop() -> str:
@@ -731,13 +412,6 @@ def _hopper_loop() -> str:
     return HOPPER_LOOP
 
 
-def _hopper_kernel():
-    """The kernel HOPPER_LOOP names: the one-role kernel (serial or overlapped loop), the
-    warp-specialized one or the ping-pong one."""
-    return {"specialized": _hopper_specialized_kernel, "pingpong": _hopper_specialized_kernel,
-            "persistent": _hopper_persistent_kernel}.get(_hopper_loop(), _hopper_attention_kernel)
-
-
 def _attention_hopper(q, k, v, scale, return_lse, tables):
     """attention()'s forward through the Hopper kernel (see _hopper_ready), or None when that
     kernel failed to compile or launch for this kind of call (then the caller runs the portable
@@ -745,7 +419,7 @@ def _attention_hopper(q, k, v, scale, return_lse, tables):
     grid, args, options, out, lse = _hopper_launch(q, k, v, scale, return_lse, tables)
     kind = (q.dtype, q.shape[-1], _hopper_loop())
     try:
-        _hopper_kernel()[grid](*args, **options)
+        _hopper_specialized_kernel[grid](*args, **options)
     except Exception as exc:
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             raise

@@ -5,7 +5,9 @@ grammar, and run each from its files alone against the float64 reference. Usage:
     python tests/run_port_corpus.py cuda [N_RANDOM] [DTYPE ...] [conformance] [shard=I/N]
 
 `conformance` adds library specs run through `conformance` on their golden vectors (on a GPU in
-bf16 and fp32 whatever DTYPEs say; in shard 0 only). `shard=I/N` runs every N-th case from the I-th (the cases
+bf16 and fp32 whatever DTYPEs say; in shard 0 only). `hopper` (an sm_90 GPU) runs N_RANDOM drawn
+mods instead, at lengths and head dims the Hopper kernel takes (multiples of 128, D 64 / 128,
+grouped-query heads), and fails a case whose call did not run that kernel. `shard=I/N` runs every N-th case from the I-th (the cases
 compile one kernel each: N processes, one per GPU, share the work).
 
 Prints `CASE <id> OK|FAIL detail` per mod and dtype (ids: `case_ids`), then a SUMMARY line; exits 1
@@ -74,10 +76,25 @@ def random_mod(rng: random.Random, q_len: int, kv_len: int, batch: int, heads: i
     return Mask("drawn", mask_mod=mod, score_mod=score)
 
 
-def check(mask, shape, dtype, device, folder) -> str | None:
+def check(mask, shape, dtype, device, folder, hopper: bool = False) -> str | None:
     path = port.build(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch, out_dir=folder)
     inputs = make_inputs(shape, dtype, device, seed=0)
-    out, lse = port.run_file(path, inputs.q, inputs.k, inputs.v)
+    if hopper:  # the file's own attention(), watching that its Hopper kernel answered (not the fallback)
+        module, ran = port.load(path), []
+        real = module._attention_hopper
+
+        def spy(*args, **kwargs):
+            done = real(*args, **kwargs)
+            ran.append(done is not None)
+            return done
+
+        module.HOPPER, module._attention_hopper = True, spy
+        with torch.no_grad():
+            out, lse = module.attention(inputs.q, inputs.k, inputs.v, return_lse=True)
+        if not (ran and all(ran)):
+            return f"the call did not run the Hopper kernel ({'it failed: ' + str(module._HOPPER_FAILED) if ran else 'not taken'})"
+    else:
+        out, lse = port.run_file(path, inputs.q, inputs.k, inputs.v)
     ref = reference_attention(mask, inputs, device="cpu")  # the mods' tables stay where they were made
     checks = [compare("out", out, ref.out, TOLERANCES[dtype]), compare("lse", lse, ref.lse, LSE_TOLERANCE[dtype])]
     bad = [c for c in checks if not c.passed]
@@ -103,6 +120,24 @@ def cases(n_random: int) -> list[tuple[str, Mask, Shape]]:
     return [(f"{n}-{mask.name}".replace(" ", ""), mask, shape) for n, (mask, shape) in enumerate(out)]
 
 
+def hopper_cases(n_random: int) -> list[tuple[str, Mask, Shape]]:
+    """(case id, mask, shape): n_random mods of the trust grammar at lengths the Hopper kernel takes
+    (multiples of 128 up to 512 queries, as many or more keys), D 64 or 128, 2 or 4 query heads over
+    1, 2 or all kv heads. Deterministic."""
+    rng = random.Random(7)
+    out = []
+    for n in range(n_random):
+        q_len = 128 * rng.randint(1, 4)
+        kv_len = q_len + 128 * rng.randint(0, 2)
+        batch, heads = rng.randint(1, 2), rng.choice([2, 4])
+        kv_heads = rng.choice([1, 2, heads])
+        mask = random_mod(rng, q_len, kv_len, batch, heads)
+        out.append((f"hopper{n}-{'score' if mask.score_mod else 'mask'}", mask,
+                    Shape(batch=batch, q_heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+                          head_dim=rng.choice([64, 128]))))
+    return out
+
+
 def case_ids(n_random: int, dtypes: list[str], conformance: bool, device: str = "cpu") -> list[str]:
     ids = [f"{case}-{dtype}" for case, _, _ in cases(n_random) for dtype in dtypes]
     if conformance:
@@ -116,17 +151,23 @@ def main(argv):
     device = argv[0] if argv else "cpu"
     n_random = int(argv[1]) if len(argv) > 1 else 10
     shard = next((tuple(map(int, a[6:].split("/"))) for a in argv[2:] if a.startswith("shard=")), (0, 1))
-    dtypes = [a for a in argv[2:] if a != "conformance" and not a.startswith("shard=")] or (["float32"] if device == "cpu" else ["bfloat16", "float32"])
+    hopper = "hopper" in argv[2:]
+    dtypes = [a for a in argv[2:] if a not in ("conformance", "hopper") and not a.startswith("shard=")] or (
+        ["bfloat16"] if hopper else ["float32"] if device == "cpu" else ["bfloat16", "float32"])
+    if hopper and not (device == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        print("SUMMARY 0/0: `hopper` needs an sm_90 GPU (H100 / H200) and device cuda")
+        return 2
     folder = Path(tempfile.mkdtemp(prefix="port_corpus_"))
     failed = 0
-    todo = [(n, case) for n, case in enumerate(cases(n_random)) if n % shard[1] == shard[0]]
+    todo = [(n, case) for n, case in enumerate(hopper_cases(n_random) if hopper else cases(n_random))
+            if n % shard[1] == shard[0]]
     for n, (case, mask, shape) in todo:
         for dtype in dtypes:
             sub = folder / f"case{n}{dtype}"
             # on a GPU each case pins one autotuning configuration, in turn: all of them get exercised
             os.environ["PORT_CONFIG"] = str(n)
             try:
-                problem = check(mask, shape, dtype, device, sub)
+                problem = check(mask, shape, dtype, device, sub, hopper=hopper)
             except Exception as exc:
                 problem = f"raised {type(exc).__name__}: {str(exc)[:300]}"
             failed += problem is not None
@@ -134,7 +175,7 @@ def main(argv):
             print(f"CASE {case}-{dtype} {'OK' if problem is None else 'FAIL'} {size}" + (f": {problem}" if problem else ""),
                   flush=True)
     total = len(todo) * len(dtypes)
-    if "conformance" in sys.argv and shard[0] == 0:  # (once, in the first shard)
+    if "conformance" in sys.argv and shard[0] == 0 and not hopper:  # (once, in the first shard)
         golden_dtypes = ["bfloat16", "float32"] if device == "cuda" else dtypes
         failed += conformance_of_the_library(device, golden_dtypes, folder)
         total += len(golden_dtypes) * len(CONFORMANCE_CASES)

@@ -40,6 +40,14 @@ class _Target:
         return 0
 
 
+def _spill_bytes(report: str) -> int:
+    """The spill stores' bytes in one ptxas report line."""
+    import re
+
+    found = re.search(r"(\d+) bytes spill stores", report)
+    return int(found.group(1)) if found else 1 << 30
+
+
 def ptxas(kernel) -> str:
     """registers, spill stores / loads, as ptxas -v reads them off the kernel's PTX."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -114,14 +122,27 @@ def main(argv) -> int:
                 grid, args, options, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
                 kernel = module._hopper_specialized_kernel.warmup(*args, grid=grid, **options)
                 details.append(f"{loop}: {ptxas(kernel)}; shared {kernel.metadata.shared} bytes")
+            # lengths off the 128 grid (HOPPER_RAGGED): the masked store and the last key tile
+            # loaded from Lk - BLOCK_N, in the form "auto" picks for this mask
+            module.HOPPER_LOOP, module.HOPPER_RAGGED = "auto", True
+            q_odd, kv_odd = torch.zeros(B, H, 1000, D, dtype=torch.bfloat16), torch.zeros(B, 2, 1011, D, dtype=torch.bfloat16)
+            grid, args, options, _, _ = module._hopper_launch(q_odd, kv_odd, kv_odd, D ** -0.5, True,
+                                                              module._tables(q.device, 1000, 1011))
+            assert options.get("EVEN_M") is False and options.get("EVEN_N") is False and grid[0] == 8, (grid, options)
+            kernel = module._hopper_specialized_kernel.warmup(*args, grid=grid, **options)
+            details.append(f"1000 x 1011 ({module._hopper_loop()}): {ptxas(kernel)}")
             detail = " | ".join(details)
-            spilled = [d for d in details if " 0 bytes spill stores" not in d]
+            # no spills in the forms that run by default; the ragged one (off by default) may spill a
+            # little where a mask is heavy (a user's .any() spans: 92 bytes)
+            spilled = [d for d in details if " 0 bytes spill stores" not in d
+                       and not (d.startswith("1000 x 1011") and _spill_bytes(d) <= 128)]
             problem = f"spills: {detail}" if spilled else None
         except Exception as exc:
             problem, detail = f"{type(exc).__name__}: {str(exc)[:400]}", ""
         failed += problem is not None
         print(f"CASE {mask.name} {'OK ' + detail if problem is None else 'FAIL ' + problem}", flush=True)
-    print(f"SUMMARY {total - failed}/{total} masks' Hopper kernels compile for sm_90a without spills")
+    print(f"SUMMARY {total - failed}/{total} masks' Hopper kernels compile for sm_90a without spills (lengths off "
+          "the 128 grid: at most 128 bytes)")
     return 1 if failed else 0
 
 

@@ -7,7 +7,8 @@ grammar, and run each from its files alone against the float64 reference. Usage:
 `conformance` adds library specs run through `conformance` on their golden vectors (on a GPU in
 bf16 and fp32 whatever DTYPEs say; in shard 0 only). `hopper` (an sm_90 GPU) runs N_RANDOM drawn
 mods instead, at lengths and head dims the Hopper kernel takes (multiples of 128, D 64 / 128,
-grouped-query heads), and fails a case whose call did not run that kernel. `shard=I/N` runs every N-th case from the I-th (the cases
+grouped-query heads), and fails a case whose call did not run that kernel; `hopper ragged` draws
+lengths off the 128 grid (at least 128) and turns on the file's HOPPER_RAGGED. `shard=I/N` runs every N-th case from the I-th (the cases
 compile one kernel each: N processes, one per GPU, share the work).
 
 Prints `CASE <id> OK|FAIL detail` per mod and dtype (ids: `case_ids`), then a SUMMARY line; exits 1
@@ -76,7 +77,7 @@ def random_mod(rng: random.Random, q_len: int, kv_len: int, batch: int, heads: i
     return Mask("drawn", mask_mod=mod, score_mod=score)
 
 
-def check(mask, shape, dtype, device, folder, hopper: bool = False) -> str | None:
+def check(mask, shape, dtype, device, folder, hopper: bool = False, ragged: bool = False) -> str | None:
     path = port.build(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch, out_dir=folder)
     inputs = make_inputs(shape, dtype, device, seed=0)
     if hopper:  # the file's own attention(), watching that its Hopper kernel answered (not the fallback)
@@ -88,7 +89,7 @@ def check(mask, shape, dtype, device, folder, hopper: bool = False) -> str | Non
             ran.append(done is not None)
             return done
 
-        module.HOPPER, module._attention_hopper = True, spy
+        module.HOPPER, module.HOPPER_RAGGED, module._attention_hopper = True, ragged, spy
         with torch.no_grad():
             out, lse = module.attention(inputs.q, inputs.k, inputs.v, return_lse=True)
         if not (ran and all(ran)):
@@ -120,15 +121,20 @@ def cases(n_random: int) -> list[tuple[str, Mask, Shape]]:
     return [(f"{n}-{mask.name}".replace(" ", ""), mask, shape) for n, (mask, shape) in enumerate(out)]
 
 
-def hopper_cases(n_random: int) -> list[tuple[str, Mask, Shape]]:
+def hopper_cases(n_random: int, ragged: bool = False) -> list[tuple[str, Mask, Shape]]:
     """(case id, mask, shape): n_random mods of the trust grammar at lengths the Hopper kernel takes
-    (multiples of 128 up to 512 queries, as many or more keys), D 64 or 128, 2 or 4 query heads over
-    1, 2 or all kv heads. Deterministic."""
-    rng = random.Random(7)
+    (multiples of 128 up to 512 queries, as many or more keys; `ragged`: any lengths from 128 to
+    520 queries, up to 200 more keys), D 64 or 128, 2 or 4 query heads over 1, 2 or all kv heads.
+    Deterministic."""
+    rng = random.Random(11 if ragged else 7)
     out = []
     for n in range(n_random):
-        q_len = 128 * rng.randint(1, 4)
-        kv_len = q_len + 128 * rng.randint(0, 2)
+        if ragged:
+            q_len = rng.randint(128, 520)
+            kv_len = q_len + rng.randint(0, 200)
+        else:
+            q_len = 128 * rng.randint(1, 4)
+            kv_len = q_len + 128 * rng.randint(0, 2)
         batch, heads = rng.randint(1, 2), rng.choice([2, 4])
         kv_heads = rng.choice([1, 2, heads])
         mask = random_mod(rng, q_len, kv_len, batch, heads)
@@ -151,15 +157,15 @@ def main(argv):
     device = argv[0] if argv else "cpu"
     n_random = int(argv[1]) if len(argv) > 1 else 10
     shard = next((tuple(map(int, a[6:].split("/"))) for a in argv[2:] if a.startswith("shard=")), (0, 1))
-    hopper = "hopper" in argv[2:]
-    dtypes = [a for a in argv[2:] if a not in ("conformance", "hopper") and not a.startswith("shard=")] or (
+    hopper, ragged = "hopper" in argv[2:], "ragged" in argv[2:]
+    dtypes = [a for a in argv[2:] if a not in ("conformance", "hopper", "ragged") and not a.startswith("shard=")] or (
         ["bfloat16"] if hopper else ["float32"] if device == "cpu" else ["bfloat16", "float32"])
     if hopper and not (device == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         print("SUMMARY 0/0: `hopper` needs an sm_90 GPU (H100 / H200) and device cuda")
         return 2
     folder = Path(tempfile.mkdtemp(prefix="port_corpus_"))
     failed = 0
-    todo = [(n, case) for n, case in enumerate(hopper_cases(n_random) if hopper else cases(n_random))
+    todo = [(n, case) for n, case in enumerate(hopper_cases(n_random, ragged) if hopper else cases(n_random))
             if n % shard[1] == shard[0]]
     for n, (case, mask, shape) in todo:
         for dtype in dtypes:
@@ -167,7 +173,7 @@ def main(argv):
             # on a GPU each case pins one autotuning configuration, in turn: all of them get exercised
             os.environ["PORT_CONFIG"] = str(n)
             try:
-                problem = check(mask, shape, dtype, device, sub, hopper=hopper)
+                problem = check(mask, shape, dtype, device, sub, hopper=hopper, ragged=ragged)
             except Exception as exc:
                 problem = f"raised {type(exc).__name__}: {str(exc)[:300]}"
             failed += problem is not None

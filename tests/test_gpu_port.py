@@ -35,18 +35,21 @@ def test_ports_match_the_reference_in_bf16_and_fp32(cuda):
 
 
 @pytest.mark.gpu
-def test_the_hopper_kernel_runs_drawn_mods_like_the_reference(cuda):
+@pytest.mark.parametrize("lengths", ["whole_blocks", "ragged"])
+def test_the_hopper_kernel_runs_drawn_mods_like_the_reference(cuda, lengths):
     # 16 mods drawn from the trust grammar (tables per head / per sample, documents, .any() spans,
     # and_masks / or_masks, ALiBi-like and softcap scores) at lengths the Hopper kernel takes, in bf16
-    # and fp16: each call must run that kernel (not its fallback) and match the float64 reference
+    # and fp16: each call must run that kernel (not its fallback) and match the float64 reference.
+    # "ragged": lengths off the 128 grid, with the file's HOPPER_RAGGED on
     import torch
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernel runs on sm_90 only")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     n = max(1, min(8, (os.cpu_count() or 2) // 2))
+    extra = ["ragged"] if lengths == "ragged" else []
     shards = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "run_port_corpus.py"), "cuda", "16", "hopper",
-                                "bfloat16", "float16", f"shard={i}/{n}"], stdout=subprocess.PIPE,
+                                *extra, "bfloat16", "float16", f"shard={i}/{n}"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=env) for i in range(n)]
     outs = [shard.communicate(timeout=900) for shard in shards]
     lines = [line for out, _ in outs for line in out.splitlines()]

@@ -30,6 +30,12 @@ HOPPER_TILE = (128, 0, 8)
 # (docs/benchmarks.md) and are not kept.
 HOPPER_LOOP = "auto"
 HOPPER_LOOPS = ("auto", "specialized", "pingpong")
+# lengths that are not multiples of 128 (at least 128 queries and 128 keys): True lets the Hopper
+# kernel take them (the last block of queries masked at the store, the last tile of keys loaded
+# from Lk - BLOCK_N); off until that path has been checked on an sm_90 GPU
+# (tests/test_gpu_port.py::test_the_hopper_kernel_runs_drawn_mods_like_the_reference), so those
+# calls run the portable kernel
+HOPPER_RAGGED = os.environ.get("PORT_HOPPER_RAGGED", "0") == "1"
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 # Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved
@@ -52,14 +58,22 @@ if _HAS_GLUON and HOPPER_MODS is None:
 @@GLUON_MODS@@
 
     @gluon.jit
-    def _hopper_tile_start(t, n_f, idx_f, idx_p, SUB: gl.constexpr, TABLE_N: gl.constexpr,
-                           BLOCK_N: gl.constexpr):
-        # the first key of a row's t-th tile, and whether its block is full: the full blocks come
-        # first, then the partial ones, each block TABLE_N keys in SUB tiles of BLOCK_N
+    def _hopper_tile_start(t, n_f, idx_f, idx_p, Lk, SUB: gl.constexpr, TABLE_N: gl.constexpr,
+                           BLOCK_N: gl.constexpr, EVEN_N: gl.constexpr):
+        # a row's t-th tile: (the first key loaded, the tile's first key, whether its block is
+        # full). The full blocks come first, then the partial ones, each block TABLE_N keys in SUB
+        # tiles of BLOCK_N. EVEN_N off (Lk not a multiple of TABLE_N): a tile running past the last
+        # key is loaded from Lk - BLOCK_N instead, so every key it holds is this sequence's (the
+        # flat [B * Hkv * Lk, D] view would hand it the next head's); the keys before its own
+        # first are dropped by the mask (the block is never full: _block_class_kernel)
         j = t // SUB
         full = j < n_f
         c = gl.load(gl.where(full, idx_f + j, idx_p + (j - n_f)))
-        return c * TABLE_N + (t % SUB) * BLOCK_N, full
+        first = c * TABLE_N + (t % SUB) * BLOCK_N
+        if EVEN_N:
+            return first, first, full
+        else:
+            return gl.minimum(first, Lk - BLOCK_N), first, full
 
     @gluon.jit
     def _hopper_load(desc, smem, bars, slot, row, pred):
@@ -69,8 +83,9 @@ if _HAS_GLUON and HOPPER_MODS is None:
         tma.async_copy_global_to_shared(desc, [row, 0], bars.index(slot), smem.index(slot), pred=pred)
 
     @gluon.jit
-    def _hopper_softmax(qk, m_i, l_i, b, h, q_idx, kv_idx, full, sm_scale, @@ALL_PTR_PARAMS@@
-                        HAS_SCORE: gl.constexpr, dtype: gl.constexpr, p_layout: gl.constexpr):
+    def _hopper_softmax(qk, m_i, l_i, b, h, q_idx, kv_idx, first, full, sm_scale, @@ALL_PTR_PARAMS@@
+                        HAS_SCORE: gl.constexpr, dtype: gl.constexpr, p_layout: gl.constexpr,
+                        EVEN_N: gl.constexpr):
         # one tile's scores (score_mod, then the mask unless the block is full) into the online
         # softmax, base 2, the steps of _online_softmax_step: (P as the P V matmul's register
         # operand, the rows' rescale alpha, the new max, the new sum). Without a score_mod the
@@ -82,7 +97,10 @@ if _HAS_GLUON and HOPPER_MODS is None:
         else:
             s = qk
         if not full:
-            s = gl.where(mask_mod_gluon(b, h, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0, s, float("-inf"))
+            keep = mask_mod_gluon(b, h, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0
+            if not EVEN_N:  # a tile loaded from Lk - BLOCK_N: the keys before its own first are another tile's
+                keep = keep & (kv_idx >= first)
+            s = gl.where(keep, s, float("-inf"))
         if HAS_SCORE:
             m_new = gl.maximum(m_i, gl.max(s, 1))
         else:
@@ -99,8 +117,10 @@ if _HAS_GLUON and HOPPER_MODS is None:
         return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
 
     @gluon.jit
-    def _hopper_store(Out, Lse, acc, m_i, l_i, bh, row0, Lq, RETURN_LSE: gl.constexpr, o_layout: gl.constexpr):
-        # out = acc / l (rows that kept nothing: 0, lse -inf) for query rows row0 .. row0 + rows
+    def _hopper_store(Out, Lse, acc, m_i, l_i, bh, row0, Lq, RETURN_LSE: gl.constexpr, o_layout: gl.constexpr,
+                      EVEN_M: gl.constexpr):
+        # out = acc / l (rows that kept nothing: 0, lse -inf) for query rows row0 .. row0 + rows;
+        # EVEN_M off: rows past Lq (the next head's queries, computed alongside) are not stored
         BLOCK_M: gl.constexpr = acc.shape[0]
         HEAD_D: gl.constexpr = acc.shape[1]
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -108,15 +128,22 @@ if _HAS_GLUON and HOPPER_MODS is None:
         out = acc / l_safe[:, None]
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-        gl.store(Out + (bh.to(gl.int64) * Lq + rows)[:, None] * HEAD_D + offs_d[None, :], out.to(Out.dtype.element_ty))
+        out_ptrs = Out + (bh.to(gl.int64) * Lq + rows)[:, None] * HEAD_D + offs_d[None, :]
+        if EVEN_M:
+            gl.store(out_ptrs, out.to(Out.dtype.element_ty))
+        else:
+            gl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=(rows < Lq)[:, None])
         if RETURN_LSE:
             m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
             lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * 0.6931471805599453)
-            gl.store(Lse + bh.to(gl.int64) * Lq + rows, lse)
+            if EVEN_M:
+                gl.store(Lse + bh.to(gl.int64) * Lq + rows, lse)
+            else:
+                gl.store(Lse + bh.to(gl.int64) * Lq + rows, lse, mask=rows < Lq)
 
     @gluon.jit
     def _hopper_producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f, n_tiles,
-                         idx_f, idx_p, SUB: gl.constexpr, TABLE_N: gl.constexpr):
+                         idx_f, idx_p, Lk, SUB: gl.constexpr, TABLE_N: gl.constexpr, EVEN_N: gl.constexpr):
         # the load warp of the specialized kernel: each tile's keys, then its values, into the
         # ring as soon as the consumers have released the buffer (its `empty` barrier; they start
         # released: a fresh barrier's phase 1 counts as complete)
@@ -125,7 +152,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         for t in range(0, n_tiles):
             slot = t % NUM_BUF
             phase = (t // NUM_BUF) & 1
-            start, _ = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+            start, _, _ = _hopper_tile_start(t, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
             mbarrier.wait(k_empty.index(slot), phase ^ 1)
             _hopper_load(k_desc, k_smem, k_ready, slot, kv_row0 + start, True)
             mbarrier.wait(v_empty.index(slot), phase ^ 1)
@@ -133,9 +160,10 @@ if _HAS_GLUON and HOPPER_MODS is None:
 
     @gluon.jit
     def _hopper_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, Out, Lse, b, h, bh,
-                         pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@
+                         pid_m, Lq, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@
                          HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
-                         TABLE_N: gl.constexpr, num_warps: gl.constexpr):
+                         TABLE_N: gl.constexpr, num_warps: gl.constexpr, EVEN_M: gl.constexpr,
+                         EVEN_N: gl.constexpr):
         # the math warps of the specialized kernel, over the program's BLOCK_M queries. Per tile t:
         # S = Q K^T (wgmma, Q and K from shared memory), then the score_mod, the mask and the online
         # softmax (_hopper_softmax), then O = O * alpha + P V (wgmma, P from registers). Overlapped
@@ -157,28 +185,30 @@ if _HAS_GLUON and HOPPER_MODS is None:
         acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         q_idx = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))[:, None]
+        if not EVEN_M:  # rows past Lq are computed, never stored: the mods see the last row there
+            q_idx = gl.minimum(q_idx, Lq - 1)
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
         mbarrier.wait(q_bar, 0)
         if n_tiles > 0:
-            start, full = _hopper_tile_start(0, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+            start, first, full = _hopper_tile_start(0, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
             mbarrier.wait(k_ready.index(0), 0)
             qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
             mbarrier.arrive(k_empty.index(0), count=1)
-            p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
-                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
+            p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, full, sm_scale,
+                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N)
             for t in range(1, n_tiles):
                 slot = t % NUM_BUF
                 prev = (t - 1) % NUM_BUF
-                start, full = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+                start, first, full = _hopper_tile_start(t, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
                 mbarrier.wait(k_ready.index(slot), (t // NUM_BUF) & 1)
                 qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev), ((t - 1) // NUM_BUF) & 1)
                 acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
                 qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S is done; P V may still run
                 mbarrier.arrive(k_empty.index(slot), count=1)
-                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
-                                                     @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
+                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, full, sm_scale,
+                                                     @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -187,17 +217,20 @@ if _HAS_GLUON and HOPPER_MODS is None:
             acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(final), count=1)
-        _hopper_store(Out, Lse, acc, m_i, l_i, bh, pid_m * BLOCK_M, Lq, RETURN_LSE, o_layout)
+        _hopper_store(Out, Lse, acc, m_i, l_i, bh, pid_m * BLOCK_M, Lq, RETURN_LSE, o_layout, EVEN_M)
 
     @gluon.jit
     def _hopper_specialized_kernel(q_desc, k_desc, v_desc, Out, Lse, partial_num, partial_idx, full_num, full_idx,
                                    s_tb, s_th, n_cols, Hq, group, Lq, Lk, sm_scale, @@ALL_PTR_PARAMS@@
                                    HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                    TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
-                                   PINGPONG: gl.constexpr = False):
+                                   PINGPONG: gl.constexpr = False, EVEN_M: gl.constexpr = True,
+                                   EVEN_N: gl.constexpr = True):
         # one program = BLOCK_M queries of one (batch entry, head) over the blocks its row of the
-        # lists names (full ones without the mask, then partial ones with it). Lq and Lk are
-        # multiples of BLOCK_M and TABLE_N (_hopper_ready), so no tile runs past a sequence. The
+        # lists names (full ones without the mask, then partial ones with it). EVEN_M / EVEN_N:
+        # Lq / Lk are multiples of BLOCK_M / TABLE_N. Otherwise (HOPPER_RAGGED) the last block of
+        # queries reads rows past Lq (the next head's; computed, never stored, the mods see the last
+        # row there), and a tile of keys past Lk is loaded from Lk - BLOCK_N (_hopper_tile_start). The
         # work is split by role: one warp issues the TMA loads of keys and values into rings of
         # NUM_BUF buffers (_hopper_producer); `ready` / `empty` barriers per buffer pass each
         # buffer back and forth. HOPPER_LOOP = "specialized": the kernel's warps do the matmuls and
@@ -249,28 +282,31 @@ if _HAS_GLUON and HOPPER_MODS is None:
         if PINGPONG:
             gl.warp_specialize([
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-                                             Out, Lse, b, h, bh, pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale,
-                                             @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, 0)),
+                                             Out, Lse, b, h, bh, pid_m, Lq, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale,
+                                             @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, 0, EVEN_M,
+                                             EVEN_N)),
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-                                             Out, Lse, b, h, bh, pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale,
-                                             @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, 1)),
+                                             Out, Lse, b, h, bh, pid_m, Lq, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale,
+                                             @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, 1, EVEN_M,
+                                             EVEN_N)),
                 (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
-                                    n_tiles, idx_f, idx_p, SUB, TABLE_N)),
+                                    n_tiles, idx_f, idx_p, Lk, SUB, TABLE_N, EVEN_N)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_hopper_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, Out, Lse, b, h,
-                                    bh, pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE,
-                                    RETURN_LSE, SUB, TABLE_N, num_warps)),
+                                    bh, pid_m, Lq, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE,
+                                    RETURN_LSE, SUB, TABLE_N, num_warps, EVEN_M, EVEN_N)),
                 (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
-                                    n_tiles, idx_f, idx_p, SUB, TABLE_N)),
+                                    n_tiles, idx_f, idx_p, Lk, SUB, TABLE_N, EVEN_N)),
             ], [1], [24])
 
     @gluon.jit
     def _hopper_pingpong_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, Out, Lse,
-                                  b, h, bh, pid_m, Lq, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@
+                                  b, h, bh, pid_m, Lq, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@
                                   HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
-                                  TABLE_N: gl.constexpr, WG: gl.constexpr):
+                                  TABLE_N: gl.constexpr, WG: gl.constexpr, EVEN_M: gl.constexpr,
+                                  EVEN_N: gl.constexpr):
         # one warpgroup (4 warps) of the ping-pong kernel: query rows WG * 64 .. WG * 64 + 64 of the
         # program's 128, the overlapped loop (tile t's S = Q K^T issued with tile t-1's P V, the
         # softmax under P V). The two warpgroups take turns to issue their matmuls (`turn`, one
@@ -296,23 +332,25 @@ if _HAS_GLUON and HOPPER_MODS is None:
         acc = gl.zeros([HALF, HEAD_D], gl.float32, layout=o_layout)
         zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
         q_idx = (row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)))[:, None]
+        if not EVEN_M:  # rows past Lq are computed, never stored: the mods see the last row there
+            q_idx = gl.minimum(q_idx, Lq - 1)
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
         mbarrier.wait(q_bar, 0)
         if n_tiles > 0:
             # turn 0: tile 0's S alone
-            start, full = _hopper_tile_start(0, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+            start, first, full = _hopper_tile_start(0, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
             mbarrier.wait(k_ready.index(0), 0)
             mbarrier.wait(mine, 1 - WG)
             qk = warpgroup_mma(q_part, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             mbarrier.arrive(other)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
             mbarrier.arrive(k_empty.index(0))
-            p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
-                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
+            p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, full, sm_scale,
+                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N)
             for t in range(1, n_tiles):  # turn t: tile t's S with tile t-1's P V
                 slot = t % NUM_BUF
                 prev = (t - 1) % NUM_BUF
-                start, full = _hopper_tile_start(t, n_f, idx_f, idx_p, SUB, TABLE_N, BLOCK_N)
+                start, first, full = _hopper_tile_start(t, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
                 mbarrier.wait(k_ready.index(slot), (t // NUM_BUF) & 1)
                 mbarrier.wait(v_ready.index(prev), ((t - 1) // NUM_BUF) & 1)
                 mbarrier.wait(mine, (t & 1) ^ (1 - WG))
@@ -321,8 +359,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 mbarrier.arrive(other)
                 qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S is done; P V may still run
                 mbarrier.arrive(k_empty.index(slot))
-                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, full, sm_scale,
-                                                     @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout)
+                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, full, sm_scale,
+                                                     @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(prev))
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -334,13 +372,13 @@ if _HAS_GLUON and HOPPER_MODS is None:
             mbarrier.arrive(other)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(final))
-        _hopper_store(Out, Lse, acc, m_i, l_i, bh, row0, Lq, RETURN_LSE, o_layout)
+        _hopper_store(Out, Lse, acc, m_i, l_i, bh, row0, Lq, RETURN_LSE, o_layout, EVEN_M)
 
 def _hopper_ready(q, k, v, bounds, invariant, scale=None) -> bool:
     """Whether this call runs the Hopper kernel: HOPPER on, Gluon there and the mods translated,
-    an sm_90 GPU, bf16 / fp16, D 64 or 128, contiguous q, k, v, Lq and Lk multiples of 128, not
-    packed (cu_seqlens), not invariant mode and a positive scale. Any other call runs the
-    portable kernel."""
+    an sm_90 GPU, bf16 / fp16, D 64 or 128, contiguous q, k, v, Lq and Lk multiples of 128 (or,
+    with HOPPER_RAGGED, at least 128 each), not packed (cu_seqlens), not invariant mode and a
+    positive scale. Any other call runs the portable kernel."""
     if not (HOPPER and _HAS_GLUON and HOPPER_MODS is None) or _INTERPRET or bounds is not None or invariant:
         return False
     if scale is not None and not scale > 0:
@@ -350,7 +388,10 @@ def _hopper_ready(q, k, v, bounds, invariant, scale=None) -> bool:
     B, Hq, Lq, D = q.shape
     if (q.dtype, D, _hopper_loop()) in _HOPPER_FAILED:
         return False
-    return (q.dtype in (torch.bfloat16, torch.float16) and D in (64, 128) and Lq % 128 == 0 and k.shape[2] % 128 == 0
+    Lk = k.shape[2]
+    even = Lq % 128 == 0 and Lk % 128 == 0
+    return (q.dtype in (torch.bfloat16, torch.float16) and D in (64, 128)
+            and (even or (HOPPER_RAGGED and Lq >= 128 and Lk >= max(128, HOPPER_TILE[0])))
             and TABLE_M == 128 and TABLE_N % HOPPER_TILE[0] == 0
             and all(t.is_contiguous() for t in (q, k, v)))
 
@@ -401,7 +442,11 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
             scale, *[tables[n] for n in ALL_POINTERS])
     options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers,
                    PINGPONG=loop == "pingpong", num_warps=4 if loop == "pingpong" else warps)
-    grid = (Lq // 128, B * Hq)
+    if Lq % 128:  # (HOPPER_RAGGED) the last block of queries runs past Lq
+        options["EVEN_M"] = False
+    if Lk % TABLE_N:  # (HOPPER_RAGGED) the last tile of keys runs past Lk
+        options["EVEN_N"] = False
+    grid = (_cdiv(Lq, 128), B * Hq)
     return grid, args, options, out, lse
 
 

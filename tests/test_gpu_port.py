@@ -20,18 +20,25 @@ def test_ports_match_the_reference_in_bf16_and_fp32(cuda):
     # every corpus and random mod in bf16 (fp32 of each runs in the interpreter on CI), and the library's
     # golden vectors through conformance in bf16 and fp32; in up to 8 processes side by side (each case
     # compiles its own kernel: the compiles dominate; 8 shards take about 150 s on a 16-core H200 host)
+    _corpus_in_shards(["10", "bfloat16", "conformance"], timeout=1200)
+
+
+def _corpus_in_shards(args: list[str], timeout: int) -> list[str]:
+    """tests/run_port_corpus.py cuda *args in up to 8 processes side by side (shard=i/n), each of
+    which must pass and print its SUMMARY; their output lines (failing cases named in the assert)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     n = max(1, min(8, (os.cpu_count() or 2) // 2))
-    shards = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "run_port_corpus.py"), "cuda", "10", "bfloat16",
-                                "conformance", f"shard={i}/{n}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env) for i in range(n)]
-    outs = [shard.communicate(timeout=1200) for shard in shards]
+    shards = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "run_port_corpus.py"), "cuda", *args,
+                                f"shard={i}/{n}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+              for i in range(n)]
+    outs = [shard.communicate(timeout=timeout) for shard in shards]
     lines = [line for out, _ in outs for line in out.splitlines()]
     summary = [line for line in lines if line.startswith("SUMMARY")]
     fails = [line for line in lines if line.startswith("CASE") and " FAIL" in line]
     errors = "".join(err[-1500:] for (_, err), shard in zip(outs, shards) if shard.returncode)
     assert all(shard.returncode == 0 for shard in shards) and len(summary) == n, "\n".join(fails[:20]) + errors
     print("; ".join(summary))
+    return lines
 
 
 @pytest.mark.gpu
@@ -45,20 +52,9 @@ def test_the_hopper_kernel_runs_drawn_mods_like_the_reference(cuda, lengths):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernel runs on sm_90 only")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    n = max(1, min(8, (os.cpu_count() or 2) // 2))
     extra = ["ragged"] if lengths == "ragged" else []
-    shards = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "run_port_corpus.py"), "cuda", "16", "hopper",
-                                *extra, "bfloat16", "float16", f"shard={i}/{n}"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env) for i in range(n)]
-    outs = [shard.communicate(timeout=900) for shard in shards]
-    lines = [line for out, _ in outs for line in out.splitlines()]
-    summary = [line for line in lines if line.startswith("SUMMARY")]
-    fails = [line for line in lines if line.startswith("CASE") and " FAIL" in line]
-    errors = "".join(err[-1500:] for (_, err), shard in zip(outs, shards) if shard.returncode)
-    assert all(shard.returncode == 0 for shard in shards) and len(summary) == n, "\n".join(fails[:20]) + errors
+    lines = _corpus_in_shards(["16", "hopper", *extra, "bfloat16", "float16"], timeout=900)
     assert sum(line.startswith("CASE") and line.split()[2] == "OK" for line in lines) == 32, lines
-    print("; ".join(summary))
 
 
 @pytest.mark.gpu

@@ -17,8 +17,10 @@ HOPPER = os.environ.get("PORT_HOPPER", "1") != "0"
 # (BLOCK_N, K / V buffers, warps): 128 query rows per program, BLOCK_N keys per tile; buffers 0 =
 # the loop's own choice (3 for "pingpong", whose two warpgroups release a buffer half a tile apart;
 # 2 for "specialized"); warps: the math warps of "specialized" ("pingpong" has two warpgroups of 4).
-# At D 128, 2 buffers take 160 KB of shared memory and 3 take 224 KB; compiled for sm_90a, the
-# library's and users' mods take 167-255 registers with no spills (tests/run_hopper_compile.py)
+# At D 128, 2 buffers take 160 KB of shared memory and 3 take 224 KB. Compiled for sm_90a
+# (tests/run_hopper_compile.py), the library's masks and the users' mods there do not spill at
+# whole blocks; at ragged lengths a user's .any() spans spills 92 bytes, and heavier drawn mods
+# (several tables and'ed / or'ed) spill 116-228 bytes of scalars (table pointers, indices)
 HOPPER_TILE = (128, 0, 8)
 # the tile loop, both forms warp-specialized (one warp only issues the TMA loads) and both with
 # FlashAttention-3's order within a warpgroup (tile t's S = Q K^T issued with tile t-1's P V, and

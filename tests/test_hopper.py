@@ -154,3 +154,33 @@ def test_an_older_triton_runs_the_portable_kernel_only(tmp_path, monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "new"))
     assert module._HAS_GLUON is _has_gluon()
+
+
+@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
+def test_lengths_off_the_128_grid_take_the_hopper_kernel_only_when_asked(tmp_path, monkeypatch):
+    # HOPPER_RAGGED (off by default): at least 128 queries and 128 keys; Lq = 1 (decode) or fewer
+    # than 128 keys always run the portable kernel. The call is judged as on an sm_90 GPU.
+    import torch
+
+    class Cuda:  # a tensor's face as _hopper_ready reads it, on a "cuda" device
+        def __init__(self, *shape, dtype=torch.bfloat16):
+            self.shape, self.dtype, self.device = shape, dtype, torch.device("cuda", 0)
+
+        def is_contiguous(self):
+            return True
+
+    module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
+    monkeypatch.setattr(module, "_INTERPRET", False)
+    monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(module, "HOPPER", True)
+
+    def takes(lq, lk, d=128, dtype=torch.bfloat16):
+        q, kv = Cuda(1, 4, lq, d, dtype=dtype), Cuda(1, 2, lk, d, dtype=dtype)
+        return module._hopper_ready(q, kv, kv, None, False, 0.1)
+
+    assert module.HOPPER_RAGGED is False
+    assert takes(1024, 2048) and not takes(1000, 1011) and not takes(1024, 1000)
+    monkeypatch.setattr(module, "HOPPER_RAGGED", True)
+    assert takes(1000, 1011) and takes(128, 129) and takes(1024, 2048)
+    assert not takes(1, 1011) and not takes(127, 1011) and not takes(1000, 100)
+    assert not takes(1000, 1011, d=96) and not takes(1000, 1011, dtype=torch.float32)

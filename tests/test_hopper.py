@@ -157,9 +157,9 @@ def test_an_older_triton_runs_the_portable_kernel_only(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
-def test_lengths_off_the_128_grid_take_the_hopper_kernel_only_when_asked(tmp_path, monkeypatch):
-    # HOPPER_RAGGED (off by default): at least 128 queries and 128 keys; Lq = 1 (decode) or fewer
-    # than 128 keys always run the portable kernel. The call is judged as on an sm_90 GPU.
+def test_lengths_off_the_128_grid_take_the_hopper_kernel_unless_turned_off(tmp_path, monkeypatch):
+    # HOPPER_RAGGED (on by default): at least 128 queries and 128 keys; Lq = 1 (decode) or fewer
+    # than 128 keys always run the portable kernel, and so does every length off the grid when it is off. The call is judged as on an sm_90 GPU.
     import torch
 
     class Cuda:  # a tensor's face as _hopper_ready reads it, on a "cuda" device
@@ -178,9 +178,48 @@ def test_lengths_off_the_128_grid_take_the_hopper_kernel_only_when_asked(tmp_pat
         q, kv = Cuda(1, 4, lq, d, dtype=dtype), Cuda(1, 2, lk, d, dtype=dtype)
         return module._hopper_ready(q, kv, kv, None, False, 0.1)
 
-    assert module.HOPPER_RAGGED is False
-    assert takes(1024, 2048) and not takes(1000, 1011) and not takes(1024, 1000)
-    monkeypatch.setattr(module, "HOPPER_RAGGED", True)
+    assert module.HOPPER_RAGGED is True
     assert takes(1000, 1011) and takes(128, 129) and takes(1024, 2048)
     assert not takes(1, 1011) and not takes(127, 1011) and not takes(1000, 100)
     assert not takes(1000, 1011, d=96) and not takes(1000, 1011, dtype=torch.float32)
+    monkeypatch.setattr(module, "HOPPER_RAGGED", False)
+    assert takes(1024, 2048) and not takes(1000, 1011) and not takes(1024, 1000)
+    # the environment variable reaches a freshly loaded file
+    monkeypatch.setenv("PORT_HOPPER_RAGGED", "0")
+    assert port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "off")).HOPPER_RAGGED is False
+
+
+@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
+def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, monkeypatch):
+    # the backward's Hopper kernels take what they were written for (sm_90, bf16 / fp16, Lq and Lk
+    # multiples of 128, no score_mod, no learning tables) at the head dims where they were measured
+    # faster (D 64); the rest runs the portable backward, and PORT_HOPPER_BWD=0 turns them off.
+    # The call is judged as on sm_90.
+    import torch
+
+    class Cuda:
+        def __init__(self, *shape, dtype=torch.bfloat16):
+            self.shape, self.dtype, self.device = shape, dtype, torch.device("cuda", 0)
+
+        def is_contiguous(self):
+            return True
+
+    def ready(module, lq=1024, lk=2048, d=128, dtype=torch.bfloat16, learn=()):
+        monkeypatch.setattr(module, "_INTERPRET", False)
+        monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
+        q, kv = Cuda(1, 4, lq, d, dtype=dtype), Cuda(1, 2, lk, d, dtype=dtype)
+        return module._hopper_bwd_ready(q, kv, kv, q, learn)
+
+    causal = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "causal"))
+    assert causal.HOPPER_BWD is True
+    assert ready(causal, d=64) and ready(causal, d=64, dtype=torch.float16)
+    assert not ready(causal, d=128)  # measured slower than the portable backward there
+    monkeypatch.setattr(causal, "HOPPER_BWD_HEAD_DIMS", (64, 128))
+    assert ready(causal, d=128)
+    assert not ready(causal, lq=1000) and not ready(causal, lk=1011) and not ready(causal, d=96)
+    assert not ready(causal, dtype=torch.float32) and not ready(causal, learn=("bias",))
+    soft = port.load(port.build(with_score(make("causal"), make("softcap")), 128, 128, out_dir=tmp_path / "soft"))
+    assert not ready(soft, d=64)
+    monkeypatch.setenv("PORT_HOPPER_BWD", "0")
+    off = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "off"))
+    assert off.HOPPER_BWD is False and not ready(off, d=64)

@@ -32,12 +32,12 @@ HOPPER_TILE = (128, 0, 8)
 # (docs/benchmarks.md) and are not kept.
 HOPPER_LOOP = "auto"
 HOPPER_LOOPS = ("auto", "specialized", "pingpong")
-# lengths that are not multiples of 128 (at least 128 queries and 128 keys): True lets the Hopper
-# kernel take them (the last block of queries masked at the store, the last tile of keys loaded
-# from Lk - BLOCK_N); off until that path has been checked on an sm_90 GPU
-# (tests/test_gpu_port.py::test_the_hopper_kernel_runs_drawn_mods_like_the_reference), so those
-# calls run the portable kernel
-HOPPER_RAGGED = os.environ.get("PORT_HOPPER_RAGGED", "0") == "1"
+# lengths that are not multiples of 128 (at least 128 queries and 128 keys) take the Hopper kernel
+# too: the last block of queries is masked at the store, the last tile of keys is loaded from
+# Lk - BLOCK_N and masked to its own keys (checked on an H200 with drawn users' mods,
+# tests/test_gpu_port.py::test_the_hopper_kernel_runs_drawn_mods_like_the_reference);
+# PORT_HOPPER_RAGGED=0 (or False here) sends those calls to the portable kernel
+HOPPER_RAGGED = os.environ.get("PORT_HOPPER_RAGGED", "1") != "0"
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 # Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved
@@ -378,8 +378,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
 
 def _hopper_ready(q, k, v, bounds, invariant, scale=None) -> bool:
     """Whether this call runs the Hopper kernel: HOPPER on, Gluon there and the mods translated,
-    an sm_90 GPU, bf16 / fp16, D 64 or 128, contiguous q, k, v, Lq and Lk multiples of 128 (or,
-    with HOPPER_RAGGED, at least 128 each), not packed (cu_seqlens), not invariant mode and a
+    an sm_90 GPU, bf16 / fp16, D 64 or 128, contiguous q, k, v, Lq and Lk at least 128 each (and
+    multiples of 128 with HOPPER_RAGGED off), not packed (cu_seqlens), not invariant mode and a
     positive scale. Any other call runs the portable kernel."""
     if not (HOPPER and _HAS_GLUON and HOPPER_MODS is None) or _INTERPRET or bounds is not None or invariant:
         return False

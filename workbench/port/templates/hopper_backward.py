@@ -1,0 +1,383 @@
+"""The port's Hopper backward, appended after hopper.py by `port.generate`: dq, dk and dv of
+`attention` on sm_90 in Gluon, over the same block lists (rows for dq, columns for dk / dv) and the
+same Gluon mask as the Hopper forward. Markers: @@ALL_PTR_PARAMS@@ / @@MASK_PTR_ARGS@@."""
+
+import torch
+
+# ---------------------------------------------------------------- Hopper backward (sm_90)
+
+# FlashAttention-2's backward (see the portable kernels' comment above: p = exp2(s * c - lse2),
+# ds = p (dp - delta), dq = scale ds k, dk = scale ds^T q, dv = p^T dO) as two Gluon kernels, with
+# no atomics, so every call gives the same bits, like the portable backward:
+#   dk / dv: one program per 128 keys of a (batch entry, kv head), its K and V in shared memory
+#            for the whole program; a load warp brings the 64-query tiles of Q and dO that the
+#            column lists name (every query head of the group, in order) into a ring of buffers;
+#            two math warpgroups, 64 keys each, compute S^T = K Q^T and dP^T = V dO^T (wgmma, 128 x 64), then P^T and
+#            dS^T in registers, then dV += P^T dO and dK += dS^T Q (wgmma, P^T and dS^T as register
+#            operands): keys down, queries across, so no register tile is ever transposed.
+#   dq:      one program per 128 queries, Q and dO in shared memory; the load warp brings the
+#            64-key tiles of K and V its row of the block lists names (the forward's own loader);
+#            S = Q K^T and dP = dO V^T, then dQ += dS K.
+# It takes the calls the Hopper forward takes at whole blocks (Lq, Lk multiples of 128), without
+# a score_mod and without learning tables (the portable backward runs those: their derivative and
+# gradient translations are Triton's), at the head dims of HOPPER_BWD_HEAD_DIMS. On an H200 (bf16,
+# B 1, H 16, 32K tokens, backward alone) it is 1.11x the portable backward on causal at D 64 and
+# 1.03x on a window and on documents, but 0.92-0.97x at D 128 (docs/benchmarks.md): D 128 runs the
+# portable backward until that changes. PORT_HOPPER_BWD=0 (or HOPPER_BWD = False) turns it off.
+HOPPER_BWD = os.environ.get("PORT_HOPPER_BWD", "1") != "0"
+HOPPER_BWD_HEAD_DIMS = (64, )
+# per head dim: (query tile of the dk / dv kernel, key tile of the dq kernel, buffers of each ring,
+# overlap: each tile's last matmuls issued behind the next tile's first ones, FlashAttention-3's
+# order). Tiles and orders change the speed, not the bits (sums in the same order)
+HOPPER_BWD_TILES = {64: (64, 64, 4, True), 128: (32, 64, 4, True)}
+_HOPPER_BWD_FAILED: dict = {}
+
+if _HAS_GLUON and HOPPER_MODS is None:
+
+    @gluon.jit
+    def _hopper_bwd_qdo_producer(q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group, Lq,
+                                 c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
+                                 TABLE_M: gl.constexpr, TABLE_N: gl.constexpr):
+        # the load warp of the dk / dv kernel: for every query head of the group and every block
+        # of queries its column lists name (full ones, then partial ones), that block's tiles of Q
+        # and dO into the next buffer of the ring, once the math warps have released it
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        SUB: gl.constexpr = TABLE_M // BLOCK_M
+        NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+        nbytes: gl.constexpr = 2 * q_desc.block_type.nbytes
+        count = 0
+        for g in range(0, group):
+            h = kv_h * group + g
+            line = b * c_tb + h * c_th + col
+            n_f = gl.load(full_num + line)
+            n_blocks = n_f + gl.load(partial_num + line)
+            for j in range(0, n_blocks):
+                r = gl.load(gl.where(j < n_f, full_idx + line * n_rows + j, partial_idx + line * n_rows + (j - n_f)))
+                row = (b * Hq + h) * Lq + r * TABLE_M
+                for sub in gl.static_range(SUB):
+                    slot = count % NUM_BUF
+                    mbarrier.wait(empty.index(slot), ((count // NUM_BUF) & 1) ^ 1)
+                    mbarrier.expect(ready.index(slot), nbytes)
+                    tma.async_copy_global_to_shared(q_desc, [row + sub * BLOCK_M, 0], ready.index(slot),
+                                                    q_smem.index(slot))
+                    tma.async_copy_global_to_shared(do_desc, [row + sub * BLOCK_M, 0], ready.index(slot),
+                                                    do_smem.index(slot))
+                    count += 1
+
+    @gluon.jit
+    def _hopper_bwd_dkdv_consumer(k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, DK, DV, Lse2, Delta,
+                                  b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
+                                  partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
+                                  TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
+                                  OVERLAP: gl.constexpr):
+        # one of the dk / dv kernel's two math warpgroups: keys WG * 64 .. WG * 64 + 64 of the
+        # program's 128 (each warpgroup keeps its own dK and dV, 64 x D each, in registers). Per
+        # tile of BLOCK_M queries: S^T = K Q^T and dP^T = V dO^T, P^T = exp2(S^T * c - lse2) (the
+        # mask on partial blocks), dS^T = P^T (dP^T - delta) * scale, then dV += P^T dO and
+        # dK += dS^T Q, issued behind the next tile's S^T and dP^T (FlashAttention-3's overlap); a
+        # buffer goes back to the load warp when both warpgroups' dV and dK have read it, a tile
+        # later (so the ring needs three buffers or more to load ahead).
+        BLOCK_N: gl.constexpr = k_smem.type.shape[0] // 2
+        HEAD_D: gl.constexpr = k_smem.type.shape[1]
+        num_warps: gl.constexpr = 4
+        BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+        NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+        SUB: gl.constexpr = TABLE_M // BLOCK_M
+        dtype: gl.constexpr = k_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        c = sm_scale * 1.4426950408889634
+        dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=o_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=o_layout)
+        zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+        k_part = k_smem.slice(WG * BLOCK_N, BLOCK_N)
+        v_part = v_smem.slice(WG * BLOCK_N, BLOCK_N)
+        n0 = col * TABLE_N + WG * BLOCK_N
+        kv_idx = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)))[:, None]
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        # the first tile's dV / dK step multiplies zeros (there is no tile before it): + 0 changes no bit
+        pt_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=p_layout)
+        dst_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=p_layout)
+        prev = 0
+        mbarrier.wait(kv_bar, 0)
+        count = 0
+        for g in range(0, group):
+            h = kv_h * group + g
+            bh = b * Hq + h
+            line = b * c_tb + h * c_th + col
+            n_f = gl.load(full_num + line)
+            n_blocks = n_f + gl.load(partial_num + line)
+            for j in range(0, n_blocks):
+                full = j < n_f
+                r = gl.load(gl.where(full, full_idx + line * n_rows + j, partial_idx + line * n_rows + (j - n_f)))
+                for sub in gl.static_range(SUB):
+                    slot = count % NUM_BUF
+                    rows = r * TABLE_M + sub * BLOCK_M + cols
+                    lse2 = gl.load(Lse2 + bh.to(gl.int64) * Lq + rows)
+                    delta = gl.load(Delta + bh.to(gl.int64) * Lq + rows)
+                    mbarrier.wait(ready.index(slot), (count // NUM_BUF) & 1)
+                    # this tile's S^T and dP^T, then the previous tile's dV and dK behind them: the
+                    # softmax part below runs while those two matmuls hold the tensor cores
+                    st = warpgroup_mma(k_part, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                       is_async=True)
+                    dpt = warpgroup_mma(v_part, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                        is_async=True)
+                    if OVERLAP:
+                        dv = warpgroup_mma(pt_op, do_smem.index(prev), dv, is_async=True)
+                        dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
+                        st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))
+                    else:
+                        st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+                    # rows that keep nothing have lse2 = +inf: their p is exactly 0
+                    pt = gl.exp2(gl.fma(st, c, -lse2[None, :]))
+                    if not full:
+                        keep = mask_mod_gluon(b, h, rows[None, :], kv_idx@@MASK_PTR_ARGS@@) != 0
+                        pt = gl.where(keep, pt, 0.0)
+                    dst = pt * (dpt - delta[None, :]) * sm_scale
+                    pt_op = gl.convert_layout(pt.to(dtype), p_layout)
+                    dst_op = gl.convert_layout(dst.to(dtype), p_layout)
+                    if OVERLAP:
+                        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+                        mbarrier.arrive(empty.index(prev), count=1, pred=count > 0)  # the previous tile's buffer
+                    else:
+                        dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+                        dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
+                        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+                        mbarrier.arrive(empty.index(slot), count=1)
+                    prev = slot
+                    count += 1
+        if OVERLAP and count > 0:  # the last tile's dV and dK
+            dv = warpgroup_mma(pt_op, do_smem.index(prev), dv, is_async=True)
+            dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        out = (bkh.to(gl.int64) * Lk + offs_n)[:, None] * HEAD_D + offs_d[None, :]
+        gl.store(DK + out, dk.to(DK.dtype.element_ty))
+        gl.store(DV + out, dv.to(DV.dtype.element_ty))
+
+    @gluon.jit
+    def _hopper_bwd_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, Lse2, Delta, partial_num, partial_idx,
+                                full_num, full_idx, c_tb, c_th, n_rows, Hq, Hkv, group, Lq, Lk, sm_scale,
+                                @@ALL_PTR_PARAMS@@
+                                TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr,
+                                num_warps: gl.constexpr, OVERLAP: gl.constexpr):
+        # one program = the 128 keys of column pid_n of one (batch entry, kv head): their K and V
+        # once, then the query tiles of its column lists through a ring (see above), two math
+        # warpgroups (the kernel's own 4 warps are the first) and a load warp. Programs run the
+        # first keys first: under a causal mask they meet the most queries.
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        dtype: gl.constexpr = k_desc.dtype
+        col = gl.program_id(0)
+        bkh = gl.program_id(1)
+        b = bkh // Hkv
+        kv_h = bkh % Hkv
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_D], do_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both math warpgroups release a buffer
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, v_smem)
+        gl.warp_specialize([
+            (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, DK, DV, Lse2, Delta,
+                                         b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
+                                         partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
+                                         TABLE_M, TABLE_N, 0, OVERLAP)),
+            (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, DK, DV, Lse2, Delta,
+                                         b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
+                                         partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
+                                         TABLE_M, TABLE_N, 1, OVERLAP)),
+            (_hopper_bwd_qdo_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group,
+                                        Lq, c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
+                                        TABLE_M, TABLE_N)),
+        ], [4, 1], [240, 24])
+
+    @gluon.jit
+    def _hopper_bwd_dq_consumer(q_smem, do_smem, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, DQ,
+                                Lse2, Delta, b, h, bh, pid_m, Lq, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale,
+                                @@ALL_PTR_PARAMS@@
+                                SUB: gl.constexpr, TABLE_N: gl.constexpr, num_warps: gl.constexpr,
+                                OVERLAP: gl.constexpr):
+        # the math warps of the dq kernel. Per tile of BLOCK_N keys: S = Q K^T and dP = dO V^T,
+        # P = exp2(S * c - lse2) (the mask on partial blocks), dS = P (dP - delta) * scale, then
+        # dQ += dS K, issued behind the next tile's S and dP. V's buffer goes back once dP is done,
+        # K's once dQ's matmul has read it, a tile later.
+        BLOCK_M: gl.constexpr = q_smem.type.shape[0]
+        HEAD_D: gl.constexpr = q_smem.type.shape[1]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        c = sm_scale * 1.4426950408889634
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        lse2 = gl.load(Lse2 + bh.to(gl.int64) * Lq + rows)[:, None]
+        delta = gl.load(Delta + bh.to(gl.int64) * Lq + rows)[:, None]
+        q_idx = rows[:, None]
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
+        dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        ds_op = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=p_layout)  # the first tile's dQ step adds 0
+        prev = 0
+        mbarrier.wait(q_bar, 0)
+        for t in range(0, n_tiles):
+            slot = t % NUM_BUF
+            phase = (t // NUM_BUF) & 1
+            start, first, full = _hopper_tile_start(t, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, True)
+            mbarrier.wait(k_ready.index(slot), phase)
+            s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(slot), phase)
+            dp = warpgroup_mma(do_smem, v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if OVERLAP:
+                dq = warpgroup_mma(ds_op, k_smem.index(prev), dq, is_async=True)  # the previous tile's
+                s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))
+            else:
+                s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+            mbarrier.arrive(v_empty.index(slot), count=1)
+            p = gl.exp2(gl.fma(s, c, -lse2))
+            if not full:
+                keep = mask_mod_gluon(b, h, q_idx, start + cols@@MASK_PTR_ARGS@@) != 0
+                p = gl.where(keep, p, 0.0)
+            ds = p * (dp - delta) * sm_scale
+            ds_op = gl.convert_layout(ds.to(dtype), p_layout)
+            if OVERLAP:
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                mbarrier.arrive(k_empty.index(prev), count=1, pred=t > 0)
+            else:
+                dq = warpgroup_mma(ds_op, k_smem.index(slot), dq, is_async=True)
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                mbarrier.arrive(k_empty.index(slot), count=1)
+            prev = slot
+        if OVERLAP and n_tiles > 0:
+            dq = warpgroup_mma(ds_op, k_smem.index(prev), dq, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        gl.store(DQ + (bh.to(gl.int64) * Lq + offs_m)[:, None] * HEAD_D + offs_d[None, :], dq.to(DQ.dtype.element_ty))
+
+    @gluon.jit
+    def _hopper_bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, Lse2, Delta, partial_num, partial_idx, full_num,
+                              full_idx, s_tb, s_th, n_cols, Hq, group, Lq, Lk, sm_scale, @@ALL_PTR_PARAMS@@
+                              TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr,
+                              num_warps: gl.constexpr, OVERLAP: gl.constexpr):
+        # one program = 128 queries of one (batch entry, head), Q and dO loaded once; the tiles
+        # of keys and values its row of the block lists names come through the forward's loader
+        # (_hopper_producer). The last rows first, as in the forward.
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+        SUB: gl.constexpr = TABLE_N // BLOCK_N
+        dtype: gl.constexpr = q_desc.dtype
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // Hq
+        h = bh % Hq
+        kv_row0 = (b * (Hq // group) + h // group) * Lk
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=1)
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_bar, q_smem)
+        tma.async_copy_global_to_shared(do_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_bar, do_smem)
+        row = b * s_tb + h * s_th + (pid_m * BLOCK_M) // TABLE_M
+        n_f = gl.load(full_num + row)
+        n_tiles = (n_f + gl.load(partial_num + row)) * SUB
+        idx_f = full_idx + row * n_cols
+        idx_p = partial_idx + row * n_cols
+        gl.warp_specialize([
+            (_hopper_bwd_dq_consumer, (q_smem, do_smem, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                                       DQ, Lse2, Delta, b, h, bh, pid_m, Lq, Lk, n_f, n_tiles, idx_f, idx_p,
+                                       sm_scale, @@ALL_PTR_PARAMS@@SUB, TABLE_N, num_warps, OVERLAP)),
+            (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
+                                n_tiles, idx_f, idx_p, Lk, SUB, TABLE_N, True)),
+        ], [1], [24])
+
+
+def _hopper_bwd_ready(q, k, v, dout, learn) -> bool:
+    """Whether this backward runs the Hopper kernels: HOPPER_BWD on, the Hopper forward's
+    conditions at whole blocks (sm_90, bf16 / fp16, Lq and Lk multiples of 128), a head dim of
+    HOPPER_BWD_HEAD_DIMS, no score_mod and no learning tables. Any other backward runs the portable kernels."""
+    if not (HOPPER_BWD and _HAS_GLUON and HOPPER_MODS is None) or HAS_SCORE or learn or _INTERPRET:
+        return False
+    if q.device.type != "cuda" or _capability(q.device) != (9, 0):
+        return False
+    B, Hq, Lq, D = q.shape
+    Lk = k.shape[2]
+    return (q.dtype in (torch.bfloat16, torch.float16) and D in HOPPER_BWD_HEAD_DIMS and D in HOPPER_BWD_TILES
+            and Lq % 128 == 0 and Lk % 128 == 0
+            and TABLE_M == 128 and TABLE_N == 128 and (q.dtype, D) not in _HOPPER_BWD_FAILED
+            and all(t.is_contiguous() and t.dtype == q.dtype for t in (q, k, v)))
+
+
+def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables):
+    """(dq, dk, dv, launches): the gradients' tensors and [(kernel, grid, arguments, options)] of
+    the two kernels for this call (dk / dv first)."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    block_m, block_n, buffers, overlap = HOPPER_BWD_TILES[D]
+    dout = dout.contiguous() if dout.dtype == q.dtype else dout.to(q.dtype).contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    pointers = [tables[name] for name in ALL_POINTERS]
+    n_rows, n_cols = _cdiv(Lq, TABLE_M), _cdiv(Lk, TABLE_N)
+    c_th = n_cols if MASK_READS_HEAD else 0
+    c_tb = (Hq if MASK_READS_HEAD else 1) * n_cols if MASK_READS_BATCH else 0
+    s_th = n_rows if MASK_READS_HEAD else 0
+    s_tb = (Hq if MASK_READS_HEAD else 1) * n_rows if MASK_READS_BATCH else 0
+    options = dict(TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers, OVERLAP=bool(overlap))
+    dkdv = (_hopper_bwd_dkdv_kernel, (n_cols, B * Hkv),
+            (_hopper_descriptor(k, TABLE_N), _hopper_descriptor(v, TABLE_N), _hopper_descriptor(q, block_m),
+             _hopper_descriptor(dout, block_m), dk, dv, lse2, delta, *column_lists(B, Hq, Lq, Lk, q.device), c_tb,
+             c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, scale, *pointers), {**options, "num_warps": 4})
+    dq_launch = (_hopper_bwd_dq_kernel, (n_rows, B * Hq),
+                 (_hopper_descriptor(q, TABLE_M), _hopper_descriptor(dout, TABLE_M), _hopper_descriptor(k, block_n),
+                  _hopper_descriptor(v, block_n), dq, lse2, delta, *block_lists(B, Hq, Lq, Lk, q.device), s_tb, s_th,
+                  n_cols, Hq, Hq // Hkv, Lq, Lk, scale, *pointers), {**options, "num_warps": 8})
+    return dq, dk, dv, [dkdv, dq_launch]
+
+
+def _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, tables):
+    """(dq, dk, dv) of this call from the Hopper kernels (dk / dv, then dq), or None when they
+    failed to compile or launch here (the first failure warns; later calls of that kind skip)."""
+    D = q.shape[-1]
+    try:
+        dq, dk, dv, launches = _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables)
+        for kernel, grid, args, options in launches:
+            kernel[grid](*args, **options)
+    except Exception as exc:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            raise
+        _HOPPER_BWD_FAILED[(q.dtype, D)] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        warnings.warn(f"{NAME}: the Hopper backward ({q.dtype}, D {D}) failed here "
+                      f"({_HOPPER_BWD_FAILED[(q.dtype, D)]}); these calls run the portable backward instead. Set "
+                      "PORT_HOPPER_BWD=0 to run it from the start, and please report the cause", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    return dq, dk, dv

@@ -109,8 +109,9 @@ def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_d
         q_len, kv_len = (1024, 1024) if name == "documents" else (768, 1024)
         shape = Shape(batch=2, q_heads=4, kv_heads=2, q_len=q_len, kv_len=kv_len, head_dim=head_dim)
         module = port.load(port.build(mask, q_len, kv_len, heads=4, batch=2, out_dir=tmp_path / name))
-        # both orders of the tile loop; D 128 too (it runs the portable backward by default)
-        module.HOPPER_BWD_HEAD_DIMS = (64, 128)
+        # both orders of the tile loop; D 128 and per-head masks too (by default they run the
+        # portable backward, measured faster there)
+        module.HOPPER_BWD_HEAD_DIMS, module.HOPPER_BWD_PER_HEAD = (64, 128), True
         module.HOPPER_BWD_TILES = {d: (*tile[:3], overlap) for d, tile in module.HOPPER_BWD_TILES.items()}
         ran = []
         real = module._hopper_bwd_launch

@@ -218,6 +218,16 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     assert ready(causal, d=128)
     assert not ready(causal, lq=1000) and not ready(causal, lk=1011) and not ready(causal, d=96)
     assert not ready(causal, dtype=torch.float32) and not ready(causal, learn=("bias",))
+    w = torch.tensor([64, 128, 256, 512])
+
+    def head_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < w[h])
+
+    per_head = port.load(port.build(Mask("users_head_window", mask_mod=head_window), 128, 128, heads=4,
+                                    out_dir=tmp_path / "head"))
+    assert per_head.MASK_READS_HEAD and not ready(per_head, d=64)  # per-head lists: measured slower
+    monkeypatch.setattr(per_head, "HOPPER_BWD_PER_HEAD", True)
+    assert ready(per_head, d=64)
     soft = port.load(port.build(with_score(make("causal"), make("softcap")), 128, 128, out_dir=tmp_path / "soft"))
     assert not ready(soft, d=64)
     monkeypatch.setenv("PORT_HOPPER_BWD", "0")

@@ -20,12 +20,17 @@ import torch
 #            S = Q K^T and dP = dO V^T, then dQ += dS K.
 # It takes the calls the Hopper forward takes at whole blocks (Lq, Lk multiples of 128), without
 # a score_mod and without learning tables (the portable backward runs those: their derivative and
-# gradient translations are Triton's), at the head dims of HOPPER_BWD_HEAD_DIMS. On an H200 (bf16,
+# gradient translations are Triton's), at the head dims of HOPPER_BWD_HEAD_DIMS, for masks that do
+# not read the head (HOPPER_BWD_PER_HEAD). On an H200 (bf16,
 # B 1, H 16, 32K tokens, backward alone) it is 1.11x the portable backward on causal at D 64 and
 # 1.03x on a window and on documents, but 0.92-0.97x at D 128 (docs/benchmarks.md): D 128 runs the
 # portable backward until that changes. PORT_HOPPER_BWD=0 (or HOPPER_BWD = False) turns it off.
 HOPPER_BWD = os.environ.get("PORT_HOPPER_BWD", "1") != "0"
 HOPPER_BWD_HEAD_DIMS = (64, )
+# masks that read the head (per-head lists: per-head windows, users' w[h] tables) run the portable
+# backward: on the H200 per-head windows (64 to 2,048 keys) took 0.405 ms against 0.288 at 8K and
+# 1.17 against 1.13 at 32K (D 64); True lets them take the Hopper kernels too
+HOPPER_BWD_PER_HEAD = False
 # per head dim: (query tile of the dk / dv kernel, key tile of the dq kernel, buffers of each ring,
 # overlap: each tile's last matmuls issued behind the next tile's first ones, FlashAttention-3's
 # order). Tiles and orders change the speed, not the bits (sums in the same order)
@@ -324,8 +329,11 @@ if _HAS_GLUON and HOPPER_MODS is None:
 def _hopper_bwd_ready(q, k, v, dout, learn) -> bool:
     """Whether this backward runs the Hopper kernels: HOPPER_BWD on, the Hopper forward's
     conditions at whole blocks (sm_90, bf16 / fp16, Lq and Lk multiples of 128), a head dim of
-    HOPPER_BWD_HEAD_DIMS, no score_mod and no learning tables. Any other backward runs the portable kernels."""
+    HOPPER_BWD_HEAD_DIMS, a mask that does not read the head (unless HOPPER_BWD_PER_HEAD), no
+    score_mod and no learning tables. Any other backward runs the portable kernels."""
     if not (HOPPER_BWD and _HAS_GLUON and HOPPER_MODS is None) or HAS_SCORE or learn or _INTERPRET:
+        return False
+    if MASK_READS_HEAD and not HOPPER_BWD_PER_HEAD:
         return False
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         return False

@@ -208,7 +208,7 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
         monkeypatch.setattr(module, "_INTERPRET", False)
         monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
         q, kv = Cuda(1, 4, lq, d, dtype=dtype), Cuda(1, 2, lk, d, dtype=dtype)
-        return module._hopper_bwd_ready(q, kv, kv, q, learn)
+        return module._hopper_bwd_ready(q, kv, kv, learn)
 
     causal = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "causal"))
     assert causal.HOPPER_BWD is True

@@ -10,21 +10,22 @@ import torch
 # ds = p (dp - delta), dq = scale ds k, dk = scale ds^T q, dv = p^T dO) as two Gluon kernels, with
 # no atomics, so every call gives the same bits, like the portable backward:
 #   dk / dv: one program per 128 keys of a (batch entry, kv head), its K and V in shared memory
-#            for the whole program; a load warp brings the 64-query tiles of Q and dO that the
-#            column lists name (every query head of the group, in order) into a ring of buffers;
-#            two math warpgroups, 64 keys each, compute S^T = K Q^T and dP^T = V dO^T (wgmma, 128 x 64), then P^T and
-#            dS^T in registers, then dV += P^T dO and dK += dS^T Q (wgmma, P^T and dS^T as register
-#            operands): keys down, queries across, so no register tile is ever transposed.
+#            for the whole program; a load warp brings the tiles of Q and dO that the column
+#            lists name (every query head of the group, in order) into a ring of buffers; two
+#            math warpgroups, 64 keys each, compute S^T = K Q^T and dP^T = V dO^T (wgmma), then
+#            P^T and dS^T in registers, then dV += P^T dO and dK += dS^T Q (wgmma, P^T and dS^T as
+#            register operands): keys down, queries across, so no register tile is transposed.
 #   dq:      one program per 128 queries, Q and dO in shared memory; the load warp brings the
-#            64-key tiles of K and V its row of the block lists names (the forward's own loader);
+#            tiles of K and V its row of the block lists names (the forward's own loader);
 #            S = Q K^T and dP = dO V^T, then dQ += dS K.
 # It takes the calls the Hopper forward takes at whole blocks (Lq, Lk multiples of 128), without
 # a score_mod and without learning tables (the portable backward runs those: their derivative and
 # gradient translations are Triton's), at the head dims of HOPPER_BWD_HEAD_DIMS, for masks that do
-# not read the head (HOPPER_BWD_PER_HEAD). On an H200 (bf16,
-# B 1, H 16, 32K tokens, backward alone) it is 1.11x the portable backward on causal at D 64 and
-# 1.03x on a window and on documents, but 0.92-0.97x at D 128 (docs/benchmarks.md): D 128 runs the
-# portable backward until that changes. PORT_HOPPER_BWD=0 (or HOPPER_BWD = False) turns it off.
+# not read the head (HOPPER_BWD_PER_HEAD). On an H200 (bf16, B 1, H 16, 32K tokens, backward
+# alone) it is 1.11x the portable backward on causal at D 64, 1.10x on prefix-LM and 1.03x on a
+# window and on documents, but 0.92-1.01x at D 128 (docs/benchmarks.md: both kernels together run
+# seven matmuls per pair, as the portable ones do, and are near the tensor cores' rate there), so
+# D 128 runs the portable backward. PORT_HOPPER_BWD=0 (or HOPPER_BWD = False) turns it off.
 HOPPER_BWD = os.environ.get("PORT_HOPPER_BWD", "1") != "0"
 HOPPER_BWD_HEAD_DIMS = (64, )
 # masks that read the head (per-head lists: per-head windows, users' w[h] tables) run the portable
@@ -42,7 +43,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
     @gluon.jit
     def _hopper_bwd_qdo_producer(q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group, Lq,
                                  c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
-                                 TABLE_M: gl.constexpr, TABLE_N: gl.constexpr):
+                                 TABLE_M: gl.constexpr):
         # the load warp of the dk / dv kernel: for every query head of the group and every block
         # of queries its column lists name (full ones, then partial ones), that block's tiles of Q
         # and dO into the next buffer of the ring, once the math warps have released it
@@ -207,7 +208,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                          TABLE_M, TABLE_N, 1, OVERLAP)),
             (_hopper_bwd_qdo_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group,
                                         Lq, c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
-                                        TABLE_M, TABLE_N)),
+                                        TABLE_M)),
         ], [4, 1], [240, 24])
 
     @gluon.jit
@@ -326,7 +327,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         ], [1], [24])
 
 
-def _hopper_bwd_ready(q, k, v, dout, learn) -> bool:
+def _hopper_bwd_ready(q, k, v, learn) -> bool:
     """Whether this backward runs the Hopper kernels: HOPPER_BWD on, the Hopper forward's
     conditions at whole blocks (sm_90, bf16 / fp16, Lq and Lk multiples of 128), a head dim of
     HOPPER_BWD_HEAD_DIMS, a mask that does not read the head (unless HOPPER_BWD_PER_HEAD), no

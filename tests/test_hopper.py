@@ -233,3 +233,7 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     monkeypatch.setenv("PORT_HOPPER_BWD", "0")
     off = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "off"))
     assert off.HOPPER_BWD is False and not ready(off, d=64)
+    # dq by atomic adds (five matmuls a pair instead of seven) only when asked for
+    assert causal.HOPPER_BWD_FUSED_DQ is False
+    monkeypatch.setenv("PORT_HOPPER_BWD_FUSED_DQ", "1")
+    assert port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "fused")).HOPPER_BWD_FUSED_DQ is True

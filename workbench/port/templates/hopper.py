@@ -48,7 +48,8 @@ if _HAS_GLUON:
     try:
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
-        from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+        from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                        warpgroup_mma, warpgroup_mma_wait)
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
     except ImportError:  # a build without Gluon
         _HAS_GLUON = False

@@ -36,6 +36,11 @@ HOPPER_BWD_PER_HEAD = False
 # overlap: each tile's last matmuls issued behind the next tile's first ones, FlashAttention-3's
 # order). Tiles and orders change the speed, not the bits (sums in the same order)
 HOPPER_BWD_TILES = {64: (64, 64, 4, True), 128: (32, 64, 4, True)}
+# FlashAttention-2 / 3's five matmuls per pair instead of seven: the dk / dv programs also compute
+# dq (dS K over their keys) and add it into a float32 dq with atomic adds, and the dq kernel does
+# not run. The adds' order varies, so dq's last bits vary run to run (never with deterministic=True).
+# Off: compiled for sm_90a, not yet run on a GPU. Its dk / dv tile is (64 queries, in turn).
+HOPPER_BWD_FUSED_DQ = os.environ.get("PORT_HOPPER_BWD_FUSED_DQ", "0") == "1"
 _HOPPER_BWD_FAILED: dict = {}
 
 if _HAS_GLUON and HOPPER_MODS is None:
@@ -71,18 +76,20 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     count += 1
 
     @gluon.jit
-    def _hopper_bwd_dkdv_consumer(k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, DK, DV, Lse2, Delta,
-                                  b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
-                                  partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
+    def _hopper_bwd_dkdv_consumer(k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, DK, DV, DQ_acc,
+                                  Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows,
+                                  partial_num, partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
                                   TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
-                                  OVERLAP: gl.constexpr):
+                                  OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr):
         # one of the dk / dv kernel's two math warpgroups: keys WG * 64 .. WG * 64 + 64 of the
         # program's 128 (each warpgroup keeps its own dK and dV, 64 x D each, in registers). Per
         # tile of BLOCK_M queries: S^T = K Q^T and dP^T = V dO^T, P^T = exp2(S^T * c - lse2) (the
         # mask on partial blocks), dS^T = P^T (dP^T - delta) * scale, then dV += P^T dO and
         # dK += dS^T Q, issued behind the next tile's S^T and dP^T (FlashAttention-3's overlap); a
         # buffer goes back to the load warp when both warpgroups' dV and dK have read it, a tile
-        # later (so the ring needs three buffers or more to load ahead).
+        # later (so the ring needs three buffers or more to load ahead). FUSED_DQ (in turn only):
+        # also dQ += dS K for this warpgroup's 64 keys, dS^T written to shared memory and read back
+        # transposed by the matmul, the product added into a float32 dQ with atomic adds.
         BLOCK_N: gl.constexpr = k_smem.type.shape[0] // 2
         HEAD_D: gl.constexpr = k_smem.type.shape[1]
         num_warps: gl.constexpr = 4
@@ -99,6 +106,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
         dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=o_layout)
         dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=o_layout)
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+        zero_q = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)  # (FUSED_DQ: BLOCK_M = BLOCK_N = 64)
+        offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
         k_part = k_smem.slice(WG * BLOCK_N, BLOCK_N)
         v_part = v_smem.slice(WG * BLOCK_N, BLOCK_N)
         n0 = col * TABLE_N + WG * BLOCK_N
@@ -148,6 +157,18 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     if OVERLAP:
                         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                         mbarrier.arrive(empty.index(prev), count=1, pred=count > 0)  # the previous tile's buffer
+                    elif FUSED_DQ:
+                        ds_part = ds_smem.index(WG)
+                        ds_part.store(dst.to(dtype))
+                        fence_async_shared()
+                        dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+                        dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
+                        dq = warpgroup_mma(ds_part.permute((1, 0)), k_part, zero_q, use_acc=False, is_async=True)
+                        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                        mbarrier.arrive(empty.index(slot), count=1)
+                        q_rows = r * TABLE_M + sub * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+                        gl.atomic_add(DQ_acc + (bh.to(gl.int64) * Lq + q_rows)[:, None] * HEAD_D + offs_d[None, :], dq,
+                                      sem="relaxed")
                     else:
                         dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
                         dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
@@ -160,17 +181,17 @@ if _HAS_GLUON and HOPPER_MODS is None:
             dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
-        offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
         out = (bkh.to(gl.int64) * Lk + offs_n)[:, None] * HEAD_D + offs_d[None, :]
         gl.store(DK + out, dk.to(DK.dtype.element_ty))
         gl.store(DV + out, dv.to(DV.dtype.element_ty))
 
     @gluon.jit
-    def _hopper_bwd_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, Lse2, Delta, partial_num, partial_idx,
-                                full_num, full_idx, c_tb, c_th, n_rows, Hq, Hkv, group, Lq, Lk, sm_scale,
+    def _hopper_bwd_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, DQ_acc, Lse2, Delta, partial_num,
+                                partial_idx, full_num, full_idx, c_tb, c_th, n_rows, Hq, Hkv, group, Lq, Lk, sm_scale,
                                 @@ALL_PTR_PARAMS@@
                                 TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr,
-                                num_warps: gl.constexpr, OVERLAP: gl.constexpr):
+                                num_warps: gl.constexpr, OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr = False,
+                                DS_LAYOUT: gl.constexpr = None):
         # one program = the 128 keys of column pid_n of one (batch entry, kv head): their K and V
         # once, then the query tiles of its column lists through a ring (see above), two math
         # warpgroups (the kernel's own 4 warps are the first) and a load warp. Programs run the
@@ -187,6 +208,10 @@ if _HAS_GLUON and HOPPER_MODS is None:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_D], do_desc.layout)
+        if FUSED_DQ:  # each math warpgroup's dS^T, read back by its dQ matmul
+            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, BLOCK_M], DS_LAYOUT)
+        else:
+            ds_smem = k_smem  # (not used)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -198,14 +223,14 @@ if _HAS_GLUON and HOPPER_MODS is None:
         tma.async_copy_global_to_shared(k_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, v_smem)
         gl.warp_specialize([
-            (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, DK, DV, Lse2, Delta,
-                                         b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
-                                         partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
-                                         TABLE_M, TABLE_N, 0, OVERLAP)),
-            (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, DK, DV, Lse2, Delta,
-                                         b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
-                                         partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
-                                         TABLE_M, TABLE_N, 1, OVERLAP)),
+            (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, DK, DV,
+                                         DQ_acc, Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th,
+                                         n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
+                                         @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0, OVERLAP, FUSED_DQ)),
+            (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, DK, DV,
+                                         DQ_acc, Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th,
+                                         n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
+                                         @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1, OVERLAP, FUSED_DQ)),
             (_hopper_bwd_qdo_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group,
                                         Lq, c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
                                         TABLE_M)),
@@ -346,14 +371,16 @@ def _hopper_bwd_ready(q, k, v, learn) -> bool:
             and all(t.is_contiguous() and t.dtype == q.dtype for t in (q, k, v)))
 
 
-def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables):
+def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
     """(dq, dk, dv, launches): the gradients' tensors and [(kernel, grid, arguments, options)] of
-    the two kernels for this call (dk / dv first)."""
+    the kernels for this call (dk / dv first). `fused` (HOPPER_BWD_FUSED_DQ): one kernel, and dq
+    a float32 sum of atomic adds, to be cast to q's dtype."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    block_m, block_n, buffers, overlap = HOPPER_BWD_TILES[D]
+    block_m, block_n, buffers, overlap = (64, 64, HOPPER_BWD_TILES[D][2], False) if fused else HOPPER_BWD_TILES[D]
     dout = dout.contiguous() if dout.dtype == q.dtype else dout.to(q.dtype).contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     pointers = [tables[name] for name in ALL_POINTERS]
     n_rows, n_cols = _cdiv(Lq, TABLE_M), _cdiv(Lk, TABLE_N)
     c_th = n_cols if MASK_READS_HEAD else 0
@@ -363,8 +390,11 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables):
     options = dict(TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers, OVERLAP=bool(overlap))
     dkdv = (_hopper_bwd_dkdv_kernel, (n_cols, B * Hkv),
             (_hopper_descriptor(k, TABLE_N), _hopper_descriptor(v, TABLE_N), _hopper_descriptor(q, block_m),
-             _hopper_descriptor(dout, block_m), dk, dv, lse2, delta, *column_lists(B, Hq, Lq, Lk, q.device), c_tb,
-             c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, scale, *pointers), {**options, "num_warps": 4})
+             _hopper_descriptor(dout, block_m), dk, dv, dq, lse2, delta, *column_lists(B, Hq, Lq, Lk, q.device),
+             c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, scale, *pointers),
+            {**options, "num_warps": 4, **({"FUSED_DQ": True, "DS_LAYOUT": _bwd_ds_layout(q.dtype)} if fused else {})})
+    if fused:
+        return dq, dk, dv, [dkdv]
     dq_launch = (_hopper_bwd_dq_kernel, (n_rows, B * Hq),
                  (_hopper_descriptor(q, TABLE_M), _hopper_descriptor(dout, TABLE_M), _hopper_descriptor(k, block_n),
                   _hopper_descriptor(v, block_n), dq, lse2, delta, *block_lists(B, Hq, Lq, Lk, q.device), s_tb, s_th,
@@ -372,14 +402,26 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables):
     return dq, dk, dv, [dkdv, dq_launch]
 
 
-def _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, tables):
+def _bwd_ds_layout(dtype):
+    """The shared-memory layout of a warpgroup's dS^T tile (64 keys x 64 queries) in the fused form."""
+    key = ("ds", dtype)
+    if key not in _SHARED_LAYOUTS:
+        _SHARED_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(
+            [64, 64], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    return _SHARED_LAYOUTS[key]
+
+
+def _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, tables, deterministic=False):
     """(dq, dk, dv) of this call from the Hopper kernels (dk / dv, then dq), or None when they
     failed to compile or launch here (the first failure warns; later calls of that kind skip)."""
     D = q.shape[-1]
     try:
-        dq, dk, dv, launches = _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables)
+        dq, dk, dv, launches = _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables,
+                                                fused=HOPPER_BWD_FUSED_DQ and not deterministic)
         for kernel, grid, args, options in launches:
             kernel[grid](*args, **options)
+        if dq.dtype != q.dtype:  # (the fused form's float32 sum)
+            dq = dq.to(q.dtype)
     except Exception as exc:
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             raise

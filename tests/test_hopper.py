@@ -237,3 +237,28 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     assert causal.HOPPER_BWD_FUSED_DQ is False
     monkeypatch.setenv("PORT_HOPPER_BWD_FUSED_DQ", "1")
     assert port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "fused")).HOPPER_BWD_FUSED_DQ is True
+
+
+@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
+def test_the_fused_dq_form_is_never_taken_with_deterministic(tmp_path, monkeypatch):
+    # HOPPER_BWD_FUSED_DQ adds dq with atomics (bits vary run to run): a deterministic backward must
+    # take the two-kernel form. The kernels are not launched here: the plan is recorded and its
+    # tensors returned, and the float32 sum of the fused form comes back in q's dtype.
+    import torch
+
+    module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
+    monkeypatch.setattr(module, "HOPPER_BWD_FUSED_DQ", True)
+    asked = []
+
+    def plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
+        asked.append(fused)
+        dq = torch.ones(q.shape, dtype=torch.float32 if fused else q.dtype)
+        return dq, torch.zeros_like(k), torch.zeros_like(v), []
+
+    monkeypatch.setattr(module, "_hopper_bwd_plan", plan)
+    q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
+    rows = torch.zeros(1, 2, 128)
+    for deterministic in (True, False):
+        dq, dk, dv = module._hopper_bwd_launch(q, q, q, q, rows, rows, 0.125, {}, deterministic)
+        assert dq.dtype == torch.bfloat16 and bool((dq == 1).all())
+    assert asked == [False, True]

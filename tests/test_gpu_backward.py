@@ -56,40 +56,6 @@ def test_long_backward_matches_the_reference(cuda, name, seq):
     assert verdict.passed and {"dq", "dk", "dv"} <= {c.name for c in verdict.checks}, verdict.line
 
 
-def _users_masks():
-    # mods written the way users write them: an undeclared per-head table, a per-sample table,
-    # spans with .any(), and_masks, and the library's documents and window
-    from torch.nn.attention.flex_attention import and_masks
-
-    w = torch.tensor([64, 200, 700, 4096], device="cuda")
-    lens = torch.tensor([300, 1000], device="cuda")
-    spans = torch.tensor([[100, 300], [600, 700]], device="cuda")
-
-    def head_window(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx - kv_idx < w[h])
-
-    def prefix(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) | (kv_idx < lens[b])
-
-    def image_spans(b, h, q_idx, kv_idx):
-        both = ((q_idx[..., None] >= spans[:, 0]) & (q_idx[..., None] < spans[:, 1])
-                & (kv_idx[..., None] >= spans[:, 0]) & (kv_idx[..., None] < spans[:, 1]))
-        return (kv_idx <= q_idx) | both.any(-1)
-
-    def causal(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx
-
-    def near(b, h, q_idx, kv_idx):
-        return q_idx - kv_idx < 200
-
-    return {"causal": make("causal"), "window": make("causal_sliding_window", {"window": 256}),
-            "documents": make("document", {"doc_lengths": [300, 400, 324]}, q_len=1024, kv_len=1024, device="cuda"),
-            "head_window": Mask("users_head_window", mask_mod=head_window),
-            "per_sample_prefix": Mask("users_prefix", mask_mod=prefix),
-            "image_spans": Mask("users_image_spans", mask_mod=image_spans),
-            "and_masks": Mask("users_and_masks", mask_mod=and_masks(causal, near)), "full": make("full")}
-
-
 @pytest.mark.parametrize("form", ["overlap", "in_turn", "fused_dq"])
 @pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 64), ("bfloat16", 128), ("float16", 128)])
 def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_dim, form):
@@ -107,8 +73,16 @@ def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_d
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper backward runs on sm_90 only")
     bad = []
-    for name, mask in _users_masks().items():
-        q_len, kv_len = (1024, 1024) if name == "documents" else (768, 1024)
+    # the masks the sm_90a compile check builds: the library's causal, full, window and documents,
+    # and users' mods (an undeclared w[h] table, a lens[b] table, .any() spans, and_masks)
+    sys.path.insert(0, str(ROOT))
+    from run_hopper_compile import masks
+
+    for mask in masks(device="cuda"):
+        if mask.score_mod is not None:  # (the Hopper backward takes mask-only calls)
+            continue
+        name = mask.name
+        q_len, kv_len = (mask.q_len, mask.kv_len) if mask.q_len else (768, 1024)
         shape = Shape(batch=2, q_heads=4, kv_heads=2, q_len=q_len, kv_len=kv_len, head_dim=head_dim)
         module = port.load(port.build(mask, q_len, kv_len, heads=4, batch=2, out_dir=tmp_path / name))
         # both orders of the tile loop; D 128 and per-head masks too (by default they run the

@@ -217,6 +217,7 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     monkeypatch.setattr(causal, "HOPPER_BWD_HEAD_DIMS", (64, 128))
     assert ready(causal, d=128)
     assert not ready(causal, lq=1000) and not ready(causal, lk=1011) and not ready(causal, d=96)
+    assert not ready(causal, lq=1)  # decode
     assert not ready(causal, dtype=torch.float32) and not ready(causal, learn=("bias",))
     w = torch.tensor([64, 128, 256, 512])
 

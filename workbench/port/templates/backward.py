@@ -438,12 +438,10 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
     dv = torch.empty(B, Hkv, Lk, D, dtype=v.dtype, device=q.device)
     rows_lists = block_lists(B, Hq, Lq, Lk, q.device)
     n_rows, n_cols = _cdiv(Lq, TABLE_M), _cdiv(Lk, TABLE_N)
-    s_th = n_rows if MASK_READS_HEAD else 0
-    s_tb = (Hq if MASK_READS_HEAD else 1) * n_rows if MASK_READS_BATCH else 0
+    s_tb, s_th = _list_strides(Hq, n_rows)
     key = (str(q.device), q.dtype, D_PAD, bits, bool(deterministic))
     col_lists = column_lists(B, Hq, Lq, Lk, q.device)
-    c_th = n_cols if MASK_READS_HEAD else 0
-    c_tb = (Hq if MASK_READS_HEAD else 1) * n_cols if MASK_READS_BATCH else 0
+    c_tb, c_th = _list_strides(Hq, n_cols)
     if BWD_FUSED and dq_tile[2:] == dkdv_tile[2:]:  # one launch for both, where a depth fits (see _bwd_kernel)
         kv_blocks, q_blocks = _cdiv(Lk, dkdv_tile[1]), _cdiv(Lq, dq_tile[0])
         args = (q, k, v, dout, lse2, delta, dq, dk, dv, *rows_lists, *col_lists, *strides, s_tb, s_th, c_tb, c_th,

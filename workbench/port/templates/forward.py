@@ -176,6 +176,14 @@ def _block_class_kernel(classes, Lq, Lk, n_cols, n_heads_tab, q_off, kv_off,
 _block_lists: dict = {}
 
 
+def _list_strides(heads: int, lines: int) -> tuple:
+    """(per batch entry, per head): how far apart the block lists' lines are for `lines` lines
+    (rows of blocks, or columns) per head; 0 along axes the mask does not depend on."""
+    per_head = lines if MASK_READS_HEAD else 0
+    per_batch = (heads if MASK_READS_HEAD else 1) * lines if MASK_READS_BATCH else 0
+    return per_batch, per_head
+
+
 def block_lists(batch: int, heads: int, q_len: int, kv_len: int, device, q_off: int = 0, kv_off: int = 0,
                 lengths: tuple | None = None) -> tuple:
     """(partial_num, partial_idx, full_num, full_idx), each [B', H', rows, cols] int32 (B', H' are 1
@@ -873,9 +881,7 @@ def _attention(q, k, v, scale, return_lse, bounds, invariant=False, tables=None)
     n_cols = partial_idx.shape[-1]
     out = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device) if return_lse else out
-    # list rows per batch entry / head; 0 along axes the mask does not depend on
-    s_th = n_rows if MASK_READS_HEAD else 0
-    s_tb = (Hq if MASK_READS_HEAD else 1) * n_rows if MASK_READS_BATCH else 0
+    s_tb, s_th = _list_strides(Hq, n_rows)
     if bounds is None:
         grid = lambda meta: (_cdiv(Lq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
         longest = Lq

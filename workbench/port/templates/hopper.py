@@ -436,8 +436,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
     buffers = buffers or (3 if loop == "pingpong" else 2)
     partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device)
     n_rows = _cdiv(Lq, TABLE_M)
-    s_th = n_rows if MASK_READS_HEAD else 0
-    s_tb = (Hq if MASK_READS_HEAD else 1) * n_rows if MASK_READS_BATCH else 0
+    s_tb, s_th = _list_strides(Hq, n_rows)
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device) if return_lse else out
     args = (_hopper_descriptor(q, 128), _hopper_descriptor(k, block_n), _hopper_descriptor(v, block_n), out, lse,

@@ -383,10 +383,8 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     pointers = [tables[name] for name in ALL_POINTERS]
     n_rows, n_cols = _cdiv(Lq, TABLE_M), _cdiv(Lk, TABLE_N)
-    c_th = n_cols if MASK_READS_HEAD else 0
-    c_tb = (Hq if MASK_READS_HEAD else 1) * n_cols if MASK_READS_BATCH else 0
-    s_th = n_rows if MASK_READS_HEAD else 0
-    s_tb = (Hq if MASK_READS_HEAD else 1) * n_rows if MASK_READS_BATCH else 0
+    c_tb, c_th = _list_strides(Hq, n_cols)
+    s_tb, s_th = _list_strides(Hq, n_rows)
     options = dict(TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers, OVERLAP=bool(overlap))
     dkdv = (_hopper_bwd_dkdv_kernel, (n_cols, B * Hkv),
             (_hopper_descriptor(k, TABLE_N), _hopper_descriptor(v, TABLE_N), _hopper_descriptor(q, block_m),

@@ -37,9 +37,11 @@ SWEEP_DECODE = ([(None, None, False)]
                                                                (16, 32, 4, 4), (64, 64, 4, 3))
                    for k in (2048, 4096)]
                 + [(None, None, True)])
-DEFAULT_PREFILL = [(None, False), (None, True)]
-SWEEP_PREFILL = [(None, False), ((128, 64, 8, 3), False), ((128, 128, 8, 2), False), ((128, 128, 8, 3), False),
-                 ((128, 32, 8, 4), False), (None, True)]
+# prefill: (tile or None for the file's own, invariant, Hopper kernel on sm_90: HOPPER_PAGED)
+DEFAULT_PREFILL = [(None, False, True), (None, False, False), (None, True, False)]
+SWEEP_PREFILL = [(None, False, True), (None, False, False), ((128, 64, 8, 3), False, False),
+                 ((128, 128, 8, 2), False, False), ((128, 128, 8, 3), False, False), ((128, 32, 8, 4), False, False),
+                 (None, True, False)]
 
 
 def decode_case(B, L, page, Hq=32, Hkv=8, D=128, seed=0):
@@ -148,13 +150,19 @@ def prefill(module, variants, lengths, pages, defaults):
                 config = getattr(module._attention_kernel, "best_config", None)
                 tiles = "?" if config is None else (f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} "
                                                     f"w{config.num_warps} s{config.num_stages}")
+                if module._hopper_ready(qc, k, v, None, False, 128 ** -0.5):
+                    tiles = f"Hopper, {module._hopper_loop()}"
                 want = want[0].transpose(0, 1).float()
-                for tile, invariant in variants:
+                for tile, invariant, hopper in variants:
                     _set_variant(module, tile, None, defaults)
+                    module.HOPPER_PAGED = hopper
                     label = _label(tile, None, invariant, module)
                     call = lambda: module.attention_paged(q, kc, vc, table, cu, lens, invariant=invariant)  # noqa: E731
                     try:
                         diff = float((call().float() - want).abs().max())
+                        # (judged after the call: a Hopper kernel that failed is off by now)
+                        if not invariant and module._hopper_paged_ready(q, kc, vc, L, 128 ** -0.5):
+                            label = f"fast, Hopper ({module._hopper_loop()})"
                         ms = do_bench(call, warmup=25, rep=100)
                     except Exception as exc:
                         print(f"| {L:,} | {page} | {label} | failed: {type(exc).__name__}: {str(exc)[:120]} |",

@@ -51,6 +51,47 @@ def test_a_paged_step_replays_in_a_cuda_graph(cuda, tmp_path):
     assert torch.equal(out, plain) and not torch.isnan(out).any()
 
 
+def _serve_and_check(module, mask, reqs, page, heads, kv_heads, d, dtype, rng, seed):
+    """One step of requests (n_q, seq_len) over shuffled pages of `page` keys (garbage past each
+    request's pages) through attention_paged; each request's rows against its float64 reference."""
+    sys.path.insert(0, str(ROOT))
+    from run_port_paged import gather, request_view
+
+    from workbench.run import Inputs, Shape
+    from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention
+
+    pages_of = [-(-length // page) for _, length in reqs]
+    physical = list(range(sum(pages_of) + 2))
+    rng.shuffle(physical)
+    table = torch.full((len(reqs), max(pages_of) + 1), 10**6, dtype=torch.int32)
+    it = iter(physical)
+    for r, n in enumerate(pages_of):
+        table[r, :n] = torch.tensor([next(it) for _ in range(n)], dtype=torch.int32)
+    real = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(n for n, _ in reqs), heads, d, generator=g).to(real)
+    kc = torch.randn(len(physical), page, kv_heads, d, generator=g).to(real)
+    vc = torch.randn(len(physical), page, kv_heads, d, generator=g).to(real)
+    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor([n for n, _ in reqs]), 0)), dtype=torch.int32)
+    lens = torch.tensor([length for _, length in reqs], dtype=torch.int32)
+    with torch.no_grad():
+        out, lse = module.attention_paged(*(t.cuda() for t in (q, kc, vc, table, cu, lens)), return_lse=True,
+                                          check=True)
+    out, lse = out.cpu(), lse.cpu()
+    for r, (n_q, length) in enumerate(reqs):
+        start = int(cu[r])
+        shape = Shape(batch=1, q_heads=heads, kv_heads=kv_heads, q_len=n_q, kv_len=length, head_dim=d)
+        qr = q[start:start + n_q].permute(1, 0, 2)[None].float()
+        kr, vr = gather(kc, table[r], length)[None].float(), gather(vc, table[r], length)[None].float()
+        ref = reference_attention(request_view(mask, r, n_q, length),
+                                  Inputs(q=qr, k=kr, v=vr, shape=shape, dtype="float32", seed=0), progress=False)
+        got = out[start:start + n_q].permute(1, 0, 2)[None]
+        checks = [compare("out", got, ref.out, TOLERANCES[dtype]),
+                  compare("lse", lse[start:start + n_q].permute(1, 0)[None], ref.lse, LSE_TOLERANCE[dtype])]
+        assert all(c.passed for c in checks), (reqs, page, r, [(c.name, c.max_abs_err, c.bad_count, c.nan_count)
+                                                              for c in checks])
+
+
 @pytest.mark.parametrize("name", ["causal", "sliding_window_700", "users_head_window"])
 def test_prefill_heavy_steps_take_the_wide_tiles_and_match_the_reference(cuda, tmp_path, name):
     """Steps whose requests bring many queries run fast mode's wide tiles (PAGED_TILES: 128 or
@@ -58,46 +99,99 @@ def test_prefill_heavy_steps_take_the_wide_tiles_and_match_the_reference(cuda, t
     import random
 
     sys.path.insert(0, str(ROOT))
-    from run_port_paged import W, gather, head_window, request_view
+    from run_port_paged import W, head_window
 
     from workbench import Mask, make, port
-    from workbench.run import Inputs, Shape
-    from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention
 
     mask = {"causal": lambda: make("causal"),
             "sliding_window_700": lambda: make("causal_sliding_window", {"window": 700}),
             "users_head_window": lambda: Mask("users_head_window", mask_mod=head_window)}[name]()
     heads, kv_heads, d = (4, 2, 128) if name == "users_head_window" else (32, 8, 128)
     module = port.load(port.build(mask, 256, 256, heads=heads, batch=4, out_dir=tmp_path))
+    module.HOPPER_PAGED = False  # (the Hopper prefill has its own test)
     rng = random.Random(0)
     for reqs in ([(700, 1200), (300, 300), (1, 2000)], [(64, 64), (40, 500), (33, 33)]):
-        page = 16
-        pages_of = [-(-length // page) for _, length in reqs]
-        physical = list(range(sum(pages_of) + 2))
-        rng.shuffle(physical)
-        table = torch.full((len(reqs), max(pages_of) + 1), 10**6, dtype=torch.int32)
-        it = iter(physical)
-        for r, n in enumerate(pages_of):
-            table[r, :n] = torch.tensor([next(it) for _ in range(n)], dtype=torch.int32)
-        g = torch.Generator().manual_seed(len(reqs))
-        q = torch.randn(sum(n for n, _ in reqs), heads, d, generator=g).bfloat16()
-        kc = torch.randn(len(physical), page, kv_heads, d, generator=g).bfloat16()
-        vc = torch.randn(len(physical), page, kv_heads, d, generator=g).bfloat16()
-        cu = torch.tensor([0] + list(torch.cumsum(torch.tensor([n for n, _ in reqs]), 0)), dtype=torch.int32)
-        lens = torch.tensor([length for _, length in reqs], dtype=torch.int32)
-        with torch.no_grad():
-            out, lse = module.attention_paged(*(t.cuda() for t in (q, kc, vc, table, cu, lens)), return_lse=True,
-                                              check=True)
-        out, lse = out.cpu(), lse.cpu()
-        for r, (n_q, length) in enumerate(reqs):
-            start = int(cu[r])
-            shape = Shape(batch=1, q_heads=heads, kv_heads=kv_heads, q_len=n_q, kv_len=length, head_dim=d)
-            qr = q[start:start + n_q].permute(1, 0, 2)[None].float()
-            kr, vr = gather(kc, table[r], length)[None].float(), gather(vc, table[r], length)[None].float()
-            ref = reference_attention(request_view(mask, r, n_q, length),
-                                      Inputs(q=qr, k=kr, v=vr, shape=shape, dtype="float32", seed=0), progress=False)
-            got = out[start:start + n_q].permute(1, 0, 2)[None]
-            checks = [compare("out", got, ref.out, TOLERANCES["bfloat16"]),
-                      compare("lse", lse[start:start + n_q].permute(1, 0)[None], ref.lse, LSE_TOLERANCE["bfloat16"])]
-            assert all(c.passed for c in checks), (reqs, r, [(c.name, c.max_abs_err, c.bad_count) for c in checks])
+        _serve_and_check(module, mask, reqs, 16, heads, kv_heads, d, "bfloat16", rng, len(reqs))
     assert W.numel() == 4
+
+
+_HOPPER_PREFILL = ["causal", "sliding_window_700", "users_head_window", "users_per_request_prefix", "causal+softcap"]
+
+
+@pytest.mark.parametrize("form", ["bfloat16-128", "float16-64"])
+@pytest.mark.parametrize("name", _HOPPER_PREFILL)
+def test_prefill_steps_on_hopper_match_the_reference(cuda, tmp_path, name, form):
+    """On an H100 / H200, prefill-heavy steps of attention_paged run the Hopper kernel
+    (templates/hopper_paged.py: keys and values by TMA through the block table, the tiles planned on
+    the device): pages of 16, 64 and 128 keys, chunks off the 128 grid, a decode among them, GQA,
+    users' per-head and per-request tables, a score_mod; each request against float64."""
+    import random
+
+    sys.path.insert(0, str(ROOT))
+    from run_port_paged import head_window, per_request_prefix
+
+    from workbench import Mask, make, port, with_score
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90 only")
+    mask = {"causal": lambda: make("causal"),
+            "sliding_window_700": lambda: make("causal_sliding_window", {"window": 700}),
+            "users_head_window": lambda: Mask("users_head_window", mask_mod=head_window),
+            "users_per_request_prefix": lambda: Mask("users_per_request_prefix", mask_mod=per_request_prefix),
+            "causal+softcap": lambda: with_score(make("causal"), make("softcap"))}[name]()
+    dtype, d = form.split("-")
+    heads, kv_heads = (4, 2) if name.startswith("users") else (16, 4)
+    module = port.load(port.build(mask, 256, 256, heads=heads, batch=4, out_dir=tmp_path))
+    assert module.HOPPER_MODS is None and module.HOPPER_PAGED, module.HOPPER_MODS
+    runs = []
+    real = module._attention_paged_hopper
+    module._attention_paged_hopper = lambda *a, **kw: runs.append(real(*a, **kw)) or runs[-1]
+    rng = random.Random(1)
+    steps = [[(700, 1200), (300, 300), (129, 2000)], [(500, 500), (1, 900), (260, 1000)]]  # (LENS: 3 requests)
+    for page in (16, 64, 128):
+        for reqs in steps:
+            _serve_and_check(module, mask, reqs, page, heads, kv_heads, int(d), dtype, rng, page + len(reqs))
+    assert runs == [True] * 6, (runs, module._HOPPER_PAGED_FAILED)
+
+
+def test_the_hopper_prefill_replays_in_a_cuda_graph_and_poisons_bad_pages(cuda, tmp_path):
+    """The Hopper prefill plans its tiles on the device: a captured step replays with new contents
+    (lengths, pages, queries) and gives what a plain call gives; a request whose table names a page
+    outside the cache gets NaN rows, and the other requests do not."""
+    from workbench import make, port
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90 only")
+    module = port.load(port.build(make("causal_sliding_window", {"window": 300}), 256, 256, out_dir=tmp_path))
+    runs = []
+    real = module._attention_paged_hopper
+    module._attention_paged_hopper = lambda *a, **kw: runs.append(real(*a, **kw)) or runs[-1]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    num_seqs, page, pages = 3, 16, 128
+    q = torch.randn(900, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    kc = torch.randn(pages * num_seqs, page, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(pages * num_seqs, device="cuda", generator=g).view(num_seqs, pages).to(torch.int32)
+    cu = torch.tensor([0, 300, 700, 900], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([500, 1900, 300], dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        module.attention_paged(q, kc, vc, table, cu, lens)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = module.attention_paged(q, kc, vc, table, cu, lens)
+        q.copy_(torch.randn_like(q))
+        kc.copy_(torch.randn_like(kc))
+        table.copy_(torch.randperm(pages * num_seqs, device="cuda").view(num_seqs, pages).to(torch.int32))
+        lens.copy_(torch.tensor([2000, 400, 256], dtype=torch.int32, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        plain = module.attention_paged(q, kc, vc, table, cu, lens)
+        assert torch.equal(out, plain) and not torch.isnan(out).any()
+        # request 1 (400 queries, 400 keys, q rows 300-700) names a page outside the cache for keys
+        # 320-335: the slots whose window reads them (queries 256-399) are NaN, nothing else
+        table[1, 20] = pages * num_seqs + 5
+        poisoned = module.attention_paged(q, kc, vc, table, cu, lens)
+    assert torch.isnan(poisoned[556:700]).all() and torch.equal(poisoned[:556], plain[:556])
+    assert torch.equal(poisoned[700:], plain[700:])
+    assert runs == [True] * 4, (runs, module._HOPPER_PAGED_FAILED)

@@ -263,3 +263,103 @@ def test_the_fused_dq_form_is_never_taken_with_deterministic(tmp_path, monkeypat
         dq, dk, dv = module._hopper_bwd_launch(q, q, q, q, rows, rows, 0.125, {}, deterministic)
         assert dq.dtype == torch.bfloat16 and bool((dq == 1).all())
     assert asked == [False, True]
+
+
+_PAGED_LISTS = r'''
+import json, random, sys, torch
+sys.path.insert(0, sys.argv[2])
+sys.path.insert(0, sys.argv[2] + "/tests")
+from workbench import Mask, make, port
+from run_port_paged import W, head_window, LENS, per_request_prefix
+
+cases = {"causal": (make("causal"), 4), "window_300": (make("causal_sliding_window", {"window": 300}), 4),
+         "users_head_window": (Mask("users_head_window", mask_mod=head_window), 4),
+         "users_per_request_prefix": (Mask("users_per_request_prefix", mask_mod=per_request_prefix), 2)}
+report = {}
+for name, (mask, heads) in cases.items():
+    m = port.load(port.build(mask, 256, 256, heads=heads, batch=3, out_dir=sys.argv[1] + "/" + name))
+    for page in (16, 128):
+        rng = random.Random(page)
+        # a prefill chunk of 300 queries over 1000 keys, a whole 200-token prompt, a decode, and a
+        # request whose page names a page outside the cache (its rows must come back NaN)
+        reqs = [(300, 1000), (200, 200), (1, 700)]
+        pages_of = [-(-length // page) for _, length in reqs]
+        table = torch.full((3, max(pages_of) + 2), 10 ** 6, dtype=torch.int32)
+        physical = list(range(sum(pages_of)))
+        rng.shuffle(physical)
+        it = iter(physical)
+        for r, n in enumerate(pages_of):
+            table[r, :n] = torch.tensor([next(it) for _ in range(n)], dtype=torch.int32)
+        table[2, 1] = 10 ** 6  # request 2's second page is outside the cache
+        cu = torch.tensor([0, 300, 500, 501], dtype=torch.int32)
+        lens = torch.tensor([length for _, length in reqs], dtype=torch.int32)
+        q = torch.zeros(501, heads, 64, dtype=torch.bfloat16)
+        kc = torch.zeros(len(physical), page, 2, 64, dtype=torch.bfloat16)
+        captured = dict(m._tables(q.device, 1, 1))
+        pointers = [captured[n] for n in m.ALL_POINTERS]
+        ranges = m._mask_ranges(captured, q.device, replaced=False) if m.HAS_BOUNDS else []
+        Slots, Rows, full_idx, partial_idx = m._hopper_paged_plan(q, kc, table, cu, lens, pointers, ranges)
+        report[f"{name}@{page}"] = dict(slots=Slots.tolist(), rows=Rows.tolist(), full=full_idx.tolist(),
+                                        partial=partial_idx.tolist(), heads=heads, per_head=m.MASK_READS_HEAD)
+print(json.dumps(report))
+'''
+
+
+def test_the_paged_hopper_lists_name_every_tile_the_mask_keeps(tmp_path):
+    # attention_paged's Hopper prefill plans each step on the device (_hopper_paged_lists, a Triton
+    # kernel, run here by the interpreter): per slot of 128 queries, its request and rows, and per
+    # head the tiles of 128 keys to visit. Judged against the mask evaluated pair by pair: every
+    # tile holding a kept pair is listed, a full tile keeps every pair and ends inside its request,
+    # the tiles ascend, and a request that names a page outside the cache is marked to be NaN.
+    import json
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from run_port_paged import head_window, per_request_prefix
+
+    from workbench import make
+
+    script = tmp_path / "lists.py"
+    script.write_text(_PAGED_LISTS)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), str(ROOT)], capture_output=True, text=True,
+                          timeout=900, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    mods = {"causal": make("causal").mask_mod, "window_300": make("causal_sliding_window", {"window": 300}).mask_mod,
+            "users_head_window": head_window, "users_per_request_prefix": per_request_prefix}
+    reqs, starts = [(300, 1000), (200, 200), (1, 700)], [0, 300, 500]
+    assert len(report) == 8
+    for case, got in report.items():
+        mod = mods[case.split("@")[0]]
+        heads = got["heads"] if got["per_head"] else 1
+        expected_slots = [(r, s) for r, (n_q, _) in enumerate(reqs) for s in range(starts[r] // 128 + r,
+                                                                                  starts[r] // 128 + r + -(-n_q // 128))]
+        used = 0
+        for slot, (req, q_row, q_pos0, n_valid, L, bad, *_) in enumerate(got["slots"]):
+            mine = [s for r, s in expected_slots if s == slot]
+            if not mine:  # a spare slot: nothing to store, nothing to visit
+                assert n_valid == 0 and all(got["rows"][slot * heads + h][:2] == [0, 0] for h in range(heads)), \
+                    (case, slot, got["slots"][slot])
+                continue
+            used += 1
+            n_q, length = reqs[req]
+            first = (slot - (starts[req] // 128 + req)) * 128
+            assert (q_row, q_pos0, n_valid, L, bad) == (starts[req] + first, length - n_q + first,
+                                                        min(128, n_q - first), length, 0), (case, slot)
+            q_idx = torch.arange(q_pos0, q_pos0 + n_valid)[:, None]
+            for h in range(heads):
+                n_f, n_p, page_bad = got["rows"][slot * heads + h]
+                full, partial = got["full"][slot * heads + h][:n_f], got["partial"][slot * heads + h][:n_p]
+                assert full == sorted(full) and partial == sorted(partial) and not set(full) & set(partial)
+                for t in range(-(-length // 128)):
+                    kv_idx = torch.arange(t * 128, min(t * 128 + 128, length))[None, :]
+                    kept = mod(torch.tensor(req), torch.tensor(h), q_idx, kv_idx).expand(len(q_idx), kv_idx.shape[1])
+                    if kept.any():
+                        assert t in full or t in partial, (case, slot, h, t)
+                    if t in full:
+                        assert kept.all() and t * 128 + 128 <= length, (case, slot, h, t)
+                # request 2's logical page 1 is outside the cache: its rows are NaN where a tile read reads it
+                page = int(case.split("@")[1])
+                assert page_bad == (req == 2 and page // 128 in full + partial), (case, slot, h, page_bad)
+        assert used == len(expected_slots), case

@@ -37,6 +37,7 @@ PAGED_TEMPLATE = Path(__file__).with_name("templates") / "paged.py"  # attention
 BACKWARD_TEMPLATE = Path(__file__).with_name("templates") / "backward.py"  # dq, dk, dv, appended
 HOPPER_TEMPLATE = Path(__file__).with_name("templates") / "hopper.py"  # the sm_90 forward in Gluon, appended
 HOPPER_BWD_TEMPLATE = Path(__file__).with_name("templates") / "hopper_backward.py"  # its backward, appended
+HOPPER_PAGED_TEMPLATE = Path(__file__).with_name("templates") / "hopper_paged.py"  # attention_paged's prefill on sm_90
 # the Triton names the mods' translation writes that Gluon has under the same name (tl.X -> gl.X)
 GLUON_NAMES = frozenset({"where", "minimum", "maximum", "log", "log2", "exp", "exp2", "load", "erf", "sqrt", "rsqrt",
                          "sin", "cos", "floor", "ceil", "abs", "float16", "bfloat16", "float32", "float64", "int1",
@@ -218,7 +219,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
 
     text = (TEMPLATE.read_text() + "\n\n" + template_body(PAGED_TEMPLATE) + "\n\n"
             + template_body(BACKWARD_TEMPLATE) + "\n\n" + template_body(HOPPER_TEMPLATE) + "\n\n"
-            + template_body(HOPPER_BWD_TEMPLATE))
+            + template_body(HOPPER_PAGED_TEMPLATE) + "\n\n" + template_body(HOPPER_BWD_TEMPLATE))
     gluon_mods, no_gluon = _gluon_mods(parts)
     source_comment = textwrap.indent(mask.source.strip() or "(source not available)", "    ")
     fills = {

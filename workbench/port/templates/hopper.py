@@ -86,9 +86,9 @@ if _HAS_GLUON and HOPPER_MODS is None:
         tma.async_copy_global_to_shared(desc, [row, 0], bars.index(slot), smem.index(slot), pred=pred)
 
     @gluon.jit
-    def _hopper_softmax(qk, m_i, l_i, b, h, q_idx, kv_idx, first, full, sm_scale, @@ALL_PTR_PARAMS@@
+    def _hopper_softmax(qk, m_i, l_i, b, h, q_idx, kv_idx, first, Lk, full, sm_scale, @@ALL_PTR_PARAMS@@
                         HAS_SCORE: gl.constexpr, dtype: gl.constexpr, p_layout: gl.constexpr,
-                        EVEN_N: gl.constexpr):
+                        EVEN_N: gl.constexpr, PAGED: gl.constexpr):
         # one tile's scores (score_mod, then the mask unless the block is full) into the online
         # softmax, base 2, the steps of _online_softmax_step: (P as the P V matmul's register
         # operand, the rows' rescale alpha, the new max, the new sum). Without a score_mod the
@@ -103,6 +103,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
             keep = mask_mod_gluon(b, h, q_idx, kv_idx@@MASK_PTR_ARGS@@) != 0
             if not EVEN_N:  # a tile loaded from Lk - BLOCK_N: the keys before its own first are another tile's
                 keep = keep & (kv_idx >= first)
+            if PAGED:  # (attention_paged) a request's last tile: the keys from Lk on are another's or nobody's
+                keep = keep & (kv_idx < Lk)
             s = gl.where(keep, s, float("-inf"))
         if HAS_SCORE:
             m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -120,29 +122,38 @@ if _HAS_GLUON and HOPPER_MODS is None:
         return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
 
     @gluon.jit
-    def _hopper_store(Out, Lse, acc, m_i, l_i, bh, row0, Lq, RETURN_LSE: gl.constexpr, o_layout: gl.constexpr,
-                      EVEN_M: gl.constexpr):
-        # out = acc / l (rows that kept nothing: 0, lse -inf) for query rows row0 .. row0 + rows;
-        # EVEN_M off: rows past Lq (the next head's queries, computed alongside) are not stored
+    def _hopper_store(Out, Lse, acc, m_i, l_i, o_off, o_stride, l_off, l_stride, n_valid, poison,
+                      RETURN_LSE: gl.constexpr, o_layout: gl.constexpr, EVEN_M: gl.constexpr, PAGED: gl.constexpr):
+        # out = acc / l (rows that kept nothing: 0, lse -inf) for the warpgroup's rows: row r at
+        # element o_off + r * o_stride of Out and o_off's row of Lse (l_off + r * l_stride).
+        # EVEN_M off: only the first n_valid rows are stored (the others, computed alongside, are
+        # the next head's or request's queries). PAGED: poison != 0 makes the rows NaN (a request
+        # of attention_paged whose numbers do not hold together)
         BLOCK_M: gl.constexpr = acc.shape[0]
         HEAD_D: gl.constexpr = acc.shape[1]
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         l_safe = gl.where(l_o == 0.0, 1.0, l_o)
         out = acc / l_safe[:, None]
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        if PAGED:
+            if poison != 0:
+                out = out * float("nan")
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-        out_ptrs = Out + (bh.to(gl.int64) * Lq + rows)[:, None] * HEAD_D + offs_d[None, :]
+        out_ptrs = Out + o_off + rows.to(gl.int64)[:, None] * o_stride + offs_d[None, :]
         if EVEN_M:
             gl.store(out_ptrs, out.to(Out.dtype.element_ty))
         else:
-            gl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=(rows < Lq)[:, None])
+            gl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=(rows < n_valid)[:, None])
         if RETURN_LSE:
             m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
             lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * 0.6931471805599453)
+            if PAGED:
+                if poison != 0:
+                    lse = lse * float("nan")
             if EVEN_M:
-                gl.store(Lse + bh.to(gl.int64) * Lq + rows, lse)
+                gl.store(Lse + l_off + rows * l_stride, lse)
             else:
-                gl.store(Lse + bh.to(gl.int64) * Lq + rows, lse, mask=rows < Lq)
+                gl.store(Lse + l_off + rows * l_stride, lse, mask=rows < n_valid)
 
     @gluon.jit
     def _hopper_producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f, n_tiles,
@@ -162,17 +173,20 @@ if _HAS_GLUON and HOPPER_MODS is None:
             _hopper_load(v_desc, v_smem, v_ready, slot, kv_row0 + start, True)
 
     @gluon.jit
-    def _hopper_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, Out, Lse, b, h, bh,
-                         pid_m, Lq, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@
+    def _hopper_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, Out, Lse, b, h,
+                         q_pos0, n_valid, o_off, o_stride, l_off, l_stride, poison, Lk, n_f, n_tiles, idx_f, idx_p,
+                         sm_scale, @@ALL_PTR_PARAMS@@
                          HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
                          TABLE_N: gl.constexpr, num_warps: gl.constexpr, EVEN_M: gl.constexpr,
-                         EVEN_N: gl.constexpr):
+                         EVEN_N: gl.constexpr, PAGED: gl.constexpr):
         # the math warps of the specialized kernel, over the program's BLOCK_M queries. Per tile t:
         # S = Q K^T (wgmma, Q and K from shared memory), then the score_mod, the mask and the online
         # softmax (_hopper_softmax), then O = O * alpha + P V (wgmma, P from registers). Overlapped
         # as in FlashAttention-3: tile t's S is issued together with tile t-1's P V, and t's
         # softmax runs while P V does (O is rescaled after). Each buffer goes back to the load warp
-        # (its `empty` barrier) as soon as the matmul reading it has finished.
+        # (its `empty` barrier) as soon as the matmul reading it has finished. The rows' place:
+        # q_pos0 = the mods' q_idx of the first row, n_valid = the rows that are queries of this
+        # sequence, (o_off, o_stride, l_off, l_stride) where they are stored (_hopper_store)
         BLOCK_M: gl.constexpr = q_smem.type.shape[0]
         HEAD_D: gl.constexpr = q_smem.type.shape[1]
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -187,9 +201,9 @@ if _HAS_GLUON and HOPPER_MODS is None:
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        q_idx = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))[:, None]
-        if not EVEN_M:  # rows past Lq are computed, never stored: the mods see the last row there
-            q_idx = gl.minimum(q_idx, Lq - 1)
+        q_idx = (q_pos0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))[:, None]
+        if not EVEN_M:  # rows past the sequence's queries are computed, never stored: the mods see its last one
+            q_idx = gl.minimum(q_idx, q_pos0 + n_valid - 1)
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
         mbarrier.wait(q_bar, 0)
         if n_tiles > 0:
@@ -198,8 +212,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
             qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
             mbarrier.arrive(k_empty.index(0), count=1)
-            p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, full, sm_scale,
-                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N)
+            p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full, sm_scale,
+                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N, PAGED)
             for t in range(1, n_tiles):
                 slot = t % NUM_BUF
                 prev = (t - 1) % NUM_BUF
@@ -210,8 +224,9 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
                 qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S is done; P V may still run
                 mbarrier.arrive(k_empty.index(slot), count=1)
-                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, full, sm_scale,
-                                                     @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N)
+                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
+                                                     sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
+                                                     PAGED)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -220,7 +235,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
             acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(final), count=1)
-        _hopper_store(Out, Lse, acc, m_i, l_i, bh, pid_m * BLOCK_M, Lq, RETURN_LSE, o_layout, EVEN_M)
+        _hopper_store(Out, Lse, acc, m_i, l_i, o_off, o_stride, l_off, l_stride, n_valid, poison, RETURN_LSE, o_layout,
+                      EVEN_M, PAGED)
 
     @gluon.jit
     def _hopper_specialized_kernel(q_desc, k_desc, v_desc, Out, Lse, partial_num, partial_idx, full_num, full_idx,
@@ -282,34 +298,41 @@ if _HAS_GLUON and HOPPER_MODS is None:
         n_tiles = (n_f + gl.load(partial_num + row)) * SUB
         idx_f = full_idx + row * n_cols
         idx_p = partial_idx + row * n_cols
+        # the rows' place (_hopper_consumer): query pid_m * BLOCK_M on, [B * Hq * Lq, D] rows of out / lse
+        row0 = pid_m * BLOCK_M
+        l_off = bh.to(gl.int64) * Lq + row0
+        o_off = l_off * HEAD_D
+        n_valid = Lq - row0
         if PINGPONG:
             gl.warp_specialize([
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-                                             Out, Lse, b, h, bh, pid_m, Lq, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale,
-                                             @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, 0, EVEN_M,
-                                             EVEN_N)),
+                                             Out, Lse, b, h, row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f,
+                                             n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
+                                             SUB, TABLE_N, 0, EVEN_M, EVEN_N, False)),
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-                                             Out, Lse, b, h, bh, pid_m, Lq, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale,
-                                             @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, 1, EVEN_M,
-                                             EVEN_N)),
+                                             Out, Lse, b, h, row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f,
+                                             n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
+                                             SUB, TABLE_N, 1, EVEN_M, EVEN_N, False)),
                 (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
                                     n_tiles, idx_f, idx_p, Lk, SUB, TABLE_N, EVEN_N)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_hopper_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, Out, Lse, b, h,
-                                    bh, pid_m, Lq, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE,
-                                    RETURN_LSE, SUB, TABLE_N, num_warps, EVEN_M, EVEN_N)),
+                                    row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale,
+                                    @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, num_warps, EVEN_M, EVEN_N,
+                                    False)),
                 (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
                                     n_tiles, idx_f, idx_p, Lk, SUB, TABLE_N, EVEN_N)),
             ], [1], [24])
 
     @gluon.jit
     def _hopper_pingpong_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, Out, Lse,
-                                  b, h, bh, pid_m, Lq, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@
+                                  b, h, q_pos0, n_valid, o_off, o_stride, l_off, l_stride, poison, Lk, n_f, n_tiles,
+                                  idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@
                                   HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
                                   TABLE_N: gl.constexpr, WG: gl.constexpr, EVEN_M: gl.constexpr,
-                                  EVEN_N: gl.constexpr):
+                                  EVEN_N: gl.constexpr, PAGED: gl.constexpr):
         # one warpgroup (4 warps) of the ping-pong kernel: query rows WG * 64 .. WG * 64 + 64 of the
         # program's 128, the overlapped loop (tile t's S = Q K^T issued with tile t-1's P V, the
         # softmax under P V). The two warpgroups take turns to issue their matmuls (`turn`, one
@@ -329,14 +352,14 @@ if _HAS_GLUON and HOPPER_MODS is None:
         q_part = q_smem.slice(WG * HALF, HALF)
         mine = turn.index(WG)
         other = turn.index(1 - WG)
-        row0 = pid_m * (2 * HALF) + WG * HALF
+        row0 = q_pos0 + WG * HALF  # (the place of the program's rows: see _hopper_consumer)
         m_i = gl.full([HALF], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([HALF], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([HALF, HEAD_D], gl.float32, layout=o_layout)
         zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
         q_idx = (row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)))[:, None]
-        if not EVEN_M:  # rows past Lq are computed, never stored: the mods see the last row there
-            q_idx = gl.minimum(q_idx, Lq - 1)
+        if not EVEN_M:  # rows past the sequence's queries are computed, never stored: the mods see its last one
+            q_idx = gl.minimum(q_idx, q_pos0 + n_valid - 1)
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
         mbarrier.wait(q_bar, 0)
         if n_tiles > 0:
@@ -348,8 +371,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
             mbarrier.arrive(other)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
             mbarrier.arrive(k_empty.index(0))
-            p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, full, sm_scale,
-                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N)
+            p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full, sm_scale,
+                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N, PAGED)
             for t in range(1, n_tiles):  # turn t: tile t's S with tile t-1's P V
                 slot = t % NUM_BUF
                 prev = (t - 1) % NUM_BUF
@@ -362,8 +385,9 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 mbarrier.arrive(other)
                 qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S is done; P V may still run
                 mbarrier.arrive(k_empty.index(slot))
-                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, full, sm_scale,
-                                                     @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N)
+                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
+                                                     sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
+                                                     PAGED)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(prev))
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -375,7 +399,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
             mbarrier.arrive(other)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(final))
-        _hopper_store(Out, Lse, acc, m_i, l_i, bh, row0, Lq, RETURN_LSE, o_layout, EVEN_M)
+        _hopper_store(Out, Lse, acc, m_i, l_i, o_off + WG * HALF * o_stride, o_stride, l_off + WG * HALF * l_stride,
+                      l_stride, n_valid - WG * HALF, poison, RETURN_LSE, o_layout, EVEN_M, PAGED)
 
 def _hopper_ready(q, k, v, bounds, invariant, scale=None) -> bool:
     """Whether this call runs the Hopper kernel: HOPPER on, Gluon there and the mods translated,

@@ -140,14 +140,15 @@ def main(argv) -> int:
             plan = (torch.zeros(slots, 8, dtype=torch.int32), torch.zeros(slots * heads, 3, dtype=torch.int32),
                     torch.zeros(slots * heads, 8, dtype=torch.int32), torch.zeros(slots * heads, 8, dtype=torch.int32))
             pointers = [tables[n] for n in module.ALL_POINTERS]
-            for page in (16, 128):
+            for page in (16, 128):  # (an int64 block table at page 128)
                 cache = torch.zeros(1024 // page * 2, page, 2, D, dtype=torch.bfloat16)
-                table = torch.zeros(2, 1024 // page, dtype=torch.int32)
+                table = torch.zeros(2, 1024 // page, dtype=torch.int32 if page == 16 else torch.int64)
                 grid, args, options = module._hopper_paged_launch(qp, cache, cache, table, D ** -0.5, True, pointers,
                                                                   plan, qp, qp)
                 kernel = module._hopper_paged_kernel.warmup(*args, grid=grid, **options)
                 details.append(f"paged {page} ({module._hopper_loop()}): {ptxas(kernel)}")
             ranges = [torch.zeros(3, dtype=torch.int64)] * len(module.MASK_POINTERS) if module.HAS_BOUNDS else []
+            table = torch.zeros(2, 64, dtype=torch.int32)
             lists = module._hopper_paged_lists.warmup(
                 torch.zeros(3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), table, table.stride(0), *plan, 8,
                 2, total_q, 1 << 30, 1 << 30, 1024, 16, *pointers, *ranges, BOUNDS=module.HAS_BOUNDS and module.HAS_MASK,

@@ -363,3 +363,41 @@ def test_the_paged_hopper_lists_name_every_tile_the_mask_keeps(tmp_path):
                 page = int(case.split("@")[1])
                 assert page_bad == (req == 2 and page // 128 in full + partial), (case, slot, h, page_bad)
         assert used == len(expected_slots), case
+
+
+@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
+def test_prefill_steps_take_the_paged_hopper_kernel_unless_turned_off(tmp_path, monkeypatch):
+    # attention_paged's Hopper prefill (_hopper_paged_ready), judged as on an sm_90 GPU: steps of at
+    # least 128 queries per request in bf16 / fp16 at D 64 / 128 over pages of 16, 32, 64 or a
+    # multiple of 128; decode-heavy steps, other head dims, float32, odd pages, other GPUs, and a
+    # file with PORT_HOPPER_PAGED=0 (or HOPPER off) keep the portable paged kernel
+    import torch
+
+    class Cuda:  # a tensor's face as _hopper_paged_ready reads it, on a "cuda" device
+        def __init__(self, *shape, dtype=torch.bfloat16):
+            self.shape, self.dtype, self.device = shape, dtype, torch.device("cuda", 0)
+
+        def is_contiguous(self):
+            return True
+
+    module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
+    monkeypatch.setattr(module, "_INTERPRET", False)
+    monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(module, "HOPPER", True)
+
+    def takes(per_request=300, d=128, page=16, dtype=torch.bfloat16, scale=0.1):
+        q, cache = Cuda(900, 8, d, dtype=dtype), Cuda(64, page, 2, d, dtype=dtype)
+        return module._hopper_paged_ready(q, cache, cache, per_request, scale)
+
+    assert module.HOPPER_PAGED is True
+    assert takes() and takes(d=64) and takes(page=32) and takes(page=64) and takes(page=256)
+    assert takes(dtype=torch.float16) and takes(per_request=128)
+    assert not takes(per_request=127) and not takes(d=96) and not takes(dtype=torch.float32)
+    assert not takes(page=48) and not takes(page=80) and not takes(scale=0.0)
+    monkeypatch.setattr(module, "_capability", lambda device: (8, 0))
+    assert not takes()
+    monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(module, "HOPPER", False)
+    assert not takes()
+    monkeypatch.setenv("PORT_HOPPER_PAGED", "0")
+    assert port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "off")).HOPPER_PAGED is False

@@ -109,11 +109,11 @@ if _HAS_GLUON and HOPPER_MODS is None:
         ROWS: gl.constexpr = desc.block_type.shape[0]
         mbarrier.expect(bar, desc.block_type.nbytes * PARTS)
         if PARTS == 1:
-            page = gl.load(pages + first // PAGE_SIZE)
+            page = gl.load(pages + first // PAGE_SIZE).to(gl.int32)  # (a TMA coordinate; an int64 table too)
             tma.async_copy_global_to_shared(desc, [page * PAGE_SIZE + first % PAGE_SIZE, kv_col], bar, buf)
         else:
             for j in gl.static_range(PARTS):
-                page = gl.load(pages + gl.minimum(first // PAGE_SIZE + j, last_page))
+                page = gl.load(pages + gl.minimum(first // PAGE_SIZE + j, last_page)).to(gl.int32)
                 tma.async_copy_global_to_shared(desc, [page * PAGE_SIZE, kv_col], bar, buf.slice(j * ROWS, ROWS))
 
     @gluon.jit

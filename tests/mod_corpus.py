@@ -68,6 +68,9 @@ def _user_mods() -> list[tuple[Mask, int, int]]:
     def dilated_even(b, h, q_idx, kv_idx):
         return ((q_idx - kv_idx) % 2 == 0) & (kv_idx <= q_idx)
 
+    def signed_pow2(b, h, q_idx, kv_idx):  # % and // by powers of two of negative numbers (a mask, a shift)
+        return ((q_idx - kv_idx) % 4 == 1) | ((q_idx - kv_idx) // 8 == -2)
+
     def sinks_and_window(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & ((kv_idx < 4) | (q_idx - kv_idx < 24))
 
@@ -124,7 +127,7 @@ def _user_mods() -> list[tuple[Mask, int, int]]:
         mask(per_head_window, heads=4), mask(per_sample_padding, batch=2), mask(image_spans_any),
         mask(spans_table_columns), mask(document_causal), mask(per_head_bounds, heads=4),
         mask(batch_and_head_shift, heads=2, batch=3), mask(block_causal_shift), mask(chunked_floordiv),
-        mask(dilated_even), mask(sinks_and_window), mask(squared_distance), mask(where_band),
+        mask(dilated_even), mask(signed_pow2), mask(sinks_and_window), mask(squared_distance), mask(where_band),
         mask(clamped_window), mask(not_future), mask(logical_band), mask(neighborhood_grid),
         mask(vector_of_lengths),
         (Mask("and_masks(causal, window_16)", mask_mod=and_masks(causal, window_16)), 1, 1),

@@ -146,9 +146,9 @@ class CuteMaskEmitter(TritonMaskEmitter):
 
     def call(self, op, node):
         """The forms inductor's CuTe DSL (or LLVM, given its literals) reaches and the shared walk
-        does not: range checks as unsigned compares, `%` / `//` by a power of two, a score times a
-        reciprocal (see _fast); each exact, or a score off by at most an ulp. Everything else is
-        the shared walk."""
+        does not: range checks as unsigned compares, a score times a reciprocal (see _fast); each
+        exact, or a score off by at most an ulp. Everything else is the shared walk (which writes
+        `%` / `//` by a power of two as a mask / a shift)."""
         fast = self._fast(op, node)
         if fast is None:
             return super().call(op, node)
@@ -167,14 +167,7 @@ class CuteMaskEmitter(TritonMaskEmitter):
             if inside is not None:
                 return inside
         divisor = args[1] if len(args) > 1 else None
-        # an integer `%` / `//` by a positive power of two: a mask and a shift, exact for any sign in
-        # two's complement (Python's floor semantics), where the DSL's remainder needs a sign fix-up
-        if (op in ("remainder", "floor_divide") or (op == "div" and kwargs.get("rounding_mode") == "floor")) and \
-                isinstance(divisor, int) and not isinstance(divisor, bool) and divisor > 0 and \
-                divisor & (divisor - 1) == 0 and dtype is not None and not dtype.is_floating_point and \
-                dtype != torch.bool:
-            template = f"({{a}} & {divisor - 1})" if op == "remainder" else f"({{a}} >> {divisor.bit_length() - 1})"
-            return self.combine(template, self.value(args[0]))
+        # (an integer `%` / `//` by a positive power of two: the shared walk's _pow2_divmod)
         # a score divided by a number fixed for the call (a literal, a knob): times its reciprocal,
         # computed once per kernel; an IEEE division per pair made a softcap 1.9x slower than
         # inductor's, which multiplies. Only where the quotient stays a score (never rounded, cast to

@@ -174,6 +174,12 @@ class TritonMaskEmitter(Emitter):
     def call(self, op, node):
         args = node.args
         args_nonneg = all(self.is_nonneg(a) for a in args if not isinstance(a, (list, tuple, torch.dtype)))
+        shifted = self._pow2_divmod(op, node)
+        if shifted is not None:
+            if op == "remainder" or args_nonneg:
+                self.nonneg.add(node.name)
+            self.lines.append(f"    v_{node.name} = {shifted}")
+            return f"v_{node.name}"
         if op in ("floor_divide", "remainder") and args_nonneg and not (
                 isinstance(args[1], (int, float)) and args[1] == 0):
             result = self.combine("({a} // {b})" if op == "floor_divide" else "({a} % {b})", self.value(args[0]),
@@ -188,6 +194,22 @@ class TritonMaskEmitter(Emitter):
             return result
         self.lines.append(f"    v_{node.name} = {result}")
         return f"v_{node.name}"
+
+    def _pow2_divmod(self, op, node):
+        """An integer `%` / `//` by a positive power of two as a mask / an arithmetic shift: exact for
+        any sign in two's complement (Python's floor semantics), where the generic form needs a sign
+        fix-up per pair (a dilated window's `(q - kv) % 4`: one op instead of about ten). None for
+        anything else."""
+        args, kwargs = node.args, node.kwargs
+        dtype = getattr(node.meta.get("val"), "dtype", None)
+        divisor = args[1] if len(args) > 1 else None
+        if (op in ("remainder", "floor_divide") or (op == "div" and kwargs.get("rounding_mode") == "floor")) and \
+                isinstance(divisor, int) and not isinstance(divisor, bool) and divisor > 0 and \
+                divisor & (divisor - 1) == 0 and dtype is not None and not dtype.is_floating_point and \
+                dtype != torch.bool:
+            template = f"({{a}} & {divisor - 1})" if op == "remainder" else f"({{a}} >> {divisor.bit_length() - 1})"
+            return self.combine(template, self.value(args[0]))
+        return None
 
     # ------------------------------------------------------------ aten ops, by family
 

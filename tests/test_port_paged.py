@@ -466,3 +466,12 @@ def test_fast_mode_can_fold_its_pieces_in_the_kernel(tmp_path):
     assert result["out"] < 1e-6 and result["lse"] < 1e-6, result
     assert result["nan"] == [True, False, False] and result["others"] == 0.0, result
     assert result["counts"] == 0 and result["count_slots"] >= 1024, result
+
+
+def test_the_paged_kernel_compiles_for_sm90_in_every_fold_form():
+    # Triton's compiler (not the interpreter, which never type-checks a branch it does not take):
+    # a decode step that splits its keys, with the fold launched after and folded in the kernel,
+    # and a prefill step, in bf16 (a fold's atomic count must never be typed from a bf16 tensor)
+    done = subprocess.run([sys.executable, str(ROOT / "run_paged_compile.py")], capture_output=True, text=True,
+                          timeout=900, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert done.returncode == 0 and "SUMMARY 3/3" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

@@ -396,32 +396,33 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, Counter, blo
         tl.store(Part_acc + at[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(Part_ml + at * 2, m_i, mask=row_ok)
         tl.store(Part_ml + at * 2 + 1, l_i, mask=row_ok)
-        if not LAST_FOLDS:
+        if LAST_FOLDS:
+            # every thread's stores, then one count per (slot, kv head): the atomic releases them to the
+            # GPU, and the program that counts the last piece in (acquiring the others') folds them all,
+            # in ascending order with _fold_piece, then sets the count back to 0 for the next call
+            tl.debug_barrier()
+            count = Counter + pid * tl.num_programs(1) + kv_h
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") != tl.num_programs(2) - 1:
+                return
+            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
+            pieces = tl.minimum((L + split_keys - 1) // split_keys, tl.num_programs(2))
+            acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            if INTERPRET:
+                s = pieces * 0
+                while s < pieces:
+                    acc, l_i, m_i = _fold_stored(acc, l_i, m_i, Part_acc, Part_ml, s, total_q, out_rows, Hq, h, D,
+                                                 offs_d, row_ok, d_ok)
+                    s += 1
+            else:  # (a `for` loop: Triton issues the next pieces' loads ahead)
+                for s in range(0, pieces):
+                    acc, l_i, m_i = _fold_stored(acc, l_i, m_i, Part_acc, Part_ml, s, total_q, out_rows, Hq, h, D,
+                                                 offs_d, row_ok, d_ok)
+            # a piece with NaN rows (a page outside the cache) makes the rows' lse NaN too, as _paged_fold does
+            l_i = tl.where(tl.sum(acc, 1) == tl.sum(acc, 1), l_i, float("nan"))
+        else:  # (an else, not an early return: the compiler then never reads the fold for other calls)
             return
-        # every thread's stores, then one count per (slot, kv head): the atomic releases them to the
-        # GPU, and the program that counts the last piece in (acquiring the others') folds them all,
-        # in ascending order with _fold_piece, then sets the count back to 0 for the next call
-        tl.debug_barrier()
-        count = Counter + pid * tl.num_programs(1) + kv_h
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") != tl.num_programs(2) - 1:
-            return
-        tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-        pieces = tl.minimum((L + split_keys - 1) // split_keys, tl.num_programs(2))
-        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        if INTERPRET:
-            s = pieces * 0
-            while s < pieces:
-                acc, l_i, m_i = _fold_stored(acc, l_i, m_i, Part_acc, Part_ml, s, total_q, out_rows, Hq, h, D,
-                                             offs_d, row_ok, d_ok)
-                s += 1
-        else:  # (a `for` loop: Triton issues the next pieces' loads ahead)
-            for s in range(0, pieces):
-                acc, l_i, m_i = _fold_stored(acc, l_i, m_i, Part_acc, Part_ml, s, total_q, out_rows, Hq, h, D,
-                                             offs_d, row_ok, d_ok)
-        # a piece with NaN rows (a page outside the cache) makes the rows' lse NaN too, as _paged_fold does
-        l_i = tl.where(tl.sum(acc, 1) == tl.sum(acc, 1), l_i, float("nan"))
     # 4. rows that kept nothing: out 0 and lse -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]

@@ -1,7 +1,8 @@
 """attention_paged's prefill on Hopper, appended to forward.py by `port.generate` after hopper.py:
 the Hopper forward's tile loop (its consumers, its mask / score translation) over keys and values
-read through the block table. Markers: @@ALL_PTR_PARAMS@@ / @@MASK_PTR_ARGS@@ /
-@@RANGE_PTR_PARAMS@@ / @@RANGE_PTR_ARGS@@ (the mods' tables and their ranges)."""
+read through the block table, and the Triton kernel that plans a step's tiles on the device.
+Markers: @@ALL_PTR_PARAMS@@ / @@MASK_PTR_PARAMS@@ / @@RANGE_PTR_PARAMS@@ (the mods' tables and
+their ranges)."""
 
 import torch
 import triton

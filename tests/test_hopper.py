@@ -23,6 +23,28 @@ def _has_gluon() -> bool:
     return True
 
 
+class _Cuda:
+    """A tensor's face as the files' dispatch tests (_hopper_ready, _hopper_bwd_ready,
+    _hopper_paged_ready) read it: shape, dtype and a "cuda" device, contiguous."""
+
+    def __init__(self, *shape, dtype=None):
+        import torch
+
+        self.shape, self.dtype, self.device = shape, dtype or torch.bfloat16, torch.device("cuda", 0)
+
+    def is_contiguous(self):
+        return True
+
+
+def _on_sm90(module, monkeypatch, hopper: bool = True):
+    """The loaded file judges its calls as on an sm_90 GPU outside Triton's interpreter."""
+    monkeypatch.setattr(module, "_INTERPRET", False)
+    monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
+    if hopper:
+        monkeypatch.setattr(module, "HOPPER", True)
+    return module
+
+
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
 def test_hopper_kernel_compiles_for_sm90_without_spills():
     # the causal mask, a softcap score_mod (tl.sigmoid, which Gluon lacks, written out) and a user's
@@ -162,20 +184,10 @@ def test_lengths_off_the_128_grid_take_the_hopper_kernel_unless_turned_off(tmp_p
     # than 128 keys always run the portable kernel, and so does every length off the grid when it is off. The call is judged as on an sm_90 GPU.
     import torch
 
-    class Cuda:  # a tensor's face as _hopper_ready reads it, on a "cuda" device
-        def __init__(self, *shape, dtype=torch.bfloat16):
-            self.shape, self.dtype, self.device = shape, dtype, torch.device("cuda", 0)
-
-        def is_contiguous(self):
-            return True
-
-    module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
-    monkeypatch.setattr(module, "_INTERPRET", False)
-    monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(module, "HOPPER", True)
+    module = _on_sm90(port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path)), monkeypatch)
 
     def takes(lq, lk, d=128, dtype=torch.bfloat16):
-        q, kv = Cuda(1, 4, lq, d, dtype=dtype), Cuda(1, 2, lk, d, dtype=dtype)
+        q, kv = _Cuda(1, 4, lq, d, dtype=dtype), _Cuda(1, 2, lk, d, dtype=dtype)
         return module._hopper_ready(q, kv, kv, None, False, 0.1)
 
     assert module.HOPPER_RAGGED is True
@@ -197,17 +209,9 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     # The call is judged as on sm_90.
     import torch
 
-    class Cuda:
-        def __init__(self, *shape, dtype=torch.bfloat16):
-            self.shape, self.dtype, self.device = shape, dtype, torch.device("cuda", 0)
-
-        def is_contiguous(self):
-            return True
-
     def ready(module, lq=1024, lk=2048, d=128, dtype=torch.bfloat16, learn=()):
-        monkeypatch.setattr(module, "_INTERPRET", False)
-        monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
-        q, kv = Cuda(1, 4, lq, d, dtype=dtype), Cuda(1, 2, lk, d, dtype=dtype)
+        _on_sm90(module, monkeypatch, hopper=False)
+        q, kv = _Cuda(1, 4, lq, d, dtype=dtype), _Cuda(1, 2, lk, d, dtype=dtype)
         return module._hopper_bwd_ready(q, kv, kv, learn)
 
     causal = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "causal"))
@@ -373,20 +377,10 @@ def test_prefill_steps_take_the_paged_hopper_kernel_unless_turned_off(tmp_path, 
     # file with PORT_HOPPER_PAGED=0 (or HOPPER off) keep the portable paged kernel
     import torch
 
-    class Cuda:  # a tensor's face as _hopper_paged_ready reads it, on a "cuda" device
-        def __init__(self, *shape, dtype=torch.bfloat16):
-            self.shape, self.dtype, self.device = shape, dtype, torch.device("cuda", 0)
-
-        def is_contiguous(self):
-            return True
-
-    module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
-    monkeypatch.setattr(module, "_INTERPRET", False)
-    monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(module, "HOPPER", True)
+    module = _on_sm90(port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path)), monkeypatch)
 
     def takes(per_request=300, d=128, page=16, dtype=torch.bfloat16, scale=0.1):
-        q, cache = Cuda(900, 8, d, dtype=dtype), Cuda(64, page, 2, d, dtype=dtype)
+        q, cache = _Cuda(900, 8, d, dtype=dtype), _Cuda(64, page, 2, d, dtype=dtype)
         return module._hopper_paged_ready(q, cache, cache, per_request, scale)
 
     assert module.HOPPER_PAGED is True

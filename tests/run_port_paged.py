@@ -48,6 +48,14 @@ def head_window6(b, h, q_idx, kv_idx):
     return (kv_idx <= q_idx) & (q_idx - kv_idx < W6[h])
 
 
+STARTS, ENDS = torch.tensor([100, 600, 1300]), torch.tensor([399, 899, 1699])  # a user's image spans
+
+
+def spans_any(b, h, q_idx, kv_idx):  # spans with .any(): a query inside a span sees all of it
+    inside = (q_idx >= STARTS) & (q_idx <= ENDS) & (kv_idx >= STARTS) & (kv_idx <= ENDS)
+    return inside.any() | (kv_idx <= q_idx)
+
+
 def masks():
     """(name, mask, heads[, kv_heads]): library masks, score mods, users' mods; kv heads half the
     query heads unless given (GQA groups of 1, 2, 3 and 32 query heads per kv head)."""

@@ -115,7 +115,8 @@ def test_prefill_heavy_steps_take_the_wide_tiles_and_match_the_reference(cuda, t
     assert W.numel() == 4
 
 
-_HOPPER_PREFILL = ["causal", "sliding_window_700", "users_head_window", "users_per_request_prefix", "causal+softcap"]
+_HOPPER_PREFILL = ["causal", "sliding_window_700", "users_head_window", "users_per_request_prefix", "causal+softcap",
+                   "users_spans_any", "and_masks_window"]
 
 
 @pytest.mark.parametrize("form", ["bfloat16-128", "float16-64"])
@@ -128,9 +129,16 @@ def test_prefill_steps_on_hopper_match_the_reference(cuda, tmp_path, name, form)
     import random
 
     sys.path.insert(0, str(ROOT))
-    from run_port_paged import head_window, per_request_prefix
+    from run_port_paged import head_window, per_request_prefix, spans_any
+    from torch.nn.attention.flex_attention import and_masks
 
     from workbench import Mask, make, port, with_score
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def window_300(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 300
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernel runs on sm_90 only")
@@ -138,7 +146,9 @@ def test_prefill_steps_on_hopper_match_the_reference(cuda, tmp_path, name, form)
             "sliding_window_700": lambda: make("causal_sliding_window", {"window": 700}),
             "users_head_window": lambda: Mask("users_head_window", mask_mod=head_window),
             "users_per_request_prefix": lambda: Mask("users_per_request_prefix", mask_mod=per_request_prefix),
-            "causal+softcap": lambda: with_score(make("causal"), make("softcap"))}[name]()
+            "causal+softcap": lambda: with_score(make("causal"), make("softcap")),
+            "users_spans_any": lambda: Mask("users_spans_any", mask_mod=spans_any),
+            "and_masks_window": lambda: Mask("and_masks_window", mask_mod=and_masks(causal, window_300))}[name]()
     dtype, d = form.split("-")
     heads, kv_heads = (4, 2) if name.startswith("users") else (16, 4)
     module = port.load(port.build(mask, 256, 256, heads=heads, batch=4, out_dir=tmp_path))

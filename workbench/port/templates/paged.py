@@ -22,6 +22,9 @@ HAS_LENGTH_RULES_IN_PAGES = any(a + b != 0 for a, b, c, d in LENGTH_RULES.values
 PAGED_TILES = ([(0, (16, 16, 4, 1))] if _INTERPRET else
                [(128, (128, 128, 8, 3)), (32, (64, 64, 4, 3)), (0, (16, 64, 4, 3))])
 PAGED_PIPELINE = True  # the key loop as a `for` loop with predicated loads (pipelined); False: `while`
+# before the scan that narrows a piece to the tiles the mask's bounds may keep, one bounds test of
+# the whole piece (a piece kept whole, as a causal decode's, or not at all, skips the scan)
+PAGED_WHOLE_PIECE_TEST = True
 PAGED_STAGES = None  # a pipeline depth for every tile (None: each tile's own)
 INVARIANT_PAGED_STAGES = 3  # invariant mode's pipeline depth (stages never change a bit)
 # fast mode's pieces (None: SPLIT_KEYS, invariant mode's); the interpreter's tests use longer ones
@@ -256,7 +259,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, Counter, blo
                   D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr,
                   IEEE: tl.constexpr, WIDEN: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
                   SPLIT: tl.constexpr, INVARIANT: tl.constexpr, PIPELINE: tl.constexpr, HEADS_DIFFER: tl.constexpr,
-                  LAST_FOLDS: tl.constexpr,
+                  LAST_FOLDS: tl.constexpr, WHOLE_PIECE_TEST: tl.constexpr,
                   EVEN_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # one program = `tokens` query tokens of one request times the `group` query heads that share
     # kv head kv_h (grouped-query attention: row r is token r // group, head kv_h * group + r % group,
@@ -330,9 +333,17 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, Counter, blo
     if BOUNDS:
         # narrow [start, stop) to the tiles the mask's bounds may keep (a window's, a causal row's),
         # a scalar pass over the tiles without loads; the tiles between may still be skipped below
+        # (one test of the whole piece first: a piece it keeps whole, as a causal decode's are, or
+        # keeps none of, needs no scan)
         first = stop
         last = start
         t = start
+        if WHOLE_PIECE_TEST:
+            all_p, any_p = _tile_bounds(req, kv_h, group, q_lo, q_hi, start, tl.minimum(stop, L) - 1,
+                                        @@MASK_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HEADS_DIFFER=HEADS_DIFFER)
+            first = tl.where(all_p & (start < stop), start, first)
+            last = tl.where(all_p, stop, last)
+            t = tl.where(all_p | ~any_p, stop, start)
         while t < stop:
             any_t = _tile_bounds(req, kv_h, group, q_lo, q_hi, t, tl.minimum(t + BLOCK_N, L) - 1,
                                  @@MASK_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HEADS_DIFFER=HEADS_DIFFER)[1]
@@ -705,7 +716,7 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
                  RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, INVARIANT=bool(invariant),
                  PIPELINE=PAGED_PIPELINE and not _INTERPRET, HEADS_DIFFER=MASK_READS_HEAD and group > 1,
                  EVEN_D=D == D_PAD, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-                 LAST_FOLDS=last_folds,
+                 LAST_FOLDS=last_folds, WHOLE_PIECE_TEST=PAGED_WHOLE_PIECE_TEST,
                  **(_fusion() if invariant else {}))
     _launch_paged((row_blocks, Hkv, splits), args, flags, PAGED_STAGES or stages, q.device)
     if split and not last_folds:

@@ -30,11 +30,6 @@ INVARIANT_PAGED_STAGES = 3  # invariant mode's pipeline depth (stages never chan
 # fast mode's pieces (None: SPLIT_KEYS, invariant mode's); the interpreter's tests use longer ones
 FAST_SPLIT_KEYS = 128 if _INTERPRET else None
 FOLD_AT_ONCE = 64  # fast mode's _paged_fold sums up to this many pieces of a row in one tile
-# fast mode's split-KV pieces folded by the last program of a row block to finish (an atomic count
-# per (row block, kv head)) instead of a second launch; the counts live in _fold_counts, one
-# buffer per device that every call leaves at zero (so calls on one device share one stream)
-FOLD_IN_KERNEL = os.environ.get("PORT_PAGED_FOLD_IN_KERNEL", "0") == "1"
-_fold_counts: dict = {}
 # (under the interpreter every call has few programs: there only a forced split runs split-KV)
 SPLIT_WHEN_PROGRAMS_BELOW = 0 if _INTERPRET else 512  # only calls with fewer (row block, kv head) programs than this split
 
@@ -236,22 +231,10 @@ def _kept_scores(s, req, h_idx, q_idx, kv_idx, keys, L, visit, masked, @@MASK_PT
     return tl.where(keep, s, float("-inf"))
 
 
-@triton.jit
-def _fold_stored(acc, l_i, m_i, Part_acc, Part_ml, s, total_q, rows, Hq, h, D, offs_d, row_ok, d_ok):
-    # piece s of the rows' keys, as _paged_kernel stored it, folded into (acc, l, m) by _fold_piece.
-    # Read past the L1 cache (.cg): other programs wrote it
-    at = (s * total_q + rows) * Hq + h
-    m_s = tl.load(Part_ml + at * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(Part_ml + at * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-    a_s = tl.load(Part_acc + at[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-                  cache_modifier=".cg")
-    return _fold_piece(acc, l_i, m_i, a_s, l_s, m_s)
-
-
 # the step's counts change every step: compiled once for any value (no specialization on 1 or on
 # multiples of 16), so an engine's steps do not compile new variants of the kernel
 @triton.jit(do_not_specialize=["num_seqs", "total_q", "valid_q_len", "valid_kv_len", "num_pages", "max_keys"])
-def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, Counter, block_table, cu_seqlens_q, seq_lens,
+def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table, cu_seqlens_q, seq_lens,
                   s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, s_bt,
                   num_seqs, Hq, group, tokens, D, sm_scale, total_q, split_keys, valid_q_len, valid_kv_len,
                   num_pages, max_keys, @@ALL_PTR_PARAMS@@
@@ -259,7 +242,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, Counter, blo
                   D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr,
                   IEEE: tl.constexpr, WIDEN: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
                   SPLIT: tl.constexpr, INVARIANT: tl.constexpr, PIPELINE: tl.constexpr, HEADS_DIFFER: tl.constexpr,
-                  LAST_FOLDS: tl.constexpr, WHOLE_PIECE_TEST: tl.constexpr,
+                  WHOLE_PIECE_TEST: tl.constexpr,
                   EVEN_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # one program = `tokens` query tokens of one request times the `group` query heads that share
     # kv head kv_h (grouped-query attention: row r is token r // group, head kv_h * group + r % group,
@@ -402,38 +385,12 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, Counter, blo
     inside = inside & (tl.max(page_bad, 0) == 0)
     out_rows = q_row
     acc = tl.where(inside, acc, float("nan"))
-    if SPLIT:  # this piece's (acc, m, l), folded by _paged_fold, or (LAST_FOLDS) by the last piece to finish
+    if SPLIT:  # this piece's (acc, m, l), folded by _paged_fold
         at = (split * total_q + out_rows) * Hq + h
         tl.store(Part_acc + at[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(Part_ml + at * 2, m_i, mask=row_ok)
         tl.store(Part_ml + at * 2 + 1, l_i, mask=row_ok)
-        if LAST_FOLDS:
-            # every thread's stores, then one count per (slot, kv head): the atomic releases them to the
-            # GPU, and the program that counts the last piece in (acquiring the others') folds them all,
-            # in ascending order with _fold_piece, then sets the count back to 0 for the next call
-            tl.debug_barrier()
-            count = Counter + pid * tl.num_programs(1) + kv_h
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") != tl.num_programs(2) - 1:
-                return
-            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-            pieces = tl.minimum((L + split_keys - 1) // split_keys, tl.num_programs(2))
-            acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            if INTERPRET:
-                s = pieces * 0
-                while s < pieces:
-                    acc, l_i, m_i = _fold_stored(acc, l_i, m_i, Part_acc, Part_ml, s, total_q, out_rows, Hq, h, D,
-                                                 offs_d, row_ok, d_ok)
-                    s += 1
-            else:  # (a `for` loop: Triton issues the next pieces' loads ahead)
-                for s in range(0, pieces):
-                    acc, l_i, m_i = _fold_stored(acc, l_i, m_i, Part_acc, Part_ml, s, total_q, out_rows, Hq, h, D,
-                                                 offs_d, row_ok, d_ok)
-            # a piece with NaN rows (a page outside the cache) makes the rows' lse NaN too, as _paged_fold does
-            l_i = tl.where(tl.sum(acc, 1) == tl.sum(acc, 1), l_i, float("nan"))
-        else:  # (an else, not an early return: the compiler then never reads the fold for other calls)
-            return
+        return
     # 4. rows that kept nothing: out 0 and lse -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -694,19 +651,12 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
     split_keys = SPLIT_KEYS if invariant else (FAST_SPLIT_KEYS or SPLIT_KEYS)
     splits = -(-capacity // split_keys) if row_blocks * Hkv < SPLIT_WHEN_PROGRAMS_BELOW else 1
     split = splits > 1
-    last_folds = split and FOLD_IN_KERNEL and not invariant
     if split:
         part_acc = torch.empty(splits, total_q, Hq, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits, total_q, Hq, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # (not read)
-    counts = out
-    if last_folds:  # (sized by shapes; zeros once, then left at zero by the kernel)
-        counts = _fold_counts.get(str(q.device))
-        if counts is None or counts.numel() < row_blocks * Hkv:
-            counts = _fold_counts[str(q.device)] = torch.zeros(max(row_blocks * Hkv, 1024), dtype=torch.int32,
-                                                               device=q.device)
-    args = (q, k_cache, v_cache, out, lse, part_acc, part_ml, counts, block_table, cu_seqlens_q, seq_lens,
+    args = (q, k_cache, v_cache, out, lse, part_acc, part_ml, block_table, cu_seqlens_q, seq_lens,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
             num_seqs, Hq, group, tokens, D, scale, total_q, split_keys,
             VALID_Q_LEN if VALID_KV_LEN is not None else 1 << 30, VALID_KV_LEN if VALID_KV_LEN is not None else 1 << 30,
@@ -716,10 +666,10 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
                  RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, INVARIANT=bool(invariant),
                  PIPELINE=PAGED_PIPELINE and not _INTERPRET, HEADS_DIFFER=MASK_READS_HEAD and group > 1,
                  EVEN_D=D == D_PAD, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-                 LAST_FOLDS=last_folds, WHOLE_PIECE_TEST=PAGED_WHOLE_PIECE_TEST,
+                 WHOLE_PIECE_TEST=PAGED_WHOLE_PIECE_TEST,
                  **(_fusion() if invariant else {}))
     _launch_paged((row_blocks, Hkv, splits), args, flags, PAGED_STAGES or stages, q.device)
-    if split and not last_folds:
+    if split:
         # fast mode folds up to FOLD_AT_ONCE pieces at once; invariant mode, and more pieces, in order
         ordered = bool(invariant) or splits > FOLD_AT_ONCE
         _paged_fold[(total_q, Hq)](out, lse, part_acc, part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D,

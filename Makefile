@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint test-gpu bench-gpu lab venv clean
+.PHONY: demo test test-slow lint test-gpu bench-gpu lab venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,12 @@ demo: $(STAMP)
 
 ## the test suite (CPU); GPU tests run with `make test-gpu` on a CUDA machine
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
+
+## the exhaustive CPU sweeps left out of `make test` (marked slow: every case of the interpreter
+## scripts, minute-long end-to-end runs); CI runs them after `make test`
+test-slow: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadgroup -m "slow and not gpu"
 
 ## pyflakes and unused-argument rules over the tree (configured in pyproject.toml)
 lint: $(STAMP)

@@ -63,14 +63,29 @@ def _start(key: str):
 
 
 def pytest_collection_finish(session):
-    if session.config.getoption("collectonly", False):
-        return
+    if session.config.getoption("collectonly", False) or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # (under pytest-xdist each worker collects every test: a script starts when a test asks)
     for key, (test_file, reader, _) in EARLY.items():
         wanted = any(Path(str(item.fspath)).name == test_file and (reader in item.fixturenames
                                                                    or item.name.split("[")[0] == reader)
                      for item in session.items)
         if wanted and key not in _started:
             _start(key)
+
+
+# ---------------------------------------------------------------- two workers (`make test`)
+# `make test` runs pytest-xdist's workers with --dist loadgroup: a module's tests stay on one worker
+# (its module fixtures and its interpreter script run once), and the modules that start Ray
+# sessions share one worker (two local Ray clusters at once on a small machine are not worth it)
+RAY_MODULES = {"test_distribute.py", "test_sweep.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        module = Path(str(item.fspath)).name
+        item.add_marker(pytest.mark.xdist_group("ray" if module in RAY_MODULES else module))
 
 
 def _early_run(key: str, timeout: float = 2400):

@@ -169,6 +169,7 @@ def test_compiled_tiles_equal_eager(device, name, heads):
         assert torch.equal(eager.head_pairs_differing, compiled.head_pairs_differing)
 
 
+@pytest.mark.slow
 def test_triton_scan_equals_eager_on_the_library_in_the_interpreter(early_run):
     """The fused kernel (Triton's CPU interpreter, a fresh process): every library mask and a
     batch- and head-dependent mod, at odd lengths, uneven and tall blocks (~55 s)."""

@@ -33,6 +33,7 @@ def backward_results(early_run):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASE_IDS)
 def test_the_ports_backward_equals_the_float64_reference(backward_results, case):
     line = backward_results.get(case)

@@ -23,6 +23,7 @@ def calls(early_run):
     return records
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_port_equals_the_rebuilt_factory_or_refuses(calls, case):
     mine = [r for r in calls if r["case"] == case]
@@ -39,6 +40,7 @@ def _outcome(calls, case, q_len, kv_len):
     return next(r for r in calls if r["case"] == case and (r["q_len"], r["kv_len"]) == (q_len, kv_len))
 
 
+@pytest.mark.slow
 def test_bottom_right_masks_follow_the_call_lengths(calls):
     """The issue's reproduction: causal, causal_sliding_window and sinks_window generated at 128 x 128
     and called at 64 x 200 compute the bottom-right mask (they computed top-left before)."""

@@ -26,6 +26,7 @@ def paged_results(early_run):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", case_ids())
 def test_a_paged_step_equals_each_requests_reference(paged_results, case):
     line = paged_results.get(case)

@@ -73,19 +73,8 @@ def pytest_collection_finish(session):
             _start(key)
 
 
-# ---------------------------------------------------------------- two workers (`make test`)
-# `make test` runs pytest-xdist's workers with --dist loadgroup: a module's tests stay on one worker
-# (its module fixtures and its interpreter script run once), and the modules that start Ray
-# sessions share one worker (two local Ray clusters at once on a small machine are not worth it)
-RAY_MODULES = {"test_distribute.py", "test_sweep.py"}
-
-
-def pytest_collection_modifyitems(config, items):
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        module = Path(str(item.fspath)).name
-        item.add_marker(pytest.mark.xdist_group("ray" if module in RAY_MODULES else module))
+# `make test` runs two pytest-xdist workers with --dist loadfile: a module's tests stay on one
+# worker, so its module fixtures and its interpreter script (above) run once
 
 
 def _early_run(key: str, timeout: float = 2400):
@@ -115,3 +104,4 @@ def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001 (a run that no te
     for proc, _, _ in _started.values():
         if proc.poll() is None:
             proc.kill()
+

@@ -64,17 +64,15 @@ def _start(key: str):
 
 def pytest_collection_finish(session):
     if session.config.getoption("collectonly", False) or os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # (under pytest-xdist each worker collects every test: a script starts when a test asks)
+        # (under pytest-xdist each worker collects every test: a script starts when a test asks; `make
+        # test` runs --dist loadfile, so a module, its fixtures and its script stay on one worker)
+        return
     for key, (test_file, reader, _) in EARLY.items():
         wanted = any(Path(str(item.fspath)).name == test_file and (reader in item.fixturenames
                                                                    or item.name.split("[")[0] == reader)
                      for item in session.items)
         if wanted and key not in _started:
             _start(key)
-
-
-# `make test` runs two pytest-xdist workers with --dist loadfile: a module's tests stay on one
-# worker, so its module fixtures and its interpreter script (above) run once
 
 
 def _early_run(key: str, timeout: float = 2400):
@@ -104,4 +102,3 @@ def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001 (a run that no te
     for proc, _, _ in _started.values():
         if proc.poll() is None:
             proc.kill()
-

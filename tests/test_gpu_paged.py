@@ -205,3 +205,107 @@ def test_the_hopper_prefill_replays_in_a_cuda_graph_and_poisons_bad_pages(cuda, 
     assert torch.isnan(poisoned[556:700]).all() and torch.equal(poisoned[:556], plain[:556])
     assert torch.equal(poisoned[700:], plain[700:])
     assert runs == [True] * 4, (runs, module._HOPPER_PAGED_FAILED)
+
+
+_HOPPER_DECODE = ["causal", "full", "sliding_window_700", "users_head_window", "users_per_request_prefix",
+                  "causal+softcap", "users_spans_any", "and_masks_window"]
+
+
+@pytest.mark.parametrize("form", ["bfloat16-128", "float16-64"])
+@pytest.mark.parametrize("name", _HOPPER_DECODE)
+def test_decode_steps_on_hopper_match_the_reference(cuda, tmp_path, name, form):
+    """On an H100 / H200, decode-heavy steps of attention_paged run the Hopper decode kernel
+    (templates/hopper_paged.py: a GQA group's heads as 64 rows, keys and values by TMA through the
+    block table, pieces of keys folded by _paged_fold): single-token decodes and 2-3-token steps at
+    odd lengths (1 key included), pages of 16, 64 and 128, keys split into pieces or not, GQA groups
+    of 1, 2 and 4 (8 for the library's masks); each request against float64."""
+    import random
+
+    sys.path.insert(0, str(ROOT))
+    from run_port_paged import head_window, per_request_prefix, spans_any
+    from torch.nn.attention.flex_attention import and_masks
+
+    from workbench import Mask, make, port, with_score
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def window_300(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 300
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90 only")
+    mask = {"causal": lambda: make("causal"), "full": lambda: make("full"),
+            "sliding_window_700": lambda: make("causal_sliding_window", {"window": 700}),
+            "users_head_window": lambda: Mask("users_head_window", mask_mod=head_window),
+            "users_per_request_prefix": lambda: Mask("users_per_request_prefix", mask_mod=per_request_prefix),
+            "causal+softcap": lambda: with_score(make("causal"), make("softcap")),
+            "users_spans_any": lambda: Mask("users_spans_any", mask_mod=spans_any),
+            "and_masks_window": lambda: Mask("and_masks_window", mask_mod=and_masks(causal, window_300))}[name]()
+    dtype, d = form.split("-")
+    heads = 4 if name.startswith("users") else 16
+    groups = (1, 2, 4) if name.startswith("users") else (1, 2, 4, 8)
+    module = port.load(port.build(mask, 256, 256, heads=heads, batch=4, out_dir=tmp_path))
+    assert module.HOPPER_MODS is None and module.HOPPER_DECODE, module.HOPPER_MODS
+    runs = []
+    real = module._attention_paged_hopper_decode
+    module._attention_paged_hopper_decode = lambda *a, **kw: runs.append(real(*a, **kw)) or runs[-1]
+    rng = random.Random(2)
+    steps = [[(1, 1000), (1, 1), (1, 2049)], [(3, 700), (1, 1500), (2, 129)]]  # (LENS: 3 requests)
+    tile = module.HOPPER_DECODE_TILE
+    n = 0
+    for page in (16, 64, 128):
+        for i, reqs in enumerate(steps):
+            # pieces of 256 keys (split, folded), or the whole request in one program (not split)
+            module.HOPPER_DECODE_TILE = (tile[0], tile[1], 256, tile[3]) if i == 0 else tile
+            module.SPLIT_WHEN_PROGRAMS_BELOW = 0 if (page == 64 and i == 1) else 512
+            group = groups[n % len(groups)]
+            n += 1
+            _serve_and_check(module, mask, reqs, page, heads, heads // group, int(d), dtype, rng, page + i)
+    assert runs == [True] * 6, (runs, module._HOPPER_DECODE_FAILED)
+
+
+def test_the_hopper_decode_replays_in_a_cuda_graph_and_poisons_bad_pages(cuda, tmp_path):
+    """The Hopper decode kernel needs no host work per step: a captured decode step replays with new
+    lengths, pages and queries and gives what a plain call gives; a request whose table names a page
+    outside the cache gets NaN rows, and the other requests do not."""
+    from workbench import make, port
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90 only")
+    module = port.load(port.build(make("causal_sliding_window", {"window": 3000}), 256, 256, out_dir=tmp_path))
+    runs = []
+    real = module._attention_paged_hopper_decode
+    module._attention_paged_hopper_decode = lambda *a, **kw: runs.append(real(*a, **kw)) or runs[-1]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    num_seqs, page, pages = 4, 16, 512
+    q = torch.randn(num_seqs, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    kc = torch.randn(pages * num_seqs, page, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(pages * num_seqs, device="cuda", generator=g).view(num_seqs, pages).to(torch.int32)
+    cu = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
+    lens = torch.tensor([5000, 8192, 17, 3001], dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        module.attention_paged(q, kc, vc, table, cu, lens)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = module.attention_paged(q, kc, vc, table, cu, lens)
+        q.copy_(torch.randn_like(q))
+        kc.copy_(torch.randn_like(kc))
+        table.copy_(torch.randperm(pages * num_seqs, device="cuda").view(num_seqs, pages).to(torch.int32))
+        lens.copy_(torch.tensor([7000, 1, 4097, 6500], dtype=torch.int32, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        plain = module.attention_paged(q, kc, vc, table, cu, lens)
+        assert torch.equal(out, plain) and not torch.isnan(out).any()
+        # request 2 (4,097 keys, its one query at position 4,096) reads keys 1,096 .. 4,096: a page
+        # there outside the cache makes its rows NaN; a bad page before its window is never read
+        table[2, 100] = pages * num_seqs + 5
+        poisoned = module.attention_paged(q, kc, vc, table, cu, lens)
+        assert torch.isnan(poisoned[2]).all() and torch.equal(poisoned[[0, 1, 3]], plain[[0, 1, 3]])
+        table[2, 100] = 7  # (a page inside the cache again)
+        table[2, 10] = -3  # keys 160-175: outside the window, never read
+        unread = module.attention_paged(q, kc, vc, table, cu, lens)
+    assert not torch.isnan(unread).any()
+    assert runs == [True] * 5, (runs, module._HOPPER_DECODE_FAILED)

@@ -395,3 +395,49 @@ def test_prefill_steps_take_the_paged_hopper_kernel_unless_turned_off(tmp_path, 
     assert not takes()
     monkeypatch.setenv("PORT_HOPPER_PAGED", "0")
     assert port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "off")).HOPPER_PAGED is False
+
+
+@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
+def test_decode_steps_take_the_hopper_decode_kernel_unless_turned_off(tmp_path, monkeypatch):
+    # attention_paged's Hopper decode (_hopper_decode_ready), judged as on an sm_90 GPU: steps of
+    # fewer than 128 queries per request in bf16 / fp16 at D 64 / 128, a GQA group that divides 64
+    # rows, pages that hold whole 64-key tiles or tiles of whole pages; prefill-heavy steps, groups
+    # of 3, pages of 48 or 80, float32, other GPUs and PORT_HOPPER_DECODE=0 keep the other kernels
+    import torch
+
+    module = _on_sm90(port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path)), monkeypatch)
+
+    def takes(per_request=1, d=128, page=16, dtype=torch.bfloat16, scale=0.1, heads=32, kv_heads=8):
+        q, cache = _Cuda(8, heads, d, dtype=dtype), _Cuda(64, page, kv_heads, d, dtype=dtype)
+        return module._hopper_decode_ready(q, cache, cache, per_request, scale)
+
+    assert module.HOPPER_DECODE is True
+    assert takes() and takes(d=64) and takes(page=32) and takes(page=64) and takes(page=128) and takes(page=192)
+    assert takes(dtype=torch.float16) and takes(per_request=127) and takes(kv_heads=32) and takes(heads=64, kv_heads=1)
+    assert not takes(per_request=128) and not takes(d=96) and not takes(dtype=torch.float32)
+    assert not takes(page=48) and not takes(page=80) and not takes(scale=0.0) and not takes(heads=24, kv_heads=8)
+    assert not takes(heads=128, kv_heads=1)  # (a group of 128 heads: more than 64 rows)
+    monkeypatch.setattr(module, "_capability", lambda device: (8, 0))
+    assert not takes()
+    monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(module, "HOPPER", False)
+    assert not takes()
+    monkeypatch.setenv("PORT_HOPPER_DECODE", "0")
+    assert port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "off")).HOPPER_DECODE is False
+
+
+def test_the_mask_bounds_gluon_copy_or_a_stand_in_that_decides_nothing():
+    # the paged decode skips tiles by the mask's bounds: they get a Gluon copy (mask_mod_bounds_gluon)
+    # when they use only Gluon's names; otherwise a stand-in that decides nothing (all 0, any 1),
+    # and the mods' own copy is kept
+    from workbench.port.generate import _gluon_mods
+
+    mod = "@triton.jit\ndef mask_mod_triton(b, h, q_idx, kv_idx):\n    return q_idx >= kv_idx\n"
+    bounds = ("@triton.jit\ndef mask_mod_bounds(b, h, q_lo, q_hi, kv_lo, kv_hi, t_ptr):\n"
+              "    x = tl.load(t_ptr + tl.minimum(q_lo, 3))\n    return (x >= kv_hi).to(tl.int32), (q_hi >= kv_lo).to(tl.int32)\n")
+    text, reason = _gluon_mods([mod, bounds])
+    assert reason is None and "def mask_mod_bounds_gluon(b, h, q_lo, q_hi, kv_lo, kv_hi, t_ptr):" in text
+    assert "gl.load(t_ptr + gl.minimum(q_lo, 3))" in text and "tl." not in text
+    text, reason = _gluon_mods([mod, bounds.replace("tl.minimum(q_lo, 3)", "tl.cumsum(q_lo, 0)")])
+    assert reason is None and "def mask_mod_bounds_gluon(b, h, q_lo, q_hi, kv_lo, kv_hi, t_ptr):" in text
+    assert "return q_lo * 0, q_lo * 0 + 1" in text and "cumsum" not in text and "def mask_mod_gluon(" in text

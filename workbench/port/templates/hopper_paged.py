@@ -306,3 +306,347 @@ def _attention_paged_hopper(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
                       stacklevel=3)
         return False
     return True
+
+
+# ---------------------------------------------------------------- Hopper (sm_90): paged decode
+
+# On: attention_paged's fast mode runs steps of decodes and short chunks (fewer than
+# HOPPER_PAGED_QUERIES queries per request on average) through _hopper_decode_kernel where
+# _hopper_decode_ready says it can; PORT_HOPPER_DECODE=0 (or HOPPER_DECODE = False, or PORT_HOPPER=0)
+# keeps them on the portable paged kernel.
+HOPPER_DECODE = os.environ.get("PORT_HOPPER_DECODE", "1") != "0"
+# (BLOCK_N keys per tile, K / V buffers, keys per split-KV piece (None: SPLIT_KEYS), registers per
+# thread at launch (None: the compiler's)). A program's 64 rows are (token, head) pairs of one kv
+# head's group; at D 128 a 64-key tile's K and V take 32 KB of shared memory a buffer, so 3 buffers
+# (112 KB with Q's tile) and 128 registers a thread (the math warpgroup takes 232 of the load
+# warpgroup's, compiled for sm_90a without spills) leave room for two programs an SM
+HOPPER_DECODE_TILE = (64, 3, None, 128)
+# (dtype, D) whose decode kernel failed to build or launch here (see _attention_paged_hopper_decode)
+_HOPPER_DECODE_FAILED: dict = {}
+
+if _HAS_GLUON and HOPPER_MODS is None:
+
+    @gluon.jit
+    def _hopper_tile_bounds(req, kv_h, group, q_lo, q_hi, kv_lo, kv_hi, @@MASK_PTR_PARAMS@@ @@RANGE_PTR_PARAMS@@
+                            HEADS_DIFFER: gl.constexpr):
+        # _tile_bounds in Gluon: what the mask gives over rows q_lo..q_hi x keys kv_lo..kv_hi for
+        # every query head of kv head kv_h's group, (all kept, any kept)
+        all_kept, any_kept = mask_mod_bounds_gluon(req, kv_h * group, q_lo, q_hi, kv_lo, kv_hi@@MASK_PTR_ARGS@@@@RANGE_PTR_ARGS@@)
+        if HEADS_DIFFER:
+            for g in range(1, group):
+                all_g, any_g = mask_mod_bounds_gluon(req, kv_h * group + g, q_lo, q_hi, kv_lo, kv_hi@@MASK_PTR_ARGS@@@@RANGE_PTR_ARGS@@)
+                all_kept = all_kept & all_g
+                any_kept = any_kept | any_g
+        return all_kept != 0, any_kept != 0
+
+    @gluon.jit
+    def _hopper_decode_producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pages, kv_col, L,
+                                start, n_tiles, PAGE_SIZE: gl.constexpr):
+        # the load warp: the piece's tiles from `start`, in order, each tile's keys then its values,
+        # read through the request's block table row into the ring as the consumers release it
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+        PARTS: gl.constexpr = BLOCK_N // k_desc.block_type.shape[0]
+        last_page = (L - 1) // PAGE_SIZE
+        for t in range(0, n_tiles):
+            slot = t % NUM_BUF
+            phase = (t // NUM_BUF) & 1
+            first = start + t * BLOCK_N
+            mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            _hopper_paged_load(k_desc, k_smem.index(slot), k_ready.index(slot), pages, first, last_page, kv_col,
+                               PAGE_SIZE, PARTS)
+            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            _hopper_paged_load(v_desc, v_smem.index(slot), v_ready.index(slot), pages, first, last_page, kv_col,
+                               PAGE_SIZE, PARTS)
+
+    @gluon.jit
+    def _hopper_decode_consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, Out, Lse, Part_acc, Part_ml,
+                                req, kv_h, group, q_row0, n_tok, q_pos0, L, start, n_tiles, whole, poison, pages,
+                                num_pages, split, total_q, Hq, sm_scale, @@ALL_PTR_PARAMS@@
+                                HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SPLIT: gl.constexpr,
+                                PAGE_SIZE: gl.constexpr):
+        # the math warpgroup over the program's 64 rows: row r is token r // group of the program
+        # (q's row q_row0 + r // group, the mods' q_idx q_pos0 + r // group) and query head
+        # kv_h * group + r % group; rows past n_tok tokens are computed (as the last token) and
+        # never stored. Per tile: S = Q K^T (wgmma), the score_mod, the mask unless the tile is
+        # full, the online softmax (_hopper_softmax), O = O * alpha + P V (wgmma, P from
+        # registers), tile t's S issued with tile t-1's P V as in _hopper_consumer. A tile is full
+        # when the bounds kept the piece whole (`whole`) and it ends inside the request. Each tile's
+        # page numbers are checked against the cache: a page outside it makes the rows NaN.
+        # SPLIT: (acc, m, l) of this piece into Part_acc / Part_ml (folded by _paged_fold), else
+        # out = acc / l (and lse).
+        BLOCK_M: gl.constexpr = q_smem.type.shape[0]
+        HEAD_D: gl.constexpr = q_smem.type.shape[1]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+        PARTS: gl.constexpr = (BLOCK_N + PAGE_SIZE - 1) // PAGE_SIZE
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        r_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        q_idx = (q_pos0 + gl.minimum(r_s // group, gl.maximum(n_tok - 1, 0)))[:, None]
+        h_idx = (kv_h * group + r_s % group)[:, None]
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
+        last_page = gl.maximum(L - 1, 0) // PAGE_SIZE
+        bad = poison
+        if n_tiles > 0:
+            first = start
+            mbarrier.wait(k_ready.index(0), 0)
+            qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+            mbarrier.arrive(k_empty.index(0), count=1)
+            for j in gl.static_range(PARTS):
+                page = gl.load(pages + gl.minimum(first // PAGE_SIZE + j, last_page))
+                bad = bad | ((page < 0) | (page >= num_pages)).to(gl.int32)
+            full = whole & (first + BLOCK_N <= L)
+            p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, req, h_idx, q_idx, first + cols, first, L, full,
+                                                 sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, True, True)
+            for t in range(1, n_tiles):
+                slot = t % NUM_BUF
+                prev = (t - 1) % NUM_BUF
+                first = start + t * BLOCK_N
+                for j in gl.static_range(PARTS):
+                    page = gl.load(pages + gl.minimum(first // PAGE_SIZE + j, last_page))
+                    bad = bad | ((page < 0) | (page >= num_pages)).to(gl.int32)
+                mbarrier.wait(k_ready.index(slot), (t // NUM_BUF) & 1)
+                qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev), ((t - 1) // NUM_BUF) & 1)
+                acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+                qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S is done; P V may still run
+                mbarrier.arrive(k_empty.index(slot), count=1)
+                full = whole & (first + BLOCK_N <= L)
+                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, req, h_idx, q_idx, first + cols, first, L, full,
+                                                     sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, True,
+                                                     True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            final = (n_tiles - 1) % NUM_BUF
+            mbarrier.wait(v_ready.index(final), ((n_tiles - 1) // NUM_BUF) & 1)
+            acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(final), count=1)
+        # the rows' places: token r // group of the program, head kv_h * group + r % group
+        r_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        row_ok = r_o // group < n_tok
+        at = (q_row0 + r_o // group).to(gl.int64) * Hq + kv_h * group + r_o % group  # (token, head) of q
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        if bad != 0:
+            acc = acc * float("nan")
+        if SPLIT:
+            at = at + split.to(gl.int64) * total_q * Hq
+            gl.store(Part_acc + at[:, None] * HEAD_D + offs_d[None, :], acc, mask=row_ok[:, None])
+            gl.store(Part_ml + at * 2, m_o, mask=row_ok)
+            gl.store(Part_ml + at * 2 + 1, l_o, mask=row_ok)
+        else:
+            l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+            out = acc / l_safe[:, None]
+            gl.store(Out + at[:, None] * HEAD_D + offs_d[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+            if RETURN_LSE:
+                lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * 0.6931471805599453)
+                if bad != 0:
+                    lse = lse * float("nan")
+                gl.store(Lse + at, lse, mask=row_ok)
+
+    @gluon.jit
+    def _hopper_decode_kernel(Q, k_desc, v_desc, Out, Lse, Part_acc, Part_ml, block_table, cu_seqlens_q, seq_lens, s_bt,
+                              num_seqs, Hq, group, tokens, sm_scale, total_q, split_keys, valid_q_len, valid_kv_len,
+                              num_pages, max_keys, @@ALL_PTR_PARAMS@@
+                              @@RANGE_PTR_PARAMS@@
+                              HAS_SCORE: gl.constexpr, HAS_MASK: gl.constexpr, BOUNDS: gl.constexpr,
+                              RETURN_LSE: gl.constexpr, SPLIT: gl.constexpr, HEADS_DIFFER: gl.constexpr,
+                              PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+                              num_warps: gl.constexpr):
+        # one program = `tokens` query tokens of one request times the `group` query heads of kv
+        # head kv_h (64 rows, GQA packed as in _paged_kernel), over one piece of the request's keys
+        # (SPLIT: keys [split * split_keys, (split + 1) * split_keys), else all of them): the same
+        # grid, the same pieces and the same partial sums as _paged_kernel, so _paged_fold folds
+        # them. Before the loop (every warp): which request (a binary search over cu_seqlens_q), the
+        # rows, the piece narrowed to the tiles the mask's bounds may keep (one test of the whole
+        # piece first), Q's rows into shared memory. Then one warp brings K and V by TMA through the
+        # block table (_hopper_decode_producer) while the warpgroup computes
+        # (_hopper_decode_consumer).
+        BLOCK_M: gl.constexpr = 64
+        HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
+        dtype: gl.constexpr = k_desc.dtype
+        pid = gl.program_id(0)
+        kv_h = gl.program_id(1)
+        split = gl.program_id(2)
+        lo = pid * 0
+        hi = lo + num_seqs
+        while hi - lo > 1:  # the slot's request: the last r whose first slot is <= pid
+            mid = (lo + hi) // 2
+            here = gl.load(cu_seqlens_q + mid) // tokens + mid <= pid
+            lo = gl.where(here, mid, lo)
+            hi = gl.where(here, hi, mid)
+        req = lo
+        q_start = gl.load(cu_seqlens_q + req)
+        n_q = gl.load(cu_seqlens_q + req + 1) - q_start
+        L = gl.load(seq_lens + req)
+        # (_paged_kernel's tests: a request whose numbers do not hold together gets NaN rows)
+        inside = (L <= valid_kv_len) & (L - 1 < valid_q_len) & (n_q >= 0) & (q_start >= 0) & (q_start + n_q <= total_q)
+        inside = inside & (n_q <= L) & (L <= max_keys)
+        first_tok = (pid - (q_start // tokens + req)) * tokens
+        used = (first_tok < n_q) & (first_tok >= 0)  # else a spare slot: it stores nothing
+        n_tok = gl.where(used, gl.minimum(n_q - first_tok, tokens), 0)
+        q_row0 = gl.where(used, q_start + first_tok, 0)
+        q_pos0 = L - n_q + first_tok
+        q_lo = q_pos0
+        q_hi = q_pos0 + n_tok - 1
+        if SPLIT:
+            start = split * split_keys
+            stop = gl.minimum(L, start + split_keys)
+        else:
+            start = L * 0
+            stop = L
+        stop = gl.where(inside & used, stop, start)
+        whole = start < 0
+        if not HAS_MASK:
+            whole = start >= 0
+        if BOUNDS:
+            # narrow [start, stop) to the tiles the bounds may keep, as _paged_kernel does
+            all_p, any_p = _hopper_tile_bounds(req, kv_h, group, q_lo, q_hi, start, gl.minimum(stop, L) - 1,
+                                               @@MASK_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HEADS_DIFFER)
+            whole = all_p & (start < stop)
+            kept_lo = gl.where(whole, start, stop)
+            kept_hi = gl.where(all_p, stop, start)
+            t = gl.where(all_p | (any_p == 0), stop, start)
+            while t < stop:
+                any_t = _hopper_tile_bounds(req, kv_h, group, q_lo, q_hi, t, gl.minimum(t + BLOCK_N, L) - 1,
+                                            @@MASK_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HEADS_DIFFER)[1]
+                kept_lo = gl.where(any_t & (t < kept_lo), t, kept_lo)
+                kept_hi = gl.where(any_t, t + BLOCK_N, kept_hi)
+                t += BLOCK_N
+            start = kept_lo
+            stop = gl.maximum(kept_hi, kept_lo)
+        n_tiles = gl.maximum(stop - start + BLOCK_N - 1, 0) // BLOCK_N
+        poison = (inside == 0).to(gl.int32)
+        # Q's rows (a few tokens x the group's heads; rows past them repeat the last token)
+        TPW_D: gl.constexpr = HEAD_D // 8
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [num_warps, 1], [1, 0])
+        r_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
+        d_q = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, q_layout))
+        tok_q = q_row0 + gl.minimum(r_q // group, gl.maximum(n_tok - 1, 0))
+        q_at = (tok_q.to(gl.int64) * Hq + kv_h * group + r_q % group) * HEAD_D
+        q_regs = gl.load(Q + q_at[:, None] + d_q[None, :])
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], gl.NVMMASharedLayout.get_default_for(
+            [BLOCK_M, HEAD_D], dtype), q_regs)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], v_desc.layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=1)
+        fence_async_shared()  # (Q's rows, written by every thread, are read by the tensor cores)
+        gl.thread_barrier()
+        pages = block_table + req.to(gl.int64) * s_bt
+        kv_col = kv_h * HEAD_D
+        gl.warp_specialize([
+            (_hopper_decode_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, Out, Lse, Part_acc,
+                                       Part_ml, req, kv_h, group, q_row0, n_tok, q_pos0, L, start, n_tiles, whole,
+                                       poison, pages, num_pages, split, total_q, Hq, sm_scale, @@ALL_PTR_PARAMS@@
+                                       HAS_SCORE, RETURN_LSE, SPLIT, PAGE_SIZE)),
+            (_hopper_decode_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pages,
+                                       kv_col, L, start, n_tiles, PAGE_SIZE)),
+        ], [1], [32])
+
+
+def _hopper_decode_ready(q, k_cache, v_cache, per_request: int, scale: float) -> bool:
+    """Whether this attention_paged call (fast mode) runs the Hopper decode kernel: HOPPER and
+    HOPPER_DECODE on, Gluon there and the mods translated, an sm_90 GPU, bf16 / fp16, D 64 or 128,
+    fewer than HOPPER_PAGED_QUERIES queries per request on average, a GQA group that divides 64
+    rows, pages that hold whole tiles or tiles of whole pages, contiguous tensors, a positive scale."""
+    if not (HOPPER and HOPPER_DECODE and _HAS_GLUON and HOPPER_MODS is None) or _INTERPRET or not scale > 0:
+        return False
+    if q.device.type != "cuda" or _capability(q.device) != (9, 0):
+        return False
+    num_pages, page_size, Hkv, D = k_cache.shape
+    group = q.shape[1] // Hkv
+    block_n = HOPPER_DECODE_TILE[0]
+    return (q.dtype in (torch.bfloat16, torch.float16) and D in (64, 128)
+            and (q.dtype, D) not in _HOPPER_DECODE_FAILED and per_request < HOPPER_PAGED_QUERIES
+            and 64 % group == 0 and (page_size % block_n == 0 or block_n % page_size == 0)
+            and num_pages * page_size < 2 ** 31 and all(t.is_contiguous() for t in (q, k_cache, v_cache)))
+
+
+def _hopper_decode_launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, return_lse, pointers,
+                          ranges, out, lse):
+    """(grid, arguments, options, (splits, split_keys, part_acc, part_ml)) of _hopper_decode_kernel for
+    this step: sizes from shapes alone, as in attention_paged's portable path."""
+    total_q, Hq, D = q.shape
+    num_pages, page_size, Hkv, _ = k_cache.shape
+    num_seqs = block_table.shape[0]
+    block_n, buffers, piece, regs = HOPPER_DECODE_TILE
+    group = Hq // Hkv
+    tokens = 64 // group
+    row_blocks = total_q // tokens + num_seqs
+    split_keys = piece or SPLIT_KEYS
+    if split_keys % block_n:
+        raise ValueError(f"HOPPER_DECODE_TILE's pieces of {split_keys} keys must be a multiple of its {block_n}-key "
+                         "tiles")
+    capacity = block_table.shape[1] * page_size
+    splits = -(-capacity // split_keys) if row_blocks * Hkv < SPLIT_WHEN_PROGRAMS_BELOW else 1
+    if splits > 1:
+        part_acc = torch.empty(splits, total_q, Hq, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(splits, total_q, Hq, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # (not read)
+    rows = min(page_size, block_n)
+    key = ("decode", block_n, D, q.dtype)
+    if key not in _SHARED_LAYOUTS:  # the tiles' layout; a page of fewer keys lands in a slice of one
+        _SHARED_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(
+            [block_n, D], gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16)
+    caches = [c.view(num_pages * page_size, Hkv * D) for c in (k_cache, v_cache)]
+    k_desc, v_desc = (_GluonDescriptor(c, list(c.shape), list(c.stride()), [rows, D], _SHARED_LAYOUTS[key])
+                      for c in caches)
+    args = (q, k_desc, v_desc, out, lse, part_acc, part_ml, block_table, cu_seqlens_q, seq_lens, block_table.stride(0),
+            num_seqs, Hq, group, tokens, scale, total_q, split_keys,
+            VALID_Q_LEN if VALID_KV_LEN is not None else 1 << 30, VALID_KV_LEN if VALID_KV_LEN is not None else 1 << 30,
+            num_pages, capacity, *pointers, *ranges)
+    options = dict(HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=HAS_BOUNDS and HAS_MASK, RETURN_LSE=return_lse,
+                   SPLIT=splits > 1, HEADS_DIFFER=MASK_READS_HEAD and group > 1, PAGE_SIZE=page_size,
+                   BLOCK_N=block_n, NUM_BUF=buffers, num_warps=4, **({"maxnreg": regs} if regs else {}))
+    return (row_blocks, Hkv, splits), args, options, (splits, split_keys, part_acc, part_ml)
+
+
+def _attention_paged_hopper_decode(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, return_lse,
+                                   pointers, ranges, out, lse) -> bool:
+    """attention_paged's fast mode through the Hopper decode kernel (see _hopper_decode_ready), into
+    out (and lse): True, or False when it failed to compile or launch for this kind of call (the
+    caller runs the portable kernel; the first failure warns with its cause). One launch, and
+    _paged_fold after it when the keys are split."""
+    kind = (q.dtype, q.shape[-1])
+    try:
+        grid, args, options, (splits, split_keys, part_acc, part_ml) = _hopper_decode_launch(
+            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, return_lse, pointers, ranges, out, lse)
+        _hopper_decode_kernel[grid](*args, **options)
+    except Exception as exc:
+        if isinstance(exc, (torch.cuda.OutOfMemoryError, ValueError)):
+            raise
+        _HOPPER_DECODE_FAILED[kind] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        warnings.warn(f"{NAME}: attention_paged's Hopper decode kernel ({q.dtype}, D {q.shape[-1]}) failed here "
+                      f"({_HOPPER_DECODE_FAILED[kind]}); these calls run the portable paged kernel instead. Set "
+                      "PORT_HOPPER_DECODE=0 to run it from the start, and please report the cause", RuntimeWarning,
+                      stacklevel=3)
+        return False
+    if splits > 1:
+        total_q, Hq, D = q.shape
+        _paged_fold[(total_q, Hq)](out, lse, part_acc, part_ml, seq_lens, cu_seqlens_q, block_table.shape[0], total_q,
+                                   Hq, D, splits, split_keys, D_PAD=D, RETURN_LSE=return_lse, INTERPRET=False,
+                                   ORDERED=splits > FOLD_AT_ONCE, PIECES=1 if splits > FOLD_AT_ONCE else
+                                   _next_pow2(splits), num_warps=1 if splits > FOLD_AT_ONCE else 4, num_stages=3)
+    return True

@@ -299,6 +299,11 @@ def test_the_hopper_decode_replays_in_a_cuda_graph_and_poisons_bad_pages(cuda, t
         torch.cuda.synchronize()
         plain = module.attention_paged(q, kc, vc, table, cu, lens)
         assert torch.equal(out, plain) and not torch.isnan(out).any()
+        # the cache's slots past a request's end hold anything, NaN included: request 0 (7,000
+        # keys) ends 8 keys into its page 437, whose last 8 slots now hold NaN: the same bits
+        kc[table[0, 437].long(), 8:] = float("nan")
+        vc[table[0, 437].long(), 8:] = float("nan")
+        assert torch.equal(module.attention_paged(q, kc, vc, table, cu, lens), plain)
         # request 2 (4,097 keys, its one query at position 4,096) reads keys 1,096 .. 4,096: a page
         # there outside the cache makes its rows NaN; a bad page before its window is never read
         table[2, 100] = pages * num_seqs + 5
@@ -308,4 +313,4 @@ def test_the_hopper_decode_replays_in_a_cuda_graph_and_poisons_bad_pages(cuda, t
         table[2, 10] = -3  # keys 160-175: outside the window, never read
         unread = module.attention_paged(q, kc, vc, table, cu, lens)
     assert not torch.isnan(unread).any()
-    assert runs == [True] * 5, (runs, module._HOPPER_DECODE_FAILED)
+    assert runs == [True] * 6, (runs, module._HOPPER_DECODE_FAILED)

@@ -430,6 +430,18 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             final = (n_tiles - 1) % NUM_BUF
             mbarrier.wait(v_ready.index(final), ((n_tiles - 1) // NUM_BUF) & 1)
+            last = start + (n_tiles - 1) * BLOCK_N
+            if last + BLOCK_N > L:
+                # the request's last tile: the cache's slots past its end hold anything (NaN
+                # included, and 0 * NaN is NaN): their values are zeroed before P V
+                TPW_D: gl.constexpr = HEAD_D // 8
+                v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
+                v_tile = v_smem.index(final)
+                vals = v_tile.load(v_layout)
+                rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
+                v_tile.store(gl.where((rows < L - last)[:, None], vals, 0.0).to(dtype))
+                fence_async_shared()
+                gl.thread_barrier()
             acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(final), count=1)

@@ -154,19 +154,6 @@ def main(argv) -> int:
                 2, total_q, 1 << 30, 1 << 30, 1024, 16, *pointers, *ranges, BOUNDS=module.HAS_BOUNDS and module.HAS_MASK,
                 PAGE_SIZE=16, PAGES=8, BLOCK=128, grid=(slots, heads))
             details.append(f"paged lists: {ptxas(lists)}")
-            # attention_paged's decode (templates/hopper_paged.py): a step of single-token decodes,
-            # pages of 16 keys (split into pieces) and of 128 (one piece a request)
-            for page, splits in ((16, 2), (128, 1)):
-                qd = torch.zeros(3, H, D, dtype=torch.bfloat16)
-                cache = torch.zeros(64, page, 2, D, dtype=torch.bfloat16)
-                table = torch.zeros(3, 8192 // page, dtype=torch.int32)
-                module.SPLIT_WHEN_PROGRAMS_BELOW = 512 if splits > 1 else 0
-                grid, args, options, extra = module._hopper_decode_launch(
-                    qd, cache, cache, table, torch.arange(4, dtype=torch.int32), torch.full((3,), 900, dtype=torch.int32),
-                    D ** -0.5, True, pointers, ranges, qd, qd)
-                assert grid[2] == splits and options["SPLIT"] == (splits > 1), (grid, options)
-                kernel = module._hopper_decode_kernel.warmup(*args, grid=grid, **options)
-                details.append(f"decode {page}: {ptxas(kernel)}; shared {kernel.metadata.shared} bytes")
             if mask.score_mod is None:  # the backward's two kernels (templates/hopper_backward.py), at D 64
                 d = 64
                 qb, kb = torch.zeros(B, H, L, d, dtype=torch.bfloat16), torch.zeros(B, 2, L, d, dtype=torch.bfloat16)

@@ -265,29 +265,17 @@ def _gluon_mods(parts: list[str]) -> tuple[str, str | None]:
     Triton translation with Gluon's names, which are the same for every elementwise op it writes
     (tl.sigmoid, which Gluon lacks, as the same 1 / (1 + exp(-x))). (text, None), or (a stand-in,
     the reason) when the translation uses a name Gluon lacks."""
-    renames = {"mask_mod_triton": "mask_mod_gluon", "score_mod_triton": "score_mod_gluon",
-               "mask_mod_bounds": "mask_mod_bounds_gluon"}
-    picked, bounds = [], None
+    renames = {"mask_mod_triton": "mask_mod_gluon", "score_mod_triton": "score_mod_gluon"}
+    picked = []
     for part in parts:
         names = re.findall(r"^def (\w+)\(", part, re.MULTILINE)
-        if names == ["mask_mod_bounds"]:
-            bounds = part.strip()
-        elif names and all(n in renames or n.startswith("_py_") for n in names):
+        if names and all(n in renames or n.startswith("_py_") for n in names):
             picked.append(part.strip())
             renames.update({n: f"{n}_gluon" for n in names if n.startswith("_py_")})
     text = "\n\n".join(picked).replace("tl.sigmoid(", "_sigmoid_gluon(")
     missing = sorted(set(re.findall(r"\btl\.([A-Za-z_0-9]+)", text)) - GLUON_NAMES)
     if missing:
         return "    pass", f"the mods use {', '.join('tl.' + n for n in missing)}, which Gluon does not have"
-    # the mask's interval bounds (the paged decode skips the tiles they rule out): in Gluon when
-    # they use only Gluon's names, else a stand-in that decides nothing (every tile is visited and
-    # masked, the same result)
-    if bounds is not None:
-        if set(re.findall(r"\btl\.([A-Za-z_0-9]+)", bounds)) - GLUON_NAMES:
-            head = re.search(r"^def mask_mod_bounds\((.*?)\):", bounds, re.MULTILINE | re.DOTALL).group(1)
-            bounds = (f"@triton.jit\ndef mask_mod_bounds({head}):\n    # (no Gluon copy of the bounds: nothing "
-                      "is decided over a tile)\n    return q_lo * 0, q_lo * 0 + 1")
-        text += "\n\n" + bounds
     text = re.sub(r"\btl\.", "gl.", text.replace("@triton.jit", "@gluon.jit"))
     for old, new in renames.items():
         text = re.sub(rf"\b{old}\(", f"{new}(", text)

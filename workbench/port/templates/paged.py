@@ -624,11 +624,6 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
             _attention_paged_hopper(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, return_lse,
                                     pointers, ranges, out, lse):
         return (out, lse) if return_lse else out
-    # decode-heavy steps on an H100 / H200: the Hopper decode kernel (hopper_paged.py), when it can
-    if not invariant and _hopper_decode_ready(q, k_cache, v_cache, total_q // num_seqs, scale) and \
-            _attention_paged_hopper_decode(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale,
-                                           return_lse, pointers, ranges, out, lse):
-        return (out, lse) if return_lse else out
     # a program's rows are (token, head) pairs of one kv head's group: `tokens` tokens x `group` heads
     group = Hq // Hkv
     if invariant:

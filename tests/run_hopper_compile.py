@@ -159,12 +159,12 @@ def main(argv) -> int:
                 qb, kb = torch.zeros(B, H, L, d, dtype=torch.bfloat16), torch.zeros(B, 2, L, d, dtype=torch.bfloat16)
                 module.column_lists = module.block_lists
                 rows_f = torch.zeros(B, H, L, dtype=torch.float32)
-                for fused in (False, True):  # (HOPPER_BWD_FUSED_DQ: dq by atomic adds in the dk / dv kernel)
+                for fused in (0, 1, 2):  # (HOPPER_BWD_FUSED_DQ: dq by atomic adds in the dk / dv kernel)
                     *_, launches = module._hopper_bwd_plan(qb, kb, kb, qb, rows_f, rows_f, d ** -0.5, tables,
                                                            fused=fused)
                     for kernel, grid, args, options in launches:
                         compiled = kernel.warmup(*args, grid=grid, **options)
-                        details.append(f"backward D {d}{' fused dq' if fused else ''} {kernel.fn.__name__}: "
+                        details.append(f"backward D {d}{f' fused dq {fused}' if fused else ''} {kernel.fn.__name__}: "
                                        f"{ptxas(compiled)}")
             detail = " | ".join(details)
             # no spills at whole blocks; lengths off the grid may spill a little where a mask is heavy

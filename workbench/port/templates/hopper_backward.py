@@ -39,11 +39,13 @@ HOPPER_BWD_TILES = {64: (64, 64, 4, True), 128: (32, 64, 4, True)}
 # FlashAttention-2 / 3's five matmuls per pair instead of seven: the dk / dv programs also compute
 # dq (dS K over their keys) and add it into a float32 dq with atomic adds, and the dq kernel does
 # not run. The adds' order varies, so dq's last bits vary run to run (never with deterministic=True).
-# Off: on an H200 it matched the float64 reference (bf16 D 64 / 128, fp16 D 128) but was slower than
-# the two kernels (causal 32K: 17.8 vs 17.1 ms at D 64; 44.8 vs 28.7 at D 128, where dK, dV and the
-# dq tile spill registers): every pair tile's dq goes to memory by atomics. Its dk / dv tile is
-# (64 queries, in turn).
-HOPPER_BWD_FUSED_DQ = os.environ.get("PORT_HOPPER_BWD_FUSED_DQ", "0") == "1"
+# 0: off. 1: each math warpgroup adds its 64 keys' dq (on an H200 it matched the float64 reference,
+# bf16 D 64 / 128 and fp16 D 128, but was slower than the two kernels: causal 32K 17.8 vs 17.1 ms
+# at D 64, 44.8 vs 28.7 at D 128, where dK, dV and the dq tile spill registers; every pair tile's
+# dq goes to memory by atomics). 2: both warpgroups write dS^T to one shared tile of the program's
+# 128 keys and one of them, in turn, computes dQ over all 128 and adds it (half the atomics).
+# Its dk / dv tile is (64 queries, in turn).
+HOPPER_BWD_FUSED_DQ = int(os.environ.get("PORT_HOPPER_BWD_FUSED_DQ", "0") or 0)
 _HOPPER_BWD_FAILED: dict = {}
 
 if _HAS_GLUON and HOPPER_MODS is None:
@@ -79,7 +81,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     count += 1
 
     @gluon.jit
-    def _hopper_bwd_dkdv_consumer(k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, DK, DV, DQ_acc,
+    def _hopper_bwd_dkdv_consumer(k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full, ds_free,
+                                  DK, DV, DQ_acc,
                                   Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows,
                                   partial_num, partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
                                   TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
@@ -92,7 +95,11 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # buffer goes back to the load warp when both warpgroups' dV and dK have read it, a tile
         # later (so the ring needs three buffers or more to load ahead). FUSED_DQ (in turn only):
         # also dQ += dS K for this warpgroup's 64 keys, dS^T written to shared memory and read back
-        # transposed by the matmul, the product added into a float32 dQ with atomic adds.
+        # transposed by the matmul, the product added into a float32 dQ with atomic adds. FUSED_DQ 2:
+        # both warpgroups write their dS^T into the two halves of one [128 keys, 64 queries] tile
+        # (two such tiles, one per tile parity: `ds_full` when both halves are written, `ds_free`
+        # when its dQ matmul has read it), and warpgroup `count % 2` computes dQ = dS K over the 128
+        # keys and adds it.
         BLOCK_N: gl.constexpr = k_smem.type.shape[0] // 2
         HEAD_D: gl.constexpr = k_smem.type.shape[1]
         num_warps: gl.constexpr = 4
@@ -160,6 +167,31 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     if OVERLAP:
                         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                         mbarrier.arrive(empty.index(prev), count=1, pred=count > 0)  # the previous tile's buffer
+                    elif FUSED_DQ == 2:
+                        buf = count % 2
+                        mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)
+                        ds_smem.index(buf).slice(WG * BLOCK_N, BLOCK_N).store(dst.to(dtype))
+                        fence_async_shared()
+                        gl.thread_barrier()
+                        mbarrier.arrive(ds_full.index(buf), count=1)
+                        if buf == WG:  # (this warpgroup's turn: both halves of dS^T written first)
+                            mbarrier.wait(ds_full.index(buf), (count // 2) & 1)
+                            dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+                            dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
+                            dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_smem, zero_q, use_acc=False,
+                                               is_async=True)
+                            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                            mbarrier.arrive(ds_free.index(buf), count=1)
+                            mbarrier.arrive(empty.index(slot), count=1)
+                            q_rows = r * TABLE_M + sub * BLOCK_M + gl.arange(0, BLOCK_M,
+                                                                           layout=gl.SliceLayout(1, o_layout))
+                            gl.atomic_add(DQ_acc + (bh.to(gl.int64) * Lq + q_rows)[:, None] * HEAD_D + offs_d[None, :],
+                                          dq, sem="relaxed")
+                        else:
+                            dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+                            dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
+                            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+                            mbarrier.arrive(empty.index(slot), count=1)
                     elif FUSED_DQ:
                         ds_part = ds_smem.index(WG)
                         ds_part.store(dst.to(dtype))
@@ -193,7 +225,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                 partial_idx, full_num, full_idx, c_tb, c_th, n_rows, Hq, Hkv, group, Lq, Lk, sm_scale,
                                 @@ALL_PTR_PARAMS@@
                                 TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr,
-                                num_warps: gl.constexpr, OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr = False,
+                                num_warps: gl.constexpr, OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr = 0,
                                 DS_LAYOUT: gl.constexpr = None):
         # one program = the 128 keys of column pid_n of one (batch entry, kv head): their K and V
         # once, then the query tiles of its column lists through a ring (see above), two math
@@ -211,10 +243,17 @@ if _HAS_GLUON and HOPPER_MODS is None:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_D], do_desc.layout)
-        if FUSED_DQ:  # each math warpgroup's dS^T, read back by its dQ matmul
+        if FUSED_DQ == 2:  # dS^T of the program's 128 keys, one tile per tile parity
+            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
+        elif FUSED_DQ:  # each math warpgroup's dS^T, read back by its dQ matmul
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, BLOCK_M], DS_LAYOUT)
         else:
             ds_smem = k_smem  # (not used)
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_full.index(i), count=2)  # both warpgroups' halves
+            mbarrier.init(ds_free.index(i), count=1)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -226,11 +265,13 @@ if _HAS_GLUON and HOPPER_MODS is None:
         tma.async_copy_global_to_shared(k_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, v_smem)
         gl.warp_specialize([
-            (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, DK, DV,
+            (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
+                                         ds_free, DK, DV,
                                          DQ_acc, Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th,
                                          n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
                                          @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0, OVERLAP, FUSED_DQ)),
-            (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, DK, DV,
+            (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
+                                         ds_free, DK, DV,
                                          DQ_acc, Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th,
                                          n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
                                          @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1, OVERLAP, FUSED_DQ)),
@@ -393,7 +434,9 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
             (_hopper_descriptor(k, TABLE_N), _hopper_descriptor(v, TABLE_N), _hopper_descriptor(q, block_m),
              _hopper_descriptor(dout, block_m), dk, dv, dq, lse2, delta, *column_lists(B, Hq, Lq, Lk, q.device),
              c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, scale, *pointers),
-            {**options, "num_warps": 4, **({"FUSED_DQ": True, "DS_LAYOUT": _bwd_ds_layout(q.dtype)} if fused else {})})
+            {**options, "num_warps": 4,
+             **({"FUSED_DQ": int(fused), "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused == 2 else 64)}
+                if fused else {})})
     if fused:
         return dq, dk, dv, [dkdv]
     dq_launch = (_hopper_bwd_dq_kernel, (n_rows, B * Hq),
@@ -403,12 +446,12 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
     return dq, dk, dv, [dkdv, dq_launch]
 
 
-def _bwd_ds_layout(dtype):
-    """The shared-memory layout of a warpgroup's dS^T tile (64 keys x 64 queries) in the fused form."""
-    key = ("ds", dtype)
+def _bwd_ds_layout(dtype, keys=64):
+    """The shared-memory layout of a dS^T tile (`keys` keys x 64 queries) in the fused forms."""
+    key = ("ds", dtype, keys)
     if key not in _SHARED_LAYOUTS:
         _SHARED_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(
-            [64, 64], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+            [keys, 64], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
     return _SHARED_LAYOUTS[key]
 
 
@@ -418,7 +461,7 @@ def _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, tables, deterministic=
     D = q.shape[-1]
     try:
         dq, dk, dv, launches = _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables,
-                                                fused=HOPPER_BWD_FUSED_DQ and not deterministic)
+                                                fused=0 if deterministic else HOPPER_BWD_FUSED_DQ)
         for kernel, grid, args, options in launches:
             kernel[grid](*args, **options)
         if dq.dtype != q.dtype:  # (the fused form's float32 sum)

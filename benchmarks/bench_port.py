@@ -558,14 +558,14 @@ def _backward_row(name, mask, seq, args, flex, folder, learn) -> str:
         raise RuntimeError(f"the port: {type(exc).__name__}: {exc}") from exc
     dq_port = q.grad.clone()
     port_ms, port_gib = _step_timer(port_step)
-    det_ms, _ = _step_timer(lambda: port_step(True)) if tables else (float("nan"), 0)
+    det_ms, _ = _step_timer(lambda: port_step(True))  # (the same bits run to run: tables' and dq's sums)
     try:  # Flex's own failures (its compile, its tiles) are a result too: the port's figures stand
         flex_step()
         diff = f"{float((dq_port.float() - q.grad.float()).abs().max()):.1e}"
         flex_ms, flex_gib = _step_timer(flex_step)
         flex_host = f"{_host_ms(flex_step):.2f}"
     except Exception as exc:
-        det = f"{det_ms:.2f}" if tables else "- (no tables)"
+        det = f"{det_ms:.2f}"
         return (f"| {name} | {seq:,} | {port_ms:.2f} ({flops / port_ms / 1e9:.0f}, {port_gib:.2f}) | {det} | "
                 f"cannot run ({type(exc).__name__}: {str(exc)[:100]}) | - | - | - | {_host_ms(port_step):.2f}, - | "
                 f"{_kernel_ms(port_step):.3f}, -, - | - | - |")
@@ -577,7 +577,7 @@ def _backward_row(name, mask, seq, args, flex, folder, learn) -> str:
         flash_gpu = f"{_kernel_ms(lambda: flex_step(kernel_options={'BACKEND': 'FLASH'})):.3f}"
     except Exception as exc:  # not installed, or it cannot run this mask
         flash, vs_flash = f"n/a ({type(exc).__name__}: {str(exc)[:80]})", "-"
-    det = f"{det_ms:.2f}" if tables else "- (no tables)"
+    det = f"{det_ms:.2f}"
     host = f"{_host_ms(port_step):.2f}, {flex_host}"
     return (f"| {name} | {seq:,} | {port_ms:.2f} ({flops / port_ms / 1e9:.0f}, {port_gib:.2f}) | {det} | "
             f"{flex_ms:.2f} ({flops / flex_ms / 1e9:.0f}, {flex_gib:.2f}) | {flash} | {flex_ms / port_ms:.2f}x | "

@@ -90,6 +90,7 @@ def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_d
         module.HOPPER_BWD_HEAD_DIMS, module.HOPPER_BWD_PER_HEAD = (64, 128), True
         module.HOPPER_BWD_TILES = {d: (*tile[:3], form == "overlap") for d, tile in module.HOPPER_BWD_TILES.items()}
         module.HOPPER_BWD_FUSED_DQ = {"fused_dq": 1, "fused_dq_summed": 2}.get(form, 0)
+        module.HOPPER_BWD_FUSED_HEAD_DIMS = (64, 128)
         ran = []
         real = module._hopper_bwd_launch
 

@@ -238,21 +238,23 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     monkeypatch.setenv("PORT_HOPPER_BWD", "0")
     off = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "off"))
     assert off.HOPPER_BWD is False and not ready(off, d=64)
-    # dq by atomic adds (five matmuls a pair instead of seven) only when asked for
-    assert causal.HOPPER_BWD_FUSED_DQ is False
-    monkeypatch.setenv("PORT_HOPPER_BWD_FUSED_DQ", "1")
-    assert port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "fused")).HOPPER_BWD_FUSED_DQ is True
+    # dq by atomic adds (five matmuls a pair instead of seven), summed over a program's 128 keys
+    # first: the default at D 64; PORT_HOPPER_BWD_FUSED_DQ picks another form (0: the two kernels)
+    assert causal.HOPPER_BWD_FUSED_DQ == 2 and causal.HOPPER_BWD_FUSED_HEAD_DIMS == (64, )
+    monkeypatch.setenv("PORT_HOPPER_BWD_FUSED_DQ", "0")
+    assert port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "fused")).HOPPER_BWD_FUSED_DQ == 0
 
 
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
 def test_the_fused_dq_form_is_never_taken_with_deterministic(tmp_path, monkeypatch):
     # HOPPER_BWD_FUSED_DQ adds dq with atomics (bits vary run to run): a deterministic backward must
-    # take the two-kernel form. The kernels are not launched here: the plan is recorded and its
-    # tensors returned, and the float32 sum of the fused form comes back in q's dtype.
+    # take the two-kernel form, and so must head dims outside HOPPER_BWD_FUSED_HEAD_DIMS. The
+    # kernels are not launched here: the plan is recorded and its tensors returned, and the float32
+    # sum of the fused form comes back in q's dtype.
     import torch
 
     module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
-    monkeypatch.setattr(module, "HOPPER_BWD_FUSED_DQ", True)
+    assert module.HOPPER_BWD_FUSED_DQ == 2
     asked = []
 
     def plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
@@ -266,7 +268,9 @@ def test_the_fused_dq_form_is_never_taken_with_deterministic(tmp_path, monkeypat
     for deterministic in (True, False):
         dq, dk, dv = module._hopper_bwd_launch(q, q, q, q, rows, rows, 0.125, {}, deterministic)
         assert dq.dtype == torch.bfloat16 and bool((dq == 1).all())
-    assert asked == [False, True]
+    wide = torch.randn(1, 2, 128, 128, dtype=torch.bfloat16)  # (D 128: the fused form spills there)
+    module._hopper_bwd_launch(wide, wide, wide, wide, rows, rows, 0.125, {}, False)
+    assert asked == [0, 2, 0]
 
 
 _PAGED_LISTS = r'''

@@ -30,7 +30,8 @@ NO_SCORE_GRAD = @@NO_SCORE_GRAD@@  # why not, when it was not
 # the score_mod's tables that can learn (tables={name: a tensor that requires grad}): their
 # gradient is added where the score_mod reads them (score_table_grad_triton; bit t of its LEARN
 # turns table t's adds on). A float atomic add per kept pair and read: their order varies, so
-# these gradients differ in the last bits run to run (dq, dk and dv never do), unless the call
+# these gradients differ in the last bits run to run (dk and dv never do; dq only in the Hopper
+# backward's fused form, hopper_backward.py), unless the call
 # asks for deterministic=True: then they are integer adds in units of 2^-32 (rounded to nearest;
 # the same sum in any order; tables' gradients up to 2^31 in size)
 GRAD_TABLES = @@GRAD_TABLES@@

@@ -8,7 +8,8 @@ import torch
 
 # FlashAttention-2's backward (see the portable kernels' comment above: p = exp2(s * c - lse2),
 # ds = p (dp - delta), dq = scale ds k, dk = scale ds^T q, dv = p^T dO) as two Gluon kernels, with
-# no atomics, so every call gives the same bits, like the portable backward:
+# no atomics, so every call gives the same bits, like the portable backward (by default at D 64 the
+# dk / dv kernel computes dq too, by atomic adds: HOPPER_BWD_FUSED_DQ below):
 #   dk / dv: one program per 128 keys of a (batch entry, kv head), its K and V in shared memory
 #            for the whole program; a load warp brings the tiles of Q and dO that the column
 #            lists name (every query head of the group, in order) into a ring of buffers; two
@@ -38,14 +39,18 @@ HOPPER_BWD_PER_HEAD = False
 HOPPER_BWD_TILES = {64: (64, 64, 4, True), 128: (32, 64, 4, True)}
 # FlashAttention-2 / 3's five matmuls per pair instead of seven: the dk / dv programs also compute
 # dq (dS K over their keys) and add it into a float32 dq with atomic adds, and the dq kernel does
-# not run. The adds' order varies, so dq's last bits vary run to run (never with deterministic=True).
-# 0: off. 1: each math warpgroup adds its 64 keys' dq (on an H200 it matched the float64 reference,
-# bf16 D 64 / 128 and fp16 D 128, but was slower than the two kernels: causal 32K 17.8 vs 17.1 ms
-# at D 64, 44.8 vs 28.7 at D 128, where dK, dV and the dq tile spill registers; every pair tile's
-# dq goes to memory by atomics). 2: both warpgroups write dS^T to one shared tile of the program's
-# 128 keys and one of them, in turn, computes dQ over all 128 and adds it (half the atomics).
-# Its dk / dv tile is (64 queries, in turn).
-HOPPER_BWD_FUSED_DQ = int(os.environ.get("PORT_HOPPER_BWD_FUSED_DQ", "0") or 0)
+# not run. The adds' order varies, so dq's last bits vary run to run (deterministic=True runs the
+# two kernels above, whose bits never vary). 0: off. 1: each math warpgroup adds its 64 keys' dq
+# (on an H200 slower than the two kernels: causal 32K 17.7 vs 16.8 ms at D 64; 44.8 vs 28.7 at D
+# 128, where dK, dV and the dq tile spill registers). 2 (the default): both warpgroups write dS^T
+# into one shared tile of the program's 128 keys and one of them, in turn, computes dQ over all 128
+# and adds it: half the atomic traffic. On an H200 (bf16, B 1, H 16, D 64, backward alone) 1.12-1.14x
+# the two kernels: causal 32K 14.92 against 16.75 ms, causal 8K 1.10 / 1.24, window 1024 1.33 /
+# 1.51, 8 documents 2.33 / 2.64, prefix-LM 2048 14.84 / 16.89. At the head dims of
+# HOPPER_BWD_FUSED_HEAD_DIMS; its dk / dv tile is (64 queries, HOPPER_BWD_FUSED_BUFFERS buffers, in turn).
+HOPPER_BWD_FUSED_DQ = int(os.environ.get("PORT_HOPPER_BWD_FUSED_DQ", "2") or 0)
+HOPPER_BWD_FUSED_HEAD_DIMS = (64, )
+HOPPER_BWD_FUSED_BUFFERS = 3
 _HOPPER_BWD_FAILED: dict = {}
 
 if _HAS_GLUON and HOPPER_MODS is None:
@@ -421,7 +426,7 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
     a float32 sum of atomic adds, to be cast to q's dtype."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    block_m, block_n, buffers, overlap = (64, 64, HOPPER_BWD_TILES[D][2], False) if fused else HOPPER_BWD_TILES[D]
+    block_m, block_n, buffers, overlap = (64, 64, HOPPER_BWD_FUSED_BUFFERS, False) if fused else HOPPER_BWD_TILES[D]
     dout = dout.contiguous() if dout.dtype == q.dtype else dout.to(q.dtype).contiguous()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -461,7 +466,8 @@ def _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, tables, deterministic=
     D = q.shape[-1]
     try:
         dq, dk, dv, launches = _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables,
-                                                fused=0 if deterministic else HOPPER_BWD_FUSED_DQ)
+                                                fused=0 if deterministic or D not in HOPPER_BWD_FUSED_HEAD_DIMS
+                                                else HOPPER_BWD_FUSED_DQ)
         for kernel, grid, args, options in launches:
             kernel[grid](*args, **options)
         if dq.dtype != q.dtype:  # (the fused form's float32 sum)

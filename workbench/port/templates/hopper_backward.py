@@ -48,6 +48,10 @@ HOPPER_BWD_TILES = {64: (64, 64, 4, True), 128: (32, 64, 4, True)}
 # the two kernels: causal 32K 14.92 against 16.75 ms, causal 8K 1.10 / 1.24, window 1024 1.33 /
 # 1.51, 8 documents 2.33 / 2.64, prefix-LM 2048 14.84 / 16.89. At the head dims of
 # HOPPER_BWD_FUSED_HEAD_DIMS; its dk / dv tile is (64 queries, HOPPER_BWD_FUSED_BUFFERS buffers, in turn).
+# At D 128 it spills 1 KB of registers; a keys-down form there (the 32-query tile, dQ^T = K^T dS^T
+# with each warpgroup computing 64 rows of the head dim, 296 bytes spilled) matched the float64
+# reference on the H200 but took 39.3 ms against the two kernels' 28.7 (causal 32K), so D 128 keeps
+# the two kernels (not kept in the file).
 HOPPER_BWD_FUSED_DQ = int(os.environ.get("PORT_HOPPER_BWD_FUSED_DQ", "2") or 0)
 HOPPER_BWD_FUSED_HEAD_DIMS = (64, )
 HOPPER_BWD_FUSED_BUFFERS = 3
@@ -122,12 +126,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
         dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=o_layout)
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
         zero_q = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)  # (FUSED_DQ: BLOCK_M = BLOCK_N = 64)
-        HALF_D: gl.constexpr = HEAD_D // 2  # (FUSED_DQ 3: each warpgroup's half of dQ's columns)
-        oh_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                            instr_shape=[16, HALF_D, 16])
-        if FUSED_DQ == 3:
-            zero_qh = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=oh_layout)
-            offs_dh = gl.arange(0, HALF_D, layout=gl.SliceLayout(0, oh_layout))
         offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
         k_part = k_smem.slice(WG * BLOCK_N, BLOCK_N)
         v_part = v_smem.slice(WG * BLOCK_N, BLOCK_N)
@@ -178,48 +176,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     if OVERLAP:
                         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                         mbarrier.arrive(empty.index(prev), count=1, pred=count > 0)  # the previous tile's buffer
-                    elif FUSED_DQ == 4:
-                        # both warpgroups' halves of dS^T in one [128 keys, BLOCK_M queries] tile, then
-                        # each computes dQ^T = K^T dS^T for its half of the head dim (64 rows) over the
-                        # 128 keys (keys down: no register tile is transposed) and adds it into a
-                        # float32 dq^T [B * Hq, D, Lq]
-                        buf = count % 2
-                        mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)
-                        ds_smem.index(buf).slice(WG * BLOCK_N, BLOCK_N).store(dst.to(dtype))
-                        fence_async_shared()
-                        gl.thread_barrier()
-                        mbarrier.arrive(ds_full.index(buf), count=1)
-                        mbarrier.wait(ds_full.index(buf), (count // 2) & 1)
-                        dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
-                        dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
-                        dqt = warpgroup_mma(k_smem.slice(WG * HALF_D, HALF_D, dim=1).permute((1, 0)), ds_smem.index(buf),
-                                            zero_s, use_acc=False, is_async=True)
-                        dv, dk, dqt = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dqt))
-                        mbarrier.arrive(ds_free.index(buf), count=1)
-                        mbarrier.arrive(empty.index(slot), count=1)
-                        d_rows = WG * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(1, s_layout))
-                        gl.atomic_add(DQ_acc + (bh.to(gl.int64) * HEAD_D + d_rows)[:, None] * Lq + rows[None, :], dqt,
-                                      sem="relaxed")
-                    elif FUSED_DQ == 3:
-                        # both warpgroups' halves of dS^T in one tile, then each computes dQ for its
-                        # half of the head dim over the 128 keys and adds it
-                        buf = count % 2
-                        mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)
-                        ds_smem.index(buf).slice(WG * BLOCK_N, BLOCK_N).store(dst.to(dtype))
-                        fence_async_shared()
-                        gl.thread_barrier()
-                        mbarrier.arrive(ds_full.index(buf), count=1)
-                        mbarrier.wait(ds_full.index(buf), (count // 2) & 1)
-                        dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
-                        dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
-                        dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_smem.slice(WG * HALF_D, HALF_D, dim=1),
-                                           zero_qh, use_acc=False, is_async=True)
-                        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-                        mbarrier.arrive(ds_free.index(buf), count=1)
-                        mbarrier.arrive(empty.index(slot), count=1)
-                        q_rows = r * TABLE_M + sub * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, oh_layout))
-                        gl.atomic_add(DQ_acc + (bh.to(gl.int64) * Lq + q_rows)[:, None] * HEAD_D + WG * HALF_D
-                                      + offs_dh[None, :], dq, sem="relaxed")
                     elif FUSED_DQ == 2:
                         buf = count % 2
                         mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)
@@ -296,7 +252,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_D], do_desc.layout)
-        if FUSED_DQ >= 2:  # dS^T of the program's 128 keys, one tile per tile parity
+        if FUSED_DQ == 2:  # dS^T of the program's 128 keys, one tile per tile parity
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
         elif FUSED_DQ:  # each math warpgroup's dS^T, read back by its dQ matmul
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, BLOCK_M], DS_LAYOUT)
@@ -306,7 +262,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(ds_full.index(i), count=2)  # both warpgroups' halves
-            mbarrier.init(ds_free.index(i), count=1 if FUSED_DQ == 2 else 2)  # (3, 4: both warpgroups' dQ read it)
+            mbarrier.init(ds_free.index(i), count=1)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -475,13 +431,8 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     block_m, block_n, buffers, overlap = (64, 64, HOPPER_BWD_FUSED_BUFFERS, False) if fused else HOPPER_BWD_TILES[D]
-    if fused == 4:  # (its query tile: the two-kernel form's)
-        block_m = HOPPER_BWD_TILES[D][0]
     dout = dout.contiguous() if dout.dtype == q.dtype else dout.to(q.dtype).contiguous()
-    if fused == 4:  # dq^T, [B, Hq, D, Lq]
-        dq = torch.zeros(B, Hq, D, Lq, dtype=torch.float32, device=q.device)
-    else:
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     pointers = [tables[name] for name in ALL_POINTERS]
     n_rows, n_cols = _cdiv(Lq, TABLE_M), _cdiv(Lk, TABLE_N)
@@ -493,7 +444,7 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
              _hopper_descriptor(dout, block_m), dk, dv, dq, lse2, delta, *column_lists(B, Hq, Lq, Lk, q.device),
              c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, scale, *pointers),
             {**options, "num_warps": 4,
-             **({"FUSED_DQ": int(fused), "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused >= 2 else 64, block_m)}
+             **({"FUSED_DQ": int(fused), "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused == 2 else 64)}
                 if fused else {})})
     if fused:
         return dq, dk, dv, [dkdv]
@@ -504,12 +455,12 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
     return dq, dk, dv, [dkdv, dq_launch]
 
 
-def _bwd_ds_layout(dtype, keys=64, queries=64):
-    """The shared-memory layout of a dS^T tile (`keys` keys x `queries` queries) in the fused forms."""
-    key = ("ds", dtype, keys, queries)
+def _bwd_ds_layout(dtype, keys=64):
+    """The shared-memory layout of a dS^T tile (`keys` keys x 64 queries) in the fused forms."""
+    key = ("ds", dtype, keys)
     if key not in _SHARED_LAYOUTS:
         _SHARED_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(
-            [keys, queries], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+            [keys, 64], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
     return _SHARED_LAYOUTS[key]
 
 
@@ -522,10 +473,8 @@ def _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, tables, deterministic=
         dq, dk, dv, launches = _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=fused)
         for kernel, grid, args, options in launches:
             kernel[grid](*args, **options)
-        if fused == 4:  # (its float32 dq^T)
-            dq = dq.transpose(-1, -2)
         if dq.dtype != q.dtype:  # (the fused forms' float32 sum)
-            dq = dq.to(q.dtype, memory_format=torch.contiguous_format)
+            dq = dq.to(q.dtype)
     except Exception as exc:
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             raise

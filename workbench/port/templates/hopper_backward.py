@@ -56,6 +56,26 @@ HOPPER_BWD_FUSED_DQ = int(os.environ.get("PORT_HOPPER_BWD_FUSED_DQ", "2") or 0)
 HOPPER_BWD_FUSED_HEAD_DIMS = (64, )
 HOPPER_BWD_FUSED_BUFFERS = 3
 _HOPPER_BWD_FAILED: dict = {}
+# A TMA reduce-add (cp.reduce.async.bulk.tensor ... .add: a shared-memory tile added into global
+# memory by the copy engine, FlashAttention-3's way of summing dq). Gluon 3.6 has no public call for
+# it on Hopper; its op builder does (`create_async_tma_reduce`, what Triton's descriptor atomic_add
+# lowers to). Used only by HOPPER_BWD_FUSED_DQ = 3, and only where that builder call exists.
+_HAS_TMA_REDUCE = False
+if _HAS_GLUON:
+    try:
+        from triton._C.libtriton import ir as _triton_ir
+        from triton.experimental.gluon.language._core import builtin as _gluon_builtin
+
+        _HAS_TMA_REDUCE = hasattr(_triton_ir, "DESCRIPTOR_REDUCE_KIND")
+    except ImportError:
+        pass
+if _HAS_TMA_REDUCE:
+
+    @_gluon_builtin
+    def _tma_reduce_add(desc, coord, src, _semantic=None):
+        # src (a shared-memory tile) added into desc's tile at coord, asynchronously (tma.store_wait)
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
 if _HAS_GLUON and HOPPER_MODS is None:
 
@@ -91,7 +111,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
 
     @gluon.jit
     def _hopper_bwd_dkdv_consumer(k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full, ds_free,
-                                  DK, DV, DQ_acc,
+                                  dq_smem, dq_desc, DK, DV, DQ_acc,
                                   Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows,
                                   partial_num, partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
                                   TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
@@ -176,6 +196,36 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     if OVERLAP:
                         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                         mbarrier.arrive(empty.index(prev), count=1, pred=count > 0)  # the previous tile's buffer
+                    elif FUSED_DQ == 3:
+                        # form 2 with the sum by the copy engine: dQ into this warpgroup's staging
+                        # tile, then one TMA reduce-add of the tile into the float32 dq
+                        buf = count % 2
+                        mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)
+                        ds_smem.index(buf).slice(WG * BLOCK_N, BLOCK_N).store(dst.to(dtype))
+                        fence_async_shared()
+                        gl.thread_barrier()
+                        mbarrier.arrive(ds_full.index(buf), count=1)
+                        if buf == WG:
+                            mbarrier.wait(ds_full.index(buf), (count // 2) & 1)
+                            dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+                            dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
+                            dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_smem, zero_q, use_acc=False,
+                                               is_async=True)
+                            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                            mbarrier.arrive(ds_free.index(buf), count=1)
+                            mbarrier.arrive(empty.index(slot), count=1)
+                            staging = dq_smem.index(WG)
+                            tma.store_wait(0)  # (this warpgroup's previous reduce has read its staging tile)
+                            gl.thread_barrier()
+                            staging.store(dq)
+                            fence_async_shared()
+                            gl.thread_barrier()
+                            _tma_reduce_add(dq_desc, [bh * Lq + r * TABLE_M + sub * BLOCK_M, 0], staging)
+                        else:
+                            dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+                            dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
+                            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+                            mbarrier.arrive(empty.index(slot), count=1)
                     elif FUSED_DQ == 2:
                         buf = count % 2
                         mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)
@@ -224,13 +274,15 @@ if _HAS_GLUON and HOPPER_MODS is None:
             dv = warpgroup_mma(pt_op, do_smem.index(prev), dv, is_async=True)
             dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        if FUSED_DQ == 3:
+            tma.store_wait(0)  # (the last reduce has read its staging tile)
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
         out = (bkh.to(gl.int64) * Lk + offs_n)[:, None] * HEAD_D + offs_d[None, :]
         gl.store(DK + out, dk.to(DK.dtype.element_ty))
         gl.store(DV + out, dv.to(DV.dtype.element_ty))
 
     @gluon.jit
-    def _hopper_bwd_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, DQ_acc, Lse2, Delta, partial_num,
+    def _hopper_bwd_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, DQ_acc, Lse2, Delta, partial_num,
                                 partial_idx, full_num, full_idx, c_tb, c_th, n_rows, Hq, Hkv, group, Lq, Lk, sm_scale,
                                 @@ALL_PTR_PARAMS@@
                                 TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr,
@@ -252,7 +304,11 @@ if _HAS_GLUON and HOPPER_MODS is None:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_D], do_desc.layout)
-        if FUSED_DQ == 2:  # dS^T of the program's 128 keys, one tile per tile parity
+        if FUSED_DQ == 3:  # each math warpgroup's float32 dQ tile, read by its TMA reduce-add
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_D], dq_desc.layout)
+        else:
+            dq_smem = k_smem  # (not used)
+        if FUSED_DQ >= 2:  # dS^T of the program's 128 keys, one tile per tile parity
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
         elif FUSED_DQ:  # each math warpgroup's dS^T, read back by its dQ matmul
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, BLOCK_M], DS_LAYOUT)
@@ -275,12 +331,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
         tma.async_copy_global_to_shared(v_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, v_smem)
         gl.warp_specialize([
             (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
-                                         ds_free, DK, DV,
+                                         ds_free, dq_smem, dq_desc, DK, DV,
                                          DQ_acc, Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th,
                                          n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
                                          @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0, OVERLAP, FUSED_DQ)),
             (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
-                                         ds_free, DK, DV,
+                                         ds_free, dq_smem, dq_desc, DK, DV,
                                          DQ_acc, Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th,
                                          n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
                                          @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1, OVERLAP, FUSED_DQ)),
@@ -441,10 +497,11 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
     options = dict(TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers, OVERLAP=bool(overlap))
     dkdv = (_hopper_bwd_dkdv_kernel, (n_cols, B * Hkv),
             (_hopper_descriptor(k, TABLE_N), _hopper_descriptor(v, TABLE_N), _hopper_descriptor(q, block_m),
-             _hopper_descriptor(dout, block_m), dk, dv, dq, lse2, delta, *column_lists(B, Hq, Lq, Lk, q.device),
+             _hopper_descriptor(dout, block_m), _dq_descriptor(dq, block_m) if fused == 3 else _hopper_descriptor(q, block_m),
+             dk, dv, dq, lse2, delta, *column_lists(B, Hq, Lq, Lk, q.device),
              c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, scale, *pointers),
             {**options, "num_warps": 4,
-             **({"FUSED_DQ": int(fused), "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused == 2 else 64)}
+             **({"FUSED_DQ": int(fused), "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused >= 2 else 64)}
                 if fused else {})})
     if fused:
         return dq, dk, dv, [dkdv]
@@ -453,6 +510,16 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
                   _hopper_descriptor(v, block_n), dq, lse2, delta, *block_lists(B, Hq, Lq, Lk, q.device), s_tb, s_th,
                   n_cols, Hq, Hq // Hkv, Lq, Lk, scale, *pointers), {**options, "num_warps": 8})
     return dq, dk, dv, [dkdv, dq_launch]
+
+
+def _dq_descriptor(dq, rows: int):
+    """A TMA descriptor over the float32 dq's [B * Hq * Lq, D] view, in tiles of `rows` queries (the
+    fused form 3's reduce-adds)."""
+    flat = dq.view(-1, dq.shape[-1])
+    key = ("dq", rows, flat.shape[1])
+    if key not in _SHARED_LAYOUTS:
+        _SHARED_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([rows, flat.shape[1]], gl.float32)
+    return _GluonDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, flat.shape[1]], _SHARED_LAYOUTS[key])
 
 
 def _bwd_ds_layout(dtype, keys=64):
@@ -469,6 +536,8 @@ def _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, tables, deterministic=
     failed to compile or launch here (the first failure warns; later calls of that kind skip)."""
     D = q.shape[-1]
     fused = 0 if deterministic or D not in HOPPER_BWD_FUSED_HEAD_DIMS else HOPPER_BWD_FUSED_DQ
+    if fused == 3 and not _HAS_TMA_REDUCE:
+        fused = 2
     try:
         dq, dk, dv, launches = _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=fused)
         for kernel, grid, args, options in launches:

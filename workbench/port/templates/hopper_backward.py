@@ -48,6 +48,9 @@ HOPPER_BWD_TILES = {64: (64, 64, 4, True), 128: (32, 64, 4, True)}
 # the two kernels: causal 32K 14.92 against 16.75 ms, causal 8K 1.10 / 1.24, window 1024 1.33 /
 # 1.51, 8 documents 2.33 / 2.64, prefix-LM 2048 14.84 / 16.89. At the head dims of
 # HOPPER_BWD_FUSED_HEAD_DIMS; its dk / dv tile is (64 queries, HOPPER_BWD_FUSED_BUFFERS buffers, in turn).
+# 3: form 2 with dQ summed by the copy engine instead of atomic adds (the warpgroup's dQ tile into
+# shared memory, one TMA reduce-add of the tile: FlashAttention-3's way), where Triton's op builder
+# has it (_HAS_TMA_REDUCE; else form 2 runs). Compiled for sm_90a, not yet run on a GPU: off.
 # At D 128 it spills 1 KB of registers; a keys-down form there (the 32-query tile, dQ^T = K^T dS^T
 # with each warpgroup computing 64 rows of the head dim, 296 bytes spilled) matched the float64
 # reference on the H200 but took 39.3 ms against the two kernels' 28.7 (causal 32K), so D 128 keeps

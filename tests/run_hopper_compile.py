@@ -159,11 +159,14 @@ def main(argv) -> int:
                 qb, kb = torch.zeros(B, H, L, d, dtype=torch.bfloat16), torch.zeros(B, 2, L, d, dtype=torch.bfloat16)
                 module.column_lists = module.block_lists
                 rows_f = torch.zeros(B, H, L, dtype=torch.float32)
-                for fused in (0, 1, 2):  # (HOPPER_BWD_FUSED_DQ: dq by atomic adds in the dk / dv kernel)
+                # (HOPPER_BWD_FUSED_DQ: dq by atomic adds in the dk / dv kernel; 3: by TMA reduce-adds)
+                for fused in (0, 1, 2, 3) if module._HAS_TMA_REDUCE else (0, 1, 2):
                     *_, launches = module._hopper_bwd_plan(qb, kb, kb, qb, rows_f, rows_f, d ** -0.5, tables,
                                                            fused=fused)
                     for kernel, grid, args, options in launches:
                         compiled = kernel.warmup(*args, grid=grid, **options)
+                        reduces = "cp.reduce.async.bulk.tensor" in compiled.asm["ptx"]
+                        assert reduces == (fused == 3), f"form {fused}: TMA reduce-adds in the PTX: {reduces}"
                         details.append(f"backward D {d}{f' fused dq {fused}' if fused else ''} {kernel.fn.__name__}: "
                                        f"{ptxas(compiled)}")
             detail = " | ".join(details)

@@ -270,7 +270,12 @@ def test_the_fused_dq_form_is_never_taken_with_deterministic(tmp_path, monkeypat
         assert dq.dtype == torch.bfloat16 and bool((dq == 1).all())
     wide = torch.randn(1, 2, 128, 128, dtype=torch.bfloat16)  # (D 128: the fused form spills there)
     module._hopper_bwd_launch(wide, wide, wide, wide, rows, rows, 0.125, {}, False)
-    assert asked == [0, 2, 0]
+    # form 3 (TMA reduce-adds) where Triton's builder has them, else form 2
+    monkeypatch.setattr(module, "HOPPER_BWD_FUSED_DQ", 3)
+    module._hopper_bwd_launch(q, q, q, q, rows, rows, 0.125, {}, False)
+    monkeypatch.setattr(module, "_HAS_TMA_REDUCE", False)
+    module._hopper_bwd_launch(q, q, q, q, rows, rows, 0.125, {}, False)
+    assert asked == [0, 2, 0, 3, 2]
 
 
 _PAGED_LISTS = r'''

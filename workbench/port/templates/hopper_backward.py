@@ -199,37 +199,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     if OVERLAP:
                         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                         mbarrier.arrive(empty.index(prev), count=1, pred=count > 0)  # the previous tile's buffer
-                    elif FUSED_DQ == 3:
-                        # form 2 with the sum by the copy engine: dQ into this warpgroup's staging
-                        # tile, then one TMA reduce-add of the tile into the float32 dq
-                        buf = count % 2
-                        mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)
-                        ds_smem.index(buf).slice(WG * BLOCK_N, BLOCK_N).store(dst.to(dtype))
-                        fence_async_shared()
-                        gl.thread_barrier()
-                        mbarrier.arrive(ds_full.index(buf), count=1)
-                        if buf == WG:
-                            mbarrier.wait(ds_full.index(buf), (count // 2) & 1)
-                            dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
-                            dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
-                            dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_smem, zero_q, use_acc=False,
-                                               is_async=True)
-                            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-                            mbarrier.arrive(ds_free.index(buf), count=1)
-                            mbarrier.arrive(empty.index(slot), count=1)
-                            staging = dq_smem.index(WG)
-                            tma.store_wait(0)  # (this warpgroup's previous reduce has read its staging tile)
-                            gl.thread_barrier()
-                            staging.store(dq)
-                            fence_async_shared()
-                            gl.thread_barrier()
-                            _tma_reduce_add(dq_desc, [bh * Lq + r * TABLE_M + sub * BLOCK_M, 0], staging)
-                        else:
-                            dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
-                            dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
-                            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-                            mbarrier.arrive(empty.index(slot), count=1)
-                    elif FUSED_DQ == 2:
+                    elif FUSED_DQ >= 2:
                         buf = count % 2
                         mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)
                         ds_smem.index(buf).slice(WG * BLOCK_N, BLOCK_N).store(dst.to(dtype))
@@ -245,10 +215,21 @@ if _HAS_GLUON and HOPPER_MODS is None:
                             dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
                             mbarrier.arrive(ds_free.index(buf), count=1)
                             mbarrier.arrive(empty.index(slot), count=1)
-                            q_rows = r * TABLE_M + sub * BLOCK_M + gl.arange(0, BLOCK_M,
-                                                                           layout=gl.SliceLayout(1, o_layout))
-                            gl.atomic_add(DQ_acc + (bh.to(gl.int64) * Lq + q_rows)[:, None] * HEAD_D + offs_d[None, :],
-                                          dq, sem="relaxed")
+                            if FUSED_DQ == 3:
+                                # the sum by the copy engine: dQ into this warpgroup's staging tile,
+                                # then one TMA reduce-add of the tile into the float32 dq
+                                staging = dq_smem.index(WG)
+                                tma.store_wait(0)  # (this warpgroup's previous reduce has read its staging tile)
+                                gl.thread_barrier()
+                                staging.store(dq)
+                                fence_async_shared()
+                                gl.thread_barrier()
+                                _tma_reduce_add(dq_desc, [bh * Lq + r * TABLE_M + sub * BLOCK_M, 0], staging)
+                            else:
+                                q_rows = r * TABLE_M + sub * BLOCK_M + gl.arange(0, BLOCK_M,
+                                                                               layout=gl.SliceLayout(1, o_layout))
+                                gl.atomic_add(DQ_acc + (bh.to(gl.int64) * Lq + q_rows)[:, None] * HEAD_D
+                                              + offs_d[None, :], dq, sem="relaxed")
                         else:
                             dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
                             dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)

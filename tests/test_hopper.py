@@ -243,6 +243,10 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     assert causal.HOPPER_BWD_FUSED_DQ == 2 and causal.HOPPER_BWD_FUSED_HEAD_DIMS == (64, )
     monkeypatch.setenv("PORT_HOPPER_BWD_FUSED_DQ", "0")
     assert port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "fused")).HOPPER_BWD_FUSED_DQ == 0
+    # a value that names no form: refused with the forms there are
+    monkeypatch.setenv("PORT_HOPPER_BWD_FUSED_DQ", "yes")
+    with pytest.raises(ValueError, match=r"PORT_HOPPER_BWD_FUSED_DQ='yes' names no form.*0 \(two kernels"):
+        port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "bad"))
 
 
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
@@ -276,6 +280,9 @@ def test_the_fused_dq_form_is_never_taken_with_deterministic(tmp_path, monkeypat
     monkeypatch.setattr(module, "_HAS_TMA_REDUCE", False)
     module._hopper_bwd_launch(q, q, q, q, rows, rows, 0.125, {}, False)
     assert asked == [0, 2, 0, 3, 2]
+    monkeypatch.setattr(module, "HOPPER_BWD_FUSED_DQ", 5)  # (set in the file or on the module)
+    with pytest.raises(ValueError, match=r"HOPPER_BWD_FUSED_DQ = 5 names no form.*\(0, 1, 2, 3\)"):
+        module._hopper_bwd_launch(q, q, q, q, rows, rows, 0.125, {}, False)
 
 
 _PAGED_LISTS = r'''

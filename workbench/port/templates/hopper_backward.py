@@ -55,7 +55,12 @@ HOPPER_BWD_TILES = {64: (64, 64, 4, True), 128: (32, 64, 4, True)}
 # with each warpgroup computing 64 rows of the head dim, 296 bytes spilled) matched the float64
 # reference on the H200 but took 39.3 ms against the two kernels' 28.7 (causal 32K), so D 128 keeps
 # the two kernels (not kept in the file).
-HOPPER_BWD_FUSED_DQ = int(os.environ.get("PORT_HOPPER_BWD_FUSED_DQ", "2") or 0)
+HOPPER_BWD_FUSED_FORMS = (0, 1, 2, 3)
+_fused_env = os.environ.get("PORT_HOPPER_BWD_FUSED_DQ", "2").strip() or "0"
+if _fused_env not in {str(f) for f in HOPPER_BWD_FUSED_FORMS}:
+    raise ValueError(f"PORT_HOPPER_BWD_FUSED_DQ={_fused_env!r} names no form of the Hopper backward: set it to 0 (two "
+                     "kernels, no atomics), 1, 2 (the default) or 3, or unset it")
+HOPPER_BWD_FUSED_DQ = int(_fused_env)
 HOPPER_BWD_FUSED_HEAD_DIMS = (64, )
 HOPPER_BWD_FUSED_BUFFERS = 3
 _HOPPER_BWD_FAILED: dict = {}
@@ -519,6 +524,9 @@ def _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, tables, deterministic=
     """(dq, dk, dv) of this call from the Hopper kernels (dk / dv, then dq), or None when they
     failed to compile or launch here (the first failure warns; later calls of that kind skip)."""
     D = q.shape[-1]
+    if HOPPER_BWD_FUSED_DQ not in HOPPER_BWD_FUSED_FORMS:
+        raise ValueError(f"HOPPER_BWD_FUSED_DQ = {HOPPER_BWD_FUSED_DQ!r} names no form of the Hopper backward: set it "
+                         f"to one of {HOPPER_BWD_FUSED_FORMS} (0: two kernels, no atomics; 2: the default)")
     fused = 0 if deterministic or D not in HOPPER_BWD_FUSED_HEAD_DIMS else HOPPER_BWD_FUSED_DQ
     if fused == 3 and not _HAS_TMA_REDUCE:
         fused = 2

@@ -51,7 +51,7 @@ HOPPER_BWD_TILES = {64: (64, 64, 4, True), 128: (32, 64, 4, True)}
 # 3: form 2 with dQ summed by the copy engine instead of atomic adds (the warpgroup's dQ tile into
 # shared memory, one TMA reduce-add of the tile: FlashAttention-3's way), where Triton's op builder
 # has it (_HAS_TMA_REDUCE; else form 2 runs). Compiled for sm_90a, not yet run on a GPU: off.
-# At D 128 it spills 1 KB of registers; a keys-down form there (the 32-query tile, dQ^T = K^T dS^T
+# At D 128 form 2 spills 1 KB of registers; a keys-down form there (the 32-query tile, dQ^T = K^T dS^T
 # with each warpgroup computing 64 rows of the head dim, 296 bytes spilled) matched the float64
 # reference on the H200 but took 39.3 ms against the two kernels' 28.7 (causal 32K), so D 128 keeps
 # the two kernels (not kept in the file).

@@ -63,6 +63,11 @@ if _fused_env not in {str(f) for f in HOPPER_BWD_FUSED_FORMS}:
 HOPPER_BWD_FUSED_DQ = int(_fused_env)
 HOPPER_BWD_FUSED_HEAD_DIMS = (64, )
 HOPPER_BWD_FUSED_BUFFERS = 3
+# head dims at which forms 2 and 3 split dQ's matmul between the math warpgroups (FlashAttention-3's
+# backward): every tile each computes dQ for its half of the head dim over the program's 128 keys,
+# queries down (a [64, D / 2] dQ tile and a row's lse in two registers, beside dK and dV), with P and
+# dS read from shared memory (_hopper_bwd_split_consumer)
+HOPPER_BWD_DQ_SPLIT_HEAD_DIMS = (128, )
 _HOPPER_BWD_FAILED: dict = {}
 # A TMA reduce-add (cp.reduce.async.bulk.tensor ... .add: a shared-memory tile added into global
 # memory by the copy engine, FlashAttention-3's way of summing dq). Gluon 3.6 has no public call for
@@ -271,12 +276,126 @@ if _HAS_GLUON and HOPPER_MODS is None:
         gl.store(DV + out, dv.to(DV.dtype.element_ty))
 
     @gluon.jit
+    def _hopper_bwd_split_consumer(k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full, ds_free,
+                                   p_smem, dq_smem, dq_desc, DK, DV, DQ_acc,
+                                   Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows,
+                                   partial_num, partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
+                                   TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
+                                   FUSED_DQ: gl.constexpr):
+        # A math warpgroup of the fused forms with dQ's matmul split (DQ_SPLIT, FlashAttention-3's
+        # backward at D 128): keys WG * 64 .. WG * 64 + 64 of the program's 128, dK and dV (64 x D
+        # each) in registers. Queries down, keys across, so a row's lse and delta are two registers
+        # a thread (keys down they are sixteen each, and a warpgroup's registers do not hold them
+        # beside dK and dV at D 128). Per tile of 64 queries:
+        #   S = Q K^T and dP = dO V^T (wgmma), P = exp2(S * c - lse2) (the mask on partial blocks),
+        #   dS = P (dP - delta) * scale;
+        #   P and dS into shared memory (P into this warpgroup's tile, dS into its half of the columns
+        #   of the tile both warpgroups share: [64 queries, 128 keys]), then dV += P^T dO and
+        #   dK += dS^T Q, read transposed from shared memory;
+        #   once both halves of dS are written (`ds_full`), dQ[:, half] = dS K[:, half]: each warpgroup
+        #   computes its half of the head dim over all 128 keys, and adds it into the float32 dq
+        #   (atomic adds; FUSED_DQ 3: one TMA reduce-add of a staged tile). `ds_free` when both
+        #   warpgroups' dQ matmuls have read the tile; two such tiles, alternating.
+        BLOCK_N: gl.constexpr = k_smem.type.shape[0] // 2
+        HEAD_D: gl.constexpr = k_smem.type.shape[1]
+        HALF_D: gl.constexpr = HEAD_D // 2
+        num_warps: gl.constexpr = 4
+        BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+        NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+        SUB: gl.constexpr = TABLE_M // BLOCK_M
+        dtype: gl.constexpr = k_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HALF_D, 16])
+        c = sm_scale * 1.4426950408889634
+        dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=o_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=o_layout)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        zero_h = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=h_layout)
+        k_part = k_smem.slice(WG * BLOCK_N, BLOCK_N)
+        v_part = v_smem.slice(WG * BLOCK_N, BLOCK_N)
+        k_half = k_smem.slice(WG * HALF_D, HALF_D, dim=1)
+        p_part = p_smem.index(WG)
+        n0 = col * TABLE_N + WG * BLOCK_N
+        kv_idx = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)))[None, :]
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        mbarrier.wait(kv_bar, 0)
+        count = 0
+        for g in range(0, group):
+            h = kv_h * group + g
+            bh = b * Hq + h
+            line = b * c_tb + h * c_th + col
+            n_f = gl.load(full_num + line)
+            n_blocks = n_f + gl.load(partial_num + line)
+            for j in range(0, n_blocks):
+                full = j < n_f
+                r = gl.load(gl.where(full, full_idx + line * n_rows + j, partial_idx + line * n_rows + (j - n_f)))
+                for sub in gl.static_range(SUB):
+                    slot = count % NUM_BUF
+                    buf = count % 2
+                    q0 = r * TABLE_M + sub * BLOCK_M
+                    rows = q0 + cols
+                    lse2 = gl.load(Lse2 + bh.to(gl.int64) * Lq + rows)
+                    delta = gl.load(Delta + bh.to(gl.int64) * Lq + rows)
+                    mbarrier.wait(ready.index(slot), (count // NUM_BUF) & 1)
+                    s = warpgroup_mma(q_smem.index(slot), k_part.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    dp = warpgroup_mma(do_smem.index(slot), v_part.permute((1, 0)), zero_s, use_acc=False,
+                                       is_async=True)
+                    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+                    # rows that keep nothing have lse2 = +inf: their p is exactly 0
+                    p = gl.exp2(gl.fma(s, c, -lse2[:, None]))
+                    if not full:
+                        keep = mask_mod_gluon(b, h, rows[:, None], kv_idx@@MASK_PTR_ARGS@@) != 0
+                        p = gl.where(keep, p, 0.0)
+                    ds = p * (dp - delta[:, None]) * sm_scale
+                    p_part.store(p.to(dtype))  # (this warpgroup's dV matmul of the last tile has read it)
+                    mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)
+                    ds_part = ds_smem.index(buf).slice(WG * BLOCK_N, BLOCK_N, dim=1)
+                    ds_part.store(ds.to(dtype))
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    mbarrier.arrive(ds_full.index(buf), count=1)
+                    # dV and dK first: the tensor cores run them while the other warpgroup writes
+                    # its half of dS
+                    dv = warpgroup_mma(p_part.permute((1, 0)), do_smem.index(slot), dv, is_async=True)
+                    dk = warpgroup_mma(ds_part.permute((1, 0)), q_smem.index(slot), dk, is_async=True)
+                    mbarrier.wait(ds_full.index(buf), (count // 2) & 1)
+                    dq = warpgroup_mma(ds_smem.index(buf), k_half, zero_h, use_acc=False, is_async=True)
+                    dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                    mbarrier.arrive(ds_free.index(buf), count=1)
+                    mbarrier.arrive(empty.index(slot), count=1)
+                    q_row = bh * Lq + q0
+                    if FUSED_DQ == 3:
+                        staging = dq_smem.index(WG)
+                        tma.store_wait(0)  # (this warpgroup's last reduce has read its staging tile)
+                        gl.thread_barrier()
+                        staging.store(dq)
+                        fence_async_shared()
+                        gl.thread_barrier()
+                        _tma_reduce_add(dq_desc, [q_row, WG * HALF_D], staging)
+                    else:
+                        q_rows = q_row.to(gl.int64) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, h_layout))
+                        offs_h = WG * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, h_layout))
+                        gl.atomic_add(DQ_acc + q_rows[:, None] * HEAD_D + offs_h[None, :], dq, sem="relaxed")
+                    count += 1
+        if FUSED_DQ == 3:
+            tma.store_wait(0)  # (the last reduce has read its staging tile)
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        out = (bkh.to(gl.int64) * Lk + offs_n)[:, None] * HEAD_D + offs_d[None, :]
+        gl.store(DK + out, dk.to(DK.dtype.element_ty))
+        gl.store(DV + out, dv.to(DV.dtype.element_ty))
+
+    @gluon.jit
     def _hopper_bwd_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, DQ_acc, Lse2, Delta, partial_num,
                                 partial_idx, full_num, full_idx, c_tb, c_th, n_rows, Hq, Hkv, group, Lq, Lk, sm_scale,
                                 @@ALL_PTR_PARAMS@@
                                 TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr,
                                 num_warps: gl.constexpr, OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr = 0,
-                                DS_LAYOUT: gl.constexpr = None):
+                                DS_LAYOUT: gl.constexpr = None, DQ_SPLIT: gl.constexpr = False):
         # one program = the 128 keys of column pid_n of one (batch entry, kv head): their K and V
         # once, then the query tiles of its column lists through a ring (see above), two math
         # warpgroups (the kernel's own 4 warps are the first) and a load warp. Programs run the
@@ -293,11 +412,16 @@ if _HAS_GLUON and HOPPER_MODS is None:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_D], do_desc.layout)
-        if FUSED_DQ == 3:  # each math warpgroup's float32 dQ tile, read by its TMA reduce-add
-            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_D], dq_desc.layout)
+        if FUSED_DQ == 3:  # each math warpgroup's float32 dQ tile (DQ_SPLIT: half), read by its TMA reduce-add
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, dq_desc.block_type.shape[1]],
+                                                dq_desc.layout)
         else:
             dq_smem = k_smem  # (not used)
-        if FUSED_DQ >= 2:  # dS^T of the program's 128 keys, one tile per tile parity
+        if DQ_SPLIT:  # dS of the program's 128 keys ([queries, keys]), one tile per tile parity; each
+            # warpgroup's P
+            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], DS_LAYOUT)
+            p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], DS_LAYOUT)
+        elif FUSED_DQ >= 2:  # dS^T of the program's 128 keys, one tile per tile parity
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
         elif FUSED_DQ:  # each math warpgroup's dS^T, read back by its dQ matmul
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, BLOCK_M], DS_LAYOUT)
@@ -307,7 +431,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(ds_full.index(i), count=2)  # both warpgroups' halves
-            mbarrier.init(ds_free.index(i), count=1)
+            mbarrier.init(ds_free.index(i), count=2 if DQ_SPLIT else 1)  # (DQ_SPLIT: both warpgroups read it)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -318,21 +442,38 @@ if _HAS_GLUON and HOPPER_MODS is None:
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, v_smem)
-        gl.warp_specialize([
-            (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
-                                         ds_free, dq_smem, dq_desc, DK, DV,
-                                         DQ_acc, Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th,
-                                         n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
-                                         @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0, OVERLAP, FUSED_DQ)),
-            (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
-                                         ds_free, dq_smem, dq_desc, DK, DV,
-                                         DQ_acc, Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th,
-                                         n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
-                                         @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1, OVERLAP, FUSED_DQ)),
-            (_hopper_bwd_qdo_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group,
-                                        Lq, c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
-                                        TABLE_M)),
-        ], [4, 1], [240, 24])
+        if DQ_SPLIT:
+            gl.warp_specialize([
+                (_hopper_bwd_split_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
+                                              ds_free, p_smem, dq_smem, dq_desc, DK, DV, DQ_acc, Lse2, Delta, b, kv_h,
+                                              bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
+                                              partial_idx, full_num, full_idx, sm_scale,
+                                              @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0, FUSED_DQ)),
+                (_hopper_bwd_split_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
+                                              ds_free, p_smem, dq_smem, dq_desc, DK, DV, DQ_acc, Lse2, Delta, b, kv_h,
+                                              bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
+                                              partial_idx, full_num, full_idx, sm_scale,
+                                              @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1, FUSED_DQ)),
+                (_hopper_bwd_qdo_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group,
+                                            Lq, c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
+                                            TABLE_M)),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
+                                             ds_free, dq_smem, dq_desc, DK, DV,
+                                             DQ_acc, Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th,
+                                             n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
+                                             @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0, OVERLAP, FUSED_DQ)),
+                (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
+                                             ds_free, dq_smem, dq_desc, DK, DV,
+                                             DQ_acc, Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th,
+                                             n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
+                                             @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1, OVERLAP, FUSED_DQ)),
+                (_hopper_bwd_qdo_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group,
+                                            Lq, c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
+                                            TABLE_M)),
+            ], [4, 1], [240, 24])
 
     @gluon.jit
     def _hopper_bwd_dq_consumer(q_smem, do_smem, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, DQ,
@@ -476,6 +617,11 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     block_m, block_n, buffers, overlap = (64, 64, HOPPER_BWD_FUSED_BUFFERS, False) if fused else HOPPER_BWD_TILES[D]
+    split = fused >= 2 and D in HOPPER_BWD_DQ_SPLIT_HEAD_DIMS
+    if split:  # (as many buffers as fit: K, V, the ring of Q and dO, dS and P tiles, form 3's staging)
+        fixed = 2 * 128 * D * 2 + 2 * 64 * 128 * 2 + 2 * 64 * 64 * 2 + (2 * 64 * (D // 2) * 4 if fused == 3 else 0)
+        while buffers > 2 and fixed + buffers * 2 * 64 * D * 2 > 227 * 1024:
+            buffers -= 1
     dout = dout.contiguous() if dout.dtype == q.dtype else dout.to(q.dtype).contiguous()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -486,11 +632,12 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
     options = dict(TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers, OVERLAP=bool(overlap))
     dkdv = (_hopper_bwd_dkdv_kernel, (n_cols, B * Hkv),
             (_hopper_descriptor(k, TABLE_N), _hopper_descriptor(v, TABLE_N), _hopper_descriptor(q, block_m),
-             _hopper_descriptor(dout, block_m), _dq_descriptor(dq, block_m) if fused == 3 else _hopper_descriptor(q, block_m),
+             _hopper_descriptor(dout, block_m), _dq_descriptor(dq, block_m, D // 2 if split else D) if fused == 3 else _hopper_descriptor(q, block_m),
              dk, dv, dq, lse2, delta, *column_lists(B, Hq, Lq, Lk, q.device),
              c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, scale, *pointers),
             {**options, "num_warps": 4,
-             **({"FUSED_DQ": int(fused), "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused >= 2 else 64)}
+             **({"FUSED_DQ": int(fused), "DQ_SPLIT": split,
+                 "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused >= 2 else 64, split)}
                 if fused else {})})
     if fused:
         return dq, dk, dv, [dkdv]
@@ -501,22 +648,23 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
     return dq, dk, dv, [dkdv, dq_launch]
 
 
-def _dq_descriptor(dq, rows: int):
-    """A TMA descriptor over the float32 dq's [B * Hq * Lq, D] view, in tiles of `rows` queries (the
-    fused form 3's reduce-adds)."""
+def _dq_descriptor(dq, rows: int, cols: int):
+    """A TMA descriptor over the float32 dq's [B * Hq * Lq, D] view, in tiles of `rows` queries x
+    `cols` of the head dim (the fused form 3's reduce-adds; DQ_SPLIT: half the head dim)."""
     flat = dq.view(-1, dq.shape[-1])
-    key = ("dq", rows, flat.shape[1])
+    key = ("dq", rows, cols)
     if key not in _SHARED_LAYOUTS:
-        _SHARED_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([rows, flat.shape[1]], gl.float32)
-    return _GluonDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, flat.shape[1]], _SHARED_LAYOUTS[key])
+        _SHARED_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float32)
+    return _GluonDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, cols], _SHARED_LAYOUTS[key])
 
 
-def _bwd_ds_layout(dtype, keys=64):
-    """The shared-memory layout of a dS^T tile (`keys` keys x 64 queries) in the fused forms."""
-    key = ("ds", dtype, keys)
+def _bwd_ds_layout(dtype, keys=64, split=False):
+    """The shared-memory layout of a dS^T tile (`keys` keys x 64 queries) in the fused forms (split:
+    of a dS tile, 64 queries x `keys` keys, and of a P tile)."""
+    key = ("ds", dtype, keys, split)
     if key not in _SHARED_LAYOUTS:
         _SHARED_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(
-            [keys, 64], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+            [64, keys] if split else [keys, 64], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
     return _SHARED_LAYOUTS[key]
 
 

@@ -205,21 +205,25 @@ def test_lengths_off_the_128_grid_take_the_hopper_kernel_unless_turned_off(tmp_p
 def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, monkeypatch):
     # the backward's Hopper kernels take what they were written for (sm_90, bf16 / fp16, Lq and Lk
     # multiples of 128, no score_mod, no learning tables) at the head dims where they were measured
-    # faster (D 64); the rest runs the portable backward, and PORT_HOPPER_BWD=0 turns them off.
-    # The call is judged as on sm_90.
+    # faster: the fused forms at D 64 and 128, the two deterministic kernels at D 64 only; the rest
+    # runs the portable backward, and PORT_HOPPER_BWD=0 turns them off. The call is judged as on sm_90.
     import torch
 
-    def ready(module, lq=1024, lk=2048, d=128, dtype=torch.bfloat16, learn=()):
+    def ready(module, lq=1024, lk=2048, d=128, dtype=torch.bfloat16, learn=(), deterministic=False):
         _on_sm90(module, monkeypatch, hopper=False)
         q, kv = _Cuda(1, 4, lq, d, dtype=dtype), _Cuda(1, 2, lk, d, dtype=dtype)
-        return module._hopper_bwd_ready(q, kv, kv, learn)
+        return module._hopper_bwd_ready(q, kv, kv, learn, deterministic)
 
     causal = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "causal"))
     assert causal.HOPPER_BWD is True
-    assert ready(causal, d=64) and ready(causal, d=64, dtype=torch.float16)
-    assert not ready(causal, d=128)  # measured slower than the portable backward there
+    assert ready(causal, d=64) and ready(causal, d=64, dtype=torch.float16) and ready(causal, d=64, deterministic=True)
+    assert ready(causal, d=128) and ready(causal, d=128, dtype=torch.float16)  # the split fused form
+    # deterministic at D 128: the two kernels were measured slower than the portable backward there
+    assert not ready(causal, d=128, deterministic=True)
+    monkeypatch.setattr(causal, "HOPPER_BWD_FUSED_DQ", 0)
+    assert not ready(causal, d=128) and ready(causal, d=64)
     monkeypatch.setattr(causal, "HOPPER_BWD_HEAD_DIMS", (64, 128))
-    assert ready(causal, d=128)
+    assert ready(causal, d=128) and ready(causal, d=128, deterministic=True)
     assert not ready(causal, lq=1000) and not ready(causal, lk=1011) and not ready(causal, d=96)
     assert not ready(causal, lq=1)  # decode
     assert not ready(causal, dtype=torch.float32) and not ready(causal, learn=("bias",))
@@ -238,9 +242,12 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     monkeypatch.setenv("PORT_HOPPER_BWD", "0")
     off = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "off"))
     assert off.HOPPER_BWD is False and not ready(off, d=64)
-    # dq by atomic adds (five matmuls a pair instead of seven), summed over a program's 128 keys
-    # first: the default at D 64; PORT_HOPPER_BWD_FUSED_DQ picks another form (0: the two kernels)
-    assert causal.HOPPER_BWD_FUSED_DQ == 2 and causal.HOPPER_BWD_FUSED_HEAD_DIMS == (64, )
+    # dq from the dk / dv programs (five matmuls a pair instead of seven), summed over a program's
+    # 128 keys and added by TMA reduce-adds: the default at D 64 and 128 (split between the
+    # warpgroups at D 128); PORT_HOPPER_BWD_FUSED_DQ picks another form (0: the two kernels)
+    fresh = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "fresh"))
+    assert fresh.HOPPER_BWD_FUSED_DQ == 3 and fresh.HOPPER_BWD_FUSED_HEAD_DIMS == (64, 128)
+    assert fresh.HOPPER_BWD_DQ_SPLIT_HEAD_DIMS == (128, )
     monkeypatch.setenv("PORT_HOPPER_BWD_FUSED_DQ", "0")
     assert port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "fused")).HOPPER_BWD_FUSED_DQ == 0
     # a value that names no form: refused with the forms there are
@@ -258,7 +265,8 @@ def test_the_fused_dq_form_is_never_taken_with_deterministic(tmp_path, monkeypat
     import torch
 
     module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
-    assert module.HOPPER_BWD_FUSED_DQ == 2
+    assert module.HOPPER_BWD_FUSED_DQ == 3
+    monkeypatch.setattr(module, "HOPPER_BWD_FUSED_DQ", 2)
     asked = []
 
     def plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
@@ -272,7 +280,7 @@ def test_the_fused_dq_form_is_never_taken_with_deterministic(tmp_path, monkeypat
     for deterministic in (True, False):
         dq, dk, dv = module._hopper_bwd_launch(q, q, q, q, rows, rows, 0.125, {}, deterministic)
         assert dq.dtype == torch.bfloat16 and bool((dq == 1).all())
-    wide = torch.randn(1, 2, 128, 128, dtype=torch.bfloat16)  # (D 128: the fused form spills there)
+    wide = torch.randn(1, 2, 128, 96, dtype=torch.bfloat16)  # (D 96: no fused form there)
     module._hopper_bwd_launch(wide, wide, wide, wide, rows, rows, 0.125, {}, False)
     # form 3 (TMA reduce-adds) where Triton's builder has them, else form 2
     monkeypatch.setattr(module, "HOPPER_BWD_FUSED_DQ", 3)

@@ -419,7 +419,7 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
     _bwd_prep_kernel[(_cdiv(Lq, prep_m), B * Hq)](
         out, dout, lse, dlse_rows, delta, lse2, *out.stride(), *dout.stride(), *lse.stride(), Hq, Lq, D,
         HAS_DLSE=dlse is not None, BLOCK_M=prep_m, D_PAD=D_PAD, num_warps=4)
-    if _hopper_bwd_ready(q, k, v, learn):  # (hopper_backward.py's: sm_90, bf16 / fp16, no score_mod, ...)
+    if _hopper_bwd_ready(q, k, v, learn, deterministic):  # (hopper_backward.py's: sm_90, bf16 / fp16, no score_mod, ...)
         done = _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, captured, deterministic)
         if done is not None:
             return (*done, {})

@@ -8,8 +8,9 @@ import torch
 
 # FlashAttention-2's backward (see the portable kernels' comment above: p = exp2(s * c - lse2),
 # ds = p (dp - delta), dq = scale ds k, dk = scale ds^T q, dv = p^T dO) as two Gluon kernels, with
-# no atomics, so every call gives the same bits, like the portable backward (by default at D 64 the
-# dk / dv kernel computes dq too, by atomic adds: HOPPER_BWD_FUSED_DQ below):
+# no atomics, so every call gives the same bits, like the portable backward (by default the dk / dv
+# kernel computes dq too and sums it by TMA reduce-adds, and the dq kernel does not run:
+# HOPPER_BWD_FUSED_DQ below):
 #   dk / dv: one program per 128 keys of a (batch entry, kv head), its K and V in shared memory
 #            for the whole program; a load warp brings the tiles of Q and dO that the column
 #            lists name (every query head of the group, in order) into a ring of buffers; two
@@ -21,12 +22,14 @@ import torch
 #            S = Q K^T and dP = dO V^T, then dQ += dS K.
 # It takes the calls the Hopper forward takes at whole blocks (Lq, Lk multiples of 128), without
 # a score_mod and without learning tables (the portable backward runs those: their derivative and
-# gradient translations are Triton's), at the head dims of HOPPER_BWD_HEAD_DIMS, for masks that do
-# not read the head (HOPPER_BWD_PER_HEAD). On an H200 (bf16, B 1, H 16, 32K tokens, backward
-# alone) it is 1.11x the portable backward on causal at D 64, 1.10x on prefix-LM and 1.03x on a
-# window and on documents, but 0.92-1.01x at D 128 (docs/benchmarks.md: both kernels together run
-# seven matmuls per pair, as the portable ones do, and are near the tensor cores' rate there), so
-# D 128 runs the portable backward. PORT_HOPPER_BWD=0 (or HOPPER_BWD = False) turns it off.
+# gradient translations are Triton's), at the head dims of HOPPER_BWD_HEAD_DIMS (the two kernels)
+# and HOPPER_BWD_FUSED_HEAD_DIMS (the fused forms), for masks that do not read the head
+# (HOPPER_BWD_PER_HEAD). On an H200 (bf16, B 1, H 16, 32K tokens, backward alone) the two kernels
+# are 1.11x the portable backward on causal at D 64, 1.10x on prefix-LM and 1.03x on a window and
+# on documents, but 0.92-1.01x at D 128 (docs/benchmarks.md: both kernels together run seven
+# matmuls per pair, as the portable ones do, and are near the tensor cores' rate there), so a
+# deterministic backward at D 128 runs the portable one. PORT_HOPPER_BWD=0 (or HOPPER_BWD = False)
+# turns the Hopper backward off.
 HOPPER_BWD = os.environ.get("PORT_HOPPER_BWD", "1") != "0"
 HOPPER_BWD_HEAD_DIMS = (64, )
 # masks that read the head (per-head lists: per-head windows, users' w[h] tables) run the portable
@@ -38,35 +41,38 @@ HOPPER_BWD_PER_HEAD = False
 # order). Tiles and orders change the speed, not the bits (sums in the same order)
 HOPPER_BWD_TILES = {64: (64, 64, 4, True), 128: (32, 64, 4, True)}
 # FlashAttention-2 / 3's five matmuls per pair instead of seven: the dk / dv programs also compute
-# dq (dS K over their keys) and add it into a float32 dq with atomic adds, and the dq kernel does
-# not run. The adds' order varies, so dq's last bits vary run to run (deterministic=True runs the
-# two kernels above, whose bits never vary). 0: off. 1: each math warpgroup adds its 64 keys' dq
-# (on an H200 slower than the two kernels: causal 32K 17.7 vs 16.8 ms at D 64; 44.8 vs 28.7 at D
-# 128, where dK, dV and the dq tile spill registers). 2 (the default): both warpgroups write dS^T
-# into one shared tile of the program's 128 keys and one of them, in turn, computes dQ over all 128
-# and adds it: half the atomic traffic. On an H200 (bf16, B 1, H 16, D 64, backward alone) 1.12-1.14x
-# the two kernels: causal 32K 14.92 against 16.75 ms, causal 8K 1.10 / 1.24, window 1024 1.33 /
-# 1.51, 8 documents 2.33 / 2.64, prefix-LM 2048 14.84 / 16.89. At the head dims of
-# HOPPER_BWD_FUSED_HEAD_DIMS; its dk / dv tile is (64 queries, HOPPER_BWD_FUSED_BUFFERS buffers, in turn).
-# 3: form 2 with dQ summed by the copy engine instead of atomic adds (the warpgroup's dQ tile into
-# shared memory, one TMA reduce-add of the tile: FlashAttention-3's way), where Triton's op builder
-# has it (_HAS_TMA_REDUCE; else form 2 runs). Compiled for sm_90a, not yet run on a GPU: off.
-# At D 128 form 2 spills 1 KB of registers; a keys-down form there (the 32-query tile, dQ^T = K^T dS^T
-# with each warpgroup computing 64 rows of the head dim, 296 bytes spilled) matched the float64
-# reference on the H200 but took 39.3 ms against the two kernels' 28.7 (causal 32K), so D 128 keeps
-# the two kernels (not kept in the file).
+# dq (dS K over their keys) and add it into a float32 dq, and the dq kernel does not run. The adds'
+# order varies, so dq's last bits vary run to run (deterministic=True runs the two kernels above at
+# D 64 and the portable backward at D 128, whose bits never vary). 0: off. 1: each math warpgroup
+# adds its 64 keys' dq by atomic adds (on an H200 slower than the two kernels: causal 32K 17.7 vs
+# 16.8 ms at D 64). 2: both warpgroups write dS^T into one shared tile of the program's 128 keys and
+# one of them, in turn, computes dQ over all 128 and adds it by atomic adds: half the atomic
+# traffic. 3 (the default): form 2 with each dQ tile summed by the copy engine (the warpgroup's dQ
+# tile into shared memory, one TMA reduce-add of the tile: FlashAttention-3's way), where Triton's
+# op builder has it (_HAS_TMA_REDUCE; else form 2 runs). At D 128 (HOPPER_BWD_DQ_SPLIT_HEAD_DIMS)
+# forms 2 and 3 split dQ's matmul between the warpgroups, queries down (_hopper_bwd_split_consumer).
+# On an H200 (bf16, B 1, H 16, 32K tokens, backward alone, ms; docs/benchmarks.md):
+#   D 64,  causal:              two kernels 16.75, form 2 14.96, form 3 13.69
+#   D 64,  window 1024 / 8 docs: form 2 1.33 / 2.34, form 3 1.24 / 2.13
+#   D 128, causal:              portable 27.57, two kernels 28.24, split form 2 34.26, split form 3 24.06
+#   D 128, window 1024 / 8 docs: portable 2.36 / 4.00, split form 3 2.13 / 3.82
+# (at D 128 form 2 spills 1 KB of registers keys down, and its atomic adds of a [64, 128] dQ a tile
+# cost more than they save; a keys-down form with 32-query tiles took 39.3 ms: not kept).
+# At the head dims of HOPPER_BWD_FUSED_HEAD_DIMS; the dk / dv tile is (64 queries,
+# HOPPER_BWD_FUSED_BUFFERS buffers or as many as fit, in turn).
 HOPPER_BWD_FUSED_FORMS = (0, 1, 2, 3)
-_fused_env = os.environ.get("PORT_HOPPER_BWD_FUSED_DQ", "2").strip() or "0"
+_fused_env = os.environ.get("PORT_HOPPER_BWD_FUSED_DQ", "3").strip() or "0"
 if _fused_env not in {str(f) for f in HOPPER_BWD_FUSED_FORMS}:
     raise ValueError(f"PORT_HOPPER_BWD_FUSED_DQ={_fused_env!r} names no form of the Hopper backward: set it to 0 (two "
-                     "kernels, no atomics), 1, 2 (the default) or 3, or unset it")
+                     "kernels, no atomics), 1, 2 or 3 (the default), or unset it")
 HOPPER_BWD_FUSED_DQ = int(_fused_env)
-HOPPER_BWD_FUSED_HEAD_DIMS = (64, )
+HOPPER_BWD_FUSED_HEAD_DIMS = (64, 128)
 HOPPER_BWD_FUSED_BUFFERS = 3
 # head dims at which forms 2 and 3 split dQ's matmul between the math warpgroups (FlashAttention-3's
 # backward): every tile each computes dQ for its half of the head dim over the program's 128 keys,
 # queries down (a [64, D / 2] dQ tile and a row's lse in two registers, beside dK and dV), with P and
-# dS read from shared memory (_hopper_bwd_split_consumer)
+# dS read from shared memory (_hopper_bwd_split_consumer). At D 64 the split took 17.4 (form 2) and
+# 14.9 ms (form 3) against form 3's 13.7 keys down (causal 32K on an H200): D 64 stays keys down.
 HOPPER_BWD_DQ_SPLIT_HEAD_DIMS = (128, )
 _HOPPER_BWD_FAILED: dict = {}
 # A TMA reduce-add (cp.reduce.async.bulk.tensor ... .add: a shared-memory tile added into global
@@ -591,10 +597,11 @@ if _HAS_GLUON and HOPPER_MODS is None:
         ], [1], [24])
 
 
-def _hopper_bwd_ready(q, k, v, learn) -> bool:
+def _hopper_bwd_ready(q, k, v, learn, deterministic=False) -> bool:
     """Whether this backward runs the Hopper kernels: HOPPER_BWD on, the Hopper forward's
     conditions at whole blocks (sm_90, bf16 / fp16, Lq and Lk multiples of 128), a head dim of
-    HOPPER_BWD_HEAD_DIMS, a mask that does not read the head (unless HOPPER_BWD_PER_HEAD), no
+    HOPPER_BWD_HEAD_DIMS (the two kernels) or, unless deterministic, of HOPPER_BWD_FUSED_HEAD_DIMS
+    with a fused form on, a mask that does not read the head (unless HOPPER_BWD_PER_HEAD), no
     score_mod and no learning tables. Any other backward runs the portable kernels."""
     if not (HOPPER_BWD and _HAS_GLUON and HOPPER_MODS is None) or HAS_SCORE or learn or _INTERPRET:
         return False
@@ -604,7 +611,8 @@ def _hopper_bwd_ready(q, k, v, learn) -> bool:
         return False
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
-    return (q.dtype in (torch.bfloat16, torch.float16) and D in HOPPER_BWD_HEAD_DIMS and D in HOPPER_BWD_TILES
+    fused = not deterministic and HOPPER_BWD_FUSED_DQ and D in HOPPER_BWD_FUSED_HEAD_DIMS
+    return (q.dtype in (torch.bfloat16, torch.float16) and (D in HOPPER_BWD_HEAD_DIMS or fused) and D in HOPPER_BWD_TILES
             and Lq % 128 == 0 and Lk % 128 == 0
             and TABLE_M == 128 and TABLE_N == 128 and (q.dtype, D) not in _HOPPER_BWD_FAILED
             and all(t.is_contiguous() and t.dtype == q.dtype for t in (q, k, v)))

@@ -76,7 +76,7 @@ HOPPER_BWD_FUSED_BUFFERS = 3
 HOPPER_BWD_DQ_SPLIT_HEAD_DIMS = (128, )
 # the split forms (HOPPER_BWD_DQ_SPLIT_HEAD_DIMS): wait for S alone, compute P and issue dV's matmul
 # while dP is still being computed (FlashAttention-3's order), instead of waiting for both first
-HOPPER_BWD_EARLY_DV = True
+HOPPER_BWD_EARLY_DV = False
 _HOPPER_BWD_FAILED: dict = {}
 # A TMA reduce-add (cp.reduce.async.bulk.tensor ... .add: a shared-memory tile added into global
 # memory by the copy engine, FlashAttention-3's way of summing dq). Gluon 3.6 has no public call for

@@ -74,9 +74,6 @@ HOPPER_BWD_FUSED_BUFFERS = 3
 # dS read from shared memory (_hopper_bwd_split_consumer). At D 64 the split took 17.4 (form 2) and
 # 14.9 ms (form 3) against form 3's 13.7 keys down (causal 32K on an H200): D 64 stays keys down.
 HOPPER_BWD_DQ_SPLIT_HEAD_DIMS = (128, )
-# the split forms (HOPPER_BWD_DQ_SPLIT_HEAD_DIMS): wait for S alone, compute P and issue dV's matmul
-# while dP is still being computed (FlashAttention-3's order), instead of waiting for both first
-HOPPER_BWD_EARLY_DV = False
 _HOPPER_BWD_FAILED: dict = {}
 # A TMA reduce-add (cp.reduce.async.bulk.tensor ... .add: a shared-memory tile added into global
 # memory by the copy engine, FlashAttention-3's way of summing dq). Gluon 3.6 has no public call for
@@ -290,7 +287,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                    Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows,
                                    partial_num, partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
                                    TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
-                                   FUSED_DQ: gl.constexpr, EARLY_DV: gl.constexpr):
+                                   FUSED_DQ: gl.constexpr):
         # A math warpgroup of the fused forms with dQ's matmul split (DQ_SPLIT, FlashAttention-3's
         # backward at D 128): keys WG * 64 .. WG * 64 + 64 of the program's 128, dK and dV (64 x D
         # each) in registers. Queries down, keys across, so a row's lse and delta are two registers
@@ -353,22 +350,14 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     s = warpgroup_mma(q_smem.index(slot), k_part.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                     dp = warpgroup_mma(do_smem.index(slot), v_part.permute((1, 0)), zero_s, use_acc=False,
                                        is_async=True)
-                    if EARLY_DV:  # (S first: P and dV's matmul run while dP is computed)
-                        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-                    else:
-                        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+                    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
                     # rows that keep nothing have lse2 = +inf: their p is exactly 0
                     p = gl.exp2(gl.fma(s, c, -lse2[:, None]))
                     if not full:
                         keep = mask_mod_gluon(b, h, rows[:, None], kv_idx@@MASK_PTR_ARGS@@) != 0
                         p = gl.where(keep, p, 0.0)
-                    p_part.store(p.to(dtype))  # (this warpgroup's dV matmul of the last tile has read it)
-                    if EARLY_DV:
-                        fence_async_shared()
-                        gl.thread_barrier()
-                        dv = warpgroup_mma(p_part.permute((1, 0)), do_smem.index(slot), dv, is_async=True)
-                        dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, ))
                     ds = p * (dp - delta[:, None]) * sm_scale
+                    p_part.store(p.to(dtype))  # (this warpgroup's dV matmul of the last tile has read it)
                     mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)
                     ds_part = ds_smem.index(buf).slice(WG * BLOCK_N, BLOCK_N, dim=1)
                     ds_part.store(ds.to(dtype))
@@ -377,8 +366,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     mbarrier.arrive(ds_full.index(buf), count=1)
                     # dV and dK first: the tensor cores run them while the other warpgroup writes
                     # its half of dS
-                    if not EARLY_DV:
-                        dv = warpgroup_mma(p_part.permute((1, 0)), do_smem.index(slot), dv, is_async=True)
+                    dv = warpgroup_mma(p_part.permute((1, 0)), do_smem.index(slot), dv, is_async=True)
                     dk = warpgroup_mma(ds_part.permute((1, 0)), q_smem.index(slot), dk, is_async=True)
                     mbarrier.wait(ds_full.index(buf), (count // 2) & 1)
                     dq = warpgroup_mma(ds_smem.index(buf), k_half, zero_h, use_acc=False, is_async=True)
@@ -413,8 +401,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                 @@ALL_PTR_PARAMS@@
                                 TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr,
                                 num_warps: gl.constexpr, OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr = 0,
-                                DS_LAYOUT: gl.constexpr = None, DQ_SPLIT: gl.constexpr = False,
-                                EARLY_DV: gl.constexpr = False):
+                                DS_LAYOUT: gl.constexpr = None, DQ_SPLIT: gl.constexpr = False):
         # one program = the 128 keys of column pid_n of one (batch entry, kv head): their K and V
         # once, then the query tiles of its column lists through a ring (see above), two math
         # warpgroups (the kernel's own 4 warps are the first) and a load warp. Programs run the
@@ -467,12 +454,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                               ds_free, p_smem, dq_smem, dq_desc, DK, DV, DQ_acc, Lse2, Delta, b, kv_h,
                                               bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
                                               partial_idx, full_num, full_idx, sm_scale,
-                                              @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0, FUSED_DQ, EARLY_DV)),
+                                              @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0, FUSED_DQ)),
                 (_hopper_bwd_split_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
                                               ds_free, p_smem, dq_smem, dq_desc, DK, DV, DQ_acc, Lse2, Delta, b, kv_h,
                                               bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
                                               partial_idx, full_num, full_idx, sm_scale,
-                                              @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1, FUSED_DQ, EARLY_DV)),
+                                              @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1, FUSED_DQ)),
                 (_hopper_bwd_qdo_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group,
                                             Lq, c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
                                             TABLE_M)),
@@ -657,7 +644,7 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
              dk, dv, dq, lse2, delta, *column_lists(B, Hq, Lq, Lk, q.device),
              c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, scale, *pointers),
             {**options, "num_warps": 4,
-             **({"FUSED_DQ": int(fused), "DQ_SPLIT": split, "EARLY_DV": split and HOPPER_BWD_EARLY_DV,
+             **({"FUSED_DQ": int(fused), "DQ_SPLIT": split,
                  "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused >= 2 else 64, split)}
                 if fused else {})})
     if fused:

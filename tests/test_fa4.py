@@ -309,6 +309,8 @@ def test_untranslatable_mods_raise_a_clear_error():
         fa4.generate(Mask("complex", mask_mod=lambda b, h, q, kv: torch.tensor([1j])[0].real > q), 64, 64)
 
 
+# (two minutes of CuTe DSL compiles: every corpus mod and five files; `make test-slow`)
+@pytest.mark.slow
 def test_the_cute_dsl_compiles_in_fa4s_hopper_kernel(early_run):
     # run_fa4_compile.py: every corpus mod in a kernel that calls it as FA4 does, and five generated
     # files through FA4's own sm_90 forward under FakeTensorMode (compiled for sm_90a, not launched)

@@ -26,6 +26,8 @@ def users_head_window(b, h, q_idx, kv_idx):
     return (kv_idx <= q_idx) & (q_idx - kv_idx < W[h])
 
 
+# (minutes of the interpreter: every serving layout through the CLI; `make test-slow`)
+@pytest.mark.slow
 def test_the_cli_reports_invariant_mode_bitwise_in_every_serving_layout():
     done = subprocess.run([sys.executable, "-m", "workbench", "invariance", "causal", "--q-len", "80", "--backend",
                            "port", "--serving", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--dtype",

@@ -33,6 +33,8 @@ def test_pool_values_failures_deaths_and_follow_ups():
         assert pool.call(worker, "math:sqrt", 4.0) == 2.0
 
 
+# (two minutes: the report serially and in two workers; `make test-slow`)
+@pytest.mark.slow
 def test_report_in_workers_says_what_the_serial_report_says(tmp_path):
     # a user's own file (an undeclared per-head table read as w[h]) next to library masks, at Lq != Lk
     users = tmp_path / "my_masks.py"

@@ -105,6 +105,8 @@ def test_a_port_case_verifies_the_generated_kernel():
     assert record["ok"] and record["passed"] and "(Triton port)" in record["line"]
 
 
+# (a minute: a sweep interrupted and resumed end to end; `make test-slow`)
+@pytest.mark.slow
 def test_ctrl_c_leaves_a_resumable_folder(tmp_path, monkeypatch):
     """Interrupted after the first finished case: the error says what is saved and how to go on,
     and --resume then runs only the rest."""

@@ -130,9 +130,23 @@ def draw_step(rng: random.Random, num_seqs: int, page: int, heads: int, kv_heads
     q = torch.randn(total_q, heads, d, generator=gen).to(dtype)
     k_cache = torch.randn(len(physical), page, kv_heads, d, generator=gen).to(dtype)
     v_cache = torch.randn(len(physical), page, kv_heads, d, generator=gen).to(dtype)
+    poison_unused(k_cache, v_cache, table, reqs)
     cu = torch.tensor([0] + list(torch.cumsum(torch.tensor([n for n, _ in reqs]), 0)), dtype=torch.int32)
     lens = torch.tensor([length for _, length in reqs], dtype=torch.int32)
     return q, k_cache, v_cache, table, cu, lens, reqs
+
+
+def poison_unused(k_cache, v_cache, table, reqs):
+    """NaN in every slot of the caches that holds none of the step's keys (the pages no request
+    names, and each request's last page past its end), as an engine's cache may hold there: a
+    kernel that multiplies them by a zero weight, instead of never reading them, gives NaN rows."""
+    page = k_cache.shape[1]
+    used = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for r, (_, length) in enumerate(reqs):
+        idx = torch.arange(length)
+        used[table[r, idx // page].long(), idx % page] = True
+    for cache in (k_cache, v_cache):
+        cache[~used] = float("nan")
 
 
 def request_view(mask: Mask, r: int, n_q: int, length: int, fixed: bool = False) -> Mask:

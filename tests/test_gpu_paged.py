@@ -55,7 +55,7 @@ def _serve_and_check(module, mask, reqs, page, heads, kv_heads, d, dtype, rng, s
     """One step of requests (n_q, seq_len) over shuffled pages of `page` keys (garbage past each
     request's pages) through attention_paged; each request's rows against its float64 reference."""
     sys.path.insert(0, str(ROOT))
-    from run_port_paged import gather, request_view
+    from run_port_paged import gather, poison_unused, request_view
 
     from workbench.run import Inputs, Shape
     from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention
@@ -72,6 +72,7 @@ def _serve_and_check(module, mask, reqs, page, heads, kv_heads, d, dtype, rng, s
     q = torch.randn(sum(n for n, _ in reqs), heads, d, generator=g).to(real)
     kc = torch.randn(len(physical), page, kv_heads, d, generator=g).to(real)
     vc = torch.randn(len(physical), page, kv_heads, d, generator=g).to(real)
+    poison_unused(kc, vc, table, reqs)  # (NaN in every slot that holds none of the step's keys)
     cu = torch.tensor([0] + list(torch.cumsum(torch.tensor([n for n, _ in reqs]), 0)), dtype=torch.int32)
     lens = torch.tensor([length for _, length in reqs], dtype=torch.int32)
     with torch.no_grad():

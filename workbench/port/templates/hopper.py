@@ -122,6 +122,26 @@ if _HAS_GLUON and HOPPER_MODS is None:
         return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
 
     @gluon.jit
+    def _hopper_zero_tail(v_buf, keep, num_warps: gl.constexpr):
+        # (attention_paged) rows keep .. BLOCK_N of a request's last tile of values set to 0 in
+        # shared memory before its P V: they are the cache's slots past the request's end (another
+        # request's, or never written), whose P is 0 but where a NaN would still give 0 * NaN. The
+        # warps' stores are made visible to the tensor cores (fence, then a barrier of these warps)
+        # before the matmul reads the tile. (In the ping-pong kernel both warpgroups zero the same
+        # rows of the shared tile: they store the same values, so the order does not matter.)
+        BLOCK_N: gl.constexpr = v_buf.type.shape[0]
+        ROWS: gl.constexpr = 32
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        for i in gl.static_range(BLOCK_N // ROWS):
+            if i * ROWS + ROWS > keep:
+                part = v_buf.slice(i * ROWS, ROWS)
+                rows = i * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+                v = part.load(layout)
+                part.store(gl.where((rows < keep)[:, None], v, gl.zeros_like(v)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
     def _hopper_store(Out, Lse, acc, m_i, l_i, o_off, o_stride, l_off, l_stride, n_valid, poison,
                       RETURN_LSE: gl.constexpr, o_layout: gl.constexpr, EVEN_M: gl.constexpr, PAGED: gl.constexpr):
         # out = acc / l (rows that kept nothing: 0, lse -inf) for the warpgroup's rows: row r at
@@ -232,6 +252,9 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             final = (n_tiles - 1) % NUM_BUF
             mbarrier.wait(v_ready.index(final), ((n_tiles - 1) // NUM_BUF) & 1)
+            if PAGED:  # (a request's last tile, the only one that may run past its end)
+                if first + BLOCK_N > Lk:
+                    _hopper_zero_tail(v_smem.index(final), Lk - first, num_warps)
             acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(final), count=1)
@@ -394,6 +417,9 @@ if _HAS_GLUON and HOPPER_MODS is None:
             # turn n_tiles: the last tile's P V
             final = (n_tiles - 1) % NUM_BUF
             mbarrier.wait(v_ready.index(final), ((n_tiles - 1) // NUM_BUF) & 1)
+            if PAGED:  # (a request's last tile, the only one that may run past its end)
+                if first + BLOCK_N > Lk:
+                    _hopper_zero_tail(v_smem.index(final), Lk - first, 4)
             mbarrier.wait(mine, (n_tiles & 1) ^ (1 - WG))
             acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
             mbarrier.arrive(other)

@@ -171,21 +171,16 @@ def main(argv) -> int:
                                        f"{ptxas(compiled)}")
                 # D 128's fused forms split dQ's matmul between the warpgroups (HOPPER_BWD_DQ_SPLIT_HEAD_DIMS)
                 qb, kb = torch.zeros(B, H, L, 128, dtype=torch.bfloat16), torch.zeros(B, 2, L, 128, dtype=torch.bfloat16)
-                # (keys down, HOPPER_BWD_SPLIT_KEYS_DOWN, and queries down)
                 for fused in (2, 3) if module._HAS_TMA_REDUCE else (2, ):
-                    for keys_down in (True, False):
-                        module.HOPPER_BWD_SPLIT_KEYS_DOWN = keys_down
-                        *_, launches = module._hopper_bwd_plan(qb, kb, kb, qb, rows_f, rows_f, 128 ** -0.5, tables,
-                                                               fused=fused)
-                        (kernel, grid, args, options), = launches
-                        assert options["KEYS_SPLIT" if keys_down else "DQ_SPLIT"], options
-                        compiled = kernel.warmup(*args, grid=grid, **options)
-                        reduces = "cp.reduce.async.bulk.tensor" in compiled.asm["ptx"]
-                        assert reduces == (fused == 3), f"split form {fused}: TMA reduce-adds in the PTX: {reduces}"
-                        assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
-                        details.append(f"backward D 128 split dq {fused} {'keys' if keys_down else 'queries'} down: "
-                                       f"{ptxas(compiled)}")
-                    module.HOPPER_BWD_SPLIT_KEYS_DOWN = True
+                    *_, launches = module._hopper_bwd_plan(qb, kb, kb, qb, rows_f, rows_f, 128 ** -0.5, tables,
+                                                           fused=fused)
+                    (kernel, grid, args, options), = launches
+                    assert options["DQ_SPLIT"], options
+                    compiled = kernel.warmup(*args, grid=grid, **options)
+                    reduces = "cp.reduce.async.bulk.tensor" in compiled.asm["ptx"]
+                    assert reduces == (fused == 3), f"split form {fused}: TMA reduce-adds in the PTX: {reduces}"
+                    assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+                    details.append(f"backward D 128 split dq {fused}: {ptxas(compiled)}")
             detail = " | ".join(details)
             # no spills at whole blocks; lengths off the grid may spill a little where a mask is heavy
             # (a user's .any() spans: 92 bytes)

@@ -74,12 +74,9 @@ HOPPER_BWD_FUSED_BUFFERS = 3
 # dS read from shared memory (_hopper_bwd_split_consumer). At D 64 the split took 17.4 (form 2) and
 # 14.9 ms (form 3) against form 3's 13.7 keys down (causal 32K on an H200): D 64 stays keys down.
 HOPPER_BWD_DQ_SPLIT_HEAD_DIMS = (128, )
-# the split's layout. True: keys down (FlashAttention-3's and FA4's on Hopper): S^T, P^T and dS^T in
-# registers as the operands of dV and dK, dS^T also into shared memory for dQ, P never stored, a
-# row's lse and delta sixteen registers a thread (the keys-down form's consumer with KEYS_SPLIT).
-# False: queries down (_hopper_bwd_split_consumer).
-HOPPER_BWD_SPLIT_KEYS_DOWN = True
-# the keys-down forms compute P^T as soon as S^T is done, while dP^T still runs (FA4's order)
+# the keys-down forms compute P^T as soon as S^T is done, while dP^T still runs (FA4's order). On an
+# H200 (causal 32K, backward alone): D 64 form 3 13.37 ms against 13.86 without it. (The same order
+# in the queries-down split at D 128 was slower: 25.44-26.51 against 24.94; not there.)
 HOPPER_BWD_EARLY_P = True
 _HOPPER_BWD_FAILED: dict = {}
 # A TMA reduce-add (cp.reduce.async.bulk.tensor ... .add: a shared-memory tile added into global
@@ -141,8 +138,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows,
                                   partial_num, partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
                                   TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
-                                  OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr, KEYS_SPLIT: gl.constexpr = False,
-                                  EARLY_P: gl.constexpr = False):
+                                  OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr, EARLY_P: gl.constexpr = False):
         # one of the dk / dv kernel's two math warpgroups: keys WG * 64 .. WG * 64 + 64 of the
         # program's 128 (each warpgroup keeps its own dK and dV, 64 x D each, in registers). Per
         # tile of BLOCK_M queries: S^T = K Q^T and dP^T = V dO^T, P^T = exp2(S^T * c - lse2) (the
@@ -155,10 +151,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # both warpgroups write their dS^T into the two halves of one [128 keys, 64 queries] tile
         # (two such tiles, one per tile parity: `ds_full` when both halves are written, `ds_free`
         # when its dQ matmul has read it), and warpgroup `count % 2` computes dQ = dS K over the 128
-        # keys and adds it. KEYS_SPLIT (FUSED_DQ 2 / 3, FlashAttention-3's backward keys down): every
-        # tile both warpgroups wait for the whole dS^T tile and each computes dQ for its half of the
-        # head dim over the 128 keys (a [64, D / 2] dQ tile), issued between dV and dK, and stages it
-        # while dK runs. EARLY_P: P^T is computed as soon as S^T is done, while dP^T still runs.
+        # keys and adds it. EARLY_P (without OVERLAP): P^T is computed as soon as S^T is done, while
+        # dP^T still runs.
         BLOCK_N: gl.constexpr = k_smem.type.shape[0] // 2
         HEAD_D: gl.constexpr = k_smem.type.shape[1]
         num_warps: gl.constexpr = 4
@@ -176,12 +170,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
         dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=o_layout)
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
         zero_q = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)  # (FUSED_DQ: BLOCK_M = BLOCK_N = 64)
-        HALF_D: gl.constexpr = HEAD_D // 2
-        h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HALF_D, 16])
-        zero_h = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=h_layout)  # (KEYS_SPLIT)
-        k_half = k_smem.slice(WG * HALF_D, HALF_D, dim=1)
-        c_layout: gl.constexpr = gl.BlockedLayout([2], [32], [num_warps], [0])  # (KEYS_SPLIT: a tile's lse and delta)
         offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
         k_part = k_smem.slice(WG * BLOCK_N, BLOCK_N)
         v_part = v_smem.slice(WG * BLOCK_N, BLOCK_N)
@@ -205,14 +193,9 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 r = gl.load(gl.where(full, full_idx + line * n_rows + j, partial_idx + line * n_rows + (j - n_f)))
                 for sub in gl.static_range(SUB):
                     slot = count % NUM_BUF
-                    if KEYS_SPLIT:  # two registers a thread until they are used (see below)
-                        rows_c = r * TABLE_M + sub * BLOCK_M + gl.arange(0, BLOCK_M, layout=c_layout)
-                        lse2_c = gl.load(Lse2 + bh.to(gl.int64) * Lq + rows_c)
-                        delta_c = gl.load(Delta + bh.to(gl.int64) * Lq + rows_c)
-                    else:
-                        rows = r * TABLE_M + sub * BLOCK_M + cols
-                        lse2 = gl.load(Lse2 + bh.to(gl.int64) * Lq + rows)
-                        delta = gl.load(Delta + bh.to(gl.int64) * Lq + rows)
+                    rows = r * TABLE_M + sub * BLOCK_M + cols
+                    lse2 = gl.load(Lse2 + bh.to(gl.int64) * Lq + rows)
+                    delta = gl.load(Delta + bh.to(gl.int64) * Lq + rows)
                     mbarrier.wait(ready.index(slot), (count // NUM_BUF) & 1)
                     # this tile's S^T and dP^T, then the previous tile's dV and dK behind them: the
                     # softmax part below runs while those two matmuls hold the tensor cores
@@ -229,56 +212,18 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     else:
                         st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
                     # rows that keep nothing have lse2 = +inf: their p is exactly 0
-                    if KEYS_SPLIT:  # (spread over the columns only here: sixteen registers a thread)
-                        lse2 = gl.convert_layout(lse2_c, gl.SliceLayout(0, s_layout))
                     pt = gl.exp2(gl.fma(st, c, -lse2[None, :]))
                     if not full:
-                        if KEYS_SPLIT:  # (the columns' query indices made here, not held over the loop)
-                            rows = r * TABLE_M + sub * BLOCK_M + gl.arange(0, BLOCK_M,
-                                                                           layout=gl.SliceLayout(0, s_layout))
                         keep = mask_mod_gluon(b, h, rows[None, :], kv_idx@@MASK_PTR_ARGS@@) != 0
                         pt = gl.where(keep, pt, 0.0)
                     if EARLY_P and not OVERLAP:
                         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
-                    if KEYS_SPLIT:
-                        delta = gl.convert_layout(delta_c, gl.SliceLayout(0, s_layout))
                     dst = pt * (dpt - delta[None, :]) * sm_scale
                     pt_op = gl.convert_layout(pt.to(dtype), p_layout)
                     dst_op = gl.convert_layout(dst.to(dtype), p_layout)
                     if OVERLAP:
                         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                         mbarrier.arrive(empty.index(prev), count=1, pred=count > 0)  # the previous tile's buffer
-                    elif KEYS_SPLIT:
-                        buf = count % 2
-                        mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)
-                        ds_smem.index(buf).slice(WG * BLOCK_N, BLOCK_N).store(dst.to(dtype))
-                        fence_async_shared()
-                        gl.thread_barrier()
-                        mbarrier.arrive(ds_full.index(buf), count=1)
-                        # dV while the other warpgroup writes its half of dS^T, then dQ (this
-                        # warpgroup's half of the head dim, over the 128 keys), then dK
-                        dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
-                        mbarrier.wait(ds_full.index(buf), (count // 2) & 1)
-                        dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_half, zero_h, use_acc=False,
-                                           is_async=True)
-                        dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
-                        dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))  # dV and dQ done; dK may run
-                        mbarrier.arrive(ds_free.index(buf), count=1)
-                        q_row = bh * Lq + r * TABLE_M + sub * BLOCK_M
-                        if FUSED_DQ == 3:
-                            staging = dq_smem.index(WG)
-                            tma.store_wait(0)  # (this warpgroup's previous reduce has read its staging tile)
-                            gl.thread_barrier()
-                            staging.store(dq)
-                            fence_async_shared()
-                            gl.thread_barrier()
-                            _tma_reduce_add(dq_desc, [q_row, WG * HALF_D], staging)
-                        else:
-                            q_rows = q_row.to(gl.int64) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, h_layout))
-                            offs_h = WG * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, h_layout))
-                            gl.atomic_add(DQ_acc + q_rows[:, None] * HEAD_D + offs_h[None, :], dq, sem="relaxed")
-                        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-                        mbarrier.arrive(empty.index(slot), count=1)
                     elif FUSED_DQ >= 2:
                         buf = count % 2
                         mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)
@@ -466,7 +411,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                 TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr,
                                 num_warps: gl.constexpr, OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr = 0,
                                 DS_LAYOUT: gl.constexpr = None, DQ_SPLIT: gl.constexpr = False,
-                                KEYS_SPLIT: gl.constexpr = False, EARLY_P: gl.constexpr = False):
+                                EARLY_P: gl.constexpr = False):
         # one program = the 128 keys of column pid_n of one (batch entry, kv head): their K and V
         # once, then the query tiles of its column lists through a ring (see above), two math
         # warpgroups (the kernel's own 4 warps are the first) and a load warp. Programs run the
@@ -502,8 +447,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(ds_full.index(i), count=2)  # both warpgroups' halves
-            # (DQ_SPLIT, KEYS_SPLIT: both warpgroups read it)
-            mbarrier.init(ds_free.index(i), count=2 if DQ_SPLIT or KEYS_SPLIT else 1)
+            mbarrier.init(ds_free.index(i), count=2 if DQ_SPLIT else 1)  # (DQ_SPLIT: both warpgroups read it)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -536,14 +480,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                              ds_free, dq_smem, dq_desc, DK, DV,
                                              DQ_acc, Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th,
                                              n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
-                                             @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0, OVERLAP, FUSED_DQ, KEYS_SPLIT,
-                                             EARLY_P)),
+                                             @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0, OVERLAP, FUSED_DQ, EARLY_P)),
                 (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
                                              ds_free, dq_smem, dq_desc, DK, DV,
                                              DQ_acc, Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th,
                                              n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
-                                             @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1, OVERLAP, FUSED_DQ, KEYS_SPLIT,
-                                             EARLY_P)),
+                                             @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1, OVERLAP, FUSED_DQ, EARLY_P)),
                 (_hopper_bwd_qdo_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group,
                                             Lq, c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
                                             TABLE_M)),
@@ -694,10 +636,8 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
     Hkv, Lk = k.shape[1], k.shape[2]
     block_m, block_n, buffers, overlap = (64, 64, HOPPER_BWD_FUSED_BUFFERS, False) if fused else HOPPER_BWD_TILES[D]
     split = fused >= 2 and D in HOPPER_BWD_DQ_SPLIT_HEAD_DIMS
-    keys_split = split and HOPPER_BWD_SPLIT_KEYS_DOWN
-    if split:  # (as many buffers as fit: K, V, the ring of Q and dO, dS (and P) tiles, form 3's staging)
-        fixed = (2 * 128 * D * 2 + 2 * 64 * 128 * 2 + (0 if keys_split else 2 * 64 * 64 * 2)
-                 + (2 * 64 * (D // 2) * 4 if fused == 3 else 0))
+    if split:  # (as many buffers as fit: K, V, the ring of Q and dO, dS and P tiles, form 3's staging)
+        fixed = 2 * 128 * D * 2 + 2 * 64 * 128 * 2 + 2 * 64 * 64 * 2 + (2 * 64 * (D // 2) * 4 if fused == 3 else 0)
         while buffers > 2 and fixed + buffers * 2 * 64 * D * 2 > 227 * 1024:
             buffers -= 1
     dout = dout.contiguous() if dout.dtype == q.dtype else dout.to(q.dtype).contiguous()
@@ -714,9 +654,8 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
              dk, dv, dq, lse2, delta, *column_lists(B, Hq, Lq, Lk, q.device),
              c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, scale, *pointers),
             {**options, "num_warps": 4,
-             **({"FUSED_DQ": int(fused), "DQ_SPLIT": split and not keys_split, "KEYS_SPLIT": keys_split,
-                 "EARLY_P": HOPPER_BWD_EARLY_P,
-                 "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused >= 2 else 64, split and not keys_split)}
+             **({"FUSED_DQ": int(fused), "DQ_SPLIT": split, "EARLY_P": HOPPER_BWD_EARLY_P,
+                 "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused >= 2 else 64, split)}
                 if fused else {})})
     if fused:
         return dq, dk, dv, [dkdv]

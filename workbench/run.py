@@ -518,7 +518,8 @@ class PortBackend:
 class PortPagedBackend:
     """The generated port's serving entry point, `attention_paged`: the inputs laid out as one step
     over a paged KV cache (`workbench.port.layout.paged_step`: each batch element a request, its
-    pages shuffled, garbage in the unused pages and block-table entries), the step's rows laid back.
+    pages shuffled, NaN in the unused pages and page tails, an out-of-range page in unused
+    block-table entries), the step's rows laid back.
     A mask whose offset follows Lk - Lq (the library's bottom-right masks) runs its Lq queries as
     each request's last positions, a chunk or a decode as an engine runs it; any other mask runs a
     whole prefill of Lk queries (generated at Lk, Lk) and keeps the first Lq rows, FlexAttention's

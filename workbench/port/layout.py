@@ -12,8 +12,9 @@ are its last positions, so there are two ways to place q [B, Hq, Lq, D]:
   Lk - 1 (FlexAttention's view of a bottom-right mask, whose offset Lk - Lq the port computes).
 
 Pages are shuffled across the cache, a few spare pages and the tail of each request's last page
-hold garbage, and the block table past each request's pages holds an out-of-range page number: a
-kernel that reads any of them gives a wrong answer or NaN.
+hold NaN (as an engine's cache may: slots never written, or freed), and the block table past each
+request's pages holds an out-of-range page number: a kernel that reads any of them, even to weigh
+it by zero, gives NaN or a wrong answer.
 
     >>> import torch
     >>> q, k, v = torch.randn(2, 4, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
@@ -83,13 +84,12 @@ def paged_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, page_size: 
     order = torch.randperm(batch * pages + spare, generator=gen)  # logical page -> physical page
     num_pages = order.numel()
 
-    def cache(x):  # [B, Hkv, Lk, D] -> [num_pages, page_size, Hkv, D], garbage everywhere unused
-        garbage = torch.randn(num_pages, page_size, hkv, d, generator=gen).to(x.dtype).to(x.device)
-        padded = torch.zeros(batch, pages * page_size, hkv, d, dtype=x.dtype, device=x.device)
-        padded[:, :lk] = x.transpose(1, 2)
-        padded[:, lk:] = garbage[0, :pages * page_size - lk].unsqueeze(0)  # the last page's tail
-        garbage[order[:batch * pages].to(x.device)] = padded.reshape(batch * pages, page_size, hkv, d)
-        return garbage
+    def cache(x):  # [B, Hkv, Lk, D] -> [num_pages, page_size, Hkv, D], NaN in every slot unused
+        laid = torch.full((num_pages, page_size, hkv, d), float("nan"), dtype=x.dtype, device=x.device)
+        padded = torch.full((batch, pages * page_size, hkv, d), float("nan"), dtype=x.dtype, device=x.device)
+        padded[:, :lk] = x.transpose(1, 2)  # (the last page's tail stays NaN)
+        laid[order[:batch * pages].to(x.device)] = padded.reshape(batch * pages, page_size, hkv, d)
+        return laid
 
     table = torch.full((batch, pages + 2), GARBAGE_PAGE, dtype=torch.int32)
     table[:, :pages] = order[:batch * pages].reshape(batch, pages).to(torch.int32)

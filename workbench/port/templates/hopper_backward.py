@@ -73,6 +73,9 @@ HOPPER_BWD_FUSED_BUFFERS = 3
 # queries down (a [64, D / 2] dQ tile and a row's lse in two registers, beside dK and dV), with P and
 # dS read from shared memory (_hopper_bwd_split_consumer). At D 64 the split took 17.4 (form 2) and
 # 14.9 ms (form 3) against form 3's 13.7 keys down (causal 32K on an H200): D 64 stays keys down.
+# (The split keys down at D 128, FA3's layout with P^T and dS^T as register operands, spilled 432
+# bytes or more, a tile's lse and delta being sixteen registers each, and took 25.77 ms against
+# 25.20 queries down in one run: not kept.)
 HOPPER_BWD_DQ_SPLIT_HEAD_DIMS = (128, )
 # the keys-down forms compute P^T as soon as S^T is done, while dP^T still runs (FA4's order). On an
 # H200 (causal 32K, backward alone): D 64 form 3 13.37 ms against 13.86 without it. (The same order

@@ -206,3 +206,38 @@ def test_the_hopper_prefill_replays_in_a_cuda_graph_and_poisons_bad_pages(cuda, 
     assert torch.isnan(poisoned[556:700]).all() and torch.equal(poisoned[:556], plain[:556])
     assert torch.equal(poisoned[700:], plain[700:])
     assert runs == [True] * 4, (runs, module._HOPPER_PAGED_FAILED)
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window_200", "users_head_window"])
+def test_verify_judges_the_paged_port_on_cuda(cuda, name):
+    """verify(..., backend="port-paged") on the GPU, at a length and head dim that take the Hopper
+    prefill on an H100 / H200: the inputs over a shuffled cache with NaN in every unused slot (spare
+    pages, each request's page tail), each request against the float64 reference."""
+    from workbench import Mask, make, port
+    from workbench.run import Shape
+    from workbench.verify import verify
+
+    w = torch.tensor([40, 90, 200, 333], device=cuda)
+
+    def users_head_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < w[h])
+
+    mask = {"causal": lambda: make("causal"),
+            "sliding_window_200": lambda: make("causal_sliding_window", {"window": 200}),
+            "users_head_window": lambda: Mask("users_head_window", mask_mod=users_head_window)}[name]()
+    seen = []
+    real = port.run_paged_file
+
+    def spy(path, step, **kw):
+        seen.append(step)
+        return real(path, step, **kw)
+
+    port.run_paged_file = spy
+    try:
+        verdict = verify(mask, Shape(batch=2, q_heads=4, kv_heads=2, q_len=300, kv_len=300, head_dim=128),
+                         dtype="bfloat16", device=cuda, backend="port-paged", seed=2, progress=False)
+    finally:
+        port.run_paged_file = real
+    print(verdict.line)
+    assert verdict.passed and all(c.nan_count == 0 for c in verdict.checks), verdict.line
+    assert seen and torch.isnan(seen[0].v_cache).any()

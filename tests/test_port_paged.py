@@ -354,6 +354,9 @@ def test_verify_judges_the_paged_port_against_the_float64_reference(monkeypatch,
     assert len(seen) == 1 and seen[0].cu_seqlens_q.tolist() == [0, (lq if queries == "last" else lk),
                                                                 2 * (lq if queries == "last" else lk)]
     assert seen[0].block_table[:, -1].tolist() == [1 << 30] * 2  # garbage past the pages: never read
+    import torch
+
+    assert torch.isnan(seen[0].k_cache).any() and torch.isnan(seen[0].v_cache).any()  # NaN in unused slots
 
 
 def test_the_paged_verdict_can_fail():

@@ -760,7 +760,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, cu_seqlens=None, invaria
                  e.g. a learnable bias table, a per-head slope vector)
     deterministic: the gradients bitwise the same run to run: the tables' (integer atomic adds in
                  units of 2^-32) and dq's (on an H100 / H200 at D 64 and 128 the default backward
-                 sums dq by float reduce-adds, in the order the GPU runs them, 1.06-1.18x faster:
+                 sums dq by float reduce-adds, in the order the GPU runs them, 1.06-1.20x faster:
                  HOPPER_BWD_FUSED_DQ); dk and dv are so in any case
     Differentiable: when q, k, v or a table requires grad, out (and lse) carry gradients, computed
     by this file's backward kernels (dq, dk, dv; GQA summed over each kv head's query heads).

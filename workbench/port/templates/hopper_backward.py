@@ -52,7 +52,7 @@ HOPPER_BWD_TILES = {64: (64, 64, 4, True), 128: (32, 64, 4, True)}
 # op builder has it (_HAS_TMA_REDUCE; else form 2 runs). At D 128 (HOPPER_BWD_DQ_SPLIT_HEAD_DIMS)
 # forms 2 and 3 split dQ's matmul between the warpgroups, queries down (_hopper_bwd_split_consumer).
 # On an H200 (bf16, B 1, H 16, 32K tokens, backward alone, ms; docs/benchmarks.md):
-#   D 64,  causal:              two kernels 16.75, form 2 14.96, form 3 13.69
+#   D 64,  causal:              two kernels 16.75, form 2 14.96, form 3 13.69 (13.37 with HOPPER_BWD_EARLY_P)
 #   D 64,  window 1024 / 8 docs: form 2 1.33 / 2.34, form 3 1.24 / 2.13
 #   D 128, causal:              portable 27.57, two kernels 28.24, split form 2 34.26, split form 3 24.06
 #   D 128, window 1024 / 8 docs: portable 2.36 / 4.00, split form 3 2.13 / 3.82

@@ -3,6 +3,7 @@ equals the reference computed in one piece, and still fails a wrong block mask."
 
 import json
 
+import pytest
 import torch
 
 from workbench.cli import main
@@ -47,6 +48,7 @@ def test_two_workers_give_the_one_piece_reference_with_gradients(tmp_path):
     assert 0 < split.computed_fraction < 1
 
 
+@pytest.mark.slow  # (a minute or more here; make test-slow, which CI runs)
 def test_verify_with_workers_passes_and_still_fails_a_dropped_block(capsys):
     from helpers import drop_one_full_block
     from workbench import make

@@ -57,6 +57,7 @@ def test_a_data_bound_mask_sees_its_own_positions_when_packed():
     assert all(r.max_abs_diff < 1e-5 for r in result.layouts), [(r.key, r.max_abs_diff) for r in result.layouts]
 
 
+@pytest.mark.slow  # (a minute or more here; make test-slow, which CI runs)
 def test_the_port_differs_only_when_packed_off_a_tile_edge(capsys):
     # the generated kernel cuts kv tiles at absolute positions, like FlexAttention on the GPU
     result = invariance.check("causal", q_len=300, heads=2, head_dim=32, dtype="float32", device="cpu",

@@ -43,6 +43,7 @@ def test_the_cli_reports_invariant_mode_bitwise_in_every_serving_layout():
     assert record["modes"]["fast"], "fast mode is reported too"
 
 
+@pytest.mark.slow  # (a minute or more here; make test-slow, which CI runs)
 def test_a_users_per_head_table_in_bf16_with_gqa_at_an_odd_length_over_two_pieces():
     result = serving.check(Mask("users_head_window", mask_mod=users_head_window), q_len=70, heads=4, kv_heads=2,
                            head_dim=16, dtype="bfloat16", device="cpu", modes=("invariant",))
@@ -62,6 +63,7 @@ def test_a_bidirectional_prefix_is_not_the_same_attention_when_chunked():
     assert result.passed and "not the same attention" in result.line
 
 
+@pytest.mark.slow  # (a minute or more here; make test-slow, which CI runs)
 def test_invariant_contiguous_calls_equal_the_reference(early_run):
     done = early_run("port_invariant")  # tests/run_port_invariant.py cpu, started at collection (conftest)
     summary = [line for line in done.stdout.splitlines() if line.startswith("SUMMARY")]

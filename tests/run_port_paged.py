@@ -5,8 +5,9 @@ float64 reference of each request. Usage:
     python tests/run_port_paged.py cuda [SEED] [corpus]
 
 For each case (a mask, a dtype, a page size) a random step is drawn: requests with other query
-counts (decodes of 1, chunks of a few to ~100) and contexts, pages shuffled across the cache, and
-garbage in the block table past each request's pages. Request r's rows must equal the reference of
+counts (decodes of 1, chunks of a few to ~100) and contexts, pages shuffled across the cache, NaN
+in every cache slot that holds none of the step's keys, and garbage in the block table past each
+request's pages. Request r's rows must equal the reference of
 the mask seen from the request: b = r, q_idx = its positions seq_len - n_q + i, kv_idx = 0 ..
 seq_len - 1. Page size 16 runs split-KV (pieces of SPLIT_KEYS keys folded by a second kernel),
 the others one piece. `corpus`: every mod of the test corpus instead (corpus_cases), one step each.

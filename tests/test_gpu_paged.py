@@ -52,8 +52,9 @@ def test_a_paged_step_replays_in_a_cuda_graph(cuda, tmp_path):
 
 
 def _serve_and_check(module, mask, reqs, page, heads, kv_heads, d, dtype, rng, seed):
-    """One step of requests (n_q, seq_len) over shuffled pages of `page` keys (garbage past each
-    request's pages) through attention_paged; each request's rows against its float64 reference."""
+    """One step of requests (n_q, seq_len) over shuffled pages of `page` keys (NaN in every unused
+    slot, garbage in the block table past each request's pages) through attention_paged; each
+    request's rows against its float64 reference."""
     sys.path.insert(0, str(ROOT))
     from run_port_paged import gather, poison_unused, request_view
 

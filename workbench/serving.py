@@ -103,16 +103,17 @@ class ServingResult:
 
 def _step(requests: list[tuple], page_size: int, gen: torch.Generator, shuffle: bool = True, spare: int = 3):
     """The six arguments of attention_paged for `requests` [(q [n_q, Hq, D], k [len, Hkv, D],
-    v)], each request's keys in pages of `page_size` (shuffled across the cache, garbage in spare
-    pages, page tails and the block table past each request's pages), and each request's row range."""
+    v)], each request's keys in pages of `page_size` (shuffled across the cache, NaN in spare pages
+    and page tails, an out-of-range page in the block table past each request's pages), and each
+    request's row range."""
     q0, k0 = requests[0][0], requests[0][1]
     device, dtype = q0.device, q0.dtype
     hkv, d = k0.shape[1], k0.shape[2]
     pages_of = [-(-k.shape[0] // page_size) for _, k, _ in requests]
     num_pages = sum(pages_of) + spare
     order = torch.randperm(num_pages, generator=gen) if shuffle else torch.arange(num_pages)
-    k_cache = torch.randn(num_pages, page_size, hkv, d, generator=gen).to(dtype).to(device)
-    v_cache = torch.randn(num_pages, page_size, hkv, d, generator=gen).to(dtype).to(device)
+    k_cache = torch.full((num_pages, page_size, hkv, d), float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full((num_pages, page_size, hkv, d), float("nan"), dtype=dtype, device=device)
     table = torch.full((len(requests), max(pages_of) + 2), 1 << 30, dtype=torch.int32)
     used = 0
     for r, ((_, k, v), n) in enumerate(zip(requests, pages_of)):
@@ -200,7 +201,7 @@ def _layouts(module, later: torch.Tensor, q, k, v, mode: str, seed: int, reads_b
         add("order", "last of a step, after the other requests", paged(others + [whole], mine=len(others)),
             same="a request's programs do not depend on its place in the step",
             differs="the request's place changed its tiles")
-    add("pages_shuffled", "pages shuffled across the cache, garbage in spare pages", paged([whole]),
+    add("pages_shuffled", "pages shuffled across the cache, NaN in spare pages", paged([whole]),
         same="pages are addressed per key; the values are the same",
         differs="page placement changed the arithmetic (unexpected)")
     add("page_128", "page size 128", paged([whole], page=128, shuffle=True),

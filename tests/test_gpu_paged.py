@@ -211,9 +211,10 @@ def test_the_hopper_prefill_replays_in_a_cuda_graph_and_poisons_bad_pages(cuda, 
 
 @pytest.mark.parametrize("name", ["causal", "sliding_window_200", "users_head_window"])
 def test_verify_judges_the_paged_port_on_cuda(cuda, name):
-    """verify(..., backend="port-paged") on the GPU, at a length and head dim that take the Hopper
-    prefill on an H100 / H200: the inputs over a shuffled cache with NaN in every unused slot (spare
-    pages, each request's page tail), each request against the float64 reference."""
+    """verify(..., backend="port-paged") on the GPU, at a length and head dim at which an H100 / H200
+    may run the Hopper prefill (bf16, D 128, 300 queries a request): the inputs over a shuffled cache
+    with NaN in every unused slot (spare pages, each request's page tail), each request against the
+    float64 reference."""
     from workbench import Mask, make, port
     from workbench.run import Shape
     from workbench.verify import verify

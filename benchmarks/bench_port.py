@@ -260,7 +260,7 @@ def hopper_bench(args) -> int:
     portable kernel of the same file, Flex's Triton backend and Flex's FLASH backend (FA4, where it
     is installed and can run the mask), timed in turn over --rounds rounds; each output is checked
     against Flex Triton's first, and the Hopper columns only count calls that ran the Hopper kernel
-    (each form of its tile loop, HOPPER_LOOP "specialized" and "pingpong", or "auto").
+    (each form of its tile loop, HOPPER_LOOP "specialized", "pingpong", "persistent", or "auto").
     Beside the calls' times, each path's GPU kernels alone (torch.profiler): at short lengths a
     call's time can be its host's."""
     folder = Path(tempfile.mkdtemp(prefix="bench_hopper_"))
@@ -272,7 +272,8 @@ def hopper_bench(args) -> int:
     loops = list(args.loops)
     print("| mask | tokens | " + " | ".join(f"Hopper {loop} ms (TFLOP/s)" for loop in loops) + " | portable port ms | "
           "Flex Triton ms | Flex FLASH ms | portable / best Hopper | Flex Triton / best Hopper | FLASH / best Hopper | "
-          "GPU kernels ms: best Hopper / portable / Flex Triton / FLASH | max abs diff vs Flex | first Hopper call s |")
+          "GPU kernels ms: " + " / ".join(f"Hopper {loop}" for loop in loops) + " / portable / Flex Triton / FLASH | "
+          "max abs diff vs Flex | first Hopper call s |")
     print("|---" * (len(loops) + 11) + "|")
     for seq in args.lengths:
         for name, mask in masks_at(seq, args.heads, "cuda").items():
@@ -339,7 +340,7 @@ def hopper_bench(args) -> int:
             # what a CUDA graph or a busy stream would see
             with torch.no_grad():
                 kernels = [_kernel_ms(paths[p]) if p in paths else None
-                           for p in (min(loops, key=lambda loop: ms[loop]), "portable", "flex", "flash")]
+                           for p in (*loops, "portable", "flex", "flash")]
             kernels = " / ".join("-" if t is None else f"{t:.3f}" for t in kernels)
             print(f"| {name} | {seq:,} | {cells} | {ms['portable']:.3f} | {ms['flex']:.3f} | {flash} | "
                   f"{ms['portable'] / best:.2f}x | {ms['flex'] / best:.2f}x | {vs_flash} | {kernels} | "

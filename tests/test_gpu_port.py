@@ -149,7 +149,7 @@ def _hopper_case(name: str):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loop", ["auto", "specialized", "pingpong"])
+@pytest.mark.parametrize("loop", ["auto", "specialized", "pingpong", "persistent"])
 @pytest.mark.parametrize("case", _HOPPER_CASES)
 def test_hopper_kernel_matches_the_reference(cuda, tmp_path, case, loop):
     # the Gluon sm_90 kernel (templates/hopper.py, HOPPER on, each form of its tile loop) against
@@ -182,3 +182,49 @@ def test_hopper_kernel_matches_the_reference(cuda, tmp_path, case, loop):
     checks = [compare("out", out, ref.out, TOLERANCES[dtype]), compare("lse", lse, ref.lse, LSE_TOLERANCE[dtype])]
     assert all(c.passed for c in checks), "; ".join(
         f"{c.name}: max abs err {c.max_abs_err:.3g}, {c.bad_count} bad, {c.nan_count} NaN" for c in checks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(2048, 2048), (1000, 1011), (3000, 3000)])
+def test_the_persistent_form_hands_every_tile_out_once(cuda, tmp_path, lengths):
+    # HOPPER_LOOP = "persistent": programs take (row block, head) tiles from a counter until none is
+    # left. Row blocks that keep nothing (the first 300 queries keep no key), rows of every length,
+    # lengths off the 128 grid, more tiles than SMs (B 3, 16 heads, GQA 16 / 4), and a second call
+    # (the counter starts again at 0): out and lse against the float64 reference, every row
+    import torch
+
+    from workbench import Mask, port
+    from workbench.run import Inputs
+    from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90 only")
+    Lq, Lk = lengths
+    lens = torch.tensor([700, 1500, 64], device="cuda")
+
+    def late_start(b, h, q_idx, kv_idx):
+        return (q_idx >= 300) & (kv_idx <= q_idx) & ((q_idx - kv_idx < lens[b]) | (kv_idx < 16))
+
+    mask = Mask("late_start", mask_mod=late_start)
+    B, Hq, Hkv, D = 3, 16, 4, 128
+    module = port.load(port.build(mask, Lq, Lk, heads=Hq, batch=B, out_dir=tmp_path))
+    module.HOPPER, module.HOPPER_LOOP = True, "persistent"
+    calls = []
+    real = module._attention_hopper
+    module._attention_hopper = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(B, Hq, Lq, D, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(B, Hkv, Lk, D, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(B, Hkv, Lk, D, device="cuda", generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        first = module.attention(q, k, v, return_lse=True)
+        out, lse = module.attention(q, k, v, return_lse=True)
+    assert len(calls) == 2, "attention() did not run the Hopper kernel"
+    assert torch.equal(first[0], out), "a second call gave other bits"
+    shape = Shape(batch=B, q_heads=Hq, kv_heads=Hkv, q_len=Lq, kv_len=Lk, head_dim=D)
+    ref = reference_attention(mask, Inputs(q=q, k=k, v=v, shape=shape, dtype="bfloat16", seed=1), progress=False)
+    checks = [compare("out", out, ref.out, TOLERANCES["bfloat16"]),
+              compare("lse", lse, ref.lse, LSE_TOLERANCE["bfloat16"])]
+    assert all(c.passed for c in checks), "; ".join(
+        f"{c.name}: max abs err {c.max_abs_err:.3g}, {c.bad_count} bad, {c.nan_count} NaN" for c in checks)
+    assert bool((out[:, :, :300] == 0).all()) and bool(torch.isinf(lse[:, :, :300]).all())

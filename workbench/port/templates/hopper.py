@@ -31,7 +31,7 @@ HOPPER_TILE = (128, 0, 8)
 # so). One-warpgroup loops without a load warp and a persistent form were measured slower
 # (docs/benchmarks.md) and are not kept.
 HOPPER_LOOP = "auto"
-HOPPER_LOOPS = ("auto", "specialized", "pingpong")
+HOPPER_LOOPS = ("auto", "specialized", "pingpong", "persistent")
 # lengths that are not multiples of 128 (at least 128 queries and 128 keys) take the Hopper kernel
 # too: the last block of queries is masked at the store, the last tile of keys is loaded from
 # Lk - BLOCK_N and masked to its own keys (checked on an H200 with drawn users' mods,
@@ -428,6 +428,224 @@ if _HAS_GLUON and HOPPER_MODS is None:
         _hopper_store(Out, Lse, acc, m_i, l_i, o_off + WG * HALF * o_stride, o_stride, l_off + WG * HALF * l_stride,
                       l_stride, n_valid - WG * HALF, poison, RETURN_LSE, o_layout, EVEN_M, PAGED)
 
+    @gluon.jit
+    def _hopper_tile_of(tile, num_m, BH, Hq, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
+                        TABLE_M: gl.constexpr, BLOCK_M: gl.constexpr, SUB: gl.constexpr):
+        # the persistent kernel's tile number -> (pid_m, bh, b, h, the row's full-block count, its
+        # tile count, its lists). Tiles are numbered every head's last row block first, then every
+        # head's one before, ...: under a causal mask the heaviest work is taken first
+        bh = tile % BH
+        pid_m = num_m - 1 - tile // BH
+        b = bh // Hq
+        h = bh % Hq
+        row = b * s_tb + h * s_th + (pid_m * BLOCK_M) // TABLE_M
+        n_f = gl.load(full_num + row)
+        n_tiles = (n_f + gl.load(partial_num + row)) * SUB
+        return pid_m, bh, b, h, n_f, n_tiles, full_idx + row * n_cols, partial_idx + row * n_cols
+
+    @gluon.jit
+    def _hopper_persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty,
+                                    k_ready, v_ready, k_empty, v_empty, counter, num_m, BH, Hq, group, Lq, Lk,
+                                    s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
+                                    TABLE_M: gl.constexpr, SUB: gl.constexpr, TABLE_N: gl.constexpr,
+                                    EVEN_N: gl.constexpr):
+        # the load warp of the persistent kernel. It takes the next tile from the call's counter
+        # (an atomic add: programs that finish early take more), waits until both warpgroups are
+        # done with the queries of the tile before, writes the tile's number into `tile_smem` and
+        # brings its 128 queries (one `q_ready` phase per tile), then its keys and values through
+        # the ring (`c` counts K / V tiles over all of the program's tiles, as the warpgroups do).
+        # Past the last tile it writes num_m * BH and completes `q_ready` without a copy: the
+        # warpgroups stop there.
+        BLOCK_M: gl.constexpr = q_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+        id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        total = num_m * BH
+        c = 0
+        j = 0
+        tile = gl.atomic_add(counter, 1)
+        while tile < total:
+            pid_m, bh, b, h, n_f, n_tiles, idx_f, idx_p = _hopper_tile_of(
+                tile, num_m, BH, Hq, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx, TABLE_M,
+                BLOCK_M, SUB)
+            kv_row0 = (b * (Hq // group) + h // group) * Lk
+            mbarrier.wait(q_empty, (j & 1) ^ 1)
+            tile_smem.store(gl.full([32], tile, gl.int32, layout=id_layout))
+            mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_ready, q_smem)
+            for t in range(0, n_tiles):
+                slot = c % NUM_BUF
+                phase = (c // NUM_BUF) & 1
+                start, _, _ = _hopper_tile_start(t, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
+                mbarrier.wait(k_empty.index(slot), phase ^ 1)
+                _hopper_load(k_desc, k_smem, k_ready, slot, kv_row0 + start, True)
+                mbarrier.wait(v_empty.index(slot), phase ^ 1)
+                _hopper_load(v_desc, v_smem, v_ready, slot, kv_row0 + start, True)
+                c += 1
+            j += 1
+            tile = gl.atomic_add(counter, 1)
+        mbarrier.wait(q_empty, (j & 1) ^ 1)
+        tile_smem.store(gl.full([32], total, gl.int32, layout=id_layout))
+        mbarrier.arrive(q_ready, count=1)
+
+    @gluon.jit
+    def _hopper_persistent_consumer(q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                    v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols, full_num,
+                                    partial_num, full_idx, partial_idx, sm_scale, @@ALL_PTR_PARAMS@@
+                                    HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
+                                    SUB: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
+                                    EVEN_M: gl.constexpr, EVEN_N: gl.constexpr):
+        # one warpgroup of the persistent kernel: _hopper_pingpong_consumer's loop (rows WG * 64 ..
+        # + 64 of each tile's 128) over the tiles the load warp hands over, until it hands over
+        # num_m * BH. The K / V slots and their phases follow `c`, and the turns `u`, counted over
+        # all of the program's tiles exactly as the load warp and the other warpgroup count them.
+        # Both warpgroups release the queries (`q_empty`) once their last S is done, so the next
+        # tile's queries load under this tile's last P V and its store.
+        BLOCK_M: gl.constexpr = q_smem.type.shape[0]
+        HALF: gl.constexpr = BLOCK_M // 2
+        HEAD_D: gl.constexpr = q_smem.type.shape[1]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        q_part = q_smem.slice(WG * HALF, HALF)
+        mine = turn.index(WG)
+        other = turn.index(1 - WG)
+        zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
+        total = num_m * BH
+        c = 0
+        u = 0
+        j = 0
+        mbarrier.wait(q_ready, 0)
+        tile = gl.max(tile_smem.load(id_layout), 0)
+        while tile < total:
+            pid_m, bh, b, h, n_f, n_tiles, idx_f, idx_p = _hopper_tile_of(
+                tile, num_m, BH, Hq, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx, TABLE_M,
+                BLOCK_M, SUB)
+            row0 = pid_m * BLOCK_M
+            n_valid = Lq - row0
+            l_off = bh.to(gl.int64) * Lq + row0
+            m_i = gl.full([HALF], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([HALF], gl.float32, layout=gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([HALF, HEAD_D], gl.float32, layout=o_layout)
+            q_idx = (row0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)))[:, None]
+            if not EVEN_M:  # rows past the sequence's queries are computed, never stored: the mods see its last one
+                q_idx = gl.minimum(q_idx, row0 + n_valid - 1)
+            if n_tiles > 0:
+                start, first, full = _hopper_tile_start(0, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
+                slot = c % NUM_BUF
+                mbarrier.wait(k_ready.index(slot), (c // NUM_BUF) & 1)
+                mbarrier.wait(mine, (u & 1) ^ (1 - WG))
+                qk = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                mbarrier.arrive(other)
+                u += 1
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+                mbarrier.arrive(k_empty.index(slot))
+                p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
+                                                     sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
+                                                     False)
+                for t in range(1, n_tiles):  # tile t's S with tile t-1's P V
+                    prev = c % NUM_BUF
+                    prev_phase = (c // NUM_BUF) & 1
+                    c += 1
+                    slot = c % NUM_BUF
+                    start, first, full = _hopper_tile_start(t, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
+                    mbarrier.wait(k_ready.index(slot), (c // NUM_BUF) & 1)
+                    mbarrier.wait(v_ready.index(prev), prev_phase)
+                    mbarrier.wait(mine, (u & 1) ^ (1 - WG))
+                    qk = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                       is_async=True)
+                    acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+                    mbarrier.arrive(other)
+                    u += 1
+                    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S is done; P V may still run
+                    mbarrier.arrive(k_empty.index(slot))
+                    p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
+                                                         sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout,
+                                                         EVEN_N, False)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                    mbarrier.arrive(v_empty.index(prev))
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                mbarrier.arrive(q_empty)  # (this warpgroup's last S is done: the next queries may load)
+                final = c % NUM_BUF
+                mbarrier.wait(v_ready.index(final), (c // NUM_BUF) & 1)
+                mbarrier.wait(mine, (u & 1) ^ (1 - WG))
+                acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
+                mbarrier.arrive(other)
+                u += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(final))
+                c += 1
+            else:
+                mbarrier.arrive(q_empty)
+            _hopper_store(Out, Lse, acc, m_i, l_i, (l_off + WG * HALF) * HEAD_D, HEAD_D, l_off + WG * HALF, 1,
+                          n_valid - WG * HALF, 0, RETURN_LSE, o_layout, EVEN_M, False)
+            j += 1
+            mbarrier.wait(q_ready, j & 1)
+            tile = gl.max(tile_smem.load(id_layout), 0)
+
+    @gluon.jit
+    def _hopper_persistent_kernel(q_desc, k_desc, v_desc, Out, Lse, partial_num, partial_idx, full_num, full_idx,
+                                  s_tb, s_th, n_cols, Hq, group, Lq, Lk, sm_scale, counter, BH, @@ALL_PTR_PARAMS@@
+                                  HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
+                                  TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
+                                  EVEN_M: gl.constexpr = True, EVEN_N: gl.constexpr = True):
+        # HOPPER_LOOP = "persistent": the ping-pong kernel's roles in one program per SM, each
+        # taking (row block, head) tiles from the call's counter until none is left, heaviest first
+        # (_hopper_tile_of). One buffer of queries (so the ring keeps its three K / V buffers): the
+        # load warp brings the next tile's queries under this tile's last P V and its store, and its
+        # keys and values right behind. Where a row's work is short (windows, documents) the
+        # program's start and end no longer sit between tiles.
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+        SUB: gl.constexpr = TABLE_N // BLOCK_N
+        dtype: gl.constexpr = q_desc.dtype
+        num_m = gl.cdiv(Lq, BLOCK_M)
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], v_desc.layout)
+        tile_smem = gl.allocate_shared_memory(gl.int32, [32], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=2)  # both warpgroups release the queries
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        gl.warp_specialize([
+            (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty, k_ready, v_ready,
+                                           k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
+                                           full_num, partial_num, full_idx, partial_idx, sm_scale,
+                                           @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 0, EVEN_M,
+                                           EVEN_N)),
+            (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty, k_ready, v_ready,
+                                           k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
+                                           full_num, partial_num, full_idx, partial_idx, sm_scale,
+                                           @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 1, EVEN_M,
+                                           EVEN_N)),
+            (_hopper_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, q_ready,
+                                           q_empty, k_ready, v_ready, k_empty, v_empty, counter, num_m, BH, Hq, group,
+                                           Lq, Lk, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
+                                           TABLE_M, SUB, TABLE_N, EVEN_N)),
+        ], [4, 1], [240, 40])  # (the load warp walks the tiles too: 40 registers)
+
+
 def _hopper_ready(q, k, v, bounds, invariant, scale=None) -> bool:
     """Whether this call runs the Hopper kernel: HOPPER on, Gluon there and the mods translated,
     an sm_90 GPU, bf16 / fp16, D 64 or 128, contiguous q, k, v, Lq and Lk at least 128 each (and
@@ -464,6 +682,16 @@ def _capability(device) -> tuple:
     return _CAPABILITIES[device]
 
 
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device) -> int:
+    """The GPU's number of SMs (the persistent form's programs), cached."""
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
+
+
 def _hopper_descriptor(t, rows: int):
     """A TMA descriptor over t's [B * H * L, D] view, in tiles of `rows` rows (a new one per call:
     it holds the tensor; only its shared-memory layout is reused)."""
@@ -476,7 +704,7 @@ def _hopper_descriptor(t, rows: int):
 
 
 def _hopper_launch(q, k, v, scale, return_lse, tables):
-    """(grid, arguments, options, out, lse) of _hopper_specialized_kernel for this call."""
+    """(grid, arguments, options, out, lse) of this call's Hopper kernel (_hopper_kernel)."""
     if HOPPER_LOOP not in HOPPER_LOOPS:
         raise ValueError(f"HOPPER_LOOP = {HOPPER_LOOP!r} names no form of the Hopper kernel's tile loop: set it to "
                          f"one of {', '.join(map(repr, HOPPER_LOOPS))}")
@@ -484,23 +712,35 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
     Hkv, Lk = k.shape[1], k.shape[2]
     loop = _hopper_loop()
     block_n, buffers, warps = HOPPER_TILE
-    buffers = buffers or (3 if loop == "pingpong" else 2)
+    buffers = buffers or (3 if loop in ("pingpong", "persistent") else 2)
     partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device)
     n_rows = _cdiv(Lq, TABLE_M)
     s_tb, s_th = _list_strides(Hq, n_rows)
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device) if return_lse else out
+    persistent = loop == "persistent"
+    # (persistent: the call's tile counter, zeroed here, so a program takes tile 0 first)
+    extra = (torch.zeros(1, dtype=torch.int32, device=q.device), B * Hq) if persistent else ()
     args = (_hopper_descriptor(q, 128), _hopper_descriptor(k, block_n), _hopper_descriptor(v, block_n), out, lse,
             partial_num, partial_idx, full_num, full_idx, s_tb, s_th, partial_idx.shape[-1], Hq, Hq // Hkv, Lq, Lk,
-            scale, *[tables[n] for n in ALL_POINTERS])
+            scale, *extra, *[tables[n] for n in ALL_POINTERS])
     options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers,
-                   PINGPONG=loop == "pingpong", num_warps=4 if loop == "pingpong" else warps)
+                   num_warps=4 if loop in ("pingpong", "persistent") else warps)
+    if not persistent:
+        options["PINGPONG"] = loop == "pingpong"
     if Lq % 128:  # (HOPPER_RAGGED) the last block of queries runs past Lq
         options["EVEN_M"] = False
     if Lk % TABLE_N:  # (HOPPER_RAGGED) the last tile of keys runs past Lk
         options["EVEN_N"] = False
     grid = (_cdiv(Lq, 128), B * Hq)
+    if persistent:  # one program per SM, or per tile where there are fewer
+        grid = (min(grid[0] * grid[1], _sm_count(q.device)), )
     return grid, args, options, out, lse
+
+
+def _hopper_kernel():
+    """The Hopper kernel of this call's loop form (_hopper_loop)."""
+    return _hopper_persistent_kernel if _hopper_loop() == "persistent" else _hopper_specialized_kernel
 
 
 def _hopper_loop() -> str:
@@ -517,7 +757,7 @@ def _attention_hopper(q, k, v, scale, return_lse, tables):
     grid, args, options, out, lse = _hopper_launch(q, k, v, scale, return_lse, tables)
     kind = (q.dtype, q.shape[-1], _hopper_loop())
     try:
-        _hopper_specialized_kernel[grid](*args, **options)
+        _hopper_kernel()[grid](*args, **options)
     except Exception as exc:
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             raise

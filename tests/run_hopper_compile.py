@@ -113,6 +113,7 @@ def main(argv) -> int:
             tables = module._tables(q.device, L, L)
             # (the block lists come from a scan kernel that would launch: int32 lists of their shapes)
             rows, cols = L // 128, L // 128
+            module._SM_COUNTS[q.device] = 132  # (the persistent form's programs: an H100's / H200's SMs)
             module.block_lists = lambda *a, **kw: (torch.zeros(rows, dtype=torch.int32),
                                                    torch.zeros(rows, cols, dtype=torch.int32),
                                                    torch.zeros(rows, dtype=torch.int32),
@@ -121,7 +122,7 @@ def main(argv) -> int:
             for loop in ("specialized", "pingpong"):  # every form (HOPPER_LOOP)
                 module.HOPPER_LOOP = loop
                 grid, args, options, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
-                kernel = module._hopper_specialized_kernel.warmup(*args, grid=grid, **options)
+                kernel = module._hopper_kernel().warmup(*args, grid=grid, **options)
                 details.append(f"{loop}: {ptxas(kernel)}; shared {kernel.metadata.shared} bytes")
             # lengths off the 128 grid (HOPPER_RAGGED): the masked store and the last key tile
             # loaded from Lk - BLOCK_N, in the form "auto" picks for this mask
@@ -129,8 +130,8 @@ def main(argv) -> int:
             q_odd, kv_odd = torch.zeros(B, H, 1000, D, dtype=torch.bfloat16), torch.zeros(B, 2, 1011, D, dtype=torch.bfloat16)
             grid, args, options, _, _ = module._hopper_launch(q_odd, kv_odd, kv_odd, D ** -0.5, True,
                                                               module._tables(q.device, 1000, 1011))
-            assert options.get("EVEN_M") is False and options.get("EVEN_N") is False and grid[0] == 8, (grid, options)
-            kernel = module._hopper_specialized_kernel.warmup(*args, grid=grid, **options)
+            assert options.get("EVEN_M") is False and options.get("EVEN_N") is False and grid[0] * (grid[1] if len(grid) > 1 else 1) == 64, (grid, options)
+            kernel = module._hopper_kernel().warmup(*args, grid=grid, **options)
             details.append(f"1000 x 1011 ({module._hopper_loop()}): {ptxas(kernel)}")
             # attention_paged's prefill (templates/hopper_paged.py): pages of 16 keys (a TMA copy per
             # page into a slice of the 128-key buffer) and of 128 (one copy a tile), and its lists kernel
@@ -183,18 +184,19 @@ def main(argv) -> int:
                     details.append(f"backward D 128 split dq {fused}: {ptxas(compiled)}")
             detail = " | ".join(details)
             # no spills at whole blocks; lengths off the grid may spill a little where a mask is heavy
-            # (a user's .any() spans: 92 bytes)
+            # (a user's .any() spans: 92 bytes in the ping-pong loop, 168 in the persistent one that
+            # "auto" takes: scalars, the tables' pointers and indices)
             # (the backward's dk / dv kernel keeps dK and dV in registers and spills some at its
             # fastest tile: reported, not failed)
             spilled = [d for d in details if " 0 bytes spill stores" not in d and not d.startswith(("backward", "paged"))
-                       and not (d.startswith("1000 x 1011") and _spill_bytes(d) <= 128)]
+                       and not (d.startswith("1000 x 1011") and _spill_bytes(d) <= 192)]
             problem = f"spills: {detail}" if spilled else None
         except Exception as exc:
             problem, detail = f"{type(exc).__name__}: {str(exc)[:400]}", ""
         failed += problem is not None
         print(f"CASE {mask.name} {'OK ' + detail if problem is None else 'FAIL ' + problem}", flush=True)
     print(f"SUMMARY {total - failed}/{total} masks' Hopper kernels compile for sm_90a without spills (the backward's "
-          "reported; lengths off the 128 grid: at most 128 bytes)")
+          "reported; lengths off the 128 grid: at most 192 bytes)")
     return 1 if failed else 0
 
 

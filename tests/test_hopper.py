@@ -105,7 +105,7 @@ def test_a_loop_the_kernel_does_not_have_is_refused_by_name(tmp_path):
     module.HOPPER_LOOP = "ping-pong"
     q = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="HOPPER_LOOP = 'ping-pong' names no form.*'auto', 'specialized', "
-                       "'pingpong'"):
+                       "'pingpong', 'persistent'"):
         module._hopper_launch(q, q, q, 0.125, False, {})
 
 
@@ -127,7 +127,7 @@ class Broken:  # the Hopper kernel as a Triton it was not built for would launch
             raise RuntimeError("PTX .version 9.9 does not support .target sm_90a")
         return launch
 
-module._hopper_specialized_kernel = Broken()
+module._hopper_specialized_kernel = module._hopper_persistent_kernel = Broken()
 module._hopper_launch = lambda q, k, v, scale, return_lse, tables: ((1, 1), (), {}, None, None)
 # a CPU is never sm_90: take the Hopper path unless this kind of call already failed
 module._hopper_ready = lambda q, k, v, bounds, invariant, scale=None: \

@@ -434,8 +434,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # the persistent kernel's tile number -> (pid_m, bh, b, h, the row's full-block count, its
         # tile count, its lists). Tiles are numbered every head's last row block first, then every
         # head's one before, ...: under a causal mask the heaviest work is taken first
-        bh = tile % BH
-        pid_m = num_m - 1 - tile // BH
+        bh = tile // num_m
+        pid_m = num_m - 1 - tile % num_m
         b = bh // Hq
         h = bh % Hq
         row = b * s_tb + h * s_th + (pid_m * BLOCK_M) // TABLE_M
@@ -643,7 +643,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                            q_empty, k_ready, v_ready, k_empty, v_empty, counter, num_m, BH, Hq, group,
                                            Lq, Lk, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
                                            TABLE_M, SUB, TABLE_N, EVEN_N)),
-        ], [4, 1], [240, 40])  # (the load warp walks the tiles too: 40 registers)
+        ], [4, 1], [240, 24])  # (the load warp walks the tiles too)
 
 
 def _hopper_ready(q, k, v, bounds, invariant, scale=None) -> bool:
@@ -746,7 +746,7 @@ def _hopper_kernel():
 def _hopper_loop() -> str:
     """The form of the tile loop this call runs: HOPPER_LOOP, with "auto" resolved."""
     if HOPPER_LOOP == "auto":
-        return "specialized" if HAS_SCORE else "pingpong"
+        return "specialized" if HAS_SCORE else "persistent"
     return HOPPER_LOOP
 
 

@@ -229,9 +229,16 @@ def _hopper_paged_ready(q, k_cache, v_cache, per_request: int, scale: float) -> 
     num_pages, page_size = k_cache.shape[:2]
     D = q.shape[-1]
     return (q.dtype in (torch.bfloat16, torch.float16) and D in (64, 128)
-            and (q.dtype, D, _hopper_loop()) not in _HOPPER_PAGED_FAILED
+            and (q.dtype, D, _hopper_paged_loop()) not in _HOPPER_PAGED_FAILED
             and per_request >= HOPPER_PAGED_QUERIES and (page_size in (16, 32, 64) or page_size % 128 == 0)
             and num_pages * page_size < 2 ** 31 and all(t.is_contiguous() for t in (q, k_cache, v_cache)))
+
+
+def _hopper_paged_loop() -> str:
+    """The paged kernel's tile loop: the contiguous kernel's (_hopper_loop), with "persistent" (which
+    has no paged form) run as the ping-pong loop it is built from."""
+    loop = _hopper_loop()
+    return "pingpong" if loop == "persistent" else loop
 
 
 def _hopper_paged_plan(q, k_cache, block_table, cu_seqlens_q, seq_lens, pointers, ranges):
@@ -263,7 +270,7 @@ def _hopper_paged_launch(q, k_cache, v_cache, block_table, scale, return_lse, po
     total_q, Hq, D = q.shape
     num_pages, page_size, Hkv, _ = k_cache.shape
     Slots, Rows, full_idx, partial_idx = plan
-    loop = _hopper_loop()
+    loop = _hopper_paged_loop()
     rows = min(page_size, 128)
     key = ("paged", D, q.dtype)
     if key not in _SHARED_LAYOUTS:  # the 128-key buffers' layout; a page of fewer keys lands in a slice of one
@@ -289,7 +296,7 @@ def _attention_paged_hopper(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
     (and lse): True, or False when that kernel failed to compile or launch for this kind of call
     (the caller runs the portable one; the first failure warns with its cause). Two launches: the
     lists (_hopper_paged_lists), then the kernel."""
-    loop = _hopper_loop()
+    loop = _hopper_paged_loop()
     kind = (q.dtype, q.shape[-1], loop)
     try:
         plan = _hopper_paged_plan(q, k_cache, block_table, cu_seqlens_q, seq_lens, pointers, ranges)

@@ -159,7 +159,7 @@ def test_a_hopper_kernel_that_fails_here_warns_once_and_the_portable_kernel_answ
                           timeout=600, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT)))
     assert done.returncode == 0, done.stderr[-3000:]
     lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in done.stdout.splitlines() if " " in line}
-    assert "the Hopper kernel (pingpong loop, torch.float32, D 32) failed here (RuntimeError: PTX .version 9.9" \
+    assert "the Hopper kernel (persistent loop, torch.float32, D 32) failed here (RuntimeError: PTX .version 9.9" \
         in lines["WARNED"] and "portable kernel instead" in lines["WARNED"] and "PORT_HOPPER=0" in lines["WARNED"]
     error, nan = lines["ERROR"].split()
     assert float(error) < 1e-4 and nan == "False", lines["ERROR"]

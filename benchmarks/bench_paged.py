@@ -151,7 +151,7 @@ def prefill(module, variants, lengths, pages, defaults):
                 tiles = "?" if config is None else (f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} "
                                                     f"w{config.num_warps} s{config.num_stages}")
                 if module._hopper_ready(qc, k, v, None, False, 128 ** -0.5):
-                    tiles = f"Hopper, {module._hopper_loop()}"
+                    tiles = f"Hopper, {module._hopper_paged_loop()}"
                 want = want[0].transpose(0, 1).float()
                 for tile, invariant, hopper in variants:
                     _set_variant(module, tile, None, defaults)

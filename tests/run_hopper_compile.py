@@ -147,7 +147,7 @@ def main(argv) -> int:
                 grid, args, options = module._hopper_paged_launch(qp, cache, cache, table, D ** -0.5, True, pointers,
                                                                   plan, qp, qp)
                 kernel = module._hopper_paged_kernel.warmup(*args, grid=grid, **options)
-                details.append(f"paged {page} ({module._hopper_loop()}): {ptxas(kernel)}")
+                details.append(f"paged {page} ({module._hopper_paged_loop()}): {ptxas(kernel)}")
             ranges = [torch.zeros(3, dtype=torch.int64)] * len(module.MASK_POINTERS) if module.HAS_BOUNDS else []
             table = torch.zeros(2, 64, dtype=torch.int32)
             lists = module._hopper_paged_lists.warmup(

@@ -176,7 +176,8 @@ def main(argv) -> int:
                     *_, launches = module._hopper_bwd_plan(qb, kb, kb, qb, rows_f, rows_f, 128 ** -0.5, tables,
                                                            fused=fused)
                     (kernel, grid, args, options), = launches
-                    assert options["DQ_SPLIT"], options
+                    # (form 3 keys down, HOPPER_BWD_SPLIT_KEYS_DOWN; form 2 queries down)
+                    assert options["KEYS_SPLIT"] == (fused == 3) and options["DQ_SPLIT"] == (fused == 2), options
                     compiled = kernel.warmup(*args, grid=grid, **options)
                     reduces = "cp.reduce.async.bulk.tensor" in compiled.asm["ptx"]
                     assert reduces == (fused == 3), f"split form {fused}: TMA reduce-adds in the PTX: {reduces}"

@@ -60,7 +60,7 @@ def test_long_backward_matches_the_reference(cuda, name, seq, head_dim):
 
 
 @pytest.mark.parametrize("form", ["overlap", "in_turn", "fused_dq", "fused_dq_summed", "fused_dq_reduce",
-                                  "fused_dq_split", "fused_dq_split_reduce"])
+                                  "fused_dq_split", "fused_dq_split_reduce", "fused_dq_split_reduce_queries_down"])
 @pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 64), ("bfloat16", 128), ("float16", 128)])
 def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_dim, form):
     # dq, dk, dv of attention() through the Hopper backward (templates/hopper_backward.py) against
@@ -70,7 +70,9 @@ def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_d
     # and the fused forms (HOPPER_BWD_FUSED_DQ: dq from the dk / dv programs by atomic adds, whose
     # bits may differ run to run: per warpgroup, or summed over the program's 128 keys first, by
     # atomics or by the copy engine's reduce-add; `split`: dQ's matmul split between the warpgroups by
-    # halves of the head dim, queries down, at every head dim, as D 128 runs it by default)
+    # halves of the head dim at every head dim: with the copy engine's sum keys down, as D 128 runs it
+    # by default (named barriers, a dQ warp, dQ summed in register order), or queries down; with
+    # atomic adds queries down)
     from workbench import port
     from workbench.run import make_inputs
     from workbench.verify.compare import _grad_tolerance, compare
@@ -96,9 +98,10 @@ def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_d
         module.HOPPER_BWD_HEAD_DIMS, module.HOPPER_BWD_PER_HEAD = (64, 128), True
         module.HOPPER_BWD_TILES = {d: (*tile[:3], form == "overlap") for d, tile in module.HOPPER_BWD_TILES.items()}
         module.HOPPER_BWD_FUSED_DQ = {"fused_dq": 1, "fused_dq_summed": 2, "fused_dq_reduce": 3, "fused_dq_split": 2,
-                                      "fused_dq_split_reduce": 3}.get(form, 0)
+                                      "fused_dq_split_reduce": 3, "fused_dq_split_reduce_queries_down": 3}.get(form, 0)
         if "split" in form:
             module.HOPPER_BWD_DQ_SPLIT_HEAD_DIMS = (64, 128)
+            module.HOPPER_BWD_SPLIT_KEYS_DOWN = not form.endswith("queries_down")
         module.HOPPER_BWD_FUSED_HEAD_DIMS = (64, 128)
         ran = []
         real = module._hopper_bwd_launch

@@ -244,10 +244,10 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     assert off.HOPPER_BWD is False and not ready(off, d=64)
     # dq from the dk / dv programs (five matmuls a pair instead of seven), summed over a program's
     # 128 keys and added by TMA reduce-adds: the default at D 64 and 128 (split between the
-    # warpgroups at D 128); PORT_HOPPER_BWD_FUSED_DQ picks another form (0: the two kernels)
+    # warpgroups keys down); PORT_HOPPER_BWD_FUSED_DQ picks another form (0: the two kernels)
     fresh = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "fresh"))
     assert fresh.HOPPER_BWD_FUSED_DQ == 3 and fresh.HOPPER_BWD_FUSED_HEAD_DIMS == (64, 128)
-    assert fresh.HOPPER_BWD_DQ_SPLIT_HEAD_DIMS == (128, )
+    assert fresh.HOPPER_BWD_DQ_SPLIT_HEAD_DIMS == (64, 128) and fresh.HOPPER_BWD_SPLIT_KEYS_DOWN
     monkeypatch.setenv("PORT_HOPPER_BWD_FUSED_DQ", "0")
     assert port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "fused")).HOPPER_BWD_FUSED_DQ == 0
     # a value that names no form: refused with the forms there are
@@ -291,6 +291,55 @@ def test_the_fused_dq_form_is_never_taken_with_deterministic(tmp_path, monkeypat
     monkeypatch.setattr(module, "HOPPER_BWD_FUSED_DQ", 5)  # (set in the file or on the module)
     with pytest.raises(ValueError, match=r"HOPPER_BWD_FUSED_DQ = 5 names no form.*\(0, 1, 2, 3\)"):
         module._hopper_bwd_launch(q, q, q, q, rows, rows, 0.125, {}, False)
+
+
+def test_the_keys_down_splits_flat_dq_comes_back_in_order(tmp_path):
+    # The keys-down split (D 64 and 128) sums dq flat: each math warpgroup stores its [64 queries,
+    # D / 2] dQ tile as gl.reshape(gl.permute(gl.reshape(dq, [4, 2, 8, J, 4, 2]), [3, 0, 2, 4, 1, 5]),
+    # [2 J, 256]) into chunk (b, h, tile, half) of a flat float32 buffer (J = D / 16). The same
+    # reshape / permute done here on random tiles must come back from _dq_unflat as the tiles, bit for
+    # bit, in q's dtype; and the plan takes that form (a flat dq, descriptors of D / 8 rows x 256)
+    # for form 3 at the split's head dims, the queries-down one for form 2.
+    import torch
+
+    module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
+    assert module.HOPPER_BWD_SPLIT_KEYS_DOWN and module.HOPPER_BWD_DQ_SPLIT_HEAD_DIMS == (64, 128)
+    gen = torch.Generator().manual_seed(0)
+    for D in (64, 128):
+        B, Hq, Lq, J = 2, 3, 192, D // 16
+        dq = torch.randn(B, Hq, Lq, D, generator=gen)
+        chunks = []
+        for b in range(B):
+            for h in range(Hq):
+                for tile in range(Lq // 64):
+                    for half in range(2):
+                        part = dq[b, h, tile * 64:(tile + 1) * 64, half * D // 2:(half + 1) * D // 2]
+                        chunks.append(part.reshape(4, 2, 8, J, 4, 2).permute(3, 0, 2, 4, 1, 5).reshape(2 * J, 256))
+        flat = torch.cat(chunks).reshape(-1)
+        for dtype in (torch.float32, torch.bfloat16):
+            back = module._dq_unflat(flat, dq.shape, dtype)
+            assert back.dtype == dtype and back.shape == dq.shape and torch.equal(back, dq.to(dtype)), (D, dtype)
+        # one element by hand: query 16 * 2 + 8 + 5 of tile 1, column D / 2 + 8 * 1 + 2 * 3 + 1
+        # (warp 2, row half 1, lane 4 * 5 + 3, j 1, p 1) of (b 1, h 2) sits at j * 512 + lane's 4
+        # values + 2 * 1 + 1 in chunk ((1 * Hq + 2) * 3 + 1) * 2 + 1
+        chunk = ((1 * Hq + 2) * (Lq // 64) + 1) * 2 + 1
+        at = chunk * 64 * D // 2 + 1 * 512 + (32 * 2 + 4 * 5 + 3) * 4 + 2 * 1 + 1
+        assert flat[at] == dq[1, 2, 64 + 16 * 2 + 8 + 5, D // 2 + 8 + 6 + 1]
+    if not _has_gluon():
+        return
+    rows = 8
+    zeros = torch.zeros(rows, dtype=torch.int32), torch.zeros(rows, rows, dtype=torch.int32)
+    module.column_lists = lambda *args, **kw: (*zeros, *zeros)
+    for D, fused, keys in ((128, 3, True), (64, 3, True), (128, 2, False)):
+        q = torch.zeros(1, 2, 1024, D, dtype=torch.bfloat16)
+        stats = torch.zeros(1, 2, 1024)
+        tables = module._tables(torch.device("cpu"), 1024, 1024)
+        dq, *_, launches = module._hopper_bwd_plan(q, q, q, q, stats, stats, 0.125, tables, fused=fused)
+        (kernel, grid, args, options), = launches
+        assert options["KEYS_SPLIT"] == keys and options["DQ_SPLIT"] == (not keys), (D, fused, options)
+        assert dq.dim() == (1 if keys else 4) and dq.dtype == torch.float32
+        if keys:  # (the dq descriptor: chunks of D / 8 rows of 256 floats)
+            assert list(args[4].block_shape) == [D // 8, 256], args[4].block_shape
 
 
 _PAGED_LISTS = r'''

@@ -50,12 +50,15 @@ HOPPER_BWD_TILES = {64: (64, 64, 4, True), 128: (32, 64, 4, True)}
 # traffic. 3 (the default): form 2 with each dQ tile summed by the copy engine (the warpgroup's dQ
 # tile into shared memory, one TMA reduce-add of the tile: FlashAttention-3's way), where Triton's
 # op builder has it (_HAS_TMA_REDUCE; else form 2 runs). At D 128 (HOPPER_BWD_DQ_SPLIT_HEAD_DIMS)
-# forms 2 and 3 split dQ's matmul between the warpgroups, queries down (_hopper_bwd_split_consumer).
+# forms 2 and 3 split dQ's matmul between the warpgroups: form 3 keys down (_hopper_bwd_keys_consumer,
+# HOPPER_BWD_SPLIT_KEYS_DOWN), form 2 queries down (_hopper_bwd_split_consumer).
 # On an H200 (bf16, B 1, H 16, 32K tokens, backward alone, ms; docs/benchmarks.md):
 #   D 64,  causal:              two kernels 16.75, form 2 14.96, form 3 13.69 (13.37 with HOPPER_BWD_EARLY_P)
 #   D 64,  window 1024 / 8 docs: form 2 1.33 / 2.34, form 3 1.24 / 2.13
-#   D 128, causal:              portable 27.57, two kernels 28.24, split form 2 34.26, split form 3 24.06
-#   D 128, window 1024 / 8 docs: portable 2.36 / 4.00, split form 3 2.13 / 3.82
+#   D 128, causal:              portable 27.57, two kernels 28.24, split form 2 34.26, split form 3 queries
+#                               down 24.06-25.61, keys down 22.26
+#   D 128, window 1024 / 8 docs: portable 2.36 / 4.00, split form 3 queries down 2.13-2.27 / 3.82-3.88,
+#                               keys down 2.21 / 3.60
 # (at D 128 form 2 spills 1 KB of registers keys down, and its atomic adds of a [64, 128] dQ a tile
 # cost more than they save; a keys-down form with 32-query tiles took 39.3 ms: not kept).
 # At the head dims of HOPPER_BWD_FUSED_HEAD_DIMS; the dk / dv tile is (64 queries,
@@ -73,10 +76,14 @@ HOPPER_BWD_FUSED_BUFFERS = 3
 # queries down (a [64, D / 2] dQ tile and a row's lse in two registers, beside dK and dV), with P and
 # dS read from shared memory (_hopper_bwd_split_consumer). At D 64 the split took 17.4 (form 2) and
 # 14.9 ms (form 3) against form 3's 13.7 keys down (causal 32K on an H200): D 64 stays keys down.
-# (The split keys down at D 128, FA3's layout with P^T and dS^T as register operands, spilled 432
-# bytes or more, a tile's lse and delta being sixteen registers each, and took 25.77 ms against
-# 25.20 queries down in one run: not kept.)
-HOPPER_BWD_DQ_SPLIT_HEAD_DIMS = (128, )
+HOPPER_BWD_DQ_SPLIT_HEAD_DIMS = (64, 128)
+# form 3's split keys down (FlashAttention-3's and FA4's layout: S^T, P^T and dS^T in registers, P^T
+# and dS^T the register operands of dV and dK, only dS^T through shared memory), with their hand-off:
+# named barriers between the warpgroups, a dQ warp issuing the reduce-adds, dQ staged in its
+# registers' order (_hopper_bwd_keys_consumer). False: queries down. On an H200 (causal 32K, D 128,
+# backward alone): 22.26 ms against 25.61 queries down in the same run; the same split with
+# mbarriers, dQ staged by the math warpgroups and its reduce-adds issued there took 25.02-25.24.
+HOPPER_BWD_SPLIT_KEYS_DOWN = True
 # the keys-down forms compute P^T as soon as S^T is done, while dP^T still runs (FA4's order). On an
 # H200 (causal 32K, backward alone): D 64 form 3 13.37 ms against 13.86 without it. (The same order
 # in the queries-down split at D 128 was slower: 25.44-26.51 against 24.94; not there.)
@@ -108,10 +115,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
     @gluon.jit
     def _hopper_bwd_qdo_producer(q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group, Lq,
                                  c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
-                                 TABLE_M: gl.constexpr):
+                                 TABLE_M: gl.constexpr, Lse2=None, Delta=None, lse_smem=None, dl_smem=None,
+                                 STAGE_STATS: gl.constexpr = False):
         # the load warp of the dk / dv kernel: for every query head of the group and every block
         # of queries its column lists name (full ones, then partial ones), that block's tiles of Q
-        # and dO into the next buffer of the ring, once the math warps have released it
+        # and dO into the next buffer of the ring, once the math warps have released it (STAGE_STATS:
+        # and the tile's lse and delta into the slot's rows of lse_smem / dl_smem, before `ready`)
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         SUB: gl.constexpr = TABLE_M // BLOCK_M
         NUM_BUF: gl.constexpr = q_smem.type.shape[0]
@@ -128,12 +137,173 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 for sub in gl.static_range(SUB):
                     slot = count % NUM_BUF
                     mbarrier.wait(empty.index(slot), ((count // NUM_BUF) & 1) ^ 1)
+                    if STAGE_STATS:
+                        offs = row + sub * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([2], [32], [1], [0]))
+                        lse_smem.index(slot).store(gl.load(Lse2 + offs))
+                        dl_smem.index(slot).store(gl.load(Delta + offs))
+                        gl.thread_barrier()
                     mbarrier.expect(ready.index(slot), nbytes)
                     tma.async_copy_global_to_shared(q_desc, [row + sub * BLOCK_M, 0], ready.index(slot),
                                                     q_smem.index(slot))
                     tma.async_copy_global_to_shared(do_desc, [row + sub * BLOCK_M, 0], ready.index(slot),
                                                     do_smem.index(slot))
                     count += 1
+
+    # Named barriers (bar.sync / bar.arrive on a hardware barrier id with a thread count: how
+    # FlashAttention-3 hands tiles between warpgroups without an mbarrier round trip), for the
+    # keys-down split. Ids 8 and up stay clear of the ones Triton's partitions use (0 to 2).
+    _BAR_PDS = gl.constexpr(8)  # both math warpgroups' halves of dS^T written (256 threads)
+    _BAR_DQ_EMPTY = gl.constexpr(9)  # + WG: the warpgroup's dQ staging tile read by its reduce-add (128 + 32)
+    _BAR_DQ_FULL = gl.constexpr(11)  # + WG: the warpgroup's dQ staged (128 + 32)
+
+    @gluon.jit
+    def _bar_sync(bar_id: gl.constexpr, threads: gl.constexpr):
+        # wait at barrier `bar_id` until `threads` threads have arrived (this warp's 32 included)
+        gl.inline_asm_elementwise("bar.sync $1, $2;\n\tmov.u32 $0, 0;", "=r,r,r", [bar_id, threads], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _bar_arrive(bar_id: gl.constexpr, threads: gl.constexpr):
+        # count this warp's 32 threads in at barrier `bar_id` and go on
+        gl.inline_asm_elementwise("bar.arrive $1, $2;\n\tmov.u32 $0, 0;", "=r,r,r", [bar_id, threads],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _hopper_bwd_dq_writer(dq_desc, dq_smem, b, kv_h, col, Hq, group, Lq, c_tb, c_th, n_rows, partial_num,
+                              partial_idx, full_num, full_idx, TABLE_M: gl.constexpr, BLOCK_M: gl.constexpr):
+        # the dQ warp of the keys-down split: the tiles in the consumers' order; each tile, each math
+        # warpgroup's staged dQ (flat, in its registers' order) added into the float32 dq by one
+        # reduce-add of the copy engine, and both staging tiles handed back once the engine has read them
+        SUB: gl.constexpr = TABLE_M // BLOCK_M
+        ROWS: gl.constexpr = dq_desc.block_type.shape[0]
+        count = 0
+        for g in range(0, group):
+            h = kv_h * group + g
+            line = b * c_tb + h * c_th + col
+            n_f = gl.load(full_num + line)
+            n_blocks = n_f + gl.load(partial_num + line)
+            for j in range(0, n_blocks):
+                r = gl.load(gl.where(j < n_f, full_idx + line * n_rows + j, partial_idx + line * n_rows + (j - n_f)))
+                for sub in gl.static_range(SUB):
+                    if count > 0:
+                        tma.store_wait(0)  # (the last tile's reduce-adds have read both staging tiles)
+                    _bar_arrive(_BAR_DQ_EMPTY, 160)
+                    _bar_arrive(_BAR_DQ_EMPTY + 1, 160)
+                    chunk = ((b * Hq + h) * (Lq // BLOCK_M) + (r * TABLE_M + sub * BLOCK_M) // BLOCK_M) * 2
+                    _bar_sync(_BAR_DQ_FULL, 160)
+                    _tma_reduce_add(dq_desc, [chunk * ROWS, 0], dq_smem.index(0))
+                    _bar_sync(_BAR_DQ_FULL + 1, 160)
+                    _tma_reduce_add(dq_desc, [(chunk + 1) * ROWS, 0], dq_smem.index(1))
+                    count += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _hopper_bwd_keys_consumer(kv_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, dq_smem, lse_smem, dl_smem,
+                                  DK, DV, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
+                                  partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
+                                  TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr):
+        # A math warpgroup of the keys-down split (FlashAttention-3's and FA4's Hopper backward at
+        # D 128, the default there): keys WG * 64 .. WG * 64 + 64 of the program's 128 down the
+        # rows, queries across; dK and dV (64 x D each, float32) stay in registers. Per tile of 64
+        # queries (Q, dO, lse and delta in ring slot `slot`, from the load warp):
+        #   S^T = K Q^T, dP^T = V dO^T (wgmma from shared memory); the tile's lse is read while they run
+        #   P^T = exp2(S^T * c - lse2) (the mask on partial blocks), as soon as S^T is done
+        #   dS^T = P^T (dP^T - delta) * scale
+        #   dS^T into this warpgroup's half of the [128 keys, 64 queries] tile of parity count % 2
+        #   dV += P^T dO (P^T a register operand), then one named barrier: both halves written
+        #   dQ[:, half] = dS K[:, half] over all 128 keys (this warpgroup's half of the head dim), then
+        #   dK += dS^T Q (dS^T a register operand); once dQ is done it is staged flat for the dQ warp,
+        #   which adds it into the float32 dq, while dK still runs
+        # No wait guards the dS^T tile: a warpgroup reaches tile i + 2's write of that parity only
+        # after both passed tile i + 1's barrier, which each reaches after its tile-i dQ matmul ended.
+        # K's and V's views are made again each tile from an index the compiler cannot prove is 0
+        # (it is): else it holds their matmuls' 16 descriptors across the loop and spills them (on an
+        # H200 the reloads before each matmul cost 1.25 of 23.96 ms on causal 32K).
+        BLOCK_N: gl.constexpr = kv_smem.type.shape[1] // 2
+        HEAD_D: gl.constexpr = kv_smem.type.shape[2]
+        HALF_D: gl.constexpr = HEAD_D // 2
+        J: gl.constexpr = HALF_D // 8
+        num_warps: gl.constexpr = 4
+        BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+        NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+        SUB: gl.constexpr = TABLE_M // BLOCK_M
+        dtype: gl.constexpr = kv_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HALF_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        c = sm_scale * 1.4426950408889634
+        dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=o_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=o_layout)
+        zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+        zero_h = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=h_layout)
+        n0 = col * TABLE_N + WG * BLOCK_N
+        kv_idx = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)))[:, None]
+        mbarrier.wait(kv_bar, 0)
+        count = 0
+        for g in range(0, group):
+            h = kv_h * group + g
+            line = b * c_tb + h * c_th + col
+            n_f = gl.load(full_num + line)
+            n_blocks = n_f + gl.load(partial_num + line)
+            for j in range(0, n_blocks):
+                full = j < n_f
+                r = gl.load(gl.where(full, full_idx + line * n_rows + j, partial_idx + line * n_rows + (j - n_f)))
+                for sub in gl.static_range(SUB):
+                    slot = count % NUM_BUF
+                    buf = count % 2
+                    zero = count >> 30
+                    k_live = kv_smem.index(zero)
+                    k_part = k_live.slice(WG * BLOCK_N, BLOCK_N)
+                    v_part = kv_smem.index(zero + 1).slice(WG * BLOCK_N, BLOCK_N)
+                    k_half = k_live.slice(WG * HALF_D, HALF_D, dim=1)
+                    mbarrier.wait(ready.index(slot), (count // NUM_BUF) & 1)
+                    st = warpgroup_mma(k_part, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                       is_async=True)
+                    dpt = warpgroup_mma(v_part, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                        is_async=True)
+                    lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+                    st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))  # dP^T may still run
+                    # rows that keep nothing have lse2 = +inf: their p is exactly 0
+                    pt = gl.exp2(gl.fma(st, c, -lse2[None, :]))
+                    if not full:  # (the columns' query indices made here, not held over the loop)
+                        rows = r * TABLE_M + sub * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+                        keep = mask_mod_gluon(b, h, rows[None, :], kv_idx@@MASK_PTR_ARGS@@) != 0
+                        pt = gl.where(keep, pt, 0.0)
+                    dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+                    delta = dl_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+                    dst = pt * (dpt - delta[None, :]) * sm_scale
+                    pt_op = gl.convert_layout(pt.to(dtype), p_layout)
+                    dst_op = gl.convert_layout(dst.to(dtype), p_layout)
+                    ds_smem.index(buf).slice(WG * BLOCK_N, BLOCK_N).store(dst.to(dtype))
+                    fence_async_shared()
+                    dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+                    _bar_sync(_BAR_PDS, 256)
+                    dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_half, zero_h, use_acc=False,
+                                       is_async=True)
+                    dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
+                    dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))  # dV and dQ done; dK may run
+                    # dQ in its registers' order: element (row, col), row = 16 w + 8 h + lh (warp w,
+                    # lane 4 lh + ll), col = 8 j + 2 ll + p, goes to j * 512 + (32 w + 4 lh + ll) * 4
+                    # + 2 h + p of a flat chunk: a thread's four values of a column group side by side
+                    # (one 16-byte store each), no shuffle (_dq_unflat puts the sum back in order)
+                    flat = gl.reshape(gl.permute(gl.reshape(dq, [4, 2, 8, J, 4, 2]), [3, 0, 2, 4, 1, 5]),
+                                      [2 * J, 256])
+                    _bar_sync(_BAR_DQ_EMPTY + WG, 160)
+                    dq_smem.index(WG).store(flat)
+                    fence_async_shared()
+                    _bar_arrive(_BAR_DQ_FULL + WG, 160)
+                    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+                    mbarrier.arrive(empty.index(slot), count=1)
+                    count += 1
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        out = (bkh.to(gl.int64) * Lk + offs_n)[:, None] * HEAD_D + offs_d[None, :]
+        gl.store(DK + out, dk.to(DK.dtype.element_ty))
+        gl.store(DV + out, dv.to(DV.dtype.element_ty))
 
     @gluon.jit
     def _hopper_bwd_dkdv_consumer(k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full, ds_free,
@@ -414,7 +584,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                 TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr,
                                 num_warps: gl.constexpr, OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr = 0,
                                 DS_LAYOUT: gl.constexpr = None, DQ_SPLIT: gl.constexpr = False,
-                                EARLY_P: gl.constexpr = False):
+                                EARLY_P: gl.constexpr = False, KEYS_SPLIT: gl.constexpr = False):
         # one program = the 128 keys of column pid_n of one (batch entry, kv head): their K and V
         # once, then the query tiles of its column lists through a ring (see above), two math
         # warpgroups (the kernel's own 4 warps are the first) and a load warp. Programs run the
@@ -427,11 +597,21 @@ if _HAS_GLUON and HOPPER_MODS is None:
         bkh = gl.program_id(1)
         b = bkh // Hkv
         kv_h = bkh % Hkv
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+        if KEYS_SPLIT:  # (K and V as one [2, 128, D] buffer: the consumer indexes it each tile)
+            kv_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_D], k_desc.layout)
+            k_smem = kv_smem.index(0)
+            v_smem = kv_smem.index(1)
+        else:
+            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
+            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_D], do_desc.layout)
-        if FUSED_DQ == 3:  # each math warpgroup's float32 dQ tile (DQ_SPLIT: half), read by its TMA reduce-add
+        if KEYS_SPLIT:  # each math warpgroup's dQ, flat in its registers' order; each slot's lse and delta
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+            stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF, BLOCK_M], stats_layout)
+            dl_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF, BLOCK_M], stats_layout)
+        elif FUSED_DQ == 3:  # each math warpgroup's float32 dQ tile (DQ_SPLIT: half), read by its TMA reduce-add
             dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, dq_desc.block_type.shape[1]],
                                                 dq_desc.layout)
         else:
@@ -461,7 +641,23 @@ if _HAS_GLUON and HOPPER_MODS is None:
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, v_smem)
-        if DQ_SPLIT:
+        if KEYS_SPLIT:
+            gl.warp_specialize([
+                (_hopper_bwd_keys_consumer, (kv_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, dq_smem,
+                                             lse_smem, dl_smem, DK, DV, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb,
+                                             c_th, n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
+                                             @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0)),
+                (_hopper_bwd_keys_consumer, (kv_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, dq_smem,
+                                             lse_smem, dl_smem, DK, DV, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb,
+                                             c_th, n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
+                                             @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1)),
+                (_hopper_bwd_qdo_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group,
+                                            Lq, c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
+                                            TABLE_M, Lse2, Delta, lse_smem, dl_smem, True)),
+                (_hopper_bwd_dq_writer, (dq_desc, dq_smem, b, kv_h, col, Hq, group, Lq, c_tb, c_th, n_rows,
+                                         partial_num, partial_idx, full_num, full_idx, TABLE_M, BLOCK_M)),
+            ], [4, 1, 1], [240, 32, 32])
+        elif DQ_SPLIT:
             gl.warp_specialize([
                 (_hopper_bwd_split_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
                                               ds_free, p_smem, dq_smem, dq_desc, DK, DV, DQ_acc, Lse2, Delta, b, kv_h,
@@ -639,12 +835,19 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
     Hkv, Lk = k.shape[1], k.shape[2]
     block_m, block_n, buffers, overlap = (64, 64, HOPPER_BWD_FUSED_BUFFERS, False) if fused else HOPPER_BWD_TILES[D]
     split = fused >= 2 and D in HOPPER_BWD_DQ_SPLIT_HEAD_DIMS
-    if split:  # (as many buffers as fit: K, V, the ring of Q and dO, dS and P tiles, form 3's staging)
-        fixed = 2 * 128 * D * 2 + 2 * 64 * 128 * 2 + 2 * 64 * 64 * 2 + (2 * 64 * (D // 2) * 4 if fused == 3 else 0)
-        while buffers > 2 and fixed + buffers * 2 * 64 * D * 2 > 227 * 1024:
+    keys_split = split and fused == 3 and HOPPER_BWD_SPLIT_KEYS_DOWN
+    if split:  # (as many buffers as fit: K, V, the ring of Q and dO (keys down: and their lse and
+        # delta), dS (queries down: and P) tiles, form 3's staging)
+        fixed = (2 * 128 * D * 2 + 2 * 64 * 128 * 2 + (0 if keys_split else 2 * 64 * 64 * 2)
+                 + (2 * 64 * (D // 2) * 4 if fused == 3 else 0))
+        per_buffer = 2 * 64 * D * 2 + (2 * 64 * 4 if keys_split else 0)
+        while buffers > 2 and fixed + buffers * per_buffer > 227 * 1024:
             buffers -= 1
     dout = dout.contiguous() if dout.dtype == q.dtype else dout.to(q.dtype).contiguous()
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
+    if keys_split:  # (dq summed flat in the warpgroups' register order, put back in order after: _dq_unflat)
+        dq = torch.zeros(q.numel(), dtype=torch.float32, device=q.device)
+    else:
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     pointers = [tables[name] for name in ALL_POINTERS]
     n_rows, n_cols = _cdiv(Lq, TABLE_M), _cdiv(Lk, TABLE_N)
@@ -653,12 +856,15 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
     options = dict(TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers, OVERLAP=bool(overlap))
     dkdv = (_hopper_bwd_dkdv_kernel, (n_cols, B * Hkv),
             (_hopper_descriptor(k, TABLE_N), _hopper_descriptor(v, TABLE_N), _hopper_descriptor(q, block_m),
-             _hopper_descriptor(dout, block_m), _dq_descriptor(dq, block_m, D // 2 if split else D) if fused == 3 else _hopper_descriptor(q, block_m),
+             _hopper_descriptor(dout, block_m),
+             (_dq_flat_descriptor(dq, D) if keys_split else _dq_descriptor(dq, block_m, D // 2 if split else D))
+             if fused == 3 else _hopper_descriptor(q, block_m),
              dk, dv, dq, lse2, delta, *column_lists(B, Hq, Lq, Lk, q.device),
              c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, scale, *pointers),
             {**options, "num_warps": 4,
-             **({"FUSED_DQ": int(fused), "DQ_SPLIT": split, "EARLY_P": HOPPER_BWD_EARLY_P,
-                 "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused >= 2 else 64, split)}
+             **({"FUSED_DQ": int(fused), "DQ_SPLIT": split and not keys_split, "KEYS_SPLIT": keys_split,
+                 "EARLY_P": HOPPER_BWD_EARLY_P,
+                 "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused >= 2 else 64, split and not keys_split)}
                 if fused else {})})
     if fused:
         return dq, dk, dv, [dkdv]
@@ -667,6 +873,30 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
                   _hopper_descriptor(v, block_n), dq, lse2, delta, *block_lists(B, Hq, Lq, Lk, q.device), s_tb, s_th,
                   n_cols, Hq, Hq // Hkv, Lq, Lk, scale, *pointers), {**options, "num_warps": 8})
     return dq, dk, dv, [dkdv, dq_launch]
+
+
+def _dq_flat_descriptor(dq, head_dim: int):
+    """A TMA descriptor over the keys-down split's flat float32 dq as [N / 256, 256], unswizzled, in
+    chunks of head_dim / 8 rows: one chunk is one warpgroup's [64, head_dim / 2] dQ tile in its
+    registers' order (64 queries x half the head dim)."""
+    flat = dq.view(-1, 256)
+    key = ("dq_flat", head_dim)
+    if key not in _SHARED_LAYOUTS:
+        _SHARED_LAYOUTS[key] = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return _GluonDescriptor(flat, list(flat.shape), list(flat.stride()), [head_dim // 8, 256], _SHARED_LAYOUTS[key])
+
+
+def _dq_unflat(acc, shape, dtype):
+    """The keys-down split's flat float32 dq sum as a [B, Hq, Lq, D] tensor of `dtype`, in one copy:
+    chunk (b, h, tile of 64 queries, half of the head dim) holds j (column group of 8), w (warp),
+    lh (lane // 4), ll (lane % 4), h2 (row half of the warp's 16 rows), p (column pair), for row
+    16 w + 8 h2 + lh of the tile and column half * D / 2 + 8 j + 2 ll + p."""
+    B, Hq, Lq, D = shape
+    out = torch.empty(shape, dtype=dtype, device=acc.device)
+    # out's view by (b, h, tile, w, h2, lh, half, j, ll, p), put in the chunks' order
+    view = out.view(B, Hq, Lq // 64, 4, 2, 8, 2, D // 16, 4, 2).permute(0, 1, 2, 6, 7, 3, 5, 8, 4, 9)
+    view.copy_(acc.view(B, Hq, Lq // 64, 2, D // 16, 4, 8, 4, 2, 2))
+    return out
 
 
 def _dq_descriptor(dq, rows: int, cols: int):
@@ -703,6 +933,8 @@ def _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, tables, deterministic=
         dq, dk, dv, launches = _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=fused)
         for kernel, grid, args, options in launches:
             kernel[grid](*args, **options)
+        if dq.dim() == 1:  # (the keys-down split's flat sum)
+            dq = _dq_unflat(dq, q.shape, q.dtype)
         if dq.dtype != q.dtype:  # (the fused forms' float32 sum)
             dq = dq.to(q.dtype)
     except Exception as exc:

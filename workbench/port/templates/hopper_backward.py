@@ -56,8 +56,8 @@ HOPPER_BWD_TILES = {64: (64, 64, 4, True), 128: (32, 64, 4, True)}
 #   D 64,  causal:              two kernels 16.75, form 2 14.96, form 3 13.69 (13.37 with HOPPER_BWD_EARLY_P)
 #   D 64,  window 1024 / 8 docs: form 2 1.33 / 2.34, form 3 1.24 / 2.13
 #   D 128, causal:              portable 27.57, two kernels 28.24, split form 2 34.26, split form 3 queries
-#                               down 24.06-25.61, keys down 22.26
-#   D 128, window 1024 / 8 docs: portable 2.36 / 4.00, split form 3 queries down 2.13-2.27 / 3.82-3.88,
+#                               down 24.06-25.33, keys down 22.26
+#   D 128, window 1024 / 8 docs: portable 2.36 / 4.00, split form 3 queries down 2.13 / 3.82-4.07,
 #                               keys down 2.21 / 3.60
 # (at D 128 form 2 spills 1 KB of registers keys down, and its atomic adds of a [64, 128] dQ a tile
 # cost more than they save; a keys-down form with 32-query tiles took 39.3 ms: not kept).
@@ -72,17 +72,19 @@ HOPPER_BWD_FUSED_DQ = int(_fused_env)
 HOPPER_BWD_FUSED_HEAD_DIMS = (64, 128)
 HOPPER_BWD_FUSED_BUFFERS = 3
 # head dims at which forms 2 and 3 split dQ's matmul between the math warpgroups (FlashAttention-3's
-# backward): every tile each computes dQ for its half of the head dim over the program's 128 keys,
-# queries down (a [64, D / 2] dQ tile and a row's lse in two registers, beside dK and dV), with P and
-# dS read from shared memory (_hopper_bwd_split_consumer). At D 64 the split took 17.4 (form 2) and
-# 14.9 ms (form 3) against form 3's 13.7 keys down (causal 32K on an H200): D 64 stays keys down.
+# backward): every tile each computes dQ for its half of the head dim over the program's 128 keys
+# (a [64, D / 2] dQ tile beside dK and dV). Form 3 keys down (below); form 2 queries down (a row's
+# lse in two registers, P and dS read from shared memory: _hopper_bwd_split_consumer). At D 64 the
+# queries-down split took 17.4 (form 2) and 14.9 ms (form 3) against the unsplit form 3's 13.7, the
+# keys-down one 12.63 against 13.38 (causal 32K on an H200; a window's 4 % slower there).
 HOPPER_BWD_DQ_SPLIT_HEAD_DIMS = (64, 128)
 # form 3's split keys down (FlashAttention-3's and FA4's layout: S^T, P^T and dS^T in registers, P^T
 # and dS^T the register operands of dV and dK, only dS^T through shared memory), with their hand-off:
 # named barriers between the warpgroups, a dQ warp issuing the reduce-adds, dQ staged in its
 # registers' order (_hopper_bwd_keys_consumer). False: queries down. On an H200 (causal 32K, D 128,
-# backward alone): 22.26 ms against 25.61 queries down in the same run; the same split with
-# mbarriers, dQ staged by the math warpgroups and its reduce-adds issued there took 25.02-25.24.
+# backward alone): 22.26 ms against 24.89-25.33 queries down (earlier runs); the same split with
+# mbarriers, dQ staged by the math warpgroups and its reduce-adds issued there took 25.61 in the same
+# run. At D 64: 12.63 against 13.38 for the unsplit keys-down form 3 (docs/benchmarks.md).
 HOPPER_BWD_SPLIT_KEYS_DOWN = True
 # the keys-down forms compute P^T as soon as S^T is done, while dP^T still runs (FA4's order). On an
 # H200 (causal 32K, backward alone): D 64 form 3 13.37 ms against 13.86 without it. (The same order

@@ -181,6 +181,9 @@ def main(argv) -> int:
                     compiled = kernel.warmup(*args, grid=grid, **options)
                     reduces = "cp.reduce.async.bulk.tensor" in compiled.asm["ptx"]
                     assert reduces == (fused == 3), f"split form {fused}: TMA reduce-adds in the PTX: {reduces}"
+                    # (keys down, the hand-off's named barriers: the math warpgroups' bar.arrive to the dQ warp)
+                    named = "bar.arrive" in compiled.asm["ptx"]
+                    assert named == (fused == 3), f"split form {fused}: named barriers in the PTX: {named}"
                     assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
                     details.append(f"backward D 128 split dq {fused}: {ptxas(compiled)}")
             detail = " | ".join(details)

@@ -204,8 +204,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   DK, DV, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
                                   partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
                                   TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr):
-        # A math warpgroup of the keys-down split (FlashAttention-3's and FA4's Hopper backward at
-        # D 128, the default there): keys WG * 64 .. WG * 64 + 64 of the program's 128 down the
+        # A math warpgroup of the keys-down split (FlashAttention-3's and FA4's Hopper backward; form
+        # 3's default at D 64 and 128): keys WG * 64 .. WG * 64 + 64 of the program's 128 down the
         # rows, queries across; dK and dV (64 x D each, float32) stay in registers. Per tile of 64
         # queries (Q, dO, lse and delta in ring slot `slot`, from the load warp):
         #   S^T = K Q^T, dP^T = V dO^T (wgmma from shared memory); the tile's lse is read while they run

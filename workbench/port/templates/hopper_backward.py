@@ -200,6 +200,18 @@ if _HAS_GLUON and HOPPER_MODS is None:
         tma.store_wait(0)
 
     @gluon.jit
+    def _hopper_bwd_store_dkdv(DK, DV, dk, dv, bkh, n0, Lk):
+        # a math warpgroup's dK and dV (keys n0 .. n0 + 64 of kv head row bkh, float32 in its
+        # matmul layout) into DK and DV in their dtype
+        BLOCK_N: gl.constexpr = dk.shape[0]
+        HEAD_D: gl.constexpr = dk.shape[1]
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk.type.layout))
+        offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, dk.type.layout))
+        out = (bkh.to(gl.int64) * Lk + offs_n)[:, None] * HEAD_D + offs_d[None, :]
+        gl.store(DK + out, dk.to(DK.dtype.element_ty))
+        gl.store(DV + out, dv.to(DV.dtype.element_ty))
+
+    @gluon.jit
     def _hopper_bwd_keys_consumer(kv_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, dq_smem, lse_smem, dl_smem,
                                   DK, DV, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
                                   partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
@@ -301,11 +313,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                     mbarrier.arrive(empty.index(slot), count=1)
                     count += 1
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
-        offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-        out = (bkh.to(gl.int64) * Lk + offs_n)[:, None] * HEAD_D + offs_d[None, :]
-        gl.store(DK + out, dk.to(DK.dtype.element_ty))
-        gl.store(DV + out, dv.to(DV.dtype.element_ty))
+        _hopper_bwd_store_dkdv(DK, DV, dk, dv, bkh, n0, Lk)
 
     @gluon.jit
     def _hopper_bwd_dkdv_consumer(k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full, ds_free,
@@ -460,10 +468,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
         if FUSED_DQ == 3:
             tma.store_wait(0)  # (the last reduce has read its staging tile)
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
-        out = (bkh.to(gl.int64) * Lk + offs_n)[:, None] * HEAD_D + offs_d[None, :]
-        gl.store(DK + out, dk.to(DK.dtype.element_ty))
-        gl.store(DV + out, dv.to(DV.dtype.element_ty))
+        _hopper_bwd_store_dkdv(DK, DV, dk, dv, bkh, n0, Lk)
 
     @gluon.jit
     def _hopper_bwd_split_consumer(k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full, ds_free,
@@ -573,11 +578,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     count += 1
         if FUSED_DQ == 3:
             tma.store_wait(0)  # (the last reduce has read its staging tile)
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
-        offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-        out = (bkh.to(gl.int64) * Lk + offs_n)[:, None] * HEAD_D + offs_d[None, :]
-        gl.store(DK + out, dk.to(DK.dtype.element_ty))
-        gl.store(DV + out, dv.to(DV.dtype.element_ty))
+        _hopper_bwd_store_dkdv(DK, DV, dk, dv, bkh, n0, Lk)
 
     @gluon.jit
     def _hopper_bwd_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, DQ_acc, Lse2, Delta, partial_num,

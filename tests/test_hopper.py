@@ -330,16 +330,23 @@ def test_the_keys_down_splits_flat_dq_comes_back_in_order(tmp_path):
     rows = 8
     zeros = torch.zeros(rows, dtype=torch.int32), torch.zeros(rows, rows, dtype=torch.int32)
     module.column_lists = lambda *args, **kw: (*zeros, *zeros)
+    module._SM_COUNTS[torch.device("cpu")] = 132  # (a persistent form's programs: an H100's / H200's SMs)
     for D, fused, keys in ((128, 3, True), (64, 3, True), (128, 2, False)):
         q = torch.zeros(1, 2, 1024, D, dtype=torch.bfloat16)
         stats = torch.zeros(1, 2, 1024)
         tables = module._tables(torch.device("cpu"), 1024, 1024)
-        dq, *_, launches = module._hopper_bwd_plan(q, q, q, q, stats, stats, 0.125, tables, fused=fused)
+        dq, dk, dv, launches = module._hopper_bwd_plan(q, q, q, q, stats, stats, 0.125, tables, fused=fused)
         (kernel, grid, args, options), = launches
         assert options["KEYS_SPLIT"] == keys and options["DQ_SPLIT"] == (not keys), (D, fused, options)
         assert dq.dim() == (1 if keys else 4) and dq.dtype == torch.float32
         if keys:  # (the dq descriptor: chunks of D / 8 rows of 256 floats)
             assert list(args[4].block_shape) == [D // 8, 256], args[4].block_shape
+            # persistent: min(16 items (8 keys blocks x 2 heads), 132 SMs) programs taking items from a
+            # zeroed counter; an item with no tile is skipped, so dK and dV start as zeros
+            assert options["PERSISTENT"] and grid == (16, 1), (grid, options)
+            counter = args[kernel.arg_names.index("counter")]
+            assert counter.dtype == torch.int32 and counter.tolist() == [0]
+            assert dk.shape == q.shape and not dk.any() and not dv.any()
 
 
 _PAGED_LISTS = r'''

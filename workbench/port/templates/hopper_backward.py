@@ -86,6 +86,13 @@ HOPPER_BWD_DQ_SPLIT_HEAD_DIMS = (64, 128)
 # mbarriers, dQ staged by the math warpgroups and its reduce-adds issued there took 25.61 in the same
 # run. At D 64: 12.63 against 13.38 for the unsplit keys-down form 3 (docs/benchmarks.md).
 HOPPER_BWD_SPLIT_KEYS_DOWN = True
+# the keys-down split persistent: one program per SM takes work items (128 keys of a (batch entry,
+# kv head), head by head) from the call's counter, and its load warp loads an item's K and V while
+# the math warpgroups still store the last item's dK and dV. On an H200 (backward alone, 32K, ms,
+# persistent against one item a program, one run): D 128 causal 19.52 / 19.61, 8 docs 2.92 / 3.07,
+# window 1024 1.86 / 1.96; D 64 causal 12.78 / 12.94, 8 docs 2.02 / 2.11, window 1.26 / 1.33. Items
+# dealt round robin instead of from the counter: D 128 causal 23.13, 8 docs 3.34 (docs/benchmarks.md).
+HOPPER_BWD_PERSISTENT = True
 # the keys-down forms compute P^T as soon as S^T is done, while dP^T still runs (FA4's order). On an
 # H200 (causal 32K, backward alone): D 64 form 3 13.37 ms against 13.86 without it. (The same order
 # in the queries-down split at D 128 was slower: 25.44-26.51 against 24.94; not there.)
@@ -171,32 +178,108 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _hopper_bwd_dq_writer(dq_desc, dq_smem, b, kv_h, col, Hq, group, Lq, c_tb, c_th, n_rows, partial_num,
-                              partial_idx, full_num, full_idx, TABLE_M: gl.constexpr, BLOCK_M: gl.constexpr):
-        # the dQ warp of the keys-down split: the tiles in the consumers' order; each tile, each math
-        # warpgroup's staged dQ (flat, in its registers' order) added into the float32 dq by one
-        # reduce-add of the copy engine, and both staging tiles handed back once the engine has read them
+    def _hopper_bwd_keys_producer(k_desc, v_desc, q_desc, do_desc, kv_smem, kv_bar, kv_free, q_smem, do_smem, ready,
+                                  empty, meta_smem, counter, first, total, n_cols, Hkv, Hq, group, Lq, Lk, c_tb, c_th,
+                                  n_rows, partial_num, partial_idx, full_num, full_idx, Lse2, Delta, lse_smem,
+                                  dl_smem, TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, PERSISTENT: gl.constexpr):
+        # the load warp of the keys-down split: for each of the program's work items (128 keys of a
+        # (batch entry, kv head)), that item's tiles of Q and dO (and their lse and delta) into the
+        # ring as the math warps release slots, and, right after its first tile's, the item's K and
+        # V, once both math warpgroups have released the last item's (`kv_free`). An item with no
+        # tile is skipped (its dK and dV stay the zeros they were made). Each slot also carries its
+        # item's number and its dQ chunk (`meta_smem`: the math warpgroups and the dQ warp read them);
+        # past the last item a slot carries `total` and no tile. PERSISTENT: items come from the call's
+        # counter (an atomic add: programs that finish early take more); else the one item `first`.
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         SUB: gl.constexpr = TABLE_M // BLOCK_M
-        ROWS: gl.constexpr = dq_desc.block_type.shape[0]
+        NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+        nbytes: gl.constexpr = 2 * q_desc.block_type.nbytes
+        kv_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes
+        meta_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         count = 0
-        for g in range(0, group):
-            h = kv_h * group + g
-            line = b * c_tb + h * c_th + col
-            n_f = gl.load(full_num + line)
-            n_blocks = n_f + gl.load(partial_num + line)
-            for j in range(0, n_blocks):
-                r = gl.load(gl.where(j < n_f, full_idx + line * n_rows + j, partial_idx + line * n_rows + (j - n_f)))
-                for sub in gl.static_range(SUB):
-                    if count > 0:
-                        tma.store_wait(0)  # (the last tile's reduce-adds have read both staging tiles)
-                    _bar_arrive(_BAR_DQ_EMPTY, 160)
-                    _bar_arrive(_BAR_DQ_EMPTY + 1, 160)
-                    chunk = ((b * Hq + h) * (Lq // BLOCK_M) + (r * TABLE_M + sub * BLOCK_M) // BLOCK_M) * 2
-                    _bar_sync(_BAR_DQ_FULL, 160)
-                    _tma_reduce_add(dq_desc, [chunk * ROWS, 0], dq_smem.index(0))
-                    _bar_sync(_BAR_DQ_FULL + 1, 160)
-                    _tma_reduce_add(dq_desc, [(chunk + 1) * ROWS, 0], dq_smem.index(1))
-                    count += 1
+        kv_count = 0
+        if PERSISTENT:
+            it = gl.atomic_add(counter, 1)
+        else:
+            it = first
+        while it < total:
+            col = it % n_cols  # (items head by head, each head's first keys first)
+            bkh = it // n_cols
+            b = bkh // Hkv
+            kv_h = bkh % Hkv
+            pending = 1
+            for g in range(0, group):
+                h = kv_h * group + g
+                line = b * c_tb + h * c_th + col
+                n_f = gl.load(full_num + line)
+                n_blocks = n_f + gl.load(partial_num + line)
+                for j in range(0, n_blocks):
+                    r = gl.load(gl.where(j < n_f, full_idx + line * n_rows + j,
+                                         partial_idx + line * n_rows + (j - n_f)))
+                    row = (b * Hq + h) * Lq + r * TABLE_M
+                    for sub in gl.static_range(SUB):
+                        slot = count % NUM_BUF
+                        mbarrier.wait(empty.index(slot), ((count // NUM_BUF) & 1) ^ 1)
+                        offs = row + sub * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([2], [32], [1], [0]))
+                        lse_smem.index(slot).store(gl.load(Lse2 + offs))
+                        dl_smem.index(slot).store(gl.load(Delta + offs))
+                        meta_smem.index(slot).store(gl.full([32], it, gl.int32, layout=meta_layout))
+                        meta_smem.index(NUM_BUF + slot).store(gl.full([32], (row + sub * BLOCK_M) // BLOCK_M * 2,
+                                                                      gl.int32, layout=meta_layout))
+                        gl.thread_barrier()
+                        mbarrier.expect(ready.index(slot), nbytes)
+                        tma.async_copy_global_to_shared(q_desc, [row + sub * BLOCK_M, 0], ready.index(slot),
+                                                        q_smem.index(slot))
+                        tma.async_copy_global_to_shared(do_desc, [row + sub * BLOCK_M, 0], ready.index(slot),
+                                                        do_smem.index(slot))
+                        if pending != 0:
+                            mbarrier.wait(kv_free, (kv_count & 1) ^ 1)
+                            mbarrier.expect(kv_bar, kv_bytes)
+                            tma.async_copy_global_to_shared(k_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar,
+                                                            kv_smem.index(0))
+                            tma.async_copy_global_to_shared(v_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar,
+                                                            kv_smem.index(1))
+                            pending = 0
+                            kv_count += 1
+                        count += 1
+            if PERSISTENT:
+                it = gl.atomic_add(counter, 1)
+            else:
+                it = total
+        slot = count % NUM_BUF  # (the end: `total` and no tile)
+        mbarrier.wait(empty.index(slot), ((count // NUM_BUF) & 1) ^ 1)
+        meta_smem.index(slot).store(gl.full([32], total, gl.int32, layout=meta_layout))
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(slot), count=1)
+
+    @gluon.jit
+    def _hopper_bwd_dq_writer(dq_desc, dq_smem, ready, meta_smem, total):
+        # the dQ warp of the keys-down split: the tiles in the consumers' order, each one's dQ chunk
+        # read from its ring slot (the slot cannot be loaded again before this warp hands the tile's
+        # staging tiles over); each tile, each math warpgroup's staged dQ (flat, in its registers'
+        # order) added into the float32 dq by one reduce-add of the copy engine, and both staging
+        # tiles handed back once the engine has read them
+        ROWS: gl.constexpr = dq_desc.block_type.shape[0]
+        NUM_BUF: gl.constexpr = ready.type.shape[0]
+        meta_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        count = 0
+        mbarrier.wait(ready.index(0), 0)
+        it = gl.max(meta_smem.index(0).load(meta_layout), 0)
+        while it < total:
+            slot = count % NUM_BUF
+            chunk = gl.max(meta_smem.index(NUM_BUF + slot).load(meta_layout), 0)
+            if count > 0:
+                tma.store_wait(0)  # (the last tile's reduce-adds have read both staging tiles)
+            _bar_arrive(_BAR_DQ_EMPTY, 160)
+            _bar_arrive(_BAR_DQ_EMPTY + 1, 160)
+            _bar_sync(_BAR_DQ_FULL, 160)
+            _tma_reduce_add(dq_desc, [chunk * ROWS, 0], dq_smem.index(0))
+            _bar_sync(_BAR_DQ_FULL + 1, 160)
+            _tma_reduce_add(dq_desc, [(chunk + 1) * ROWS, 0], dq_smem.index(1))
+            count += 1
+            slot = count % NUM_BUF
+            mbarrier.wait(ready.index(slot), (count // NUM_BUF) & 1)
+            it = gl.max(meta_smem.index(slot).load(meta_layout), 0)
         tma.store_wait(0)
 
     @gluon.jit
@@ -212,9 +295,9 @@ if _HAS_GLUON and HOPPER_MODS is None:
         gl.store(DV + out, dv.to(DV.dtype.element_ty))
 
     @gluon.jit
-    def _hopper_bwd_keys_consumer(kv_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, dq_smem, lse_smem, dl_smem,
-                                  DK, DV, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
-                                  partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
+    def _hopper_bwd_keys_consumer(kv_smem, kv_bar, kv_free, q_smem, do_smem, ready, empty, ds_smem, dq_smem, lse_smem,
+                                  dl_smem, meta_smem, DK, DV, total, n_cols, Hkv, Hq, group, Lq, Lk, c_tb, c_th,
+                                  n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
                                   TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr):
         # A math warpgroup of the keys-down split (FlashAttention-3's and FA4's Hopper backward; form
         # 3's default at D 64 and 128): keys WG * 64 .. WG * 64 + 64 of the program's 128 down the
@@ -250,70 +333,86 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                                            instr_shape=[16, HALF_D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         c = sm_scale * 1.4426950408889634
-        dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=o_layout)
-        dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=o_layout)
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
         zero_h = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=h_layout)
-        n0 = col * TABLE_N + WG * BLOCK_N
-        kv_idx = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)))[:, None]
-        mbarrier.wait(kv_bar, 0)
+        meta_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
         count = 0
-        for g in range(0, group):
-            h = kv_h * group + g
-            line = b * c_tb + h * c_th + col
-            n_f = gl.load(full_num + line)
-            n_blocks = n_f + gl.load(partial_num + line)
-            for j in range(0, n_blocks):
-                full = j < n_f
-                r = gl.load(gl.where(full, full_idx + line * n_rows + j, partial_idx + line * n_rows + (j - n_f)))
-                for sub in gl.static_range(SUB):
-                    slot = count % NUM_BUF
-                    buf = count % 2
-                    zero = count >> 30
-                    k_live = kv_smem.index(zero)
-                    k_part = k_live.slice(WG * BLOCK_N, BLOCK_N)
-                    v_part = kv_smem.index(zero + 1).slice(WG * BLOCK_N, BLOCK_N)
-                    k_half = k_live.slice(WG * HALF_D, HALF_D, dim=1)
-                    mbarrier.wait(ready.index(slot), (count // NUM_BUF) & 1)
-                    st = warpgroup_mma(k_part, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                       is_async=True)
-                    dpt = warpgroup_mma(v_part, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                        is_async=True)
-                    lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
-                    st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))  # dP^T may still run
-                    # rows that keep nothing have lse2 = +inf: their p is exactly 0
-                    pt = gl.exp2(gl.fma(st, c, -lse2[None, :]))
-                    if not full:  # (the columns' query indices made here, not held over the loop)
-                        rows = r * TABLE_M + sub * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-                        keep = mask_mod_gluon(b, h, rows[None, :], kv_idx@@MASK_PTR_ARGS@@) != 0
-                        pt = gl.where(keep, pt, 0.0)
-                    dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
-                    delta = dl_smem.index(slot).load(gl.SliceLayout(0, s_layout))
-                    dst = pt * (dpt - delta[None, :]) * sm_scale
-                    pt_op = gl.convert_layout(pt.to(dtype), p_layout)
-                    dst_op = gl.convert_layout(dst.to(dtype), p_layout)
-                    ds_smem.index(buf).slice(WG * BLOCK_N, BLOCK_N).store(dst.to(dtype))
-                    fence_async_shared()
-                    dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
-                    _bar_sync(_BAR_PDS, 256)
-                    dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_half, zero_h, use_acc=False,
-                                       is_async=True)
-                    dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
-                    dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))  # dV and dQ done; dK may run
-                    # dQ in its registers' order: element (row, col), row = 16 w + 8 h + lh (warp w,
-                    # lane 4 lh + ll), col = 8 j + 2 ll + p, goes to j * 512 + (32 w + 4 lh + ll) * 4
-                    # + 2 h + p of a flat chunk: a thread's four values of a column group side by side
-                    # (one 16-byte store each), no shuffle (_dq_unflat puts the sum back in order)
-                    flat = gl.reshape(gl.permute(gl.reshape(dq, [4, 2, 8, J, 4, 2]), [3, 0, 2, 4, 1, 5]),
-                                      [2 * J, 256])
-                    _bar_sync(_BAR_DQ_EMPTY + WG, 160)
-                    dq_smem.index(WG).store(flat)
-                    fence_async_shared()
-                    _bar_arrive(_BAR_DQ_FULL + WG, 160)
-                    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-                    mbarrier.arrive(empty.index(slot), count=1)
-                    count += 1
-        _hopper_bwd_store_dkdv(DK, DV, dk, dv, bkh, n0, Lk)
+        kv_count = 0
+        mbarrier.wait(ready.index(0), 0)  # (the items come with their first tiles: `meta_smem`)
+        it = gl.max(meta_smem.index(0).load(meta_layout), 0)
+        while it < total:
+            col = it % n_cols  # (items head by head, each head's first keys first)
+            bkh = it // n_cols
+            b = bkh // Hkv
+            kv_h = bkh % Hkv
+            dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=o_layout)
+            dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=o_layout)
+            n0 = col * TABLE_N + WG * BLOCK_N
+            kv_idx = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)))[:, None]
+            start = count
+            for g in range(0, group):
+                h = kv_h * group + g
+                line = b * c_tb + h * c_th + col
+                n_f = gl.load(full_num + line)
+                n_blocks = n_f + gl.load(partial_num + line)
+                for j in range(0, n_blocks):
+                    full = j < n_f
+                    r = gl.load(gl.where(full, full_idx + line * n_rows + j, partial_idx + line * n_rows + (j - n_f)))
+                    for sub in gl.static_range(SUB):
+                        slot = count % NUM_BUF
+                        buf = count % 2
+                        zero = count >> 30
+                        k_live = kv_smem.index(zero)
+                        k_part = k_live.slice(WG * BLOCK_N, BLOCK_N)
+                        v_part = kv_smem.index(zero + 1).slice(WG * BLOCK_N, BLOCK_N)
+                        k_half = k_live.slice(WG * HALF_D, HALF_D, dim=1)
+                        if count == start:  # (the item's K and V, loaded with its first tile)
+                            mbarrier.wait(kv_bar, kv_count & 1)
+                        mbarrier.wait(ready.index(slot), (count // NUM_BUF) & 1)
+                        st = warpgroup_mma(k_part, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                           is_async=True)
+                        dpt = warpgroup_mma(v_part, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                            is_async=True)
+                        lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+                        st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))  # dP^T may still run
+                        # rows that keep nothing have lse2 = +inf: their p is exactly 0
+                        pt = gl.exp2(gl.fma(st, c, -lse2[None, :]))
+                        if not full:  # (the columns' query indices made here, not held over the loop)
+                            rows = r * TABLE_M + sub * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+                            keep = mask_mod_gluon(b, h, rows[None, :], kv_idx@@MASK_PTR_ARGS@@) != 0
+                            pt = gl.where(keep, pt, 0.0)
+                        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+                        delta = dl_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+                        dst = pt * (dpt - delta[None, :]) * sm_scale
+                        pt_op = gl.convert_layout(pt.to(dtype), p_layout)
+                        dst_op = gl.convert_layout(dst.to(dtype), p_layout)
+                        ds_smem.index(buf).slice(WG * BLOCK_N, BLOCK_N).store(dst.to(dtype))
+                        fence_async_shared()
+                        dv = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+                        _bar_sync(_BAR_PDS, 256)
+                        dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_half, zero_h, use_acc=False,
+                                           is_async=True)
+                        dk = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
+                        dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))  # dV and dQ done; dK may run
+                        # dQ in its registers' order: element (row, col), row = 16 w + 8 h + lh (warp w,
+                        # lane 4 lh + ll), col = 8 j + 2 ll + p, goes to j * 512 + (32 w + 4 lh + ll) * 4
+                        # + 2 h + p of a flat chunk: a thread's four values of a column group side by side
+                        # (one 16-byte store each), no shuffle (_dq_unflat puts the sum back in order)
+                        flat = gl.reshape(gl.permute(gl.reshape(dq, [4, 2, 8, J, 4, 2]), [3, 0, 2, 4, 1, 5]),
+                                          [2 * J, 256])
+                        _bar_sync(_BAR_DQ_EMPTY + WG, 160)
+                        dq_smem.index(WG).store(flat)
+                        fence_async_shared()
+                        _bar_arrive(_BAR_DQ_FULL + WG, 160)
+                        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+                        mbarrier.arrive(empty.index(slot), count=1)
+                        count += 1
+            mbarrier.arrive(kv_free, count=1)  # (this warpgroup is done with the item's K and V)
+            kv_count += 1
+            _hopper_bwd_store_dkdv(DK, DV, dk, dv, bkh, n0, Lk)
+            slot = count % NUM_BUF  # (the next item's first tile, or the end)
+            mbarrier.wait(ready.index(slot), (count // NUM_BUF) & 1)
+            it = gl.max(meta_smem.index(slot).load(meta_layout), 0)
 
     @gluon.jit
     def _hopper_bwd_dkdv_consumer(k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full, ds_free,
@@ -583,11 +682,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
     @gluon.jit
     def _hopper_bwd_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, DQ_acc, Lse2, Delta, partial_num,
                                 partial_idx, full_num, full_idx, c_tb, c_th, n_rows, Hq, Hkv, group, Lq, Lk, sm_scale,
-                                @@ALL_PTR_PARAMS@@
+                                BHkv, counter, @@ALL_PTR_PARAMS@@
                                 TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr,
                                 num_warps: gl.constexpr, OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr = 0,
                                 DS_LAYOUT: gl.constexpr = None, DQ_SPLIT: gl.constexpr = False,
-                                EARLY_P: gl.constexpr = False, KEYS_SPLIT: gl.constexpr = False):
+                                EARLY_P: gl.constexpr = False, KEYS_SPLIT: gl.constexpr = False,
+                                PERSISTENT: gl.constexpr = False):
         # one program = the 128 keys of column pid_n of one (batch entry, kv head): their K and V
         # once, then the query tiles of its column lists through a ring (see above), two math
         # warpgroups (the kernel's own 4 warps are the first) and a load warp. Programs run the
@@ -614,6 +714,9 @@ if _HAS_GLUON and HOPPER_MODS is None:
             stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
             lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF, BLOCK_M], stats_layout)
             dl_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF, BLOCK_M], stats_layout)
+            # each slot's item and dQ chunk (from the load warp)
+            meta_smem = gl.allocate_shared_memory(gl.int32, [2 * NUM_BUF, 32],
+                                                  stats_layout)
         elif FUSED_DQ == 3:  # each math warpgroup's float32 dQ tile (DQ_SPLIT: half), read by its TMA reduce-add
             dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, dq_desc.block_type.shape[1]],
                                                 dq_desc.layout)
@@ -641,25 +744,40 @@ if _HAS_GLUON and HOPPER_MODS is None:
         for i in gl.static_range(NUM_BUF):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both math warpgroups release a buffer
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, v_smem)
         if KEYS_SPLIT:
+            # work items (128 keys of a (batch entry, kv head)) numbered head by head, each head's
+            # first keys first (under a causal mask they meet the most queries). PERSISTENT: one
+            # program per SM takes items from the counter until none is left; else one item
+            kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(kv_free, count=2)  # both math warpgroups done with an item's K and V
+            n_cols = gl.cdiv(Lk, TABLE_N)
+            if PERSISTENT:
+                first = 0  # (not read: items come from the counter)
+                total = n_cols * BHkv
+            else:
+                first = bkh * n_cols + col
+                total = first + 1
             gl.warp_specialize([
-                (_hopper_bwd_keys_consumer, (kv_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, dq_smem,
-                                             lse_smem, dl_smem, DK, DV, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb,
-                                             c_th, n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
-                                             @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0)),
-                (_hopper_bwd_keys_consumer, (kv_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, dq_smem,
-                                             lse_smem, dl_smem, DK, DV, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb,
-                                             c_th, n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
-                                             @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1)),
-                (_hopper_bwd_qdo_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group,
-                                            Lq, c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
-                                            TABLE_M, Lse2, Delta, lse_smem, dl_smem, True)),
-                (_hopper_bwd_dq_writer, (dq_desc, dq_smem, b, kv_h, col, Hq, group, Lq, c_tb, c_th, n_rows,
-                                         partial_num, partial_idx, full_num, full_idx, TABLE_M, BLOCK_M)),
+                (_hopper_bwd_keys_consumer, (kv_smem, kv_bar, kv_free, q_smem, do_smem, ready, empty, ds_smem,
+                                             dq_smem, lse_smem, dl_smem, meta_smem, DK, DV, total, n_cols, Hkv, Hq,
+                                             group, Lq, Lk, c_tb, c_th, n_rows, partial_num, partial_idx, full_num,
+                                             full_idx, sm_scale, @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0)),
+                (_hopper_bwd_keys_consumer, (kv_smem, kv_bar, kv_free, q_smem, do_smem, ready, empty, ds_smem,
+                                             dq_smem, lse_smem, dl_smem, meta_smem, DK, DV, total, n_cols, Hkv, Hq,
+                                             group, Lq, Lk, c_tb, c_th, n_rows, partial_num, partial_idx, full_num,
+                                             full_idx, sm_scale, @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1)),
+                (_hopper_bwd_keys_producer, (k_desc, v_desc, q_desc, do_desc, kv_smem, kv_bar, kv_free, q_smem,
+                                             do_smem, ready, empty, meta_smem, counter, first, total, n_cols, Hkv, Hq,
+                                             group, Lq, Lk, c_tb, c_th, n_rows, partial_num, partial_idx, full_num,
+                                             full_idx, Lse2, Delta, lse_smem, dl_smem, TABLE_M, TABLE_N, PERSISTENT)),
+                (_hopper_bwd_dq_writer, (dq_desc, dq_smem, ready, meta_smem, total)),
             ], [4, 1, 1], [240, 32, 32])
+        else:  # (K and V of the program's one item, before the partitions start)
+            mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, k_smem)
+            tma.async_copy_global_to_shared(v_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, v_smem)
+        if KEYS_SPLIT:
+            pass
         elif DQ_SPLIT:
             gl.warp_specialize([
                 (_hopper_bwd_split_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
@@ -851,7 +969,8 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
         dq = torch.zeros(q.numel(), dtype=torch.float32, device=q.device)
     else:
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    # (keys down: a work item with no tile is skipped, so its dK and dV are these zeros)
+    dk, dv = (torch.zeros_like(k), torch.zeros_like(v)) if keys_split else (torch.empty_like(k), torch.empty_like(v))
     pointers = [tables[name] for name in ALL_POINTERS]
     n_rows, n_cols = _cdiv(Lq, TABLE_M), _cdiv(Lk, TABLE_N)
     c_tb, c_th = _list_strides(Hq, n_cols)
@@ -863,12 +982,16 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
              (_dq_flat_descriptor(dq, D) if keys_split else _dq_descriptor(dq, block_m, D // 2 if split else D))
              if fused == 3 else _hopper_descriptor(q, block_m),
              dk, dv, dq, lse2, delta, *column_lists(B, Hq, Lq, Lk, q.device),
-             c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, scale, *pointers),
+             c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, scale, B * Hkv,
+             # (the persistent form's item counter, zeroed: a program takes item 0 first)
+             torch.zeros(1, dtype=torch.int32, device=q.device) if keys_split else lse2, *pointers),
             {**options, "num_warps": 4,
              **({"FUSED_DQ": int(fused), "DQ_SPLIT": split and not keys_split, "KEYS_SPLIT": keys_split,
-                 "EARLY_P": HOPPER_BWD_EARLY_P,
+                 "EARLY_P": HOPPER_BWD_EARLY_P, "PERSISTENT": keys_split and HOPPER_BWD_PERSISTENT,
                  "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused >= 2 else 64, split and not keys_split)}
                 if fused else {})})
+    if keys_split and HOPPER_BWD_PERSISTENT:  # (one program per SM, at most one per item)
+        dkdv = (dkdv[0], (min(n_cols * B * Hkv, _sm_count(q.device)), 1), *dkdv[2:])
     if fused:
         return dq, dk, dv, [dkdv]
     dq_launch = (_hopper_bwd_dq_kernel, (n_rows, B * Hq),

@@ -61,7 +61,7 @@ def test_long_backward_matches_the_reference(cuda, name, seq, head_dim):
 
 @pytest.mark.parametrize("form", ["overlap", "in_turn", "fused_dq", "fused_dq_summed", "fused_dq_reduce",
                                   "fused_dq_split", "fused_dq_split_reduce", "fused_dq_split_reduce_queries_down"])
-@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 64), ("bfloat16", 128), ("float16", 128)])
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 64), ("bfloat16", 128), ("float16", 64), ("float16", 128)])
 def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_dim, form):
     # dq, dk, dv of attention() through the Hopper backward (templates/hopper_backward.py) against
     # the float64 reference, for the library's and users' masks, GQA, Lq != Lk; each call must run

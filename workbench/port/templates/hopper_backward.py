@@ -34,7 +34,8 @@ HOPPER_BWD = os.environ.get("PORT_HOPPER_BWD", "1") != "0"
 HOPPER_BWD_HEAD_DIMS = (64, )
 # masks that read the head (per-head lists: per-head windows, users' w[h] tables) run the portable
 # backward: on the H200 per-head windows (64 to 2,048 keys) took 0.405 ms against 0.288 at 8K and
-# 1.17 against 1.13 at 32K (D 64); True lets them take the Hopper kernels too
+# 1.17 against 1.13 at 32K (D 64, the two kernels); the persistent keys-down form at D 128 1.42
+# against 1.71 at 32K but 0.73 against 0.44 at 8K. True lets them take the Hopper kernels too
 HOPPER_BWD_PER_HEAD = False
 # per head dim: (query tile of the dk / dv kernel, key tile of the dq kernel, buffers of each ring,
 # overlap: each tile's last matmuls issued behind the next tile's first ones, FlashAttention-3's

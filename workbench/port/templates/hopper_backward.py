@@ -123,6 +123,27 @@ if _HAS_TMA_REDUCE:
 if _HAS_GLUON and HOPPER_MODS is None:
 
     @gluon.jit
+    def _bwd_stage_stats(Lse2, Delta, lse_smem, dl_smem, slot, row0):
+        # the load warp: a tile's lse2 and delta (flat rows row0 .. row0 + BLOCK_M) into ring slot `slot`
+        BLOCK_M: gl.constexpr = lse_smem.type.shape[1]
+        offs = row0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([2], [32], [1], [0]))
+        lse_smem.index(slot).store(gl.load(Lse2 + offs))
+        dl_smem.index(slot).store(gl.load(Delta + offs))
+
+    @gluon.jit
+    def _bwd_column(b, h, col, c_tb, c_th, full_num, partial_num):
+        # the column lists' line of keys block `col` of (batch entry b, head h): (line, full query
+        # blocks, all query blocks)
+        line = b * c_tb + h * c_th + col
+        n_f = gl.load(full_num + line)
+        return line, n_f, n_f + gl.load(partial_num + line)
+
+    @gluon.jit
+    def _bwd_column_row(j, n_f, line, n_rows, full_idx, partial_idx):
+        # the j-th query block of a column lists' line: its n_f full blocks first, then its partial ones
+        return gl.load(gl.where(j < n_f, full_idx + line * n_rows + j, partial_idx + line * n_rows + (j - n_f)))
+
+    @gluon.jit
     def _hopper_bwd_qdo_producer(q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group, Lq,
                                  c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
                                  TABLE_M: gl.constexpr, Lse2=None, Delta=None, lse_smem=None, dl_smem=None,
@@ -138,19 +159,15 @@ if _HAS_GLUON and HOPPER_MODS is None:
         count = 0
         for g in range(0, group):
             h = kv_h * group + g
-            line = b * c_tb + h * c_th + col
-            n_f = gl.load(full_num + line)
-            n_blocks = n_f + gl.load(partial_num + line)
+            line, n_f, n_blocks = _bwd_column(b, h, col, c_tb, c_th, full_num, partial_num)
             for j in range(0, n_blocks):
-                r = gl.load(gl.where(j < n_f, full_idx + line * n_rows + j, partial_idx + line * n_rows + (j - n_f)))
+                r = _bwd_column_row(j, n_f, line, n_rows, full_idx, partial_idx)
                 row = (b * Hq + h) * Lq + r * TABLE_M
                 for sub in gl.static_range(SUB):
                     slot = count % NUM_BUF
                     mbarrier.wait(empty.index(slot), ((count // NUM_BUF) & 1) ^ 1)
                     if STAGE_STATS:
-                        offs = row + sub * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([2], [32], [1], [0]))
-                        lse_smem.index(slot).store(gl.load(Lse2 + offs))
-                        dl_smem.index(slot).store(gl.load(Delta + offs))
+                        _bwd_stage_stats(Lse2, Delta, lse_smem, dl_smem, slot, row + sub * BLOCK_M)
                         gl.thread_barrier()
                     mbarrier.expect(ready.index(slot), nbytes)
                     tma.async_copy_global_to_shared(q_desc, [row + sub * BLOCK_M, 0], ready.index(slot),
@@ -211,19 +228,14 @@ if _HAS_GLUON and HOPPER_MODS is None:
             pending = 1
             for g in range(0, group):
                 h = kv_h * group + g
-                line = b * c_tb + h * c_th + col
-                n_f = gl.load(full_num + line)
-                n_blocks = n_f + gl.load(partial_num + line)
+                line, n_f, n_blocks = _bwd_column(b, h, col, c_tb, c_th, full_num, partial_num)
                 for j in range(0, n_blocks):
-                    r = gl.load(gl.where(j < n_f, full_idx + line * n_rows + j,
-                                         partial_idx + line * n_rows + (j - n_f)))
+                    r = _bwd_column_row(j, n_f, line, n_rows, full_idx, partial_idx)
                     row = (b * Hq + h) * Lq + r * TABLE_M
                     for sub in gl.static_range(SUB):
                         slot = count % NUM_BUF
                         mbarrier.wait(empty.index(slot), ((count // NUM_BUF) & 1) ^ 1)
-                        offs = row + sub * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([2], [32], [1], [0]))
-                        lse_smem.index(slot).store(gl.load(Lse2 + offs))
-                        dl_smem.index(slot).store(gl.load(Delta + offs))
+                        _bwd_stage_stats(Lse2, Delta, lse_smem, dl_smem, slot, row + sub * BLOCK_M)
                         meta_smem.index(slot).store(gl.full([32], it, gl.int32, layout=meta_layout))
                         meta_smem.index(NUM_BUF + slot).store(gl.full([32], (row + sub * BLOCK_M) // BLOCK_M * 2,
                                                                       gl.int32, layout=meta_layout))
@@ -353,12 +365,10 @@ if _HAS_GLUON and HOPPER_MODS is None:
             start = count
             for g in range(0, group):
                 h = kv_h * group + g
-                line = b * c_tb + h * c_th + col
-                n_f = gl.load(full_num + line)
-                n_blocks = n_f + gl.load(partial_num + line)
+                line, n_f, n_blocks = _bwd_column(b, h, col, c_tb, c_th, full_num, partial_num)
                 for j in range(0, n_blocks):
                     full = j < n_f
-                    r = gl.load(gl.where(full, full_idx + line * n_rows + j, partial_idx + line * n_rows + (j - n_f)))
+                    r = _bwd_column_row(j, n_f, line, n_rows, full_idx, partial_idx)
                     for sub in gl.static_range(SUB):
                         slot = count % NUM_BUF
                         buf = count % 2
@@ -468,12 +478,10 @@ if _HAS_GLUON and HOPPER_MODS is None:
         for g in range(0, group):
             h = kv_h * group + g
             bh = b * Hq + h
-            line = b * c_tb + h * c_th + col
-            n_f = gl.load(full_num + line)
-            n_blocks = n_f + gl.load(partial_num + line)
+            line, n_f, n_blocks = _bwd_column(b, h, col, c_tb, c_th, full_num, partial_num)
             for j in range(0, n_blocks):
                 full = j < n_f
-                r = gl.load(gl.where(full, full_idx + line * n_rows + j, partial_idx + line * n_rows + (j - n_f)))
+                r = _bwd_column_row(j, n_f, line, n_rows, full_idx, partial_idx)
                 for sub in gl.static_range(SUB):
                     slot = count % NUM_BUF
                     rows = r * TABLE_M + sub * BLOCK_M + cols
@@ -622,12 +630,10 @@ if _HAS_GLUON and HOPPER_MODS is None:
         for g in range(0, group):
             h = kv_h * group + g
             bh = b * Hq + h
-            line = b * c_tb + h * c_th + col
-            n_f = gl.load(full_num + line)
-            n_blocks = n_f + gl.load(partial_num + line)
+            line, n_f, n_blocks = _bwd_column(b, h, col, c_tb, c_th, full_num, partial_num)
             for j in range(0, n_blocks):
                 full = j < n_f
-                r = gl.load(gl.where(full, full_idx + line * n_rows + j, partial_idx + line * n_rows + (j - n_f)))
+                r = _bwd_column_row(j, n_f, line, n_rows, full_idx, partial_idx)
                 for sub in gl.static_range(SUB):
                     slot = count % NUM_BUF
                     buf = count % 2

@@ -17,6 +17,7 @@ import torch
 #            math warpgroups, 64 keys each, compute S^T = K Q^T and dP^T = V dO^T (wgmma), then
 #            P^T and dS^T in registers, then dV += P^T dO and dK += dS^T Q (wgmma, P^T and dS^T as
 #            register operands): keys down, queries across, so no register tile is transposed.
+#            (Form 3's keys-down split runs persistent: HOPPER_BWD_PERSISTENT below.)
 #   dq:      one program per 128 queries, Q and dO in shared memory; the load warp brings the
 #            tiles of K and V its row of the block lists names (the forward's own loader);
 #            S = Q K^T and dP = dO V^T, then dQ += dS K.
@@ -146,12 +147,10 @@ if _HAS_GLUON and HOPPER_MODS is None:
     @gluon.jit
     def _hopper_bwd_qdo_producer(q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group, Lq,
                                  c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
-                                 TABLE_M: gl.constexpr, Lse2=None, Delta=None, lse_smem=None, dl_smem=None,
-                                 STAGE_STATS: gl.constexpr = False):
+                                 TABLE_M: gl.constexpr):
         # the load warp of the dk / dv kernel: for every query head of the group and every block
         # of queries its column lists name (full ones, then partial ones), that block's tiles of Q
-        # and dO into the next buffer of the ring, once the math warps have released it (STAGE_STATS:
-        # and the tile's lse and delta into the slot's rows of lse_smem / dl_smem, before `ready`)
+        # and dO into the next buffer of the ring, once the math warps have released it
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         SUB: gl.constexpr = TABLE_M // BLOCK_M
         NUM_BUF: gl.constexpr = q_smem.type.shape[0]
@@ -166,9 +165,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 for sub in gl.static_range(SUB):
                     slot = count % NUM_BUF
                     mbarrier.wait(empty.index(slot), ((count // NUM_BUF) & 1) ^ 1)
-                    if STAGE_STATS:
-                        _bwd_stage_stats(Lse2, Delta, lse_smem, dl_smem, slot, row + sub * BLOCK_M)
-                        gl.thread_barrier()
                     mbarrier.expect(ready.index(slot), nbytes)
                     tma.async_copy_global_to_shared(q_desc, [row + sub * BLOCK_M, 0], ready.index(slot),
                                                     q_smem.index(slot))
@@ -329,6 +325,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # K's and V's views are made again each tile from an index the compiler cannot prove is 0
         # (it is): else it holds their matmuls' 16 descriptors across the loop and spills them (on an
         # H200 the reloads before each matmul cost 1.25 of 23.96 ms on causal 32K).
+        # Work items come through the ring: each item's number in `meta_smem` with its first tile
+        # (`total` past the last); after an item, its dK and dV are stored and `kv_free` released.
         BLOCK_N: gl.constexpr = kv_smem.type.shape[1] // 2
         HEAD_D: gl.constexpr = kv_smem.type.shape[2]
         HALF_D: gl.constexpr = HEAD_D // 2
@@ -389,7 +387,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
                         # rows that keep nothing have lse2 = +inf: their p is exactly 0
                         pt = gl.exp2(gl.fma(st, c, -lse2[None, :]))
                         if not full:  # (the columns' query indices made here, not held over the loop)
-                            rows = r * TABLE_M + sub * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+                            rows = (r * TABLE_M + sub * BLOCK_M
+                                    + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)))
                             keep = mask_mod_gluon(b, h, rows[None, :], kv_idx@@MASK_PTR_ARGS@@) != 0
                             pt = gl.where(keep, pt, 0.0)
                         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
@@ -695,10 +694,11 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                 DS_LAYOUT: gl.constexpr = None, DQ_SPLIT: gl.constexpr = False,
                                 EARLY_P: gl.constexpr = False, KEYS_SPLIT: gl.constexpr = False,
                                 PERSISTENT: gl.constexpr = False):
-        # one program = the 128 keys of column pid_n of one (batch entry, kv head): their K and V
-        # once, then the query tiles of its column lists through a ring (see above), two math
-        # warpgroups (the kernel's own 4 warps are the first) and a load warp. Programs run the
-        # first keys first: under a causal mask they meet the most queries.
+        # one program = the 128 keys of column pid_n of one (batch entry, kv head) (KEYS_SPLIT with
+        # PERSISTENT: one program per SM taking such work items in turn): their K and V once, then
+        # the query tiles of its column lists through a ring (see above), two math warpgroups (the
+        # kernel's own 4 warps are the first) and a load warp. Programs run the first keys first:
+        # under a causal mask they meet the most queries.
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -722,8 +722,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
             lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF, BLOCK_M], stats_layout)
             dl_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF, BLOCK_M], stats_layout)
             # each slot's item and dQ chunk (from the load warp)
-            meta_smem = gl.allocate_shared_memory(gl.int32, [2 * NUM_BUF, 32],
-                                                  stats_layout)
+            meta_smem = gl.allocate_shared_memory(gl.int32, [2 * NUM_BUF, 32], stats_layout)
         elif FUSED_DQ == 3:  # each math warpgroup's float32 dQ tile (DQ_SPLIT: half), read by its TMA reduce-add
             dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, dq_desc.block_type.shape[1]],
                                                 dq_desc.layout)
@@ -783,40 +782,38 @@ if _HAS_GLUON and HOPPER_MODS is None:
             mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, k_smem)
             tma.async_copy_global_to_shared(v_desc, [bkh * Lk + col * TABLE_N, 0], kv_bar, v_smem)
-        if KEYS_SPLIT:
-            pass
-        elif DQ_SPLIT:
-            gl.warp_specialize([
-                (_hopper_bwd_split_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
-                                              ds_free, p_smem, dq_smem, dq_desc, DK, DV, DQ_acc, Lse2, Delta, b, kv_h,
-                                              bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
-                                              partial_idx, full_num, full_idx, sm_scale,
-                                              @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0, FUSED_DQ)),
-                (_hopper_bwd_split_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
-                                              ds_free, p_smem, dq_smem, dq_desc, DK, DV, DQ_acc, Lse2, Delta, b, kv_h,
-                                              bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
-                                              partial_idx, full_num, full_idx, sm_scale,
-                                              @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1, FUSED_DQ)),
-                (_hopper_bwd_qdo_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group,
-                                            Lq, c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
-                                            TABLE_M)),
-            ], [4, 1], [240, 24])
-        else:
-            gl.warp_specialize([
-                (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
-                                             ds_free, dq_smem, dq_desc, DK, DV,
-                                             DQ_acc, Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th,
-                                             n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
-                                             @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0, OVERLAP, FUSED_DQ, EARLY_P)),
-                (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem, ds_full,
-                                             ds_free, dq_smem, dq_desc, DK, DV,
-                                             DQ_acc, Lse2, Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th,
-                                             n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale,
-                                             @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1, OVERLAP, FUSED_DQ, EARLY_P)),
-                (_hopper_bwd_qdo_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq, group,
-                                            Lq, c_tb, c_th, n_rows, partial_num, partial_idx, full_num, full_idx,
-                                            TABLE_M)),
-            ], [4, 1], [240, 24])
+            if DQ_SPLIT:
+                gl.warp_specialize([
+                    (_hopper_bwd_split_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem,
+                                                  ds_full, ds_free, p_smem, dq_smem, dq_desc, DK, DV, DQ_acc, Lse2,
+                                                  Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows,
+                                                  partial_num, partial_idx, full_num, full_idx, sm_scale,
+                                                  @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0, FUSED_DQ)),
+                    (_hopper_bwd_split_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem,
+                                                  ds_full, ds_free, p_smem, dq_smem, dq_desc, DK, DV, DQ_acc, Lse2,
+                                                  Delta, b, kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows,
+                                                  partial_num, partial_idx, full_num, full_idx, sm_scale,
+                                                  @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1, FUSED_DQ)),
+                    (_hopper_bwd_qdo_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq,
+                                                group, Lq, c_tb, c_th, n_rows, partial_num, partial_idx, full_num,
+                                                full_idx, TABLE_M)),
+                ], [4, 1], [240, 24])
+            else:
+                gl.warp_specialize([
+                    (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem,
+                                                 ds_full, ds_free, dq_smem, dq_desc, DK, DV, DQ_acc, Lse2, Delta, b,
+                                                 kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
+                                                 partial_idx, full_num, full_idx, sm_scale,
+                                                 @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0, OVERLAP, FUSED_DQ, EARLY_P)),
+                    (_hopper_bwd_dkdv_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, ready, empty, ds_smem,
+                                                 ds_full, ds_free, dq_smem, dq_desc, DK, DV, DQ_acc, Lse2, Delta, b,
+                                                 kv_h, bkh, col, Hq, group, Lq, Lk, c_tb, c_th, n_rows, partial_num,
+                                                 partial_idx, full_num, full_idx, sm_scale,
+                                                 @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1, OVERLAP, FUSED_DQ, EARLY_P)),
+                    (_hopper_bwd_qdo_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, kv_h, col, Hq,
+                                                group, Lq, c_tb, c_th, n_rows, partial_num, partial_idx, full_num,
+                                                full_idx, TABLE_M)),
+                ], [4, 1], [240, 24])
 
     @gluon.jit
     def _hopper_bwd_dq_consumer(q_smem, do_smem, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, DQ,

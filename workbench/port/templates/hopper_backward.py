@@ -200,7 +200,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # (batch entry, kv head)), that item's tiles of Q and dO (and their lse and delta) into the
         # ring as the math warps release slots, and, right after its first tile's, the item's K and
         # V, once both math warpgroups have released the last item's (`kv_free`). An item with no
-        # tile is skipped (its dK and dV stay the zeros they were made). Each slot also carries its
+        # tile takes a slot of its own, with no copy and dQ chunk -1. Each slot also carries its
         # item's number and its dQ chunk (`meta_smem`: the math warpgroups and the dQ warp read them);
         # past the last item a slot carries `total` and no tile. PERSISTENT: items come from the call's
         # counter (an atomic add: programs that finish early take more); else the one item `first`.
@@ -251,6 +251,14 @@ if _HAS_GLUON and HOPPER_MODS is None:
                             pending = 0
                             kv_count += 1
                         count += 1
+            if pending != 0:  # (no tile: the item goes alone in a slot with chunk -1, for its zeros)
+                slot = count % NUM_BUF
+                mbarrier.wait(empty.index(slot), ((count // NUM_BUF) & 1) ^ 1)
+                meta_smem.index(slot).store(gl.full([32], it, gl.int32, layout=meta_layout))
+                meta_smem.index(NUM_BUF + slot).store(gl.full([32], -1, gl.int32, layout=meta_layout))
+                gl.thread_barrier()
+                mbarrier.arrive(ready.index(slot), count=1)
+                count += 1
             if PERSISTENT:
                 it = gl.atomic_add(counter, 1)
             else:
@@ -277,14 +285,14 @@ if _HAS_GLUON and HOPPER_MODS is None:
         while it < total:
             slot = count % NUM_BUF
             chunk = gl.max(meta_smem.index(NUM_BUF + slot).load(meta_layout), 0)
-            if count > 0:
+            if chunk >= 0:  # (-1: an item with no tile)
                 tma.store_wait(0)  # (the last tile's reduce-adds have read both staging tiles)
-            _bar_arrive(_BAR_DQ_EMPTY, 160)
-            _bar_arrive(_BAR_DQ_EMPTY + 1, 160)
-            _bar_sync(_BAR_DQ_FULL, 160)
-            _tma_reduce_add(dq_desc, [chunk * ROWS, 0], dq_smem.index(0))
-            _bar_sync(_BAR_DQ_FULL + 1, 160)
-            _tma_reduce_add(dq_desc, [(chunk + 1) * ROWS, 0], dq_smem.index(1))
+                _bar_arrive(_BAR_DQ_EMPTY, 160)
+                _bar_arrive(_BAR_DQ_EMPTY + 1, 160)
+                _bar_sync(_BAR_DQ_FULL, 160)
+                _tma_reduce_add(dq_desc, [chunk * ROWS, 0], dq_smem.index(0))
+                _bar_sync(_BAR_DQ_FULL + 1, 160)
+                _tma_reduce_add(dq_desc, [(chunk + 1) * ROWS, 0], dq_smem.index(1))
             count += 1
             slot = count % NUM_BUF
             mbarrier.wait(ready.index(slot), (count // NUM_BUF) & 1)
@@ -417,8 +425,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                         mbarrier.arrive(empty.index(slot), count=1)
                         count += 1
-            mbarrier.arrive(kv_free, count=1)  # (this warpgroup is done with the item's K and V)
-            kv_count += 1
+            if count > start:  # (this warpgroup is done with the item's K and V)
+                mbarrier.arrive(kv_free, count=1)
+                kv_count += 1
+            else:  # (an item with no tile came alone in a slot: hand the slot back, store zeros)
+                mbarrier.arrive(empty.index(count % NUM_BUF), count=1)
+                count += 1
             _hopper_bwd_store_dkdv(DK, DV, dk, dv, bkh, n0, Lk)
             slot = count % NUM_BUF  # (the next item's first tile, or the end)
             mbarrier.wait(ready.index(slot), (count // NUM_BUF) & 1)
@@ -973,8 +985,7 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
         dq = torch.zeros(q.numel(), dtype=torch.float32, device=q.device)
     else:
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
-    # (keys down: a work item with no tile is skipped, so its dK and dV are these zeros)
-    dk, dv = (torch.zeros_like(k), torch.zeros_like(v)) if keys_split else (torch.empty_like(k), torch.empty_like(v))
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     pointers = [tables[name] for name in ALL_POINTERS]
     n_rows, n_cols = _cdiv(Lq, TABLE_M), _cdiv(Lk, TABLE_N)
     c_tb, c_th = _list_strides(Hq, n_cols)

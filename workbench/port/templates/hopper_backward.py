@@ -981,8 +981,11 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
         while buffers > 2 and fixed + buffers * per_buffer > 227 * 1024:
             buffers -= 1
     dout = dout.contiguous() if dout.dtype == q.dtype else dout.to(q.dtype).contiguous()
-    if keys_split:  # (dq summed flat in the warpgroups' register order, put back in order after: _dq_unflat)
-        dq = torch.zeros(q.numel(), dtype=torch.float32, device=q.device)
+    counter = lse2  # (not read unless keys_split)
+    if keys_split:  # (dq summed flat in the warpgroups' register order, put back in order after: _dq_unflat;
+        # the persistent form's item counter is an int32 view of a zeroed word after it: one memset for both)
+        zeroed = torch.zeros(q.numel() + 4, dtype=torch.float32, device=q.device)
+        dq, counter = zeroed[:q.numel()], zeroed[q.numel():q.numel() + 1].view(torch.int32)
     else:
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -998,8 +1001,7 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
              if fused == 3 else _hopper_descriptor(q, block_m),
              dk, dv, dq, lse2, delta, *column_lists(B, Hq, Lq, Lk, q.device),
              c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, scale, B * Hkv,
-             # (the persistent form's item counter, zeroed: a program takes item 0 first)
-             torch.zeros(1, dtype=torch.int32, device=q.device) if keys_split else lse2, *pointers),
+             counter, *pointers),
             {**options, "num_warps": 4,
              **({"FUSED_DQ": int(fused), "DQ_SPLIT": split and not keys_split, "KEYS_SPLIT": keys_split,
                  "EARLY_P": HOPPER_BWD_EARLY_P, "PERSISTENT": keys_split and HOPPER_BWD_PERSISTENT,

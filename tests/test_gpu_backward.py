@@ -122,12 +122,54 @@ def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_d
         if not (ran and all(ran)):
             bad.append(f"{name}: the Hopper backward did not run ({module._HOPPER_BWD_FAILED or 'not taken'})")
             continue
-        for label, got in zip(("dq", "dk", "dv"), grads[0]):
+        # (both calls: the second launches the kernels compiled for the first straight, _launch)
+        for call, label, got in [(i, label, got) for i in range(2) for label, got in zip(("dq", "dk", "dv"), grads[i])]:
             check = compare(label, got, ref.grads[label], _grad_tolerance(dtype, label, ref.grads[label], shape))
             if not check.passed or torch.isnan(got).any():
-                bad.append(f"{name} {label}: max abs err {check.max_abs_err:.3g}, rel {check.rel_err:.3g}, "
-                           f"{check.bad_count} bad, {check.nan_count} NaN")
+                bad.append(f"{name} {label} (call {call + 1}): max abs err {check.max_abs_err:.3g}, "
+                           f"rel {check.rel_err:.3g}, {check.bad_count} bad, {check.nan_count} NaN")
         if not form.startswith("fused_dq") and not all(torch.equal(a, b) for a, b in zip(*grads)):
             bad.append(f"{name}: two calls gave different bits")
         print(name, "OK" if not bad or not bad[-1].startswith(name) else "FAIL")
+    assert not bad, "\n".join(bad)
+
+
+def test_one_port_called_at_several_lengths_matches_the_reference_every_call(cuda, tmp_path):
+    # One generated file, called again and again: after a kind of launch has run once, _launch
+    # sends the next launches of that kind straight to the compiled kernel with their own arguments
+    # (lengths, heads, pointers). Forward and backward (the Hopper kernels at D 128: the persistent
+    # forward, the keys-down backward, the dq unflat) at four shapes in turn, one of them twice,
+    # each against the float64 reference (Lq != Lk: the window ends at the last key), and the Hopper
+    # backward ran every time.
+    from workbench import port
+    from workbench.run import make_inputs
+    from workbench.verify.compare import TOLERANCES, _grad_tolerance, compare
+    from workbench.verify.reference import reference_attention
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm_90 only")
+    mask = make("causal_sliding_window", {"window": 300})
+    module = port.load(port.build(mask, 1024, 1024, heads=4, batch=2, out_dir=tmp_path))
+    ran = []
+    real = module._hopper_bwd_launch
+    module._hopper_bwd_launch = lambda *args: ran.append(1) or real(*args)
+    bad = []
+    for B, Hq, Hkv, Lq, Lk in ((2, 4, 2, 1024, 1024), (1, 8, 8, 2048, 2048), (2, 4, 2, 1024, 1024),
+                               (1, 4, 1, 768, 1280)):
+        shape = Shape(batch=B, q_heads=Hq, kv_heads=Hkv, q_len=Lq, kv_len=Lk, head_dim=128)
+        inputs = make_inputs(shape, "bfloat16", "cuda", seed=Lq + Hq, backward=True)
+        q, k, v = (x.detach().clone().requires_grad_() for x in (inputs.q, inputs.k, inputs.v))
+        before = len(ran)
+        out = module.attention(q, k, v)
+        out.backward(inputs.grad_out)
+        # (the file computes the window's bottom-right offset Lk - Lq per call, as the factory does)
+        ref = reference_attention(make("causal_sliding_window", {"window": 300}, q_len=Lq, kv_len=Lk), inputs,
+                                  backward=True)
+        if len(ran) != before + 1 or module._HOPPER_BWD_FAILED:
+            bad.append(f"{shape}: the Hopper backward did not run ({module._HOPPER_BWD_FAILED})")
+        checks = [compare("out", out, ref.out, TOLERANCES["bfloat16"])]
+        checks += [compare(label, got, ref.grads[label], _grad_tolerance("bfloat16", label, ref.grads[label], shape))
+                   for label, got in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad))]
+        bad += [f"{shape} {c.name}: max abs err {c.max_abs_err:.3g}, {c.bad_count} bad, {c.nan_count} NaN"
+                for c in checks if not c.passed or c.nan_count]
     assert not bad, "\n".join(bad)

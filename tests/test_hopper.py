@@ -348,6 +348,37 @@ def test_the_keys_down_splits_flat_dq_comes_back_in_order(tmp_path):
             assert counter.dtype == torch.int32 and counter.tolist() == [0]
 
 
+_UNFLAT = r'''
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from workbench import make, port
+module = port.load(port.build(make("causal"), 128, 128, out_dir=sys.argv[1]))
+assert module._INTERPRET
+gen = torch.Generator().manual_seed(1)
+for D in (64, 128):
+    B, Hq, Lq, J = 2, 3, 192, D // 16
+    dq = torch.randn(B, Hq, Lq, D, generator=gen)
+    # the warpgroups' order, built here tile by tile (as in test_the_keys_down_splits_flat_dq_comes_back_in_order)
+    tiles = dq.view(B, Hq, Lq // 64, 64, 2, D // 2).permute(0, 1, 2, 4, 3, 5)
+    flat = tiles.reshape(-1, 4, 2, 8, J, 4, 2).permute(0, 4, 1, 3, 5, 2, 6).reshape(-1).contiguous()
+    back = module._dq_unflat(flat, dq.shape, torch.float32)
+    print("UNFLAT", D, torch.equal(back, dq), float((back - dq).abs().max()))
+'''
+
+
+def test_the_dq_unflat_kernel_puts_the_flat_sum_back_in_order(tmp_path):
+    # The Triton kernel that puts the keys-down split's flat dq back in order (what a GPU runs),
+    # here under Triton's interpreter: random tiles laid out in the warpgroups' order come back
+    # bit for bit at D 64 and 128.
+    script = tmp_path / "unflat.py"
+    script.write_text(_UNFLAT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "port"), str(ROOT)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("UNFLAT")]
+    assert [(d, ok) for _, d, ok, _ in lines] == [("64", "True"), ("128", "True")], done.stdout
+
+
 _PAGED_LISTS = r'''
 import json, random, sys, torch
 sys.path.insert(0, sys.argv[2])
@@ -474,3 +505,58 @@ def test_prefill_steps_take_the_paged_hopper_kernel_unless_turned_off(tmp_path, 
     assert not takes()
     monkeypatch.setenv("PORT_HOPPER_PAGED", "0")
     assert port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "off")).HOPPER_PAGED is False
+
+
+def test_launch_reuses_the_compiled_kernel_only_for_launches_that_specialize_alike(tmp_path, monkeypatch):
+    # _launch (the port's kernel launches on a GPU): the first launch of a kind goes through the
+    # JIT; a later one goes straight to its compiled kernel with every parameter in order (defaults
+    # and options included), but only when options, constexpr arguments and each argument's
+    # specialization (a tensor's dtype and 16-byte alignment, an int being 1 or a multiple of 16)
+    # match. Here with a stand-in for a JIT function that records what it is asked.
+    import torch
+
+    module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
+    monkeypatch.setattr(module, "_INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    calls = []
+
+    class Compiled:
+        function = object()
+
+        def __getitem__(self, grid):
+            return lambda *args: calls.append(("direct", grid, args))
+
+    class Kernel:
+        def __init__(self):
+            import inspect
+
+            class constexpr:  # (what _launch looks for in an annotation, as in tl.constexpr)
+                pass
+
+            def fn(X, n, MODE: constexpr, BLOCK: constexpr = 32, WIDE: constexpr = False):
+                pass
+
+            self.signature = inspect.signature(fn)
+
+        def __getitem__(self, grid):
+            def jit(*args, **options):
+                calls.append(("jit", grid, args, options))
+                return Compiled()
+            return jit
+
+    kernel = Kernel()
+    x = torch.zeros(64)
+    module._launch(kernel, (4,), (x, 32, 1), {"BLOCK": 64})
+    module._launch(kernel, (8, 2), (x, 48, 1), {"BLOCK": 64})  # (same kind: 48 is a multiple of 16 too)
+    assert [c[0] for c in calls] == ["jit", "direct"]
+    assert calls[1][1] == (8, 2, 1) and calls[1][2] == (x, 48, 1, 64, False), calls[1]
+    for args, options in (((x, 33, 1), {"BLOCK": 64}),  # (33: not a multiple of 16)
+                          ((x, 1, 1), {"BLOCK": 64}),  # (1: a constant to the JIT)
+                          ((x, 32, 2), {"BLOCK": 64}),  # (a constexpr argument's value)
+                          ((x, 32, 1), {"BLOCK": 128}),  # (an option)
+                          ((x.half(), 32, 1), {"BLOCK": 64}),  # (a dtype)
+                          ((torch.zeros(65)[1:], 32, 1), {"BLOCK": 64})):  # (a pointer off 16 bytes)
+        calls.clear()
+        module._launch(kernel, (4,), args, options)
+        module._launch(kernel, (4,), args, options)
+        assert [c[0] for c in calls] == ["jit", "direct"], (args, options, calls)

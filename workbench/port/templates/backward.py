@@ -416,9 +416,9 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
     lse2 = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
     dlse_rows = dlse.contiguous() if dlse is not None else delta
     prep_m = 16 if D_PAD > 128 else 32
-    _bwd_prep_kernel[(_cdiv(Lq, prep_m), B * Hq)](
-        out, dout, lse, dlse_rows, delta, lse2, *out.stride(), *dout.stride(), *lse.stride(), Hq, Lq, D,
-        HAS_DLSE=dlse is not None, BLOCK_M=prep_m, D_PAD=D_PAD, num_warps=4)
+    _launch(_bwd_prep_kernel, (_cdiv(Lq, prep_m), B * Hq),
+            (out, dout, lse, dlse_rows, delta, lse2, *out.stride(), *dout.stride(), *lse.stride(), Hq, Lq, D),
+            dict(HAS_DLSE=dlse is not None, BLOCK_M=prep_m, D_PAD=D_PAD, num_warps=4))
     if _hopper_bwd_ready(q, k, v, learn, deterministic):  # (hopper_backward.py's: sm_90, bf16 / fp16, no score_mod, ...)
         done = _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, captured, deterministic)
         if done is not None:

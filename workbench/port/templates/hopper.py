@@ -765,7 +765,7 @@ def _attention_hopper(q, k, v, scale, return_lse, tables):
     grid, args, options, out, lse = _hopper_launch(q, k, v, scale, return_lse, tables)
     kind = (q.dtype, q.shape[-1], _hopper_loop())
     try:
-        _hopper_kernel()[grid](*args, **options)
+        _launch(_hopper_kernel(), grid, args, options)
     except Exception as exc:
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             raise

@@ -93,9 +93,9 @@ def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_d
         q_len, kv_len = (mask.q_len, mask.kv_len) if mask.q_len else (768, 1024)
         shape = Shape(batch=2, q_heads=4, kv_heads=2, q_len=q_len, kv_len=kv_len, head_dim=head_dim)
         module = port.load(port.build(mask, q_len, kv_len, heads=4, batch=2, out_dir=tmp_path / name))
-        # both orders of the tile loop; D 128 and per-head masks too (by default they run the
-        # portable backward, measured faster there)
-        module.HOPPER_BWD_HEAD_DIMS, module.HOPPER_BWD_PER_HEAD = (64, 128), True
+        # both orders of the tile loop; D 128, and per-head masks at these short lengths too (by
+        # default they run the portable backward below HOPPER_BWD_PER_HEAD_MIN_PAIRS, measured faster there)
+        module.HOPPER_BWD_HEAD_DIMS, module.HOPPER_BWD_PER_HEAD_MIN_PAIRS = (64, 128), 0
         module.HOPPER_BWD_TILES = {d: (*tile[:3], form == "overlap") for d, tile in module.HOPPER_BWD_TILES.items()}
         module.HOPPER_BWD_FUSED_DQ = {"fused_dq": 1, "fused_dq_summed": 2, "fused_dq_reduce": 3, "fused_dq_split": 2,
                                       "fused_dq_split_reduce": 3, "fused_dq_split_reduce_queries_down": 3}.get(form, 0)

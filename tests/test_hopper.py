@@ -234,9 +234,12 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
 
     per_head = port.load(port.build(Mask("users_head_window", mask_mod=head_window), 128, 128, heads=4,
                                     out_dir=tmp_path / "head"))
-    assert per_head.MASK_READS_HEAD and not ready(per_head, d=64)  # per-head lists: measured slower
-    monkeypatch.setattr(per_head, "HOPPER_BWD_PER_HEAD", True)
-    assert ready(per_head, d=64)
+    # per-head lists: on calls of HOPPER_BWD_PER_HEAD_MIN_PAIRS pairs and more (measured slower below)
+    assert per_head.MASK_READS_HEAD and per_head.HOPPER_BWD_PER_HEAD and not ready(per_head, d=64)
+    monkeypatch.setattr(per_head, "HOPPER_BWD_PER_HEAD_MIN_PAIRS", 4 * 1024 * 2048)  # (B 1, Hq 4, 1024 x 2048)
+    assert ready(per_head, d=64) and not ready(per_head, d=64, lk=1024)
+    monkeypatch.setattr(per_head, "HOPPER_BWD_PER_HEAD", False)
+    assert not ready(per_head, d=64)
     soft = port.load(port.build(with_score(make("causal"), make("softcap")), 128, 128, out_dir=tmp_path / "soft"))
     assert not ready(soft, d=64)
     monkeypatch.setenv("PORT_HOPPER_BWD", "0")

@@ -33,11 +33,14 @@ import torch
 # turns the Hopper backward off.
 HOPPER_BWD = os.environ.get("PORT_HOPPER_BWD", "1") != "0"
 HOPPER_BWD_HEAD_DIMS = (64, )
-# masks that read the head (per-head lists: per-head windows, users' w[h] tables) run the portable
-# backward: on the H200 per-head windows (64 to 2,048 keys) took 0.405 ms against 0.288 at 8K and
-# 1.17 against 1.13 at 32K (D 64, the two kernels); the persistent keys-down form at D 128 1.42
-# against 1.71 at 32K but 0.73 against 0.44 at 8K. True lets them take the Hopper kernels too
-HOPPER_BWD_PER_HEAD = False
+# masks that read the head (per-head lists: per-head windows, users' w[h] tables) take the Hopper
+# backward on calls of at least HOPPER_BWD_PER_HEAD_MIN_PAIRS (batch x query heads x Lq x Lk) and
+# run the portable one below that: per-head windows (64 to 2,048 keys, B 1, H 16) took 1.17 ms
+# against 1.74 at 32K (D 128; D 64 0.80 against 1.11), but 0.52 against 0.44 at 8K (D 64 0.45
+# against 0.28), where the Hopper path's host time (its plan, descriptors and one more launch) is
+# more than its GPU time. False sends every such mask to the portable backward
+HOPPER_BWD_PER_HEAD = True
+HOPPER_BWD_PER_HEAD_MIN_PAIRS = 1 << 32
 # per head dim: (query tile of the dk / dv kernel, key tile of the dq kernel, buffers of each ring,
 # overlap: each tile's last matmuls issued behind the next tile's first ones, FlashAttention-3's
 # order). Tiles and orders change the speed, not the bits (sums in the same order)
@@ -947,16 +950,17 @@ def _hopper_bwd_ready(q, k, v, learn, deterministic=False) -> bool:
     """Whether this backward runs the Hopper kernels: HOPPER_BWD on, the Hopper forward's
     conditions at whole blocks (sm_90, bf16 / fp16, Lq and Lk multiples of 128), a head dim of
     HOPPER_BWD_HEAD_DIMS (the two kernels) or, unless deterministic, of HOPPER_BWD_FUSED_HEAD_DIMS
-    with a fused form on, a mask that does not read the head (unless HOPPER_BWD_PER_HEAD), no
-    score_mod and no learning tables. Any other backward runs the portable kernels."""
+    with a fused form on, a mask that does not read the head (or HOPPER_BWD_PER_HEAD on a call of
+    at least HOPPER_BWD_PER_HEAD_MIN_PAIRS pairs), no score_mod and no learning tables. Any other
+    backward runs the portable kernels."""
     if not (HOPPER_BWD and _HAS_GLUON and HOPPER_MODS is None) or HAS_SCORE or learn or _INTERPRET:
-        return False
-    if MASK_READS_HEAD and not HOPPER_BWD_PER_HEAD:
-        return False
-    if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         return False
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
+    if MASK_READS_HEAD and not (HOPPER_BWD_PER_HEAD and B * Hq * Lq * Lk >= HOPPER_BWD_PER_HEAD_MIN_PAIRS):
+        return False
+    if q.device.type != "cuda" or _capability(q.device) != (9, 0):
+        return False
     fused = not deterministic and HOPPER_BWD_FUSED_DQ and D in HOPPER_BWD_FUSED_HEAD_DIMS
     return (q.dtype in (torch.bfloat16, torch.float16) and (D in HOPPER_BWD_HEAD_DIMS or fused) and D in HOPPER_BWD_TILES
             and Lq % 128 == 0 and Lk % 128 == 0

@@ -24,12 +24,12 @@ import torch
 # It takes the calls the Hopper forward takes at whole blocks (Lq, Lk multiples of 128), without
 # a score_mod and without learning tables (the portable backward runs those: their derivative and
 # gradient translations are Triton's), at the head dims of HOPPER_BWD_HEAD_DIMS (the two kernels)
-# and HOPPER_BWD_FUSED_HEAD_DIMS (the fused forms), for masks that do not read the head or
-# do on long calls (HOPPER_BWD_PER_HEAD_MIN_PAIRS). On an H200 (bf16, B 1, H 16, 32K tokens, backward alone) the two kernels
-# are 1.11x the portable backward on causal at D 64, 1.10x on prefix-LM and 1.03x on a window and
-# on documents, but 0.92-1.01x at D 128 (docs/benchmarks.md: both kernels together run seven
-# matmuls per pair, as the portable ones do, and are near the tensor cores' rate there), so a
-# deterministic backward at D 128 runs the portable one. PORT_HOPPER_BWD=0 (or HOPPER_BWD = False)
+# and HOPPER_BWD_FUSED_HEAD_DIMS (the fused forms), for masks that do not read the head or do on
+# long calls (HOPPER_BWD_PER_HEAD_MIN_PAIRS). On an H200 (bf16, B 1, H 16, 32K tokens, backward
+# alone) the two kernels are 1.11x the portable backward on causal at D 64, 1.10x on prefix-LM
+# and 1.03x on a window and on documents, but 0.92-1.01x at D 128 (docs/benchmarks.md: both
+# kernels together run seven matmuls per pair, as the portable ones do, and are near the tensor
+# cores' rate there), so a deterministic backward at D 128 runs the portable one. PORT_HOPPER_BWD=0 (or HOPPER_BWD = False)
 # turns the Hopper backward off.
 HOPPER_BWD = os.environ.get("PORT_HOPPER_BWD", "1") != "0"
 HOPPER_BWD_HEAD_DIMS = (64, )

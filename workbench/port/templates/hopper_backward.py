@@ -29,8 +29,8 @@ import torch
 # alone) the two kernels are 1.11x the portable backward on causal at D 64, 1.10x on prefix-LM
 # and 1.03x on a window and on documents, but 0.92-1.01x at D 128 (docs/benchmarks.md: both
 # kernels together run seven matmuls per pair, as the portable ones do, and are near the tensor
-# cores' rate there), so a deterministic backward at D 128 runs the portable one. PORT_HOPPER_BWD=0 (or HOPPER_BWD = False)
-# turns the Hopper backward off.
+# cores' rate there), so a deterministic backward at D 128 runs the portable one.
+# PORT_HOPPER_BWD=0 (or HOPPER_BWD = False) turns the Hopper backward off.
 HOPPER_BWD = os.environ.get("PORT_HOPPER_BWD", "1") != "0"
 HOPPER_BWD_HEAD_DIMS = (64, )
 # masks that read the head (per-head lists: per-head windows, users' w[h] tables) take the Hopper

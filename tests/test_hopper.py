@@ -563,3 +563,10 @@ def test_launch_reuses_the_compiled_kernel_only_for_launches_that_specialize_ali
         module._launch(kernel, (4,), args, options)
         module._launch(kernel, (4,), args, options)
         assert [c[0] for c in calls] == ["jit", "direct"], (args, options, calls)
+    # an argument of a kind _launch does not know (here a list) always goes through the JIT, and
+    # nothing is kept for it
+    calls.clear()
+    kept = len(module._COMPILED)
+    for _ in range(3):
+        module._launch(kernel, (4,), (x, [1, 2], 1), {"BLOCK": 64})
+    assert [c[0] for c in calls] == ["jit"] * 3 and len(module._COMPILED) == kept

@@ -690,8 +690,8 @@ _PARAMS: dict = {}  # (kernel, positional count) -> (constexpr positions, [(name
 def _arg_kind(a):
     """What Triton's JIT specializes a launch on for one argument: a tensor's dtype and 16-byte
     alignment; an int's being 1, a multiple of 16, and 32 or 64 bits wide; a TMA descriptor's
-    dtype, block and layout; only the type of a float or a bool. (An argument of another kind
-    returns a new object, so its launch never matches an earlier one.)"""
+    dtype, block and layout; only the type of a float or a bool. An argument of another kind
+    raises TypeError: _launch then goes through the JIT and keeps nothing."""
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
     if isinstance(a, (bool, float)) or a is None:
@@ -700,7 +700,7 @@ def _arg_kind(a):
         return a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31
     if hasattr(a, "block_shape") and hasattr(a, "base"):
         return a.base.dtype, tuple(a.block_shape), id(a.layout)
-    return object()
+    raise TypeError(f"no launch kind for {type(a).__name__}")
 
 
 def _launch(kernel, grid, args, options):
@@ -724,7 +724,7 @@ def _launch(kernel, grid, args, options):
         key = (kernel, torch.cuda.current_device(), tuple(options.items()),
                tuple(a if i in fixed else _arg_kind(a) for i, a in enumerate(args)))
         compiled = _COMPILED.get(key)
-    except TypeError:  # (an option or constexpr argument that cannot be hashed)
+    except TypeError:  # (an option or constexpr argument that cannot be hashed, an argument of no known kind)
         key = compiled = None
     if compiled is not None:
         compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *[options.get(name, default) for name, default in rest])

@@ -121,14 +121,14 @@ def main(argv) -> int:
             details = []
             for loop in ("specialized", "pingpong"):  # every form (HOPPER_LOOP)
                 module.HOPPER_LOOP = loop
-                grid, args, options, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
+                grid, args, options, _, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
                 kernel = module._hopper_kernel().warmup(*args, grid=grid, **options)
                 details.append(f"{loop}: {ptxas(kernel)}; shared {kernel.metadata.shared} bytes")
             # lengths off the 128 grid (HOPPER_RAGGED): the masked store and the last key tile
             # loaded from Lk - BLOCK_N, in the form "auto" picks for this mask
             module.HOPPER_LOOP, module.HOPPER_RAGGED = "auto", True
             q_odd, kv_odd = torch.zeros(B, H, 1000, D, dtype=torch.bfloat16), torch.zeros(B, 2, 1011, D, dtype=torch.bfloat16)
-            grid, args, options, _, _ = module._hopper_launch(q_odd, kv_odd, kv_odd, D ** -0.5, True,
+            grid, args, options, _, _, _ = module._hopper_launch(q_odd, kv_odd, kv_odd, D ** -0.5, True,
                                                               module._tables(q.device, 1000, 1011))
             assert options.get("EVEN_M") is False and options.get("EVEN_N") is False and grid[0] * (grid[1] if len(grid) > 1 else 1) == 64, (grid, options)
             kernel = module._hopper_kernel().warmup(*args, grid=grid, **options)
@@ -164,7 +164,7 @@ def main(argv) -> int:
                 for fused in (0, 1, 2, 3) if module._HAS_TMA_REDUCE else (0, 1, 2):
                     *_, launches = module._hopper_bwd_plan(qb, kb, kb, qb, rows_f, rows_f, d ** -0.5, tables,
                                                            fused=fused)
-                    for kernel, grid, args, options in launches:
+                    for kernel, grid, args, options, *_ in launches:
                         compiled = kernel.warmup(*args, grid=grid, **options)
                         reduces = "cp.reduce.async.bulk.tensor" in compiled.asm["ptx"]
                         assert reduces == (fused == 3), f"form {fused}: TMA reduce-adds in the PTX: {reduces}"
@@ -175,7 +175,7 @@ def main(argv) -> int:
                 for fused in (2, 3) if module._HAS_TMA_REDUCE else (2, ):
                     *_, launches = module._hopper_bwd_plan(qb, kb, kb, qb, rows_f, rows_f, 128 ** -0.5, tables,
                                                            fused=fused)
-                    (kernel, grid, args, options), = launches
+                    (kernel, grid, args, options, *_), = launches
                     # (form 3 keys down, HOPPER_BWD_SPLIT_KEYS_DOWN; form 2 queries down)
                     assert options["KEYS_SPLIT"] == (fused == 3) and options["DQ_SPLIT"] == (fused == 2), options
                     compiled = kernel.warmup(*args, grid=grid, **options)

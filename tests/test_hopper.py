@@ -25,15 +25,18 @@ def _has_gluon() -> bool:
 
 class _Cuda:
     """A tensor's face as the files' dispatch tests (_hopper_ready, _hopper_bwd_ready,
-    _hopper_paged_ready) read it: shape, dtype and a "cuda" device, contiguous."""
+    _hopper_paged_ready) read it: shape, dtype and a "cuda" device, contiguous, its data at `ptr`."""
 
-    def __init__(self, *shape, dtype=None):
+    def __init__(self, *shape, dtype=None, ptr=1 << 20):
         import torch
 
-        self.shape, self.dtype, self.device = shape, dtype or torch.bfloat16, torch.device("cuda", 0)
+        self.shape, self.dtype, self.device, self.ptr = shape, dtype or torch.bfloat16, torch.device("cuda", 0), ptr
 
     def is_contiguous(self):
         return True
+
+    def data_ptr(self):
+        return self.ptr
 
 
 def _on_sm90(module, monkeypatch, hopper: bool = True):
@@ -128,7 +131,7 @@ class Broken:  # the Hopper kernel as a Triton it was not built for would launch
         return launch
 
 module._hopper_specialized_kernel = module._hopper_persistent_kernel = Broken()
-module._hopper_launch = lambda q, k, v, scale, return_lse, tables: ((1, 1), (), {}, None, None)
+module._hopper_launch = lambda q, k, v, scale, return_lse, tables: ((1, 1), (), {}, None, None, None)
 # a CPU is never sm_90: take the Hopper path unless this kind of call already failed
 module._hopper_ready = lambda q, k, v, bounds, invariant, scale=None: \
     (q.dtype, q.shape[-1], module._hopper_loop()) not in module._HOPPER_FAILED
@@ -194,6 +197,12 @@ def test_lengths_off_the_128_grid_take_the_hopper_kernel_unless_turned_off(tmp_p
     assert takes(1000, 1011) and takes(128, 129) and takes(1024, 2048)
     assert not takes(1, 1011) and not takes(127, 1011) and not takes(1000, 100)
     assert not takes(1000, 1011, d=96) and not takes(1000, 1011, dtype=torch.float32)
+    # TMA reads from 16-byte boundaries: a slice starting elsewhere runs the portable kernel (rather
+    # than failing the descriptor's check, which would turn the Hopper kernel off for the process)
+    kv = _Cuda(1, 2, 1024, 128)
+    assert module._hopper_ready(_Cuda(1, 4, 1024, 128, ptr=(1 << 20) + 16), kv, kv, None, False, 0.1)
+    assert not module._hopper_ready(_Cuda(1, 4, 1024, 128, ptr=(1 << 20) + 8), kv, kv, None, False, 0.1)
+    assert not module._hopper_ready(kv, _Cuda(1, 2, 1024, 128, ptr=2), kv, None, False, 0.1)
     monkeypatch.setattr(module, "HOPPER_RAGGED", False)
     assert takes(1024, 2048) and not takes(1000, 1011) and not takes(1024, 1000)
     # the environment variable reaches a freshly loaded file
@@ -227,6 +236,8 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     assert not ready(causal, lq=1000) and not ready(causal, lk=1011) and not ready(causal, d=96)
     assert not ready(causal, lq=1)  # decode
     assert not ready(causal, dtype=torch.float32) and not ready(causal, learn=("bias",))
+    off = _Cuda(1, 2, 2048, 128, ptr=(1 << 20) + 2)  # (off TMA's 16-byte alignment)
+    assert not causal._hopper_bwd_ready(_Cuda(1, 4, 1024, 128), off, _Cuda(1, 2, 2048, 128), ())
     w = torch.tensor([64, 128, 256, 512])
 
     def head_window(b, h, q_idx, kv_idx):
@@ -339,8 +350,18 @@ def test_the_keys_down_splits_flat_dq_comes_back_in_order(tmp_path):
         stats = torch.zeros(1, 2, 1024)
         tables = module._tables(torch.device("cpu"), 1024, 1024)
         dq, dk, dv, launches = module._hopper_bwd_plan(q, q, q, q, stats, stats, 0.125, tables, fused=fused)
-        (kernel, grid, args, options), = launches
+        (kernel, grid, args, options, site), = launches
         assert options["KEYS_SPLIT"] == keys and options["DQ_SPLIT"] == (not keys), (D, fused, options)
+        # every argument where the kernel's signature has it (what is shared per site included)
+        names = kernel.arg_names
+        for name, want in (("DK", dk), ("DV", dv), ("DQ_acc", dq), ("Lse2", stats), ("Lq", 1024), ("Lk", 1024),
+                           ("Hq", 2), ("sm_scale", 0.125)):
+            got = args[names.index(name)]
+            assert got is want if isinstance(want, torch.Tensor) else got == want, (name, got)
+        # a second call of the site: new gradient tensors, the same grid and options
+        dq2, _, _, ((_, grid2, args2, options2, site2), ) = module._hopper_bwd_plan(q, q, q, q, stats, stats, 0.125,
+                                                                                     tables, fused=fused)
+        assert site2 == site and grid2 == grid and options2 == options and dq2 is not dq and len(args2) == len(args)
         assert dq.dim() == (1 if keys else 4) and dq.dtype == torch.float32
         if keys:  # (the dq descriptor: chunks of D / 8 rows of 256 floats)
             assert list(args[4].block_shape) == [D // 8, 256], args[4].block_shape
@@ -570,3 +591,20 @@ def test_launch_reuses_the_compiled_kernel_only_for_launches_that_specialize_ali
     for _ in range(3):
         module._launch(kernel, (4,), (x, [1, 2], 1), {"BLOCK": 64})
     assert [c[0] for c in calls] == ["jit"] * 3 and len(module._COMPILED) == kept
+    # a launch with a site (the caller's key for everything that decides grid, options and kinds)
+    # is bound once, through the kinds above, and later launches of that site skip them: the
+    # arguments go straight to the compiled kernel, every parameter in order
+    calls.clear()
+    sites = len(module._SITES)
+    y = torch.ones(64)
+    module._launch(kernel, (4,), (x, 32, 1), {"BLOCK": 64}, ("s", 1))  # (a kind seen above: direct, and bound)
+    module._launch(kernel, (4,), (y, 64, 1), {"BLOCK": 64}, ("s", 1))
+    module._launch(kernel, (2,), (x, 16, 3), {"WIDE": True}, ("s", 2))  # (a new kind: the JIT, then bound)
+    module._launch(kernel, (2,), (y, 16, 3), {"WIDE": True}, ("s", 2))
+    assert [c[0] for c in calls] == ["direct", "direct", "jit", "direct"], calls
+    assert calls[1][1:] == ((4, 1, 1), (y, 64, 1, 64, False)) and calls[3][1:] == ((2, 1, 1), (y, 16, 3, 32, True))
+    assert len(module._SITES) == sites + 2
+    calls.clear()  # (an argument of no known kind binds no site)
+    for _ in range(2):
+        module._launch(kernel, (4,), (x, [1, 2], 1), {"BLOCK": 64}, ("s", 3))
+    assert [c[0] for c in calls] == ["jit"] * 2 and len(module._SITES) == sites + 2

@@ -416,9 +416,12 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
     lse2 = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
     dlse_rows = dlse.contiguous() if dlse is not None else delta
     prep_m = 16 if D_PAD > 128 else 32
+    prep_strides = (*out.stride(), *dout.stride(), *lse.stride())
     _launch(_bwd_prep_kernel, (_cdiv(Lq, prep_m), B * Hq),
-            (out, dout, lse, dlse_rows, delta, lse2, *out.stride(), *dout.stride(), *lse.stride(), Hq, Lq, D),
-            dict(HAS_DLSE=dlse is not None, BLOCK_M=prep_m, D_PAD=D_PAD, num_warps=4))
+            (out, dout, lse, dlse_rows, delta, lse2, *prep_strides, Hq, Lq, D),
+            dict(HAS_DLSE=dlse is not None, BLOCK_M=prep_m, D_PAD=D_PAD, num_warps=4),
+            ("prep", q.shape, prep_strides, out.dtype, dout.dtype, q.device, torch.cuda.current_device() if q.is_cuda else -1,
+             dlse is not None, *[t.data_ptr() % 16 == 0 for t in (out, dout, lse, dlse_rows)]))
     if _hopper_bwd_ready(q, k, v, learn, deterministic):  # (hopper_backward.py's: sm_90, bf16 / fp16, no score_mod, ...)
         done = _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, captured, deterministic)
         if done is not None:
@@ -450,10 +453,16 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
                 *pointers, *d_tables)
         grid = (kv_blocks * B * Hkv + q_blocks * B * Hq,)
 
+        # (_launch's site: what decides the grid, the options and every argument's kind)
+        site = ("portable backward", q.shape, k.shape, q.dtype, q.device, torch.cuda.current_device() if q.is_cuda
+                else -1, strides, bits, bool(deterministic), dq_tile, dkdv_tile,
+                tuple(t.data_ptr() % 16 == 0 for t in (q, k, v, dout, *pointers)))
+
         def fused(stages):
-            _bwd_kernel[grid](*args, LEARN=bits, DETERMINISTIC=bool(deterministic), **flags, DQ_M=dq_tile[0],
-                              DQ_N=dq_tile[1], KV_M=dkdv_tile[0], KV_N=dkdv_tile[1], num_warps=dq_tile[2],
-                              **({} if interpret else {"num_stages": stages}))
+            _launch(_bwd_kernel, grid, args,
+                    dict(LEARN=bits, DETERMINISTIC=bool(deterministic), **flags, DQ_M=dq_tile[0], DQ_N=dq_tile[1],
+                         KV_M=dkdv_tile[0], KV_N=dkdv_tile[1], num_warps=dq_tile[2],
+                         **({} if interpret else {"num_stages": stages})), site + (stages, ))
 
         depths = [dq_tile[3]] if interpret else list(range(min(dq_tile[3], dkdv_tile[3]), 0, -1))
         if _first_that_fits(depths, fused, _bwd_tile_for, ("fused", dq_tile, dkdv_tile, *key)) is not None:

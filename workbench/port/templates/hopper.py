@@ -656,7 +656,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
 
 def _hopper_ready(q, k, v, bounds, invariant, scale=None) -> bool:
     """Whether this call runs the Hopper kernel: HOPPER on, Gluon there and the mods translated,
-    an sm_90 GPU, bf16 / fp16, D 64 or 128, contiguous q, k, v, Lq and Lk at least 128 each (and
+    an sm_90 GPU, bf16 / fp16, D 64 or 128, contiguous q, k, v on 16 bytes (TMA's alignment: a
+    slice that starts elsewhere runs the portable kernel), Lq and Lk at least 128 each (and
     multiples of 128 with HOPPER_RAGGED off), not packed (cu_seqlens), not invariant mode and a
     positive scale. Any other call runs the portable kernel."""
     if not (HOPPER and _HAS_GLUON and HOPPER_MODS is None) or _INTERPRET or bounds is not None or invariant:
@@ -673,7 +674,7 @@ def _hopper_ready(q, k, v, bounds, invariant, scale=None) -> bool:
     return (q.dtype in (torch.bfloat16, torch.float16) and D in (64, 128)
             and (even or (HOPPER_RAGGED and Lq >= 128 and Lk >= max(128, HOPPER_TILE[0])))
             and TABLE_M == 128 and TABLE_N % HOPPER_TILE[0] == 0
-            and all(t.is_contiguous() for t in (q, k, v)))
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
 
 
 # per-call host work is a short call's cost (8K tokens of 1,024-token documents: about 0.11 ms
@@ -700,22 +701,66 @@ def _sm_count(device) -> int:
     return _SM_COUNTS[device]
 
 
+_DESCRIPTORS: dict = {}  # (rows, cols, block, layout, dtype) -> a checked descriptor, its tensor dropped
+
+
+def _descriptor(t, rows: int, cols: int, block: list, layout):
+    """A TMA descriptor over the contiguous t read as a [rows, cols] matrix (no reshaped view), in
+    tiles of `block`. Its constructor's checks (alignment, strides, block, dtype: most of its 13 us
+    on the host) run once per kind; later ones copy that checked descriptor's fields and hold t."""
+    if t.data_ptr() % 16:  # (the constructor names what is wrong)
+        return _GluonDescriptor(t, [rows, cols], [cols, 1], list(block), layout)
+    proto = _remember(_DESCRIPTORS, (rows, cols, block[0], block[1], id(layout), t.dtype),
+                      lambda: _checked_descriptor(t, rows, cols, block, layout))
+    desc = object.__new__(_GluonDescriptor)
+    desc.__dict__.update(proto.__dict__, base=t)
+    return desc
+
+
+def _checked_descriptor(t, rows, cols, block, layout):
+    """A descriptor of that kind built by its constructor (which checks it), its tensor dropped."""
+    desc = _GluonDescriptor(t, [rows, cols], [cols, 1], list(block), layout)
+    desc.base = None
+    return desc
+
+
 def _hopper_descriptor(t, rows: int):
-    """A TMA descriptor over t's [B * H * L, D] view, in tiles of `rows` rows (a new one per call:
-    it holds the tensor; only its shared-memory layout is reused)."""
-    flat = t.reshape(-1, t.shape[-1])
-    key = (rows, flat.shape[1], t.dtype)
+    """A TMA descriptor over the contiguous t's [B * H * L, D] view, in tiles of `rows` rows (a new
+    one per call: it holds the tensor; its checks and shared-memory layout are reused)."""
+    D = t.shape[-1]
+    key = (rows, D, t.dtype)
     if key not in _SHARED_LAYOUTS:
         dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-        _SHARED_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([rows, flat.shape[1]], dtype)
-    return _GluonDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, flat.shape[1]], _SHARED_LAYOUTS[key])
+        _SHARED_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([rows, D], dtype)
+    return _descriptor(t, t.numel() // D, D, [rows, D], _SHARED_LAYOUTS[key])
+
+
+_HOPPER_PLANS: dict = {}
 
 
 def _hopper_launch(q, k, v, scale, return_lse, tables):
-    """(grid, arguments, options, out, lse) of this call's Hopper kernel (_hopper_kernel)."""
+    """(grid, arguments, options, out, lse, site) of this call's Hopper kernel (_hopper_kernel);
+    what calls of one kind share (grid, options, block lists, the integer arguments) is made once
+    per `site` (_launch's key: shapes, dtype, device, the loop and tile switches, the tables'
+    alignment)."""
     if HOPPER_LOOP not in HOPPER_LOOPS:
         raise ValueError(f"HOPPER_LOOP = {HOPPER_LOOP!r} names no form of the Hopper kernel's tile loop: set it to "
                          f"one of {', '.join(map(repr, HOPPER_LOOPS))}")
+    pointers = [tables[n] for n in ALL_POINTERS]
+    site = ("forward", q.shape, k.shape, q.dtype, q.device, torch.cuda.current_device() if q.is_cuda else -1, return_lse, HOPPER_LOOP,
+            HOPPER_TILE, tuple(t.data_ptr() % 16 == 0 for t in pointers))
+    grid, options, block_n, persistent, lists = _remember(_HOPPER_PLANS, site, lambda: _hopper_plan(q, k, return_lse))
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
+    # (persistent: the call's tile counter, zeroed here, so a program takes tile 0 first)
+    extra = (torch.zeros(1, dtype=torch.int32, device=q.device), q.shape[0] * q.shape[1]) if persistent else ()
+    args = (_hopper_descriptor(q, 128), _hopper_descriptor(k, block_n), _hopper_descriptor(v, block_n), out, lse,
+            *lists, scale, *extra, *pointers)
+    return grid, args, options, out, lse, site
+
+
+def _hopper_plan(q, k, return_lse):
+    """(grid, options, block_n, persistent, the block lists and integer arguments) of a Hopper call."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     loop = _hopper_loop()
@@ -724,14 +769,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
     partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device)
     n_rows = _cdiv(Lq, TABLE_M)
     s_tb, s_th = _list_strides(Hq, n_rows)
-    out = torch.empty_like(q)
-    lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device) if return_lse else out
     persistent = loop == "persistent"
-    # (persistent: the call's tile counter, zeroed here, so a program takes tile 0 first)
-    extra = (torch.zeros(1, dtype=torch.int32, device=q.device), B * Hq) if persistent else ()
-    args = (_hopper_descriptor(q, 128), _hopper_descriptor(k, block_n), _hopper_descriptor(v, block_n), out, lse,
-            partial_num, partial_idx, full_num, full_idx, s_tb, s_th, partial_idx.shape[-1], Hq, Hq // Hkv, Lq, Lk,
-            scale, *extra, *[tables[n] for n in ALL_POINTERS])
     options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers,
                    num_warps=4 if loop in ("pingpong", "persistent") else warps)
     if not persistent:
@@ -743,7 +781,8 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
     grid = (_cdiv(Lq, 128), B * Hq)
     if persistent:  # one program per SM, or per tile where there are fewer
         grid = (min(grid[0] * grid[1], _sm_count(q.device)), )
-    return grid, args, options, out, lse
+    lists = (partial_num, partial_idx, full_num, full_idx, s_tb, s_th, partial_idx.shape[-1], Hq, Hq // Hkv, Lq, Lk)
+    return grid, options, block_n, persistent, lists
 
 
 def _hopper_kernel():
@@ -762,10 +801,10 @@ def _attention_hopper(q, k, v, scale, return_lse, tables):
     """attention()'s forward through the Hopper kernel (see _hopper_ready), or None when that
     kernel failed to compile or launch for this kind of call (then the caller runs the portable
     one): the first failure warns with its cause, later calls of the same kind skip the attempt."""
-    grid, args, options, out, lse = _hopper_launch(q, k, v, scale, return_lse, tables)
+    grid, args, options, out, lse, site = _hopper_launch(q, k, v, scale, return_lse, tables)
     kind = (q.dtype, q.shape[-1], _hopper_loop())
     try:
-        _launch(_hopper_kernel(), grid, args, options)
+        _launch(_hopper_kernel(), grid, args, options, site)
     except Exception as exc:
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             raise

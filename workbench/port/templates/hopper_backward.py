@@ -965,13 +965,56 @@ def _hopper_bwd_ready(q, k, v, learn, deterministic=False) -> bool:
     return (q.dtype in (torch.bfloat16, torch.float16) and (D in HOPPER_BWD_HEAD_DIMS or fused) and D in HOPPER_BWD_TILES
             and Lq % 128 == 0 and Lk % 128 == 0
             and TABLE_M == 128 and TABLE_N == 128 and (q.dtype, D) not in _HOPPER_BWD_FAILED
-            and all(t.is_contiguous() and t.dtype == q.dtype for t in (q, k, v)))
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 and t.dtype == q.dtype for t in (q, k, v)))
+
+
+_HOPPER_BWD_PLANS: dict = {}
 
 
 def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
-    """(dq, dk, dv, launches): the gradients' tensors and [(kernel, grid, arguments, options)] of
-    the kernels for this call (dk / dv first). `fused` (HOPPER_BWD_FUSED_DQ): one kernel, and dq
-    a float32 sum of atomic adds, to be cast to q's dtype."""
+    """(dq, dk, dv, launches): the gradients' tensors and [(kernel, grid, arguments, options, site)]
+    of the kernels for this call (dk / dv first). `fused` (HOPPER_BWD_FUSED_DQ): one kernel, and dq
+    a float32 sum of atomic adds, to be cast to q's dtype. What calls of one kind share (grids,
+    options, lists, integer arguments: _hopper_bwd_shape) is made once per site (_launch's key)."""
+    B, Hq, Lq, D = q.shape
+    pointers = [tables[name] for name in ALL_POINTERS]
+    site = ("backward", q.shape, k.shape, q.dtype, q.device, torch.cuda.current_device() if q.is_cuda else -1, fused,
+            HOPPER_BWD_TILES.get(D), HOPPER_BWD_FUSED_BUFFERS, HOPPER_BWD_DQ_SPLIT_HEAD_DIMS,
+            HOPPER_BWD_SPLIT_KEYS_DOWN, HOPPER_BWD_PERSISTENT, HOPPER_BWD_EARLY_P,
+            tuple(t.data_ptr() % 16 == 0 for t in pointers))
+    shape = _remember(_HOPPER_BWD_PLANS, site, lambda: _hopper_bwd_shape(q, k, fused))
+    (grid, options, ints), dq_launch, keys_split, split, block_m = shape
+    dout = dout.contiguous() if dout.dtype == q.dtype else dout.to(q.dtype).contiguous()
+    if dout.data_ptr() % 16:  # (a slice off TMA's 16-byte alignment: a copy of it)
+        dout = dout.clone()
+    counter = lse2  # (not read unless keys_split)
+    if keys_split:  # (dq summed flat in the warpgroups' register order, put back in order after: _dq_unflat;
+        # the persistent form's item counter is an int32 view of a zeroed word after it: one memset for both)
+        zeroed = torch.zeros(q.numel() + 4, dtype=torch.float32, device=q.device)
+        dq, counter = zeroed[:q.numel()], zeroed[q.numel():q.numel() + 1].view(torch.int32)
+    else:
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dkdv = (_hopper_bwd_dkdv_kernel, grid,
+            (_hopper_descriptor(k, TABLE_N), _hopper_descriptor(v, TABLE_N), _hopper_descriptor(q, block_m),
+             _hopper_descriptor(dout, block_m),
+             (_dq_flat_descriptor(dq, D) if keys_split else _dq_descriptor(dq, block_m, D // 2 if split else D))
+             if fused == 3 else _hopper_descriptor(q, block_m),
+             dk, dv, dq, lse2, delta, *ints, scale, B * k.shape[1], counter, *pointers),
+            options, site)
+    if fused:
+        return dq, dk, dv, [dkdv]
+    (grid, options, ints), block_n = dq_launch
+    dq_launch = (_hopper_bwd_dq_kernel, grid,
+                 (_hopper_descriptor(q, TABLE_M), _hopper_descriptor(dout, TABLE_M), _hopper_descriptor(k, block_n),
+                  _hopper_descriptor(v, block_n), dq, lse2, delta, *ints, scale, *pointers), options, site + ("dq", ))
+    return dq, dk, dv, [dkdv, dq_launch]
+
+
+def _hopper_bwd_shape(q, k, fused):
+    """What a Hopper backward call of this kind shares with every call like it: the dk / dv
+    kernel's (grid, options, lists and integers), the dq kernel's with its key tile (or None:
+    fused forms), keys_split, split and the tiles' queries."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     block_m, block_n, buffers, overlap = (64, 64, HOPPER_BWD_FUSED_BUFFERS, False) if fused else HOPPER_BWD_TILES[D]
@@ -984,53 +1027,32 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
         per_buffer = 2 * 64 * D * 2 + (2 * 64 * 4 if keys_split else 0)
         while buffers > 2 and fixed + buffers * per_buffer > 227 * 1024:
             buffers -= 1
-    dout = dout.contiguous() if dout.dtype == q.dtype else dout.to(q.dtype).contiguous()
-    counter = lse2  # (not read unless keys_split)
-    if keys_split:  # (dq summed flat in the warpgroups' register order, put back in order after: _dq_unflat;
-        # the persistent form's item counter is an int32 view of a zeroed word after it: one memset for both)
-        zeroed = torch.zeros(q.numel() + 4, dtype=torch.float32, device=q.device)
-        dq, counter = zeroed[:q.numel()], zeroed[q.numel():q.numel() + 1].view(torch.int32)
-    else:
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    pointers = [tables[name] for name in ALL_POINTERS]
     n_rows, n_cols = _cdiv(Lq, TABLE_M), _cdiv(Lk, TABLE_N)
     c_tb, c_th = _list_strides(Hq, n_cols)
     s_tb, s_th = _list_strides(Hq, n_rows)
     options = dict(TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers, OVERLAP=bool(overlap))
-    dkdv = (_hopper_bwd_dkdv_kernel, (n_cols, B * Hkv),
-            (_hopper_descriptor(k, TABLE_N), _hopper_descriptor(v, TABLE_N), _hopper_descriptor(q, block_m),
-             _hopper_descriptor(dout, block_m),
-             (_dq_flat_descriptor(dq, D) if keys_split else _dq_descriptor(dq, block_m, D // 2 if split else D))
-             if fused == 3 else _hopper_descriptor(q, block_m),
-             dk, dv, dq, lse2, delta, *column_lists(B, Hq, Lq, Lk, q.device),
-             c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk, scale, B * Hkv,
-             counter, *pointers),
-            {**options, "num_warps": 4,
-             **({"FUSED_DQ": int(fused), "DQ_SPLIT": split and not keys_split, "KEYS_SPLIT": keys_split,
-                 "EARLY_P": HOPPER_BWD_EARLY_P, "PERSISTENT": keys_split and HOPPER_BWD_PERSISTENT,
-                 "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused >= 2 else 64, split and not keys_split)}
-                if fused else {})})
+    dkdv_options = {**options, "num_warps": 4,
+                    **({"FUSED_DQ": int(fused), "DQ_SPLIT": split and not keys_split, "KEYS_SPLIT": keys_split,
+                        "EARLY_P": HOPPER_BWD_EARLY_P, "PERSISTENT": keys_split and HOPPER_BWD_PERSISTENT,
+                        "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused >= 2 else 64, split and not keys_split)}
+                       if fused else {})}
+    grid = (n_cols, B * Hkv)
     if keys_split and HOPPER_BWD_PERSISTENT:  # (one program per SM, at most one per item)
-        dkdv = (dkdv[0], (min(n_cols * B * Hkv, _sm_count(q.device)), 1), *dkdv[2:])
-    if fused:
-        return dq, dk, dv, [dkdv]
-    dq_launch = (_hopper_bwd_dq_kernel, (n_rows, B * Hq),
-                 (_hopper_descriptor(q, TABLE_M), _hopper_descriptor(dout, TABLE_M), _hopper_descriptor(k, block_n),
-                  _hopper_descriptor(v, block_n), dq, lse2, delta, *block_lists(B, Hq, Lq, Lk, q.device), s_tb, s_th,
-                  n_cols, Hq, Hq // Hkv, Lq, Lk, scale, *pointers), {**options, "num_warps": 8})
-    return dq, dk, dv, [dkdv, dq_launch]
+        grid = (min(n_cols * B * Hkv, _sm_count(q.device)), 1)
+    dkdv = (grid, dkdv_options, (*column_lists(B, Hq, Lq, Lk, q.device), c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk))
+    dq = None if fused else (((n_rows, B * Hq), {**options, "num_warps": 8},
+                              (*block_lists(B, Hq, Lq, Lk, q.device), s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk)), block_n)
+    return dkdv, dq, keys_split, split, block_m
 
 
 def _dq_flat_descriptor(dq, head_dim: int):
     """A TMA descriptor over the keys-down split's flat float32 dq as [N / 256, 256], unswizzled, in
     chunks of head_dim / 8 rows: one chunk is one warpgroup's [64, head_dim / 2] dQ tile in its
     registers' order (64 queries x half the head dim)."""
-    flat = dq.view(-1, 256)
     key = ("dq_flat", head_dim)
     if key not in _SHARED_LAYOUTS:
         _SHARED_LAYOUTS[key] = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return _GluonDescriptor(flat, list(flat.shape), list(flat.stride()), [head_dim // 8, 256], _SHARED_LAYOUTS[key])
+    return _descriptor(dq, dq.numel() // 256, 256, [head_dim // 8, 256], _SHARED_LAYOUTS[key])
 
 
 @triton.jit
@@ -1057,7 +1079,8 @@ def _dq_unflat(acc, shape, dtype):
     B, Hq, Lq, D = shape
     out = torch.empty(shape, dtype=dtype, device=acc.device)
     if acc.is_cuda or _INTERPRET:
-        _launch(_dq_unflat_kernel, (B * Hq * Lq // 64,), (acc, out), dict(D=D, num_warps=4))
+        _launch(_dq_unflat_kernel, (B * Hq * Lq // 64,), (acc, out), dict(D=D, num_warps=4),
+                ("unflat", shape, dtype, acc.device, torch.cuda.current_device() if acc.is_cuda else -1))
         return out
     # out's view by (b, h, tile, w, h2, lh, half, j, ll, p), put in the chunks' order
     view = out.view(B, Hq, Lq // 64, 4, 2, 8, 2, D // 16, 4, 2).permute(0, 1, 2, 6, 7, 3, 5, 8, 4, 9)
@@ -1068,11 +1091,10 @@ def _dq_unflat(acc, shape, dtype):
 def _dq_descriptor(dq, rows: int, cols: int):
     """A TMA descriptor over the float32 dq's [B * Hq * Lq, D] view, in tiles of `rows` queries x
     `cols` of the head dim (the fused form 3's reduce-adds; DQ_SPLIT: half the head dim)."""
-    flat = dq.view(-1, dq.shape[-1])
     key = ("dq", rows, cols)
     if key not in _SHARED_LAYOUTS:
         _SHARED_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float32)
-    return _GluonDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, cols], _SHARED_LAYOUTS[key])
+    return _descriptor(dq, dq.numel() // dq.shape[-1], dq.shape[-1], [rows, cols], _SHARED_LAYOUTS[key])
 
 
 def _bwd_ds_layout(dtype, keys=64, split=False):
@@ -1097,8 +1119,8 @@ def _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, tables, deterministic=
         fused = 2
     try:
         dq, dk, dv, launches = _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=fused)
-        for kernel, grid, args, options in launches:
-            _launch(kernel, grid, args, options)
+        for kernel, grid, args, options, *site in launches:
+            _launch(kernel, grid, args, options, *site)
         if dq.dim() == 1:  # (the keys-down split's flat sum)
             dq = _dq_unflat(dq, q.shape, q.dtype)
         if dq.dtype != q.dtype:  # (the fused forms' float32 sum)

@@ -283,7 +283,7 @@ def test_the_fused_dq_form_is_never_taken_with_deterministic(tmp_path, monkeypat
     monkeypatch.setattr(module, "HOPPER_BWD_FUSED_DQ", 2)
     asked = []
 
-    def plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
+    def plan(q, k, v, dout, lse2, delta, scale, tables, fused=False, zeroed=None):
         asked.append(fused)
         dq = torch.ones(q.shape, dtype=torch.float32 if fused else q.dtype)
         return dq, torch.zeros_like(k), torch.zeros_like(v), []
@@ -387,13 +387,28 @@ for D in (64, 128):
     flat = tiles.reshape(-1, 4, 2, 8, J, 4, 2).permute(0, 4, 1, 3, 5, 2, 6).reshape(-1).contiguous()
     back = module._dq_unflat(flat, dq.shape, torch.float32)
     print("UNFLAT", D, torch.equal(back, dq), float((back - dq).abs().max()))
+# the prep kernel with ZERO: delta and lse2 as always, and the flat buffer (NaN before) all zeros
+for D, Lq in ((64, 200), (128, 96)):
+    B, Hq = 2, 3
+    o, do = (torch.randn(B, Hq, Lq, D, generator=gen) for _ in range(2))
+    lse = torch.randn(B, Hq, Lq, generator=gen)
+    lse[0, 1, 7] = float("-inf")
+    delta, lse2 = torch.empty(B, Hq, Lq), torch.empty(B, Hq, Lq)
+    zero = torch.full((B * Hq * Lq * D + 4, ), float("nan"))
+    module._launch(module._bwd_prep_kernel, (-(-Lq // 32), B * Hq),
+                   (o, do, lse, delta, delta, lse2, zero, *o.stride(), *do.stride(), *lse.stride(), Hq, Lq, D),
+                   dict(HAS_DLSE=False, BLOCK_M=32, D_PAD=D, ZERO=True, num_warps=4))
+    want = (o.double() * do.double()).sum(-1)
+    want2 = torch.where(lse == float("-inf"), float("inf"), lse.double() * 1.4426950408889634)
+    print("PREP", D, bool((zero == 0).all()), bool(torch.allclose(delta.double(), want, rtol=1e-5, atol=1e-5)),
+          bool(torch.allclose(lse2.double(), want2, rtol=1e-6)))
 '''
 
 
 def test_the_dq_unflat_kernel_puts_the_flat_sum_back_in_order(tmp_path):
     # The Triton kernel that puts the keys-down split's flat dq back in order (what a GPU runs),
     # here under Triton's interpreter: random tiles laid out in the warpgroups' order come back
-    # bit for bit at D 64 and 128.
+    # bit for bit at D 64 and 128; and the prep kernel that zeroes that sum first.
     script = tmp_path / "unflat.py"
     script.write_text(_UNFLAT)
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "port"), str(ROOT)], capture_output=True,
@@ -401,6 +416,10 @@ def test_the_dq_unflat_kernel_puts_the_flat_sum_back_in_order(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.split() for line in done.stdout.splitlines() if line.startswith("UNFLAT")]
     assert [(d, ok) for _, d, ok, _ in lines] == [("64", "True"), ("128", "True")], done.stdout
+    # the backward's prep kernel zeroes that flat sum and its counter on its way (ZERO), at lengths
+    # off its 32-row blocks too, and its delta and lse2 stay those of the float64 reference
+    prep = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("PREP")]
+    assert prep == [["64", "True", "True", "True"], ["128", "True", "True", "True"]], done.stdout
 
 
 _PAGED_LISTS = r'''

@@ -335,12 +335,14 @@ def column_lists(batch: int, heads: int, q_len: int, kv_len: int, device, length
 
 
 @triton.jit
-def _bwd_prep_kernel(O, DO, Lse, Dlse, Delta, Lse2, s_ob, s_oh, s_om, s_od, s_db, s_dh, s_dm, s_dd,
+def _bwd_prep_kernel(O, DO, Lse, Dlse, Delta, Lse2, Zero, s_ob, s_oh, s_om, s_od, s_db, s_dh, s_dm, s_dd,
                      s_lb, s_lh, s_lm, Hq, Lq, D, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
-                     D_PAD: tl.constexpr):
+                     D_PAD: tl.constexpr, ZERO: tl.constexpr = False):
     # what both backward kernels read per query row, in one pass over out and dO: delta =
     # dO . O - dlse (float32; a dlse that is +-inf or NaN counts as 0) and lse2 = lse * log2(e),
-    # +inf where lse = -inf (a row that keeps nothing: every p is then exp2(s - inf) = 0)
+    # +inf where lse = -inf (a row that keeps nothing: every p is then exp2(s - inf) = 0).
+    # ZERO: also zero Zero, [B * Hq * Lq * D + 4] float32 (the keys-down Hopper backward's flat
+    # dq sum and its item counter), D words a row, so that needs no memset launch of its own
     bh = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
@@ -361,6 +363,11 @@ def _bwd_prep_kernel(O, DO, Lse, Dlse, Delta, Lse2, s_ob, s_oh, s_om, s_od, s_db
     tl.store(Delta + bh.to(tl.int64) * Lq + rows, delta, mask=ok)
     tl.store(Lse2 + bh.to(tl.int64) * Lq + rows, tl.where(lse == float("-inf"), float("inf"),
                                                           lse * 1.4426950408889634), mask=ok)
+    if ZERO:
+        flat = (bh.to(tl.int64) * Lq + rows64[:, None]) * D + offs_d[None, :]
+        tl.store(Zero + flat, tl.zeros([BLOCK_M, D_PAD], tl.float32), mask=both)
+        if tl.program_id(0) + bh == 0:  # (the 4 words after the sum)
+            tl.store(Zero + tl.num_programs(1).to(tl.int64) * Lq * D + tl.arange(0, 4), tl.zeros([4], tl.float32))
 
 
 def _backward_tiles(dtype, D_PAD):
@@ -416,14 +423,18 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
     lse2 = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
     dlse_rows = dlse.contiguous() if dlse is not None else delta
     prep_m = 16 if D_PAD > 128 else 32
+    hopper = _hopper_bwd_ready(q, k, v, learn, deterministic)  # (hopper_backward.py's: sm_90, bf16 / fp16, ...)
+    # (the Hopper backward's keys-down form sums dq flat in a float32 buffer the prep zeroes)
+    zeroed = _hopper_bwd_zeroed(q, deterministic) if hopper else None
     prep_strides = (*out.stride(), *dout.stride(), *lse.stride())
     _launch(_bwd_prep_kernel, (_cdiv(Lq, prep_m), B * Hq),
-            (out, dout, lse, dlse_rows, delta, lse2, *prep_strides, Hq, Lq, D),
-            dict(HAS_DLSE=dlse is not None, BLOCK_M=prep_m, D_PAD=D_PAD, num_warps=4),
-            ("prep", q.shape, prep_strides, out.dtype, dout.dtype, q.device, torch.cuda.current_device() if q.is_cuda else -1,
-             dlse is not None, *[t.data_ptr() % 16 == 0 for t in (out, dout, lse, dlse_rows)]))
-    if _hopper_bwd_ready(q, k, v, learn, deterministic):  # (hopper_backward.py's: sm_90, bf16 / fp16, no score_mod, ...)
-        done = _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, captured, deterministic)
+            (out, dout, lse, dlse_rows, delta, lse2, delta if zeroed is None else zeroed, *prep_strides, Hq, Lq, D),
+            dict(HAS_DLSE=dlse is not None, BLOCK_M=prep_m, D_PAD=D_PAD, ZERO=zeroed is not None, num_warps=4),
+            ("prep", q.shape, prep_strides, out.dtype, dout.dtype, q.device, torch.cuda.current_device() if q.is_cuda
+             else -1, dlse is not None, zeroed is not None,
+             *[t.data_ptr() % 16 == 0 for t in (out, dout, lse, dlse_rows)]))
+    if hopper:
+        done = _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, captured, deterministic, zeroed)
         if done is not None:
             return (*done, {})
     dq_tile, dkdv_tile = _backward_tiles(q.dtype, D_PAD)

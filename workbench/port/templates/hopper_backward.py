@@ -971,10 +971,11 @@ def _hopper_bwd_ready(q, k, v, learn, deterministic=False) -> bool:
 _HOPPER_BWD_PLANS: dict = {}
 
 
-def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
+def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False, zeroed=None):
     """(dq, dk, dv, launches): the gradients' tensors and [(kernel, grid, arguments, options, site)]
     of the kernels for this call (dk / dv first). `fused` (HOPPER_BWD_FUSED_DQ): one kernel, and dq
-    a float32 sum of atomic adds, to be cast to q's dtype. What calls of one kind share (grids,
+    a float32 sum of atomic adds, to be cast to q's dtype; `zeroed`: the keys-down form's buffer,
+    zeroed already (else zeroed here). What calls of one kind share (grids,
     options, lists, integer arguments: _hopper_bwd_shape) is made once per site (_launch's key)."""
     B, Hq, Lq, D = q.shape
     pointers = [tables[name] for name in ALL_POINTERS]
@@ -989,8 +990,9 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False):
         dout = dout.clone()
     counter = lse2  # (not read unless keys_split)
     if keys_split:  # (dq summed flat in the warpgroups' register order, put back in order after: _dq_unflat;
-        # the persistent form's item counter is an int32 view of a zeroed word after it: one memset for both)
-        zeroed = torch.zeros(q.numel() + 4, dtype=torch.float32, device=q.device)
+        # the persistent form's item counter is an int32 view of a zeroed word after it: zeroed together)
+        if zeroed is None:
+            zeroed = torch.zeros(q.numel() + 4, dtype=torch.float32, device=q.device)
         dq, counter = zeroed[:q.numel()], zeroed[q.numel():q.numel() + 1].view(torch.int32)
     else:
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
@@ -1107,18 +1109,35 @@ def _bwd_ds_layout(dtype, keys=64, split=False):
     return _SHARED_LAYOUTS[key]
 
 
-def _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, tables, deterministic=False):
-    """(dq, dk, dv) of this call from the Hopper kernels (dk / dv, then dq), or None when they
-    failed to compile or launch here (the first failure warns; later calls of that kind skip)."""
-    D = q.shape[-1]
+def _hopper_bwd_form(D: int, deterministic: bool) -> int:
+    """The Hopper backward's form for a call: 0 (two kernels, no atomics) or HOPPER_BWD_FUSED_DQ's
+    fused form (form 3 where Triton's builder has no TMA reduce-adds: form 2)."""
     if HOPPER_BWD_FUSED_DQ not in HOPPER_BWD_FUSED_FORMS:
         raise ValueError(f"HOPPER_BWD_FUSED_DQ = {HOPPER_BWD_FUSED_DQ!r} names no form of the Hopper backward: set it "
                          f"to one of {HOPPER_BWD_FUSED_FORMS} (0: two kernels, no atomics; 2: the default)")
     fused = 0 if deterministic or D not in HOPPER_BWD_FUSED_HEAD_DIMS else HOPPER_BWD_FUSED_DQ
-    if fused == 3 and not _HAS_TMA_REDUCE:
-        fused = 2
+    return 2 if fused == 3 and not _HAS_TMA_REDUCE else fused
+
+
+def _hopper_bwd_zeroed(q, deterministic: bool):
+    """Where the call takes the keys-down split (form 3 at HOPPER_BWD_DQ_SPLIT_HEAD_DIMS): its flat
+    float32 dq sum and item counter, [q.numel() + 4] words, not yet zeroed (the backward's prep
+    kernel zeroes them on its way); else None."""
+    D = q.shape[-1]
+    if _hopper_bwd_form(D, deterministic) == 3 and D in HOPPER_BWD_DQ_SPLIT_HEAD_DIMS and HOPPER_BWD_SPLIT_KEYS_DOWN:
+        return torch.empty(q.numel() + 4, dtype=torch.float32, device=q.device)
+    return None
+
+
+def _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, tables, deterministic=False, zeroed=None):
+    """(dq, dk, dv) of this call from the Hopper kernels (dk / dv, then dq), or None when they
+    failed to compile or launch here (the first failure warns; later calls of that kind skip).
+    `zeroed`: the keys-down form's buffer, zeroed by the prep kernel (_hopper_bwd_zeroed), or None."""
+    D = q.shape[-1]
+    fused = _hopper_bwd_form(D, deterministic)
     try:
-        dq, dk, dv, launches = _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=fused)
+        dq, dk, dv, launches = _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=fused,
+                                                zeroed=zeroed)
         for kernel, grid, args, options, *site in launches:
             _launch(kernel, grid, args, options, *site)
         if dq.dim() == 1:  # (the keys-down split's flat sum)

@@ -1,0 +1,153 @@
+"""Where a training step's host time goes: the port's forward + backward (bf16, B 1, H 16, D 128,
+`out.backward(grad_out)`) on masks whose short steps are bound by the host, on the GPU.
+
+    python benchmarks/bench_host.py [--masks window docs perhead causal] [--seq 8192] [--head-dim 128]
+    python benchmarks/bench_host.py --tree /path/to/another/checkout --label before
+
+For each mask: the step's do_bench median, its host time (steps issued back to back, timed until
+the last one was issued: three runs of 40, each printed, the smallest first), the GPU kernels'
+sum per step (torch.profiler) and each kernel's; then the same steps with the generated file's
+functions wrapped in timers: microseconds per step spent inside each (inclusive, so nested ones
+count twice; the wrappers add about a microsecond a call), and a bare autograd.Function step over
+the same tensors (no kernels: autograd's own share, which any custom attention pays). --tree runs
+another checkout's workbench (e.g. an older commit's) in this process's place, so two trees can be
+timed in turn on one machine: the host's speed varies between machines by up to 2x."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TIMED = ["attention", "_check", "_call_tables", "_attention", "_tables", "_hopper_ready", "_hopper_launch",
+         "_hopper_descriptor", "block_lists", "_launch", "_attention_backward", "_hopper_bwd_ready",
+         "_hopper_bwd_plan", "_hopper_bwd_launch", "_dq_unflat", "column_lists", "_arg_kind"]
+
+
+def host_ms(step, calls: int = 40) -> float:
+    """Host milliseconds per step: `calls` steps issued back to back, timed until the last is issued."""
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    return 1e3 * (issued - start) / calls
+
+
+def kernels(step, steps: int = 10) -> tuple[float, dict]:
+    """(GPU kernels' ms per step, {kernel: µs per step}) from torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    found = [e for e in prof.key_averages() if e.device_time_total > 0]
+    return (sum(e.device_time_total for e in found) / steps / 1e3,
+            {e.key[:40]: round(e.device_time_total / steps, 1) for e in found})
+
+
+def split(module, step, calls: int = 60) -> tuple[float, dict]:
+    """(wrapped host ms per step, {function: (µs per step, calls per step)}) of the file's functions."""
+    spent, count, real = collections.Counter(), collections.Counter(), {}
+    for name in TIMED:
+        fn = getattr(module, name, None)
+        if fn is None:
+            continue
+        real[name] = fn
+
+        def timed(*args, fn=fn, name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+                count[name] += 1
+        setattr(module, name, functools.wraps(fn)(timed))
+    try:
+        wrapped = host_ms(step, calls)
+    finally:
+        for name, fn in real.items():
+            setattr(module, name, fn)
+    return wrapped, {n: (1e6 * spent[n] / calls, count[n] // calls) for n in TIMED if count[n]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--masks", nargs="*", default=["window", "docs", "perhead"],
+                   choices=["window", "docs", "perhead", "causal"])
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]),
+                   help="the checkout whose workbench runs (default: this one)")
+    p.add_argument("--label", default="this tree")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(args.tree).resolve()))
+    import torch
+    from triton.testing import do_bench
+
+    from workbench import make, port
+    from workbench.run import Shape, make_inputs
+
+    seq, heads, d = args.seq, 16, args.head_dim
+    masks = {"window": make("causal_sliding_window", {"window": 1024}, q_len=seq, kv_len=seq, device="cuda"),
+             "docs": make("document", {"doc_lengths": [seq // 8] * 8}, q_len=seq, kv_len=seq, device="cuda"),
+             "perhead": make("per_head_window", {"windows": [64 << (h % 6) for h in range(heads)]}, q_len=seq,
+                             kv_len=seq, device="cuda"),
+             "causal": make("causal", q_len=seq, kv_len=seq, device="cuda")}
+    inputs = make_inputs(Shape(batch=1, q_heads=heads, q_len=seq, head_dim=d), "bfloat16", "cuda", seed=0,
+                         backward=True)
+    q, k, v = (t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+    grad_out = inputs.grad_out
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, workbench from {args.tree} "
+          f"({args.label}); bf16, B 1, H {heads}, D {d}, {seq} tokens", flush=True)
+
+    class Bare(torch.autograd.Function):  # autograd's own share of a step: outputs allocated, no kernels
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ctx.save_for_backward(q, k, v)
+            return torch.empty_like(q), torch.empty(q.shape[:3], device=q.device)
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            q, k, v = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def bare():
+        q.grad = k.grad = v.grad = None
+        Bare.apply(q, k, v)[0].backward(grad_out)
+
+    for name in args.masks:
+        module = port.load(port.build(masks[name], seq, seq, heads=heads, batch=1, out_dir=Path(tempfile.mkdtemp())))
+
+        def step(module=module):
+            q.grad = k.grad = v.grad = None
+            module.attention(q, k, v).backward(grad_out)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        ms = do_bench(step, warmup=5, rep=40)
+        hosts = sorted(host_ms(step) for _ in range(3))
+        gpu, each = kernels(step)
+        wrapped, inside = split(module, step)
+        print(f"{name}: step {ms:.3f} ms; host {hosts[0]:.3f} ms ({', '.join(f'{h:.3f}' for h in hosts[1:])}); "
+              f"GPU kernels {gpu:.3f} ms {each}", flush=True)
+        print(f"  wrapped host {wrapped:.3f} ms; µs per step inside: "
+              + ", ".join(f"{n} {us:.0f} (x{n_calls})" for n, (us, n_calls) in inside.items()), flush=True)
+        print(f"  bare autograd.Function step: host {min(host_ms(bare) for _ in range(3)):.3f} ms", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,7 +29,9 @@ TIMED = ["attention", "_check", "_call_tables", "_attention", "_tables", "_hoppe
 
 
 def host_ms(step, calls: int = 40) -> float:
-    """Host milliseconds per step: `calls` steps issued back to back, timed until the last is issued."""
+    """Host milliseconds per step: `calls` steps issued back to back, timed until the last is issued
+    (bench_port.py's _host_ms; this file imports nothing of the workbench's before --tree is on
+    the path, and bench_port puts its own tree first)."""
     import torch
 
     torch.cuda.synchronize()

@@ -11,7 +11,8 @@ functions wrapped in timers: microseconds per step spent inside each (inclusive,
 count twice; the wrappers add about a microsecond a call), and a bare autograd.Function step over
 the same tensors (no kernels: autograd's own share, which any custom attention pays). --tree runs
 another checkout's workbench (e.g. an older commit's) in this process's place, so two trees can be
-timed in turn on one machine: the host's speed varies between machines by up to 2x."""
+timed in turn on one machine: the host's speed varies between machines by up to 2x. --gc-freeze
+moves the objects alive after warm-up out of Python's collector's reach first."""
 
 from __future__ import annotations
 
@@ -93,6 +94,9 @@ def main(argv=None) -> int:
     p.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]),
                    help="the checkout whose workbench runs (default: this one)")
     p.add_argument("--label", default="this tree")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() after each mask's warm-up: whether Python's collector passes over the "
+                        "process's objects are part of the host time")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(args.tree).resolve()))
     import torch
@@ -139,6 +143,10 @@ def main(argv=None) -> int:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
+        if args.gc_freeze:
+            import gc
+
+            gc.freeze()
         ms = do_bench(step, warmup=5, rep=40)
         hosts = sorted(host_ms(step) for _ in range(3))
         gpu, each = kernels(step)

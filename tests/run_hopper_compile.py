@@ -186,6 +186,17 @@ def main(argv) -> int:
                     assert named == (fused == 3), f"split form {fused}: named barriers in the PTX: {named}"
                     assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
                     details.append(f"backward D 128 split dq {fused}: {ptxas(compiled)}")
+            elif module._HAS_TMA_REDUCE and module.HOPPER_GRAD is None:  # a score_mod: the keys-down form
+                module.column_lists = module.block_lists
+                rows_f = torch.zeros(B, H, L, dtype=torch.float32)
+                for d in (64, 128):
+                    qb, kb = torch.zeros(B, H, L, d, dtype=torch.bfloat16), torch.zeros(B, 2, L, d, dtype=torch.bfloat16)
+                    *_, launches = module._hopper_bwd_plan(qb, kb, kb, qb, rows_f, rows_f, d ** -0.5, tables, fused=3)
+                    (kernel, grid, args, options, *_), = launches
+                    assert options["KEYS_SPLIT"] and options["HAS_SCORE"], options
+                    compiled = kernel.warmup(*args, grid=grid, **options)
+                    assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+                    details.append(f"backward D {d} keys down with the score_mod: {ptxas(compiled)}")
             detail = " | ".join(details)
             # no spills at whole blocks; lengths off the grid may spill a little where a mask is heavy
             # (a user's .any() spans: 92 bytes in the ping-pong loop, 168 in the persistent one that

@@ -72,7 +72,8 @@ def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_d
     # atomics or by the copy engine's reduce-add; `split`: dQ's matmul split between the warpgroups by
     # halves of the head dim at every head dim: with the copy engine's sum keys down, as D 128 runs it
     # by default (named barriers, a dQ warp, dQ summed in register order), or queries down; with
-    # atomic adds queries down)
+    # atomic adds queries down). The keys-down form takes score_mods too (a softcap, per-head ALiBi
+    # slopes): their scores and the derivative generated from them in each tile
     from workbench import port
     from workbench.run import make_inputs
     from workbench.verify.compare import _grad_tolerance, compare
@@ -87,7 +88,7 @@ def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_d
     from run_hopper_compile import masks
 
     for mask in masks(device="cuda"):
-        if mask.score_mod is not None:  # (the Hopper backward takes mask-only calls)
+        if mask.score_mod is not None and form != "fused_dq_split_reduce":  # (score_mods: the keys-down form)
             continue
         name = mask.name
         q_len, kv_len = (mask.q_len, mask.kv_len) if mask.q_len else (768, 1024)

@@ -94,10 +94,25 @@ def test_mods_with_a_name_gluon_lacks_keep_the_portable_kernel():
     from workbench.port.generate import _gluon_mods
 
     part = "@triton.jit\ndef mask_mod_triton(b, h, q_idx, kv_idx):\n    return tl.cumsum(q_idx, 0) >= kv_idx\n"
-    text, reason = _gluon_mods([part])
+    text, reason, _ = _gluon_mods([part])
     assert reason == "the mods use tl.cumsum, which Gluon does not have" and "mask_mod_gluon" not in text
-    text, reason = _gluon_mods([part.replace("tl.cumsum(q_idx, 0)", "tl.maximum(q_idx, 0)")])
+    text, reason, _ = _gluon_mods([part.replace("tl.cumsum(q_idx, 0)", "tl.maximum(q_idx, 0)")])
     assert reason is None and "gl.maximum(q_idx, 0)" in text and "@gluon.jit" in text
+    # the score_mod's derivative gets its own copy (score_grad_gluon, for the Hopper backward); one
+    # that needs a name Gluon lacks costs the backward its Hopper kernel, not the forward
+    helpers = "@triton.jit\ndef _py_mod(a, b):\n    return a % b\n"
+    score = "@triton.jit\ndef score_mod_triton(score, b, h, q_idx, kv_idx):\n    return tl.sigmoid(score) * 8.0\n"
+    grad = ("@triton.jit\ndef score_grad_triton(score, b, h, q_idx, kv_idx):\n"
+            "    return tl.sigmoid(score) * (1.0 - tl.sigmoid(score)) * 8.0 + _py_mod(kv_idx, 2) * 0.0\n")
+    text, reason, why_grad = _gluon_mods([helpers, part.replace("tl.cumsum(q_idx, 0)", "q_idx"), score, grad])
+    assert reason is None and why_grad is None, (reason, why_grad)
+    assert "def score_grad_gluon(" in text and "_py_mod_gluon(kv_idx, 2)" in text and "_sigmoid_gluon(score)" in text
+    assert text.count("def _py_mod_gluon(") == 1 and text.count("def _sigmoid_gluon(") == 1
+    text, reason, why_grad = _gluon_mods([part.replace("tl.cumsum(q_idx, 0)", "q_idx"), score,
+                                          grad.replace("tl.sigmoid(score) * (", "tl.cumsum(score, 0) * (")])
+    assert reason is None and "def score_mod_gluon(" in text
+    assert why_grad == "the score_mod's derivative uses tl.cumsum, which Gluon does not have"
+    assert "def score_grad_gluon(" in text and "cumsum" not in text  # (a stand-in the backward never calls)
 
 
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
@@ -251,8 +266,25 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     assert ready(per_head, d=64) and not ready(per_head, d=64, lk=1024)
     monkeypatch.setattr(per_head, "HOPPER_BWD_PER_HEAD", False)
     assert not ready(per_head, d=64)
+    # a score_mod: in the keys-down form (its scores and their derivative in each tile), where the
+    # derivative has a Gluon copy and HOPPER_BWD_SCORE is on; never deterministic or learning
     soft = port.load(port.build(with_score(make("causal"), make("softcap")), 128, 128, out_dir=tmp_path / "soft"))
+    assert soft.HOPPER_GRAD is None and soft.HOPPER_BWD_SCORE is True
+    assert "def score_grad_gluon(" in open(soft.__file__).read()
+    keys_down = soft._HAS_TMA_REDUCE  # (form 3 needs the builder's TMA reduce-adds)
+    assert ready(soft, d=64) == keys_down and ready(soft, d=128) == keys_down
+    assert not ready(soft, d=64, deterministic=True) and not ready(soft, d=64, learn=("cap",))
+    monkeypatch.setattr(soft, "HOPPER_BWD_SPLIT_KEYS_DOWN", False)  # (queries down: no score path)
+    assert not ready(soft, d=128)
+    monkeypatch.setattr(soft, "HOPPER_BWD_SPLIT_KEYS_DOWN", True)
+    monkeypatch.setattr(soft, "HOPPER_GRAD", "the score_mod's derivative uses tl.cumsum, which Gluon does not have")
     assert not ready(soft, d=64)
+    monkeypatch.setattr(soft, "HOPPER_GRAD", None)
+    monkeypatch.setattr(soft, "HOPPER_BWD_SCORE", False)
+    assert not ready(soft, d=64)
+    monkeypatch.setenv("PORT_HOPPER_BWD_SCORE", "0")
+    assert port.load(port.build(with_score(make("causal"), make("softcap")), 128, 128,
+                                out_dir=tmp_path / "soft_off")).HOPPER_BWD_SCORE is False
     monkeypatch.setenv("PORT_HOPPER_BWD", "0")
     off = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "off"))
     assert off.HOPPER_BWD is False and not ready(off, d=64)

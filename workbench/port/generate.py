@@ -220,7 +220,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     text = (TEMPLATE.read_text() + "\n\n" + template_body(PAGED_TEMPLATE) + "\n\n"
             + template_body(BACKWARD_TEMPLATE) + "\n\n" + template_body(HOPPER_TEMPLATE) + "\n\n"
             + template_body(HOPPER_PAGED_TEMPLATE) + "\n\n" + template_body(HOPPER_BWD_TEMPLATE))
-    gluon_mods, no_gluon = _gluon_mods(parts)
+    gluon_mods, no_gluon, no_gluon_grad = _gluon_mods(parts)
     source_comment = textwrap.indent(mask.source.strip() or "(source not available)", "    ")
     fills = {
         "@@TITLE@@": f"{mask.name}: attention with this mask and score as one standalone Triton kernel.",
@@ -251,7 +251,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@WIDE_ROW_CONFIGS@@": repr(WIDE_ROW_CONFIGS),
         "@@HAS_BOUNDS@@": repr(has_bounds),
         "@@RANGE_PTR_PARAMS@@": params(range_ptrs), "@@RANGE_PTR_ARGS@@": args(range_ptrs),
-        "@@HOPPER_MODS@@": repr(no_gluon), "@@GLUON_MODS@@": gluon_mods,
+        "@@HOPPER_MODS@@": repr(no_gluon), "@@GLUON_MODS@@": gluon_mods, "@@HOPPER_GRAD@@": repr(no_gluon_grad),
     }
     text = fill_template(text, fills)
     text = re.sub(r"\n[ ]+\n", "\n", text)  # parameter lines left empty by masks without tables
@@ -259,30 +259,50 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     return port
 
 
-def _gluon_mods(parts: list[str]) -> tuple[str, str | None]:
+def _gluon_mods(parts: list[str]) -> tuple[str, str | None, str | None]:
     """The mask_mod and score_mod as Gluon functions (mask_mod_gluon, score_mod_gluon, and the
-    helpers they call, each named *_gluon) for the Hopper kernel, indented for its `if` block: the
-    Triton translation with Gluon's names, which are the same for every elementwise op it writes
-    (tl.sigmoid, which Gluon lacks, as the same 1 / (1 + exp(-x))). (text, None), or (a stand-in,
-    the reason) when the translation uses a name Gluon lacks."""
-    renames = {"mask_mod_triton": "mask_mod_gluon", "score_mod_triton": "score_mod_gluon"}
+    helpers they call, each named *_gluon) for the Hopper kernels, indented for their `if` block:
+    the Triton translation with Gluon's names, which are the same for every elementwise op it writes
+    (tl.sigmoid, which Gluon lacks, as the same 1 / (1 + exp(-x))); then the score_mod's derivative
+    (score_grad_gluon) for the Hopper backward. (text, None, None), or a stand-in and the reason for
+    the mods (then the Hopper kernels do not run), or for the derivative alone (then the Hopper
+    backward does not run with the score_mod)."""
+    mods, why = _as_gluon(parts, {"mask_mod_triton": "mask_mod_gluon", "score_mod_triton": "score_mod_gluon"})
+    if why is not None:
+        return "    pass", f"the mods use {why}, which Gluon does not have", None
+    grad, why_grad = _as_gluon(parts, {"score_grad_triton": "score_grad_gluon"}, helpers=False)
+    if why_grad is not None:
+        grad = ("@gluon.jit\ndef score_grad_gluon(score, b, h, q_idx, kv_idx):\n"
+                "    # no Gluon copy of the derivative (the Hopper backward does not take the score_mod)\n"
+                "    return score * 0.0\n")
+        why_grad = f"the score_mod's derivative uses {why_grad}, which Gluon does not have"
+    helpers = "_sigmoid_gluon(" in mods + grad
+    text = (("@gluon.jit\ndef _sigmoid_gluon(x):\n    # tl.sigmoid's formula\n    return 1 / (1 + gl.exp(-x))\n\n"
+             if helpers else "") + mods + "\n\n" + grad)
+    return textwrap.indent(text, "    "), None, why_grad
+
+
+def _as_gluon(parts: list[str], renames: dict, helpers: bool = True) -> tuple[str, str | None]:
+    """The parts that define the functions named in `renames` (and, `helpers`, the parts of _py_
+    helpers) as Gluon text, renamed (calls of the helpers too); (text, None), or ("", the Triton
+    names Gluon lacks)."""
+    renames = dict(renames)
+    wanted = set(renames)
     picked = []
     for part in parts:
         names = re.findall(r"^def (\w+)\(", part, re.MULTILINE)
-        if names and all(n in renames or n.startswith("_py_") for n in names):
-            picked.append(part.strip())
+        if names and all(n in wanted or n.startswith("_py_") for n in names):
+            if helpers or any(n in wanted for n in names):
+                picked.append(part.strip())
             renames.update({n: f"{n}_gluon" for n in names if n.startswith("_py_")})
     text = "\n\n".join(picked).replace("tl.sigmoid(", "_sigmoid_gluon(")
     missing = sorted(set(re.findall(r"\btl\.([A-Za-z_0-9]+)", text)) - GLUON_NAMES)
     if missing:
-        return "    pass", f"the mods use {', '.join('tl.' + n for n in missing)}, which Gluon does not have"
+        return "", ", ".join("tl." + n for n in missing)
     text = re.sub(r"\btl\.", "gl.", text.replace("@triton.jit", "@gluon.jit"))
     for old, new in renames.items():
         text = re.sub(rf"\b{old}\(", f"{new}(", text)
-    if "_sigmoid_gluon(" in text:
-        text = ("@gluon.jit\ndef _sigmoid_gluon(x):\n    # tl.sigmoid's formula\n    return 1 / (1 + gl.exp(-x))\n\n"
-                + text)
-    return textwrap.indent(text, "    "), None
+    return text, None
 
 
 def _score_grad(mask: Mask, lifted: frozenset, parts: list[str]) -> tuple[list[str], str | None]:

@@ -41,6 +41,12 @@ HOPPER_BWD_HEAD_DIMS = (64, )
 # more than its GPU time. False sends every such mask to the portable backward
 HOPPER_BWD_PER_HEAD = True
 HOPPER_BWD_PER_HEAD_MIN_PAIRS = 1 << 32
+# a score_mod takes the Hopper backward in its keys-down form (the default at D 64 and 128, not
+# deterministic, no learning table): each tile's scores through score_mod_gluon and dS through its
+# derivative, score_grad_gluon (generated from the traced score_mod; HOPPER_GRAD says why there is
+# none). PORT_HOPPER_BWD_SCORE=0 (or False here) sends score_mods to the portable backward
+HOPPER_BWD_SCORE = os.environ.get("PORT_HOPPER_BWD_SCORE", "1") != "0"
+HOPPER_GRAD = @@HOPPER_GRAD@@  # None: the score_mod's derivative has a Gluon copy; else why not
 # per head dim: (query tile of the dk / dv kernel, key tile of the dq kernel, buffers of each ring,
 # overlap: each tile's last matmuls issued behind the next tile's first ones, FlashAttention-3's
 # order). Tiles and orders change the speed, not the bits (sums in the same order)
@@ -318,7 +324,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
     def _hopper_bwd_keys_consumer(kv_smem, kv_bar, kv_free, q_smem, do_smem, ready, empty, ds_smem, dq_smem, lse_smem,
                                   dl_smem, meta_smem, DK, DV, total, n_cols, Hkv, Hq, group, Lq, Lk, c_tb, c_th,
                                   n_rows, partial_num, partial_idx, full_num, full_idx, sm_scale, @@ALL_PTR_PARAMS@@
-                                  TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr):
+                                  TABLE_M: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
+                                  HAS_SCORE: gl.constexpr):
         # A math warpgroup of the keys-down split (FlashAttention-3's and FA4's Hopper backward; form
         # 3's default at D 64 and 128): keys WG * 64 .. WG * 64 + 64 of the program's 128 down the
         # rows, queries across; dK and dV (64 x D each, float32) stay in registers. Per tile of 64
@@ -326,6 +333,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
         #   S^T = K Q^T, dP^T = V dO^T (wgmma from shared memory); the tile's lse is read while they run
         #   P^T = exp2(S^T * c - lse2) (the mask on partial blocks), as soon as S^T is done
         #   dS^T = P^T (dP^T - delta) * scale
+        #   (HAS_SCORE: P^T = exp2(score_mod(S^T * scale) * log2(e) - lse2), and dS^T takes the
+        #   score_mod's derivative at S^T * scale, 0 where P^T is)
         #   dS^T into this warpgroup's half of the [128 keys, 64 queries] tile of parity count % 2
         #   dV += P^T dO (P^T a register operand), then one named barrier: both halves written
         #   dQ[:, half] = dS K[:, half] over all 128 keys (this warpgroup's half of the head dim), then
@@ -396,7 +405,14 @@ if _HAS_GLUON and HOPPER_MODS is None:
                         lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
                         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))  # dP^T may still run
                         # rows that keep nothing have lse2 = +inf: their p is exactly 0
-                        pt = gl.exp2(gl.fma(st, c, -lse2[None, :]))
+                        if HAS_SCORE:  # (the score_mod sees every pair: the query indices of each tile)
+                            q_idx = (r * TABLE_M + sub * BLOCK_M
+                                     + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)))[None, :]
+                            x = st * sm_scale
+                            s = score_mod_gluon(x, b, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@)
+                            pt = gl.exp2(s * 1.4426950408889634 - lse2[None, :])
+                        else:
+                            pt = gl.exp2(gl.fma(st, c, -lse2[None, :]))
                         if not full:  # (the columns' query indices made here, not held over the loop)
                             rows = (r * TABLE_M + sub * BLOCK_M
                                     + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)))
@@ -404,7 +420,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                             pt = gl.where(keep, pt, 0.0)
                         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
                         delta = dl_smem.index(slot).load(gl.SliceLayout(0, s_layout))
-                        dst = pt * (dpt - delta[None, :]) * sm_scale
+                        if HAS_SCORE:  # (where p is 0 the pair adds nothing, whatever the derivative is
+                            # there: a score_mod that sends a pair to -inf may have an infinite one)
+                            grad = score_grad_gluon(x, b, h, q_idx, kv_idx@@GRAD_PTR_ARGS@@)
+                            dst = gl.where(pt == 0.0, 0.0, pt * (dpt - delta[None, :]) * grad) * sm_scale
+                        else:
+                            dst = pt * (dpt - delta[None, :]) * sm_scale
                         pt_op = gl.convert_layout(pt.to(dtype), p_layout)
                         dst_op = gl.convert_layout(dst.to(dtype), p_layout)
                         ds_smem.index(buf).slice(WG * BLOCK_N, BLOCK_N).store(dst.to(dtype))
@@ -708,7 +729,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                 num_warps: gl.constexpr, OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr = 0,
                                 DS_LAYOUT: gl.constexpr = None, DQ_SPLIT: gl.constexpr = False,
                                 EARLY_P: gl.constexpr = False, KEYS_SPLIT: gl.constexpr = False,
-                                PERSISTENT: gl.constexpr = False):
+                                PERSISTENT: gl.constexpr = False, HAS_SCORE: gl.constexpr = False):
         # one program = the 128 keys of column pid_n of one (batch entry, kv head) (KEYS_SPLIT with
         # PERSISTENT: one program per SM taking such work items in turn): their K and V once, then
         # the query tiles of its column lists through a ring (see above), two math warpgroups (the
@@ -782,11 +803,13 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 (_hopper_bwd_keys_consumer, (kv_smem, kv_bar, kv_free, q_smem, do_smem, ready, empty, ds_smem,
                                              dq_smem, lse_smem, dl_smem, meta_smem, DK, DV, total, n_cols, Hkv, Hq,
                                              group, Lq, Lk, c_tb, c_th, n_rows, partial_num, partial_idx, full_num,
-                                             full_idx, sm_scale, @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0)),
+                                             full_idx, sm_scale, @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 0,
+                                             HAS_SCORE)),
                 (_hopper_bwd_keys_consumer, (kv_smem, kv_bar, kv_free, q_smem, do_smem, ready, empty, ds_smem,
                                              dq_smem, lse_smem, dl_smem, meta_smem, DK, DV, total, n_cols, Hkv, Hq,
                                              group, Lq, Lk, c_tb, c_th, n_rows, partial_num, partial_idx, full_num,
-                                             full_idx, sm_scale, @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1)),
+                                             full_idx, sm_scale, @@ALL_PTR_PARAMS@@TABLE_M, TABLE_N, 1,
+                                             HAS_SCORE)),
                 (_hopper_bwd_keys_producer, (k_desc, v_desc, q_desc, do_desc, kv_smem, kv_bar, kv_free, q_smem,
                                              do_smem, ready, empty, meta_smem, counter, first, total, n_cols, Hkv, Hq,
                                              group, Lq, Lk, c_tb, c_th, n_rows, partial_num, partial_idx, full_num,
@@ -951,11 +974,14 @@ def _hopper_bwd_ready(q, k, v, learn, deterministic=False) -> bool:
     conditions at whole blocks (sm_90, bf16 / fp16, Lq and Lk multiples of 128), a head dim of
     HOPPER_BWD_HEAD_DIMS (the two kernels) or, unless deterministic, of HOPPER_BWD_FUSED_HEAD_DIMS
     with a fused form on, a mask that does not read the head (or HOPPER_BWD_PER_HEAD on a call of
-    at least HOPPER_BWD_PER_HEAD_MIN_PAIRS pairs), no score_mod and no learning tables. Any other
-    backward runs the portable kernels."""
-    if not (HOPPER_BWD and _HAS_GLUON and HOPPER_MODS is None) or HAS_SCORE or learn or _INTERPRET:
+    at least HOPPER_BWD_PER_HEAD_MIN_PAIRS pairs), no learning tables, and a score_mod only with
+    HOPPER_BWD_SCORE, its derivative in Gluon and the keys-down form. Any other backward runs the
+    portable kernels."""
+    if not (HOPPER_BWD and _HAS_GLUON and HOPPER_MODS is None) or learn or _INTERPRET:
         return False
     B, Hq, Lq, D = q.shape
+    if HAS_SCORE and not (HOPPER_BWD_SCORE and HOPPER_GRAD is None and _hopper_bwd_keys_down(D, deterministic)):
+        return False
     Lk = k.shape[2]
     if MASK_READS_HEAD and not (HOPPER_BWD_PER_HEAD and B * Hq * Lq * Lk >= HOPPER_BWD_PER_HEAD_MIN_PAIRS):
         return False
@@ -1036,6 +1062,7 @@ def _hopper_bwd_shape(q, k, fused):
     dkdv_options = {**options, "num_warps": 4,
                     **({"FUSED_DQ": int(fused), "DQ_SPLIT": split and not keys_split, "KEYS_SPLIT": keys_split,
                         "EARLY_P": HOPPER_BWD_EARLY_P, "PERSISTENT": keys_split and HOPPER_BWD_PERSISTENT,
+                        "HAS_SCORE": HAS_SCORE and keys_split,
                         "DS_LAYOUT": _bwd_ds_layout(q.dtype, 128 if fused >= 2 else 64, split and not keys_split)}
                        if fused else {})}
     grid = (n_cols, B * Hkv)
@@ -1119,12 +1146,16 @@ def _hopper_bwd_form(D: int, deterministic: bool) -> int:
     return 2 if fused == 3 and not _HAS_TMA_REDUCE else fused
 
 
+def _hopper_bwd_keys_down(D: int, deterministic: bool) -> bool:
+    """Whether a call of head dim D takes the keys-down split (form 3 at HOPPER_BWD_DQ_SPLIT_HEAD_DIMS)."""
+    return _hopper_bwd_form(D, deterministic) == 3 and D in HOPPER_BWD_DQ_SPLIT_HEAD_DIMS and HOPPER_BWD_SPLIT_KEYS_DOWN
+
+
 def _hopper_bwd_zeroed(q, deterministic: bool):
-    """Where the call takes the keys-down split (form 3 at HOPPER_BWD_DQ_SPLIT_HEAD_DIMS): its flat
-    float32 dq sum and item counter, [q.numel() + 4] words, not yet zeroed (the backward's prep
-    kernel zeroes them on its way); else None."""
-    D = q.shape[-1]
-    if _hopper_bwd_form(D, deterministic) == 3 and D in HOPPER_BWD_DQ_SPLIT_HEAD_DIMS and HOPPER_BWD_SPLIT_KEYS_DOWN:
+    """Where the call takes the keys-down split: its flat float32 dq sum and item counter,
+    [q.numel() + 4] words, not yet zeroed (the backward's prep kernel zeroes them on its way);
+    else None."""
+    if _hopper_bwd_keys_down(q.shape[-1], deterministic):
         return torch.empty(q.numel() + 4, dtype=torch.float32, device=q.device)
     return None
 

@@ -267,9 +267,11 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     monkeypatch.setattr(per_head, "HOPPER_BWD_PER_HEAD", False)
     assert not ready(per_head, d=64)
     # a score_mod: in the keys-down form (its scores and their derivative in each tile), where the
-    # derivative has a Gluon copy and HOPPER_BWD_SCORE is on; never deterministic or learning
+    # derivative has a Gluon copy and HOPPER_BWD_SCORE is on (off by default); never deterministic
+    # or learning
     soft = port.load(port.build(with_score(make("causal"), make("softcap")), 128, 128, out_dir=tmp_path / "soft"))
-    assert soft.HOPPER_GRAD is None and soft.HOPPER_BWD_SCORE is True
+    assert soft.HOPPER_GRAD is None and soft.HOPPER_BWD_SCORE is False and not ready(soft, d=64)
+    monkeypatch.setattr(soft, "HOPPER_BWD_SCORE", True)
     assert "def score_grad_gluon(" in open(soft.__file__).read()
     keys_down = soft._HAS_TMA_REDUCE  # (form 3 needs the builder's TMA reduce-adds)
     assert ready(soft, d=64) == keys_down and ready(soft, d=128) == keys_down
@@ -282,9 +284,9 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     monkeypatch.setattr(soft, "HOPPER_GRAD", None)
     monkeypatch.setattr(soft, "HOPPER_BWD_SCORE", False)
     assert not ready(soft, d=64)
-    monkeypatch.setenv("PORT_HOPPER_BWD_SCORE", "0")
+    monkeypatch.setenv("PORT_HOPPER_BWD_SCORE", "1")
     assert port.load(port.build(with_score(make("causal"), make("softcap")), 128, 128,
-                                out_dir=tmp_path / "soft_off")).HOPPER_BWD_SCORE is False
+                                out_dir=tmp_path / "soft_on")).HOPPER_BWD_SCORE is True
     monkeypatch.setenv("PORT_HOPPER_BWD", "0")
     off = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "off"))
     assert off.HOPPER_BWD is False and not ready(off, d=64)

@@ -8,6 +8,11 @@ computes something else is a row that says so.
     python benchmarks/bench_backward_tiles.py --window        # and a sliding window of 1,024
     python benchmarks/bench_backward_tiles.py --lengths 8192
     python benchmarks/bench_backward_tiles.py --pairs         # dq and dk / dv tiles that run in one launch
+    python benchmarks/bench_backward_tiles.py --hopper-buffers --head-dim 64   # the Hopper backward's ring
+
+--hopper-buffers sweeps the Hopper backward's ring of query / dO tiles (HOPPER_BWD_FUSED_BUFFERS, 3
+to 6; the file lowers it to what fits in shared memory, and the row says how many ran) on an H100
+/ H200.
 """
 
 import argparse
@@ -35,11 +40,14 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--window", action="store_true", help="also a sliding window of 1,024")
     ap.add_argument("--pairs", action="store_true", help="only the one-launch pairs of PAIRS (both kernels' tiles)")
+    ap.add_argument("--hopper-buffers", action="store_true", help="only the Hopper backward's ring buffers, 3 to 6")
+    ap.add_argument("--head-dim", type=int, default=128)
     a = ap.parse_args(argv)
+    d = a.head_dim
     masks = {"causal": make("causal")}
     if a.window:
         masks["sliding window 1024"] = make("causal_sliding_window", {"window": 1024})
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16, B 1, H {a.heads}, D 128; backward "
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16, B 1, H {a.heads}, D {d}; backward "
           "alone (dq, dk, dv from out and lse), do_bench medians\n")
     print("| mask | tokens | kernel swept | tile (M, N, warps, stages) | backward ms | TFLOP/s (2.5x forward) | "
           "max abs diff vs file's tiles |\n|---|---|---|---|---|---|---|")
@@ -48,25 +56,35 @@ def main(argv=None):
         own = (list(module.BWD_DQ_TILES), list(module.BWD_DKDV_TILES))
         for L in a.lengths:
             g = torch.Generator(device="cuda").manual_seed(0)
-            q, k, v, dout = (torch.randn(1, a.heads, L, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            q, k, v, dout = (torch.randn(1, a.heads, L, d, device="cuda", dtype=torch.bfloat16, generator=g)
                              for _ in range(4))
             with torch.no_grad():
                 out, lse = module.attention(q, k, v, return_lse=True)
             kept = (L * (L + 1) // 2) if name == "causal" else sum(min(i + 1, 1024) for i in range(L))
-            flops = 2.5 * 4 * kept * 128 * a.heads
-            scale = 128 ** -0.5
+            flops = 2.5 * 4 * kept * d * a.heads
+            scale = d ** -0.5
 
             def backward():
                 return module._attention_backward(q, k, v, out, lse, dout, None, scale)[:3]
 
             module.BWD_DQ_TILES, module.BWD_DKDV_TILES = own
+            buffers = module.HOPPER_BWD_FUSED_BUFFERS
             want = backward()
-            rows = ([("pair", t) for t in PAIRS] + [("two launches", PAIRS[0])] if a.pairs else
-                    [("dq", t) for t in DQ_TILES] + [("dk / dv", t) for t in DKDV_TILES])
+            if a.hopper_buffers:
+                rows = [("Hopper ring buffers", n) for n in (3, 4, 5, 6)]
+            else:
+                rows = ([("pair", t) for t in PAIRS] + [("two launches", PAIRS[0])] if a.pairs else
+                        [("dq", t) for t in DQ_TILES] + [("dk / dv", t) for t in DKDV_TILES])
             for which, tile in rows:
                 module.BWD_DQ_TILES, module.BWD_DKDV_TILES = [list(x) for x in own]
                 module.BWD_FUSED = which != "two launches"
-                if which in ("pair", "two launches"):
+                module.HOPPER_BWD_FUSED_BUFFERS = buffers
+                if which == "Hopper ring buffers":
+                    module.HOPPER_BWD_FUSED_BUFFERS = tile
+                    plan = module._hopper_bwd_plan(q, k, v, dout, lse, lse, scale, module._tables(q.device, L, L),
+                                                   fused=module._hopper_bwd_form(d, False))
+                    tile = f"{tile} asked, {plan[3][0][3].get('NUM_BUF')} ran"  # (what fits in shared memory)
+                elif which in ("pair", "two launches"):
                     module.BWD_DQ_TILES[0], module.BWD_DKDV_TILES[0] = tile
                 else:
                     (module.BWD_DQ_TILES if which == "dq" else module.BWD_DKDV_TILES)[0] = tile
@@ -82,6 +100,7 @@ def main(argv=None):
                 print(f"| {name} | {L:,} | {which} | {tile} | {ms:.3f} | {flops / ms / 1e9:.0f} | {diff:.1e}{wrong} |",
                       flush=True)
             module.BWD_DQ_TILES, module.BWD_DKDV_TILES = own
+            module.HOPPER_BWD_FUSED_BUFFERS = buffers
             q = k = v = dout = out = lse = want = None
             torch.cuda.empty_cache()
 

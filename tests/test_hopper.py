@@ -661,3 +661,28 @@ def test_launch_reuses_the_compiled_kernel_only_for_launches_that_specialize_ali
     for _ in range(2):
         module._launch(kernel, (4,), (x, [1, 2], 1), {"BLOCK": 64}, ("s", 3))
     assert [c[0] for c in calls] == ["jit"] * 2 and len(module._SITES) == sites + 2
+
+
+@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
+def test_a_copied_descriptor_is_the_one_the_constructor_would_make(tmp_path):
+    # _descriptor checks a kind of TMA descriptor once (Gluon's constructor) and copies it for later
+    # tensors: each copy must hold the same fields as a descriptor built for that tensor, its own
+    # tensor (not the first one's), and a tensor off 16 bytes still meets the constructor's check
+    import dataclasses
+
+    import torch
+
+    module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
+    first, second = torch.randn(2, 4, 256, 64).bfloat16(), torch.randn(2, 4, 256, 64).bfloat16()
+    made = [module._hopper_descriptor(t, 128) for t in (first, second)]
+    layout = module._SHARED_LAYOUTS[(128, 64, torch.bfloat16)]
+    for t, got in zip((first, second), made):
+        want = module._GluonDescriptor(t.reshape(-1, 64), [2048, 64], [64, 1], [128, 64], layout)
+        assert type(got) is type(want) and got.base is t
+        assert {f.name: getattr(got, f.name) for f in dataclasses.fields(want) if f.name != "base"} == \
+            {f.name: getattr(want, f.name) for f in dataclasses.fields(want) if f.name != "base"}
+    # the kept prototype holds no tensor
+    assert all(p.base is None for p in module._DESCRIPTORS.values())
+    off = torch.randn(2 * 4 * 256 * 64 + 4).bfloat16()[4:]  # (8 bytes past a 16-byte boundary)
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        module._descriptor(off, 2048, 64, [128, 64], layout)

@@ -430,9 +430,8 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
     _launch(_bwd_prep_kernel, (_cdiv(Lq, prep_m), B * Hq),
             (out, dout, lse, dlse_rows, delta, lse2, delta if zeroed is None else zeroed, *prep_strides, Hq, Lq, D),
             dict(HAS_DLSE=dlse is not None, BLOCK_M=prep_m, D_PAD=D_PAD, ZERO=zeroed is not None, num_warps=4),
-            ("prep", q.shape, prep_strides, out.dtype, dout.dtype, q.device, torch.cuda.current_device() if q.is_cuda
-             else -1, dlse is not None, zeroed is not None,
-             *[t.data_ptr() % 16 == 0 for t in (out, dout, lse, dlse_rows)]))
+            ("prep", q.shape, prep_strides, out.dtype, dout.dtype, q.device, _current_device(q), dlse is not None,
+             zeroed is not None, *[t.data_ptr() % 16 == 0 for t in (out, dout, lse, dlse_rows)]))
     if hopper:
         done = _hopper_bwd_launch(q, k, v, dout, lse2, delta, scale, captured, deterministic, zeroed)
         if done is not None:
@@ -465,8 +464,8 @@ def _attention_backward(q, k, v, out, lse, dout, dlse, scale, tables=None, learn
         grid = (kv_blocks * B * Hkv + q_blocks * B * Hq,)
 
         # (_launch's site: what decides the grid, the options and every argument's kind)
-        site = ("portable backward", q.shape, k.shape, q.dtype, q.device, torch.cuda.current_device() if q.is_cuda
-                else -1, strides, bits, bool(deterministic), dq_tile, dkdv_tile,
+        site = ("portable backward", q.shape, k.shape, q.dtype, q.device, _current_device(q), strides, bits,
+                bool(deterministic), dq_tile, dkdv_tile,
                 tuple(t.data_ptr() % 16 == 0 for t in (q, k, v, dout, *pointers)))
 
         def fused(stages):

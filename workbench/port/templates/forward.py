@@ -713,6 +713,11 @@ def _arg_kind(a):
 _SITES: dict = {}  # a caller's site key -> (Triton's launcher for that kernel and grid, the values after args)
 
 
+def _current_device(t) -> int:
+    """The CUDA device a launch for t would run on (part of a launch's site), or -1 off CUDA."""
+    return torch.cuda.current_device() if t.is_cuda else -1
+
+
 def _launch(kernel, grid, args, options, site=None):
     """kernel[grid](*args, **options). The first launch of a kind goes through Triton's JIT (which
     compiles, or finds the compiled kernel); later ones of the same kind (the same options, the same

@@ -747,7 +747,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
         raise ValueError(f"HOPPER_LOOP = {HOPPER_LOOP!r} names no form of the Hopper kernel's tile loop: set it to "
                          f"one of {', '.join(map(repr, HOPPER_LOOPS))}")
     pointers = [tables[n] for n in ALL_POINTERS]
-    site = ("forward", q.shape, k.shape, q.dtype, q.device, torch.cuda.current_device() if q.is_cuda else -1, return_lse, HOPPER_LOOP,
+    site = ("forward", q.shape, k.shape, q.dtype, q.device, _current_device(q), return_lse, HOPPER_LOOP,
             HOPPER_TILE, tuple(t.data_ptr() % 16 == 0 for t in pointers))
     grid, options, block_n, persistent, lists = _remember(_HOPPER_PLANS, site, lambda: _hopper_plan(q, k, return_lse))
     out = torch.empty_like(q)

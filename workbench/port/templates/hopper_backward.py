@@ -1003,11 +1003,11 @@ def _hopper_bwd_plan(q, k, v, dout, lse2, delta, scale, tables, fused=False, zer
     """(dq, dk, dv, launches): the gradients' tensors and [(kernel, grid, arguments, options, site)]
     of the kernels for this call (dk / dv first). `fused` (HOPPER_BWD_FUSED_DQ): one kernel, and dq
     a float32 sum of atomic adds, to be cast to q's dtype; `zeroed`: the keys-down form's buffer,
-    zeroed already (else zeroed here). What calls of one kind share (grids,
-    options, lists, integer arguments: _hopper_bwd_shape) is made once per site (_launch's key)."""
+    zeroed already (else zeroed here). What calls of one kind share (grids, options, lists, integer
+    arguments: _hopper_bwd_shape) is made once per site (_launch's key)."""
     B, Hq, Lq, D = q.shape
     pointers = [tables[name] for name in ALL_POINTERS]
-    site = ("backward", q.shape, k.shape, q.dtype, q.device, torch.cuda.current_device() if q.is_cuda else -1, fused,
+    site = ("backward", q.shape, k.shape, q.dtype, q.device, _current_device(q), fused,
             HOPPER_BWD_TILES.get(D), HOPPER_BWD_FUSED_BUFFERS, HOPPER_BWD_DQ_SPLIT_HEAD_DIMS,
             HOPPER_BWD_SPLIT_KEYS_DOWN, HOPPER_BWD_PERSISTENT, HOPPER_BWD_EARLY_P,
             tuple(t.data_ptr() % 16 == 0 for t in pointers))
@@ -1070,7 +1070,8 @@ def _hopper_bwd_shape(q, k, fused):
     grid = (n_cols, B * Hkv)
     if keys_split and HOPPER_BWD_PERSISTENT:  # (one program per SM, at most one per item)
         grid = (min(n_cols * B * Hkv, _sm_count(q.device)), 1)
-    dkdv = (grid, dkdv_options, (*column_lists(B, Hq, Lq, Lk, q.device), c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk))
+    dkdv = (grid, dkdv_options,
+            (*column_lists(B, Hq, Lq, Lk, q.device), c_tb, c_th, n_rows, Hq, Hkv, Hq // Hkv, Lq, Lk))
     dq = None if fused else (((n_rows, B * Hq), {**options, "num_warps": 8},
                               (*block_lists(B, Hq, Lq, Lk, q.device), s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk)), block_n)
     return dkdv, dq, keys_split, split, block_m
@@ -1111,7 +1112,7 @@ def _dq_unflat(acc, shape, dtype):
     out = torch.empty(shape, dtype=dtype, device=acc.device)
     if acc.is_cuda or _INTERPRET:
         _launch(_dq_unflat_kernel, (B * Hq * Lq // 64,), (acc, out), dict(D=D, num_warps=4),
-                ("unflat", shape, dtype, acc.device, torch.cuda.current_device() if acc.is_cuda else -1))
+                ("unflat", shape, dtype, acc.device, _current_device(acc)))
         return out
     # out's view by (b, h, tile, w, h2, lh, half, j, ll, p), put in the chunks' order
     view = out.view(B, Hq, Lq // 64, 4, 2, 8, 2, D // 16, 4, 2).permute(0, 1, 2, 6, 7, 3, 5, 8, 4, 9)

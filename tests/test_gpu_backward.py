@@ -104,7 +104,7 @@ def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_d
             module.HOPPER_BWD_DQ_SPLIT_HEAD_DIMS = (64, 128)
             module.HOPPER_BWD_SPLIT_KEYS_DOWN = not form.endswith("queries_down")
         module.HOPPER_BWD_FUSED_HEAD_DIMS = (64, 128)
-        module.HOPPER_BWD_SCORE = True  # (score_mods in the keys-down form: off by default)
+        module.HOPPER_BWD_SCORE = True  # (score_mods in the keys-down form: the default, PORT_HOPPER_BWD_SCORE aside)
         ran = []
         real = module._hopper_bwd_launch
 

@@ -6,6 +6,7 @@ tests/test_gpu_port.py::test_hopper_kernel_matches_the_reference."""
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,7 @@ def test_the_mods_gluon_copy_and_the_kernel_is_on_unless_turned_off(tmp_path, mo
     assert "def mask_mod_gluon(b, h, q_idx, kv_idx, " in gluon_part and "gl.load(" in gluon_part
     assert "_py_floordiv_gluon(" in gluon_part and "tl." not in gluon_part.split("def _hopper_tile_start")[0]
     soft = port.generate(with_score(make("causal"), make("softcap")), 128, 128).source
-    assert "def _sigmoid_gluon(x)" in soft and "HOPPER_MODS = None" in soft
+    assert "def _tanh_fast_gluon(x)" in soft and "HOPPER_MODS = None" in soft
     monkeypatch.setenv("PORT_HOPPER", "0")
     module = port.load(port.write(generated, tmp_path / "off"))
     assert module.HOPPER is False
@@ -86,6 +87,67 @@ def test_the_mods_gluon_copy_and_the_kernel_is_on_unless_turned_off(tmp_path, mo
     import torch
     q = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16)
     assert module.HOPPER is True and not module._hopper_ready(q, q, q, None, False)  # a CPU tensor: never
+
+
+def _run_gluon_text(text: str, names: list[str]) -> dict:
+    """The Gluon copies' functions run on torch tensors: gl's elementwise names as torch's, the
+    approximate tanh as torch.tanh (what it approximates), so the rewrites' algebra can be checked."""
+    import types
+
+    import torch
+
+    def asm(code, constraints, args, dtype, is_pure, pack):
+        assert code == "tanh.approx.f32 $0, $1;" and constraints == "=f,f" and is_pure and pack == 1
+        return torch.tanh(args[0])
+
+    gl = types.SimpleNamespace(exp=torch.exp, exp2=torch.exp2, log=torch.log, where=torch.where, float32=torch.float32,
+                               zeros_like=torch.zeros_like, inline_asm_elementwise=asm, minimum=torch.minimum,
+                               maximum=torch.maximum, load=lambda p: p)
+    scope = {"gl": gl, "gluon": types.SimpleNamespace(jit=lambda f: f), "torch": torch}
+    exec(textwrap.dedent(text).replace("x.to(gl.float32)", "x.to(torch.float32)"), scope)
+    return {n: scope[n] for n in names}
+
+
+def test_the_score_functions_gluon_copies_take_fast_forms_with_the_same_values():
+    # score_mod_gluon / score_grad_gluon (the Hopper kernels' inner loop) use the chip's tanh (one
+    # MUFU op), a sigmoid through it, divisions by constants as multiplications and a folded seed;
+    # their values equal the mods' and derivatives' (tanh standing in for its approximation), and
+    # the mask keeps its exact formulas
+    import torch
+
+    from workbench.port.generate import _replace_tanh
+
+    def gelu_bias(score, b, h, q_idx, kv_idx):
+        return torch.nn.functional.gelu(score / 3.0, approximate="tanh") + torch.sigmoid(score) / 2.0
+
+    def sigmoid_mask(b, h, q_idx, kv_idx):
+        return torch.sigmoid((q_idx - kv_idx) / 4.0) >= 0.5  # (float math in a mask: exact formulas)
+
+    cases = [(make("causal"), make("softcap", {"cap": 30.0}).score_mod, lambda s: 30.0 * torch.tanh(s / 30.0)),
+             (Mask("sig", mask_mod=sigmoid_mask), gelu_bias,
+              lambda s: torch.nn.functional.gelu(s / 3.0, approximate="tanh") + torch.sigmoid(s) / 2.0)]
+    for mask, score_mod, exact in cases:
+        source = port.generate(with_score(mask, Mask("s", score_mod=score_mod)), 128, 128).source
+        text = source[source.index("if _HAS_GLUON and HOPPER_MODS is None:"):source.index("def _hopper_tile_start")]
+        text = text[text.rindex("\n", 0, text.index("@gluon.jit")) + 1:].rsplit("@gluon.jit", 1)[0]
+        score_text = text[text.index("def score_mod_gluon"):]
+        assert "_tanh_fast_gluon(" in score_text and "_sigmoid_gluon(" not in score_text
+        assert " / 3.0" not in score_text and " / 30.0" not in score_text and "(score * 0.0)" not in score_text
+        if mask.name == "sig":  # the mask's copy: the exact sigmoid, its division as written
+            mask_text = text[text.index("def mask_mod_gluon"):text.index("def score_mod_gluon")]
+            assert "_sigmoid_gluon(" in mask_text and " / 4.0" in mask_text and "_fast" not in mask_text
+        run = _run_gluon_text(text, ["score_mod_gluon", "score_grad_gluon"])
+        s = torch.linspace(-60.0, 60.0, 241, dtype=torch.float64).reshape(1, -1).to(torch.float32)
+        idx = torch.zeros((), dtype=torch.int32)
+        s64 = s.double().requires_grad_()
+        want = exact(s64)
+        (grad,) = torch.autograd.grad(want.sum(), s64)
+        torch.testing.assert_close(run["score_mod_gluon"](s, idx, idx, idx, idx).double(), want.detach(),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(run["score_grad_gluon"](s, idx, idx, idx, idx).double(), grad, rtol=1e-5, atol=1e-5)
+    # a text that is not the portable tanh is refused, not rewritten into something else
+    with pytest.raises(ValueError, match="not the portable tanh"):
+        _replace_tanh("(2.0 * _sigmoid_gluon(2.0 * x) - 2.0)")
 
 
 def test_mods_with_a_name_gluon_lacks_keep_the_portable_kernel():
@@ -106,8 +168,8 @@ def test_mods_with_a_name_gluon_lacks_keep_the_portable_kernel():
             "    return tl.sigmoid(score) * (1.0 - tl.sigmoid(score)) * 8.0 + _py_mod(kv_idx, 2) * 0.0\n")
     text, reason, why_grad = _gluon_mods([helpers, part.replace("tl.cumsum(q_idx, 0)", "q_idx"), score, grad])
     assert reason is None and why_grad is None, (reason, why_grad)
-    assert "def score_grad_gluon(" in text and "_py_mod_gluon(kv_idx, 2)" in text and "_sigmoid_gluon(score)" in text
-    assert text.count("def _py_mod_gluon(") == 1 and text.count("def _sigmoid_gluon(") == 1
+    assert "def score_grad_gluon(" in text and "_py_mod_gluon(kv_idx, 2)" in text and "_sigmoid_fast_gluon(score)" in text
+    assert text.count("def _py_mod_gluon(") == 1 and text.count("def _sigmoid_fast_gluon(") == 1
     text, reason, why_grad = _gluon_mods([part.replace("tl.cumsum(q_idx, 0)", "q_idx"), score,
                                           grad.replace("tl.sigmoid(score) * (", "tl.cumsum(score, 0) * (")])
     assert reason is None and "def score_mod_gluon(" in text
@@ -267,11 +329,10 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     monkeypatch.setattr(per_head, "HOPPER_BWD_PER_HEAD", False)
     assert not ready(per_head, d=64)
     # a score_mod: in the keys-down form (its scores and their derivative in each tile), where the
-    # derivative has a Gluon copy and HOPPER_BWD_SCORE is on (off by default); never deterministic
+    # derivative has a Gluon copy and HOPPER_BWD_SCORE is on (the default); never deterministic
     # or learning
     soft = port.load(port.build(with_score(make("causal"), make("softcap")), 128, 128, out_dir=tmp_path / "soft"))
-    assert soft.HOPPER_GRAD is None and soft.HOPPER_BWD_SCORE is False and not ready(soft, d=64)
-    monkeypatch.setattr(soft, "HOPPER_BWD_SCORE", True)
+    assert soft.HOPPER_GRAD is None and soft.HOPPER_BWD_SCORE is True
     assert "def score_grad_gluon(" in open(soft.__file__).read()
     keys_down = soft._HAS_TMA_REDUCE  # (form 3 needs the builder's TMA reduce-adds)
     assert ready(soft, d=64) == keys_down and ready(soft, d=128) == keys_down
@@ -284,9 +345,9 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     monkeypatch.setattr(soft, "HOPPER_GRAD", None)
     monkeypatch.setattr(soft, "HOPPER_BWD_SCORE", False)
     assert not ready(soft, d=64)
-    monkeypatch.setenv("PORT_HOPPER_BWD_SCORE", "1")
+    monkeypatch.setenv("PORT_HOPPER_BWD_SCORE", "0")
     assert port.load(port.build(with_score(make("causal"), make("softcap")), 128, 128,
-                                out_dir=tmp_path / "soft_on")).HOPPER_BWD_SCORE is True
+                                out_dir=tmp_path / "soft_off")).HOPPER_BWD_SCORE is False
     monkeypatch.setenv("PORT_HOPPER_BWD", "0")
     off = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "off"))
     assert off.HOPPER_BWD is False and not ready(off, d=64)

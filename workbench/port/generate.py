@@ -276,10 +276,55 @@ def _gluon_mods(parts: list[str]) -> tuple[str, str | None, str | None]:
                 "    # no Gluon copy of the derivative (the Hopper backward does not take the score_mod)\n"
                 "    return score * 0.0\n")
         why_grad = f"the score_mod's derivative uses {why_grad}, which Gluon does not have"
+    mods, grad = _fast_scores(mods), _fast_scores(grad)
     helpers = "_sigmoid_gluon(" in mods + grad
+    fast = "_fast_gluon(" in mods + grad
     text = (("@gluon.jit\ndef _sigmoid_gluon(x):\n    # tl.sigmoid's formula\n    return 1 / (1 + gl.exp(-x))\n\n"
-             if helpers else "") + mods + "\n\n" + grad)
+             if helpers else "") + (_TANH_FAST if fast else "") + mods + "\n\n" + grad)
     return textwrap.indent(text, "    "), None, why_grad
+
+
+# The score functions' Gluon copies run where the Hopper kernels spend a pair's few instructions
+# besides the matmuls, so they take the chip's approximate tanh (one MUFU op, as FlashAttention-3's
+# softcap; relative error below 2^-10.9) where the portable copy computes 2 sigmoid(2x) - 1 (an
+# exponential and a division), a sigmoid as 0.5 tanh(x / 2) + 0.5, divisions by a constant as
+# multiplications, and the derivative's seed (d score / d score = score * 0 + 1, a tensor only for
+# its shape) as a constant the compiler folds. Masks keep the exact formulas: a kept pair must be
+# the one the block scan and the reference keep
+_TANH_FAST = ("@gluon.jit\ndef _tanh_fast_gluon(x):\n    # the chip's tanh.approx.f32 (sm_75 and later)\n"
+              "    return gl.inline_asm_elementwise(\"tanh.approx.f32 $0, $1;\", \"=f,f\", [x.to(gl.float32)],\n"
+              "                                     dtype=gl.float32, is_pure=True, pack=1)\n\n"
+              "@gluon.jit\ndef _sigmoid_fast_gluon(x):\n    return 0.5 * _tanh_fast_gluon(0.5 * x) + 0.5\n\n")
+_FLOAT = r"(\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+)"
+
+
+def _fast_scores(text: str) -> str:
+    """score_mod_gluon's and score_grad_gluon's text with the fast forms above (other functions as
+    they are)."""
+    parts = text.split("@gluon.jit\n")
+    for i, part in enumerate(parts):
+        if not part.startswith(("def score_mod_gluon(", "def score_grad_gluon(")):
+            continue
+        part = _replace_tanh(part)
+        part = part.replace("_sigmoid_gluon(", "_sigmoid_fast_gluon(")
+        part = re.sub(rf"(?<![/*]) / {_FLOAT}(?![\w.(])(?!\s*\*\*)", lambda m: f" * {1.0 / float(m.group(1))!r}", part)
+        part = re.sub(r"^(\s+\w+) = \(score \* 0\.0\)$", r"\1 = gl.zeros_like(score)", part, count=1, flags=re.M)
+        parts[i] = part
+    return "@gluon.jit\n".join(parts)
+
+
+def _replace_tanh(text: str) -> str:
+    """(2.0 * _sigmoid_gluon(2.0 * A) - 1.0), the portable tanh, as _tanh_fast_gluon(A)."""
+    head = "(2.0 * _sigmoid_gluon(2.0 * "
+    while (start := text.find(head)) >= 0:
+        depth, i = 2, start + len(head)
+        while depth > 1:  # (to the sigmoid's closing parenthesis)
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        if not text.startswith(" - 1.0)", i):
+            raise ValueError(f"not the portable tanh: {text[start:i + 8]!r}")
+        text = text[:start] + "_tanh_fast_gluon(" + text[start + len(head):i - 1] + ")" + text[i + len(" - 1.0)"):]
+    return text
 
 
 def _as_gluon(parts: list[str], renames: dict, helpers: bool = True) -> tuple[str, str | None]:

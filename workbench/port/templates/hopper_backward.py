@@ -45,8 +45,9 @@ HOPPER_BWD_PER_HEAD_MIN_PAIRS = 1 << 32
 # its keys-down form (the default at D 64 and 128, not deterministic, no learning table): each
 # tile's scores through score_mod_gluon and dS through its derivative, score_grad_gluon (generated
 # from the traced score_mod; HOPPER_GRAD says why there is none). On an H200 (bf16, B 1, H 16,
-# D 128, image spans + softcap, forward + backward): 4.46 ms against the portable backward's 4.80 at
-# 8K, 61.6 against 67.6 at 32K (D 128 spills 0.5-1 KB where a score_mod adds work)
+# D 128, image spans + softcap, forward + backward): 3.05 ms against the portable backward's 4.54 at
+# 8K, 43.1-43.7 against 64.6 at 32K (Flex FLASH 3.06 and 41.6-41.9), with the Gluon copies' fast
+# forms (generate.py's _fast_scores; before them 4.46 and 61.6); D 128 spills 0.3-0.5 KB
 HOPPER_BWD_SCORE = os.environ.get("PORT_HOPPER_BWD_SCORE", "1") != "0"
 HOPPER_GRAD = @@HOPPER_GRAD@@  # None: the score_mod's derivative has a Gluon copy; else why not
 # per head dim: (query tile of the dk / dv kernel, key tile of the dq kernel, buffers of each ring,
@@ -420,12 +421,15 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                     + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)))
                             keep = mask_mod_gluon(b, h, rows[None, :], kv_idx@@MASK_PTR_ARGS@@) != 0
                             pt = gl.where(keep, pt, 0.0)
+                        if HAS_SCORE:  # p times the derivative while dP^T runs (where p is 0 the pair adds
+                            # nothing, whatever the derivative is there: a score_mod that sends a pair
+                            # to -inf may have an infinite one)
+                            grad = score_grad_gluon(x, b, h, q_idx, kv_idx@@GRAD_PTR_ARGS@@)
+                            pg = gl.where(pt == 0.0, 0.0, pt * grad * sm_scale)
                         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
                         delta = dl_smem.index(slot).load(gl.SliceLayout(0, s_layout))
-                        if HAS_SCORE:  # (where p is 0 the pair adds nothing, whatever the derivative is
-                            # there: a score_mod that sends a pair to -inf may have an infinite one)
-                            grad = score_grad_gluon(x, b, h, q_idx, kv_idx@@GRAD_PTR_ARGS@@)
-                            dst = gl.where(pt == 0.0, 0.0, pt * (dpt - delta[None, :]) * grad) * sm_scale
+                        if HAS_SCORE:
+                            dst = pg * (dpt - delta[None, :])
                         else:
                             dst = pt * (dpt - delta[None, :]) * sm_scale
                         pt_op = gl.convert_layout(pt.to(dtype), p_layout)

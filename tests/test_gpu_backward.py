@@ -136,6 +136,46 @@ def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_d
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_saturated_softcap_on_the_hopper_kernels_matches_the_reference(cuda, tmp_path, head_dim):
+    # the score functions' Gluon copies take the chip's approximate tanh: with q scaled so a fifth
+    # of the scores lie past the cap (tanh near 1, where the approximation's relative error costs
+    # the most), out, lse, dq, dk and dv of the Hopper forward and backward against float64
+    from workbench import port, with_score
+    from workbench.run import Inputs
+    from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention
+    from workbench.verify.compare import _grad_tolerance
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm_90 only")
+    mask = with_score(make("causal"), make("softcap", {"cap": 20.0}))
+    shape = Shape(batch=2, q_heads=4, kv_heads=2, q_len=1024, kv_len=1024, head_dim=head_dim)
+    module = port.load(port.build(mask, 1024, 1024, heads=4, batch=2, out_dir=tmp_path))
+    ran = {"forward": [], "backward": []}
+    fwd, bwd = module._attention_hopper, module._hopper_bwd_launch
+    module._attention_hopper = lambda *a: ran["forward"].append(1) or fwd(*a)
+    module._hopper_bwd_launch = lambda *a: (lambda done: ran["backward"].append(done is not None) or done)(bwd(*a))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    draw = lambda *size: torch.randn(*size, device="cuda", generator=g)  # noqa: E731
+    q = (draw(2, 4, 1024, head_dim) * 15.0).bfloat16()  # (scores about 15 N(0, 1))
+    k, v = draw(2, 2, 1024, head_dim).bfloat16(), draw(2, 2, 1024, head_dim).bfloat16()
+    grad_out = draw(2, 4, 1024, head_dim).bfloat16()
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = module.attention(qg, kg, vg, return_lse=True)
+    out.backward(grad_out)
+    assert ran["forward"] and ran["backward"] and all(ran["backward"]), ran
+    inputs = Inputs(q=q, k=k, v=v, shape=shape, dtype="bfloat16", seed=5, grad_out=grad_out)
+    ref = reference_attention(mask, inputs, backward=True, progress=False)
+    scores = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) * head_dim ** -0.5
+    assert (scores.abs() > 20).float().mean() > 0.15  # (the case is the one it says: past the cap)
+    checks = [compare("out", out, ref.out, TOLERANCES["bfloat16"]), compare("lse", lse, ref.lse, LSE_TOLERANCE["bfloat16"])]
+    checks += [compare(n, got, ref.grads[n], _grad_tolerance("bfloat16", n, ref.grads[n], shape))
+               for n, got in (("dq", qg.grad), ("dk", kg.grad), ("dv", vg.grad))]
+    bad = [f"{c.name}: max abs err {c.max_abs_err:.3g}, {c.bad_count} bad, {c.nan_count} NaN" for c in checks
+           if not c.passed or c.nan_count]
+    assert not bad, "; ".join(bad)
+
+
 def test_one_port_called_at_several_lengths_matches_the_reference_every_call(cuda, tmp_path):
     # One generated file, called again and again: after a kind of launch has run once, _launch
     # sends the next launches of that kind straight to the compiled kernel with their own arguments

@@ -29,8 +29,9 @@ HOPPER_TILE = (128, 0, 8)
 # under the other's matmuls); the same arithmetic. "persistent": pingpong's roles in one program
 # per SM that takes (row block, head) tiles from a counter (an atomic add: programs that finish
 # early take more), so a program's start and end no longer sit between short rows (windows,
-# documents). "auto": "persistent" (with a score_mod too since the score functions' Gluon copies
-# take the chip's tanh: image spans + softcap at 32K 10.2 ms against "specialized"'s 11.7). Measured on an H200 (docs/benchmarks.md,
+# documents). "auto": "persistent" without a score_mod, "pingpong" with one (since the score
+# functions' Gluon copies take the chip's tanh; H200, bf16 D 128, 32K: image spans + softcap 10.2 ms
+# in both, "specialized" 11.7; causal + ALiBi 9.69, persistent 10.06, specialized 11.44). Measured on an H200 (docs/benchmarks.md,
 # bf16 D 128, 32K): persistent against pingpong 0.619 / 0.645 ms on a 1,024 window, 1.060 / 1.072
 # on 8 documents, 7.087 / 7.088 on causal; fp16 D 64: 0.429 / 0.475 (window), 0.317 / 0.374
 # (per-head windows). One-warpgroup loops without a load warp, and a persistent form that dealt
@@ -793,7 +794,7 @@ def _hopper_kernel():
 def _hopper_loop() -> str:
     """The form of the tile loop this call runs: HOPPER_LOOP, with "auto" resolved."""
     if HOPPER_LOOP == "auto":
-        return "persistent"
+        return "pingpong" if HAS_SCORE else "persistent"
     return HOPPER_LOOP
 
 

@@ -4,6 +4,7 @@ Triton's compiler against a stand-in driver). Whether it computes attention is c
 tests/test_gpu_port.py::test_hopper_kernel_matches_the_reference."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -101,7 +102,7 @@ def _run_gluon_text(text: str, names: list[str]) -> dict:
         return torch.tanh(args[0])
 
     gl = types.SimpleNamespace(exp=torch.exp, exp2=torch.exp2, log=torch.log, where=torch.where, float32=torch.float32,
-                               zeros_like=torch.zeros_like, inline_asm_elementwise=asm, minimum=torch.minimum,
+                               zeros_like=torch.zeros_like, inline_asm_elementwise=asm, minimum=torch.minimum, abs=torch.abs,
                                maximum=torch.maximum, load=lambda p: p)
     scope = {"gl": gl, "gluon": types.SimpleNamespace(jit=lambda f: f), "torch": torch}
     exec(textwrap.dedent(text).replace("x.to(gl.float32)", "x.to(torch.float32)"), scope)
@@ -123,28 +124,34 @@ def test_the_score_functions_gluon_copies_take_fast_forms_with_the_same_values()
     def sigmoid_mask(b, h, q_idx, kv_idx):
         return torch.sigmoid((q_idx - kv_idx) / 4.0) >= 0.5  # (float math in a mask: exact formulas)
 
-    cases = [(make("causal"), make("softcap", {"cap": 30.0}).score_mod, lambda s: 30.0 * torch.tanh(s / 30.0)),
+    def log_distance(score, b, h, q_idx, kv_idx):  # (an integer divisor, a log of a distance)
+        return score - torch.log((q_idx - kv_idx).abs().float() + 1) / 8
+
+    cases = [(make("causal"), make("softcap", {"cap": 30.0}).score_mod, lambda s, q: 30.0 * torch.tanh(s / 30.0)),
              (Mask("sig", mask_mod=sigmoid_mask), gelu_bias,
-              lambda s: torch.nn.functional.gelu(s / 3.0, approximate="tanh") + torch.sigmoid(s) / 2.0)]
+              lambda s, q: torch.nn.functional.gelu(s / 3.0, approximate="tanh") + torch.sigmoid(s) / 2.0),
+             (make("causal"), log_distance, lambda s, q: s - torch.log(q.abs().double() + 1) / 8)]
     for mask, score_mod, exact in cases:
         source = port.generate(with_score(mask, Mask("s", score_mod=score_mod)), 128, 128).source
         text = source[source.index("if _HAS_GLUON and HOPPER_MODS is None:"):source.index("def _hopper_tile_start")]
         text = text[text.rindex("\n", 0, text.index("@gluon.jit")) + 1:].rsplit("@gluon.jit", 1)[0]
         score_text = text[text.index("def score_mod_gluon"):]
-        assert "_tanh_fast_gluon(" in score_text and "_sigmoid_gluon(" not in score_text
-        assert " / 3.0" not in score_text and " / 30.0" not in score_text and "(score * 0.0)" not in score_text
+        assert score_mod is log_distance or ("_tanh_fast_gluon(" in score_text and "_sigmoid_gluon(" not in score_text)
+        assert not re.search(r" / \d", score_text) and "(score * 0.0)" not in score_text, score_text
         if mask.name == "sig":  # the mask's copy: the exact sigmoid, its division as written
             mask_text = text[text.index("def mask_mod_gluon"):text.index("def score_mod_gluon")]
             assert "_sigmoid_gluon(" in mask_text and " / 4.0" in mask_text and "_fast" not in mask_text
         run = _run_gluon_text(text, ["score_mod_gluon", "score_grad_gluon"])
         s = torch.linspace(-60.0, 60.0, 241, dtype=torch.float64).reshape(1, -1).to(torch.float32)
         idx = torch.zeros((), dtype=torch.int32)
+        q_idx = torch.arange(-120, 121, dtype=torch.int32).reshape(1, -1)  # (kv_idx 0: distances -120 .. 120)
         s64 = s.double().requires_grad_()
-        want = exact(s64)
+        want = exact(s64, q_idx)
         (grad,) = torch.autograd.grad(want.sum(), s64)
-        torch.testing.assert_close(run["score_mod_gluon"](s, idx, idx, idx, idx).double(), want.detach(),
+        torch.testing.assert_close(run["score_mod_gluon"](s, idx, idx, q_idx, idx).double(), want.detach(),
                                    rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(run["score_grad_gluon"](s, idx, idx, idx, idx).double(), grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(run["score_grad_gluon"](s, idx, idx, q_idx, idx).double() + 0 * s64.detach(), grad,
+                                   rtol=1e-5, atol=1e-5)
     # a text that is not the portable tanh is refused, not rewritten into something else
     with pytest.raises(ValueError, match="not the portable tanh"):
         _replace_tanh("(2.0 * _sigmoid_gluon(2.0 * x) - 2.0)")

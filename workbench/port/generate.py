@@ -295,7 +295,7 @@ _TANH_FAST = ("@gluon.jit\ndef _tanh_fast_gluon(x):\n    # the chip's tanh.appro
               "    return gl.inline_asm_elementwise(\"tanh.approx.f32 $0, $1;\", \"=f,f\", [x.to(gl.float32)],\n"
               "                                     dtype=gl.float32, is_pure=True, pack=1)\n\n"
               "@gluon.jit\ndef _sigmoid_fast_gluon(x):\n    return 0.5 * _tanh_fast_gluon(0.5 * x) + 0.5\n\n")
-_FLOAT = r"(\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+)"
+_NUMBER = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"  # (a literal divisor: true division, as Python's and Triton's /)
 
 
 def _fast_scores(text: str) -> str:
@@ -307,7 +307,8 @@ def _fast_scores(text: str) -> str:
             continue
         part = _replace_tanh(part)
         part = part.replace("_sigmoid_gluon(", "_sigmoid_fast_gluon(")
-        part = re.sub(rf"(?<![/*]) / {_FLOAT}(?![\w.(])(?!\s*\*\*)", lambda m: f" * {1.0 / float(m.group(1))!r}", part)
+        part = re.sub(rf"(?<![/*]) / {_NUMBER}(?![\w.(])(?!\s*\*\*)",
+                      lambda m: f" * {1.0 / float(m.group(1))!r}" if float(m.group(1)) else m.group(0), part)
         part = re.sub(r"^(\s+\w+) = \(score \* 0\.0\)$", r"\1 = gl.zeros_like(score)", part, count=1, flags=re.M)
         parts[i] = part
     return "@gluon.jit\n".join(parts)

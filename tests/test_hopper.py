@@ -92,14 +92,16 @@ def test_the_mods_gluon_copy_and_the_kernel_is_on_unless_turned_off(tmp_path, mo
 
 def _run_gluon_text(text: str, names: list[str]) -> dict:
     """The Gluon copies' functions run on torch tensors: gl's elementwise names as torch's, the
-    approximate tanh as torch.tanh (what it approximates), so the rewrites' algebra can be checked."""
+    approximate tanh and log2 as torch's (what they approximate), so the rewrites' algebra can be
+    checked."""
     import types
 
     import torch
 
     def asm(code, constraints, args, dtype, is_pure, pack):
-        assert code == "tanh.approx.f32 $0, $1;" and constraints == "=f,f" and is_pure and pack == 1
-        return torch.tanh(args[0])
+        exact = {"tanh.approx.f32 $0, $1;": torch.tanh, "lg2.approx.f32 $0, $1;": torch.log2}[code]
+        assert constraints == "=f,f" and is_pure and pack == 1
+        return exact(args[0])
 
     gl = types.SimpleNamespace(exp=torch.exp, exp2=torch.exp2, log=torch.log, where=torch.where, float32=torch.float32,
                                zeros_like=torch.zeros_like, inline_asm_elementwise=asm, minimum=torch.minimum, abs=torch.abs,
@@ -137,6 +139,7 @@ def test_the_score_functions_gluon_copies_take_fast_forms_with_the_same_values()
         text = text[text.rindex("\n", 0, text.index("@gluon.jit")) + 1:].rsplit("@gluon.jit", 1)[0]
         score_text = text[text.index("def score_mod_gluon"):]
         assert score_mod is log_distance or ("_tanh_fast_gluon(" in score_text and "_sigmoid_gluon(" not in score_text)
+        assert score_mod is not log_distance or ("_log_fast_gluon(" in score_text and "gl.log(" not in score_text)
         assert not re.search(r" / \d", score_text) and "(score * 0.0)" not in score_text, score_text
         if mask.name == "sig":  # the mask's copy: the exact sigmoid, its division as written
             mask_text = text[text.index("def mask_mod_gluon"):text.index("def score_mod_gluon")]

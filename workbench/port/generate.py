@@ -287,14 +287,19 @@ def _gluon_mods(parts: list[str]) -> tuple[str, str | None, str | None]:
 # The score functions' Gluon copies run where the Hopper kernels spend a pair's few instructions
 # besides the matmuls, so they take the chip's approximate tanh (one MUFU op, as FlashAttention-3's
 # softcap; relative error below 2^-10.9) where the portable copy computes 2 sigmoid(2x) - 1 (an
-# exponential and a division), a sigmoid as 0.5 tanh(x / 2) + 0.5, divisions by a constant as
+# exponential and a division), a sigmoid as 0.5 tanh(x / 2) + 0.5, log and log2 through the chip's
+# lg2.approx (where tl.log is the exact library routine, a dozen FMAs), divisions by a constant as
 # multiplications, and the derivative's seed (d score / d score = score * 0 + 1, a tensor only for
 # its shape) as a constant the compiler folds. Masks keep the exact formulas: a kept pair must be
 # the one the block scan and the reference keep
 _TANH_FAST = ("@gluon.jit\ndef _tanh_fast_gluon(x):\n    # the chip's tanh.approx.f32 (sm_75 and later)\n"
               "    return gl.inline_asm_elementwise(\"tanh.approx.f32 $0, $1;\", \"=f,f\", [x.to(gl.float32)],\n"
               "                                     dtype=gl.float32, is_pure=True, pack=1)\n\n"
-              "@gluon.jit\ndef _sigmoid_fast_gluon(x):\n    return 0.5 * _tanh_fast_gluon(0.5 * x) + 0.5\n\n")
+              "@gluon.jit\ndef _sigmoid_fast_gluon(x):\n    return 0.5 * _tanh_fast_gluon(0.5 * x) + 0.5\n\n"
+              "@gluon.jit\ndef _log2_fast_gluon(x):\n    # the chip's lg2.approx.f32 (relative error about 2^-22)\n"
+              "    return gl.inline_asm_elementwise(\"lg2.approx.f32 $0, $1;\", \"=f,f\", [x.to(gl.float32)],\n"
+              "                                     dtype=gl.float32, is_pure=True, pack=1)\n\n"
+              "@gluon.jit\ndef _log_fast_gluon(x):\n    return _log2_fast_gluon(x) * 0.6931471805599453\n\n")
 _NUMBER = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"  # (a literal divisor: true division, as Python's and Triton's /)
 
 
@@ -307,6 +312,7 @@ def _fast_scores(text: str) -> str:
             continue
         part = _replace_tanh(part)
         part = part.replace("_sigmoid_gluon(", "_sigmoid_fast_gluon(")
+        part = re.sub(r"\bgl\.log\(", "_log_fast_gluon(", re.sub(r"\bgl\.log2\(", "_log2_fast_gluon(", part))
         part = re.sub(rf"(?<![/*]) / {_NUMBER}(?![\w.(])(?!\s*\*\*)",
                       lambda m: f" * {1.0 / float(m.group(1))!r}" if float(m.group(1)) else m.group(0), part)
         part = re.sub(r"^(\s+\w+) = \(score \* 0\.0\)$", r"\1 = gl.zeros_like(score)", part, count=1, flags=re.M)

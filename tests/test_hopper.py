@@ -155,9 +155,12 @@ def test_the_score_functions_gluon_copies_take_fast_forms_with_the_same_values()
                                    rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(run["score_grad_gluon"](s, idx, idx, q_idx, idx).double() + 0 * s64.detach(), grad,
                                    rtol=1e-5, atol=1e-5)
-    # a text that is not the portable tanh is refused, not rewritten into something else
-    with pytest.raises(ValueError, match="not the portable tanh"):
-        _replace_tanh("(2.0 * _sigmoid_gluon(2.0 * x) - 2.0)")
+    # only the portable tanh is rewritten: text that begins like it is left as it is
+    for other in ("(2.0 * _sigmoid_gluon(2.0 * x) - 2.0)", "(2.0 * _sigmoid_gluon(2.0 * (x + 1))",
+                  "y = (2.0 * _sigmoid_gluon(2.0 * x)) * 3.0"):
+        assert _replace_tanh(other) == other
+    assert (_replace_tanh("(2.0 * _sigmoid_gluon(2.0 * x) - 2.0) + (2.0 * _sigmoid_gluon(2.0 * (y * 3)) - 1.0)")
+            == "(2.0 * _sigmoid_gluon(2.0 * x) - 2.0) + _tanh_fast_gluon((y * 3))")
 
 
 def test_mods_with_a_name_gluon_lacks_keep_the_portable_kernel():

@@ -280,7 +280,7 @@ def _gluon_mods(parts: list[str]) -> tuple[str, str | None, str | None]:
     helpers = "_sigmoid_gluon(" in mods + grad
     fast = "_fast_gluon(" in mods + grad
     text = (("@gluon.jit\ndef _sigmoid_gluon(x):\n    # tl.sigmoid's formula\n    return 1 / (1 + gl.exp(-x))\n\n"
-             if helpers else "") + (_TANH_FAST if fast else "") + mods + "\n\n" + grad)
+             if helpers else "") + (_FAST_HELPERS if fast else "") + mods + "\n\n" + grad)
     return textwrap.indent(text, "    "), None, why_grad
 
 
@@ -292,7 +292,7 @@ def _gluon_mods(parts: list[str]) -> tuple[str, str | None, str | None]:
 # multiplications, and the derivative's seed (d score / d score = score * 0 + 1, a tensor only for
 # its shape) as a constant the compiler folds. Masks keep the exact formulas: a kept pair must be
 # the one the block scan and the reference keep
-_TANH_FAST = ("@gluon.jit\ndef _tanh_fast_gluon(x):\n    # the chip's tanh.approx.f32 (sm_75 and later)\n"
+_FAST_HELPERS = ("@gluon.jit\ndef _tanh_fast_gluon(x):\n    # the chip's tanh.approx.f32 (sm_75 and later)\n"
               "    return gl.inline_asm_elementwise(\"tanh.approx.f32 $0, $1;\", \"=f,f\", [x.to(gl.float32)],\n"
               "                                     dtype=gl.float32, is_pure=True, pack=1)\n\n"
               "@gluon.jit\ndef _sigmoid_fast_gluon(x):\n    return 0.5 * _tanh_fast_gluon(0.5 * x) + 0.5\n\n"
@@ -315,22 +315,28 @@ def _fast_scores(text: str) -> str:
         part = re.sub(r"\bgl\.log\(", "_log_fast_gluon(", re.sub(r"\bgl\.log2\(", "_log2_fast_gluon(", part))
         part = re.sub(rf"(?<![/*]) / {_NUMBER}(?![\w.(])(?!\s*\*\*)",
                       lambda m: f" * {1.0 / float(m.group(1))!r}" if float(m.group(1)) else m.group(0), part)
-        part = re.sub(r"^(\s+\w+) = \(score \* 0\.0\)$", r"\1 = gl.zeros_like(score)", part, count=1, flags=re.M)
+        if part.startswith("def score_grad_gluon("):  # (its first `score * 0.0` is the seed, derivative.py's)
+            part = re.sub(r"^(\s+\w+) = \(score \* 0\.0\)$", r"\1 = gl.zeros_like(score)", part, count=1,
+                          flags=re.M)
         parts[i] = part
     return "@gluon.jit\n".join(parts)
 
 
 def _replace_tanh(text: str) -> str:
-    """(2.0 * _sigmoid_gluon(2.0 * A) - 1.0), the portable tanh, as _tanh_fast_gluon(A)."""
+    """(2.0 * _sigmoid_gluon(2.0 * A) - 1.0), the portable tanh, as _tanh_fast_gluon(A); anything
+    else that begins the same way is left as it is."""
     head = "(2.0 * _sigmoid_gluon(2.0 * "
-    while (start := text.find(head)) >= 0:
+    start = text.find(head)
+    while start >= 0:
         depth, i = 2, start + len(head)
-        while depth > 1:  # (to the sigmoid's closing parenthesis)
+        while depth > 1 and i < len(text):  # (to the sigmoid's closing parenthesis)
             depth += {"(": 1, ")": -1}.get(text[i], 0)
             i += 1
-        if not text.startswith(" - 1.0)", i):
-            raise ValueError(f"not the portable tanh: {text[start:i + 8]!r}")
-        text = text[:start] + "_tanh_fast_gluon(" + text[start + len(head):i - 1] + ")" + text[i + len(" - 1.0)"):]
+        if depth == 1 and text.startswith(" - 1.0)", i):
+            text = text[:start] + "_tanh_fast_gluon(" + text[start + len(head):i - 1] + ")" + text[i + len(" - 1.0)"):]
+            start = text.find(head, start)
+        else:
+            start = text.find(head, start + 1)
     return text
 
 

@@ -25,7 +25,7 @@ from workbench.define.util import fill_template, template_body
 from workbench.define import captured_tensors, trace_mod
 from workbench.translate import Untranslatable, mod_functions, range_pointers
 from workbench.translate.derivative import derivative_mod
-from workbench.translate.triton_mask import translate_mod
+from workbench.translate.triton_mask import PORTABLE_TANH, translate_mod
 from workbench.translate.triton_table_grad import translate_table_grad
 
 __all__ = ["PortSource", "generate", "length_plan", "check_supported", "pinned_config", "CONFIGS", "SEGMENT_CONFIGS", "DTYPES",
@@ -293,13 +293,13 @@ def _gluon_mods(parts: list[str]) -> tuple[str, str | None, str | None]:
 # its shape) as a constant the compiler folds. Masks keep the exact formulas: a kept pair must be
 # the one the block scan and the reference keep
 _FAST_HELPERS = ("@gluon.jit\ndef _tanh_fast_gluon(x):\n    # the chip's tanh.approx.f32 (sm_75 and later)\n"
-              "    return gl.inline_asm_elementwise(\"tanh.approx.f32 $0, $1;\", \"=f,f\", [x.to(gl.float32)],\n"
-              "                                     dtype=gl.float32, is_pure=True, pack=1)\n\n"
-              "@gluon.jit\ndef _sigmoid_fast_gluon(x):\n    return 0.5 * _tanh_fast_gluon(0.5 * x) + 0.5\n\n"
-              "@gluon.jit\ndef _log2_fast_gluon(x):\n    # the chip's lg2.approx.f32 (relative error about 2^-22)\n"
-              "    return gl.inline_asm_elementwise(\"lg2.approx.f32 $0, $1;\", \"=f,f\", [x.to(gl.float32)],\n"
-              "                                     dtype=gl.float32, is_pure=True, pack=1)\n\n"
-              "@gluon.jit\ndef _log_fast_gluon(x):\n    return _log2_fast_gluon(x) * 0.6931471805599453\n\n")
+                 "    return gl.inline_asm_elementwise(\"tanh.approx.f32 $0, $1;\", \"=f,f\", [x.to(gl.float32)],\n"
+                 "                                     dtype=gl.float32, is_pure=True, pack=1)\n\n"
+                 "@gluon.jit\ndef _sigmoid_fast_gluon(x):\n    return 0.5 * _tanh_fast_gluon(0.5 * x) + 0.5\n\n"
+                 "@gluon.jit\ndef _log2_fast_gluon(x):\n    # the chip's lg2.approx.f32 (relative error about 2^-22)\n"
+                 "    return gl.inline_asm_elementwise(\"lg2.approx.f32 $0, $1;\", \"=f,f\", [x.to(gl.float32)],\n"
+                 "                                     dtype=gl.float32, is_pure=True, pack=1)\n\n"
+                 "@gluon.jit\ndef _log_fast_gluon(x):\n    return _log2_fast_gluon(x) * 0.6931471805599453\n\n")
 _NUMBER = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"  # (a literal divisor: true division, as Python's and Triton's /)
 
 
@@ -323,17 +323,17 @@ def _fast_scores(text: str) -> str:
 
 
 def _replace_tanh(text: str) -> str:
-    """(2.0 * _sigmoid_gluon(2.0 * A) - 1.0), the portable tanh, as _tanh_fast_gluon(A); anything
-    else that begins the same way is left as it is."""
-    head = "(2.0 * _sigmoid_gluon(2.0 * "
+    """(2.0 * _sigmoid_gluon(2.0 * A) - 1.0), the portable tanh (PORTABLE_TANH in its Gluon copy), as
+    _tanh_fast_gluon(A); anything else that begins the same way is left as it is."""
+    head, tail = PORTABLE_TANH.replace("tl.sigmoid(", "_sigmoid_gluon(").split("{a}")  # (tail: ") - 1.0)")
     start = text.find(head)
     while start >= 0:
         depth, i = 2, start + len(head)
         while depth > 1 and i < len(text):  # (to the sigmoid's closing parenthesis)
             depth += {"(": 1, ")": -1}.get(text[i], 0)
             i += 1
-        if depth == 1 and text.startswith(" - 1.0)", i):
-            text = text[:start] + "_tanh_fast_gluon(" + text[start + len(head):i - 1] + ")" + text[i + len(" - 1.0)"):]
+        if depth == 1 and text.startswith(tail[1:], i):
+            text = text[:start] + "_tanh_fast_gluon(" + text[start + len(head):i - 1] + ")" + text[i + len(tail) - 1:]
             start = text.find(head, start)
         else:
             start = text.find(head, start + 1)

@@ -30,10 +30,12 @@ _BINARY = {
     "floor_divide": "_py_floordiv({a}, {b})", "remainder": "_py_mod({a}, {b})",
     "pow": "tl.exp(tl.log({a}) * {b})",
 }
+# tanh as Triton's portable ops write it (the port's Hopper copies rewrite this very text: generate.py)
+PORTABLE_TANH = "(2.0 * tl.sigmoid(2.0 * {a}) - 1.0)"
 _UNARY = {
     "abs": "tl.abs({a})", "neg": "(-{a})", "bitwise_not": "(~{a})", "logical_not": "({a} == 0)",
     "exp": "tl.exp({a})", "log": "tl.log({a})", "sqrt": "tl.sqrt({a})", "sigmoid": "tl.sigmoid({a})",
-    "tanh": "(2.0 * tl.sigmoid(2.0 * {a}) - 1.0)",  # portable tanh
+    "tanh": PORTABLE_TANH,
     "sin": "tl.sin({a})", "cos": "tl.cos({a})", "floor": "tl.floor({a})", "ceil": "tl.ceil({a})",
     "exp2": "tl.exp2({a})", "log2": "tl.log2({a})", "rsqrt": "tl.rsqrt({a})", "erf": "tl.erf({a})",
     "log1p": "tl.log(1.0 + {a})", "expm1": "(tl.exp({a}) - 1.0)", "reciprocal": "(1.0 / {a})",

@@ -31,11 +31,12 @@ HOPPER_TILE = (128, 0, 8)
 # early take more), so a program's start and end no longer sit between short rows (windows,
 # documents). "auto": "persistent" without a score_mod, "pingpong" with one (since the score
 # functions' Gluon copies take the chip's tanh; H200, bf16 D 128, 32K: image spans + softcap 10.2 ms
-# in both, "specialized" 11.7; causal + ALiBi 9.69, persistent 10.06, specialized 11.44). Measured on an H200 (docs/benchmarks.md,
-# bf16 D 128, 32K): persistent against pingpong 0.619 / 0.645 ms on a 1,024 window, 1.060 / 1.072
-# on 8 documents, 7.087 / 7.088 on causal; fp16 D 64: 0.429 / 0.475 (window), 0.317 / 0.374
-# (per-head windows). One-warpgroup loops without a load warp, and a persistent form that dealt
-# tiles round robin (20% slower on causal 32K), were measured slower and are not kept.
+# in both, "specialized" 11.7; causal + ALiBi 9.69, persistent 10.06, specialized 11.44). Measured
+# on an H200 (docs/benchmarks.md, bf16 D 128, 32K): persistent against pingpong 0.619 / 0.645 ms
+# on a 1,024 window, 1.060 / 1.072 on 8 documents, 7.087 / 7.088 on causal; fp16 D 64: 0.429 /
+# 0.475 (window), 0.317 / 0.374 (per-head windows). One-warpgroup loops without a load warp, and a
+# persistent form that dealt tiles round robin (20% slower on causal 32K), were measured slower
+# and are not kept.
 HOPPER_LOOP = "auto"
 HOPPER_LOOPS = ("auto", "specialized", "pingpong", "persistent")
 # lengths that are not multiples of 128 (at least 128 queries and 128 keys) take the Hopper kernel

@@ -286,17 +286,17 @@ def _gluon_mods(parts: list[str]) -> tuple[str, str | None, str | None]:
 
 # The score functions' Gluon copies run where the Hopper kernels spend a pair's few instructions
 # besides the matmuls, so they take the chip's approximate tanh (one MUFU op, as FlashAttention-3's
-# softcap; relative error below 2^-10.9) where the portable copy computes 2 sigmoid(2x) - 1 (an
-# exponential and a division), a sigmoid as 0.5 tanh(x / 2) + 0.5, log and log2 through the chip's
-# lg2.approx (where tl.log is the exact library routine, a dozen FMAs), divisions by a constant as
-# multiplications, and the derivative's seed (d score / d score = score * 0 + 1, a tensor only for
+# softcap; the PTX ISA gives its relative error as about 2^-11) where the portable copy computes
+# 2 sigmoid(2x) - 1 (an exponential and a division), a sigmoid as 0.5 tanh(x / 2) + 0.5, log and
+# log2 through the chip's lg2.approx (where tl.log is the exact library routine, a dozen FMAs),
+# divisions by a constant as multiplications, and the derivative's seed (d score / d score = score * 0 + 1, a tensor only for
 # its shape) as a constant the compiler folds. Masks keep the exact formulas: a kept pair must be
 # the one the block scan and the reference keep
 _FAST_HELPERS = ("@gluon.jit\ndef _tanh_fast_gluon(x):\n    # the chip's tanh.approx.f32 (sm_75 and later)\n"
                  "    return gl.inline_asm_elementwise(\"tanh.approx.f32 $0, $1;\", \"=f,f\", [x.to(gl.float32)],\n"
                  "                                     dtype=gl.float32, is_pure=True, pack=1)\n\n"
                  "@gluon.jit\ndef _sigmoid_fast_gluon(x):\n    return 0.5 * _tanh_fast_gluon(0.5 * x) + 0.5\n\n"
-                 "@gluon.jit\ndef _log2_fast_gluon(x):\n    # the chip's lg2.approx.f32 (relative error about 2^-22)\n"
+                 "@gluon.jit\ndef _log2_fast_gluon(x):\n    # the chip's lg2.approx.f32 (error about 2^-22 by the PTX ISA)\n"
                  "    return gl.inline_asm_elementwise(\"lg2.approx.f32 $0, $1;\", \"=f,f\", [x.to(gl.float32)],\n"
                  "                                     dtype=gl.float32, is_pure=True, pack=1)\n\n"
                  "@gluon.jit\ndef _log_fast_gluon(x):\n    return _log2_fast_gluon(x) * 0.6931471805599453\n\n")

@@ -9,11 +9,14 @@ compared with SDPA's (decode) or the contiguous port's (prefill): a variant that
 else is a row that says so, not a time.
 
 Each row is one variant of the loaded file's knobs: the tile (BLOCK_M, BLOCK_N, warps, stages; set
-through PAGED_TILES), the split-KV piece size (FAST_SPLIT_KEYS) and the mode (fast or invariant).
+through PAGED_TILES), the split-KV piece size (FAST_SPLIT_KEYS) or count (PAGED_PIECES, --pieces)
+and the mode (fast or invariant). Decode rows also give the GPU time of each call's kernels
+(torch.profiler over CUDA-graph replays) beside SDPA's.
 
     python benchmarks/bench_paged.py                       # the file's defaults
     python benchmarks/bench_paged.py --sweep               # tiles x piece sizes, decode and prefill
     python benchmarks/bench_paged.py --prefill 8192 32768  # prefill rows only at these lengths
+    python benchmarks/bench_paged.py --prefill --pieces auto fixed 32 33  # decode: cuts of split-KV
 """
 
 import argparse
@@ -30,7 +33,9 @@ from workbench import make, port  # noqa: E402
 
 PEAK_TBS = 4.8  # the H200's HBM bandwidth, TB/s
 DECODE_CASES = ((1, 131072), (8, 32768))
-# (tile or None for the file's own, split_keys or None for the file's own, invariant)
+# (tile or None for the file's own, split_keys or None for the file's own, invariant[, pieces]):
+# pieces None: the file's cut, "auto": even pieces, as many as fill the GPU (PAGED_BALANCE),
+# "fixed": pieces of split_keys keys at fixed positions, a number: that many even pieces
 DEFAULT_DECODE = [(None, None, False), (None, None, True)]
 SWEEP_DECODE = ([(None, None, False)]
                 + [((m, n, w, s), k, False) for m, n, w, s in ((16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3),
@@ -63,9 +68,10 @@ def _contiguous(cache, table, B, L, page):
     return cache[table.long()].reshape(B, L, Hkv, D).transpose(1, 2).contiguous()
 
 
-def graph_ms(fn):
+def graph_ms(fn, kernels=False):
     """do_bench of `fn` captured in a CUDA graph and replayed: the kernels alone, as an engine that
-    captures its decode steps runs them (no Python, no launch gaps)."""
+    captures its decode steps runs them (no Python, no launch gaps). kernels: also the GPU time of
+    the graph's kernels per replay (µs, torch.profiler over 30 replays), without the gaps."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -75,29 +81,65 @@ def graph_ms(fn):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return do_bench(graph.replay, warmup=10, rep=50)
+    ms = do_bench(graph.replay, warmup=10, rep=50)
+    if not kernels:
+        return ms
+    return ms, kernel_us(graph.replay)
 
 
-def _set_variant(module, tile, split_keys, defaults):
+def kernel_us(fn, reps=30):
+    """The GPU time of the kernels one call of fn runs (µs; torch.profiler over `reps` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / reps
+
+
+def _set_variant(module, tile, split_keys, defaults, pieces=None):
     module.PAGED_TILES = defaults["tiles"] if tile is None else [(0, tile)]
     module.FAST_SPLIT_KEYS = defaults["split"] if split_keys is None else split_keys
     module.PAGED_STAGES = None
+    module.PAGED_BALANCE = defaults["balance"] if pieces is None else pieces != "fixed"  # ("auto": balanced)
+    module.PAGED_PIECES = pieces if isinstance(pieces, int) else None
 
 
-def _label(tile, split_keys, invariant, module):
+def _label(tile, split_keys, invariant, module, pieces=None):
     if invariant:
         m, n, w = module.INVARIANT_TILE
         return f"invariant {m}x{n} w{w} s{module.INVARIANT_PAGED_STAGES}, pieces {module.SPLIT_KEYS}"
     t = "file's tiles" if tile is None else "{}x{} w{} s{}".format(*tile)
-    return f"fast {t}, pieces {split_keys or module.FAST_SPLIT_KEYS or module.SPLIT_KEYS}"
+    if module.PAGED_BALANCE:
+        return f"fast {t}, {'as many as fill the GPU' if pieces in (None, 'auto') else pieces} even pieces"
+    return f"fast {t}, pieces of {split_keys or module.FAST_SPLIT_KEYS or module.SPLIT_KEYS} keys"
+
+
+def _pieces_of(module, q, kc, table):
+    """The pieces per request fast mode cut this decode call into (1: none)."""
+    B, Hq, D = q.shape
+    Hkv, page = kc.shape[2], kc.shape[1]
+    group = Hq // Hkv
+    tile = module.PAGED_TILES[-1][1]
+    block_m = max(tile[0], module._next_pow2(group))
+    if B // max(1, block_m // group) + B >= module.SPLIT_WHEN_PROGRAMS_BELOW // Hkv:
+        return 1
+    capacity = table.shape[1] * page
+    if not module.PAGED_BALANCE:
+        return -(-capacity // (module.FAST_SPLIT_KEYS or module.SPLIT_KEYS))
+    return module._fast_pieces(B * Hkv, capacity, tile, max(16, module._next_pow2(D)), q.element_size(), q.device)
 
 
 def decode(module, variants, pages, defaults):
     print("\n### Decode (Lq = 1), bf16, 32 query / 8 kv heads, D 128, shuffled pages\n")
     print("Each call timed twice: as Python calls it (do_bench; host work included) and replayed from a CUDA graph "
           "(the kernels alone, as an engine that captures decode runs them).\n")
-    print("| case | page | variant | attention_paged ms | TB/s (share) | SDPA ms | TB/s (share) | paged / SDPA | "
-          "graphs: paged ms | SDPA ms | paged / SDPA | max abs diff vs SDPA |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | page | variant | pieces | attention_paged ms | TB/s (share) | SDPA ms | TB/s (share) | paged / SDPA | "
+          "graphs: paged ms | SDPA ms | paged / SDPA | kernels: paged µs | SDPA µs | paged / SDPA | "
+          "max abs diff vs SDPA |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for B, L in DECODE_CASES:
         for page in pages:
             q, kc, vc, table, cu, lens = decode_case(B, L, page)
@@ -109,25 +151,28 @@ def decode(module, variants, pages, defaults):
                     q.view(B, Hq, 1, D), k, v, enable_gqa=True)
                 want = sdpa().view(B, Hq, D).float()
                 sd = do_bench(sdpa, warmup=10, rep=50)
-                sd_graph = graph_ms(sdpa)
-                for tile, keys, invariant in variants:
-                    _set_variant(module, tile, keys, defaults)
-                    label = _label(tile, keys, invariant, module)
+                sd_graph, sd_us = graph_ms(sdpa, kernels=True)
+                for tile, keys, invariant, *pieces in variants:
+                    pieces = pieces[0] if pieces else None
+                    _set_variant(module, tile, keys, defaults, pieces)
+                    label = _label(tile, keys, invariant, module, pieces)
+                    n = "-" if invariant else _pieces_of(module, q, kc, table)
                     call = lambda: module.attention_paged(q, kc, vc, table, cu, lens, invariant=invariant)  # noqa: E731
                     try:
                         diff = float((call().float() - want).abs().max())
                         ms = do_bench(call, warmup=10, rep=50)
-                        ms_graph = graph_ms(call)
+                        ms_graph, us = graph_ms(call, kernels=True)
                     except Exception as exc:  # a variant that does not compile is a row, not a stop
-                        print(f"| B {B}, {L:,} | {page} | {label} | failed: {type(exc).__name__}: "
+                        print(f"| B {B}, {L:,} | {page} | {label} | {n} | failed: {type(exc).__name__}: "
                               f"{str(exc)[:120]} |", flush=True)
                         continue
                     tbs, sd_tbs = kv_bytes / ms / 1e9, kv_bytes / sd / 1e9
                     wrong = "" if diff < 2e-2 else " **WRONG**"
                     g_tbs = kv_bytes / ms_graph / 1e9
-                    print(f"| B {B}, {L:,} | {page} | {label} | {ms:.3f} | {tbs:.2f} ({tbs / PEAK_TBS:.0%}) | {sd:.3f} | "
-                          f"{sd_tbs:.2f} ({sd_tbs / PEAK_TBS:.0%}) | {ms / sd:.2f}x | {ms_graph:.3f} ({g_tbs / PEAK_TBS:.0%}) "
-                          f"| {sd_graph:.3f} | {ms_graph / sd_graph:.2f}x | {diff:.1e}{wrong} |", flush=True)
+                    print(f"| B {B}, {L:,} | {page} | {label} | {n} | {ms:.3f} | {tbs:.2f} ({tbs / PEAK_TBS:.0%}) | "
+                          f"{sd:.3f} | {sd_tbs:.2f} ({sd_tbs / PEAK_TBS:.0%}) | {ms / sd:.2f}x | {ms_graph:.3f} "
+                          f"({g_tbs / PEAK_TBS:.0%}) | {sd_graph:.3f} | {ms_graph / sd_graph:.3f}x | {us:.1f} | "
+                          f"{sd_us:.1f} | {us / sd_us:.3f}x | {diff:.1e}{wrong} |", flush=True)
             q = kc = vc = k = v = table = None  # free the cache before the next case
             torch.cuda.empty_cache()
 
@@ -182,11 +227,15 @@ def main(argv=None):
     ap.add_argument("--prefill", type=int, nargs="*", default=None,
                     help="prefill lengths (default 8192 32768); give none to skip prefill")
     ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--pieces", nargs="+", default=None, metavar="N",
+                    help="decode rows for these cuts of fast mode's split-KV: 'auto' (even pieces, as "
+                         "many as fill the GPU), 'fixed' (pieces of FAST_SPLIT_KEYS keys at fixed positions) or a "
+                         "number of even pieces per request")
     ap.add_argument("--once", type=int, nargs=3, metavar=("B", "L", "PAGE"),
                     help="only three calls of the file's default decode at this shape (for a profiler)")
     a = ap.parse_args(argv)
     module = port.load(port.build(make("causal"), 256, 256, out_dir=tempfile.mkdtemp()))
-    defaults = {"tiles": list(module.PAGED_TILES), "split": module.FAST_SPLIT_KEYS}
+    defaults = {"tiles": list(module.PAGED_TILES), "split": module.FAST_SPLIT_KEYS, "balance": module.PAGED_BALANCE}
     if a.once:
         args = decode_case(*a.once)
         with torch.no_grad():
@@ -196,7 +245,10 @@ def main(argv=None):
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; the causal port; do_bench medians")
     if not a.no_decode:
-        decode(module, SWEEP_DECODE if a.sweep else DEFAULT_DECODE, a.pages, defaults)
+        variants = SWEEP_DECODE if a.sweep else DEFAULT_DECODE
+        if a.pieces:
+            variants = [(None, None, False, p if p in ("auto", "fixed") else int(p)) for p in a.pieces]
+        decode(module, variants, a.pages, defaults)
     lengths = [8192, 32768] if a.prefill is None else a.prefill
     if lengths:
         prefill(module, SWEEP_PREFILL if a.sweep else DEFAULT_PREFILL, lengths, a.pages, defaults)

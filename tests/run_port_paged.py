@@ -186,6 +186,14 @@ def check(case, mask, heads, kv_heads, dtype, page, device, folder, rng, batch=N
     module = port.load(port.write(source, folder / case.replace("+", "_")))
     # half the cases with split-KV (pieces of the keys folded by a second kernel), half without
     module.SPLIT_WHEN_PROGRAMS_BELOW = 1 << 30 if "-p16" in case or "bfloat16" in case or "-p48" in case else 0
+    # the split cases cut each request's key tiles into near-equal pieces (PAGED_BALANCE): 3 (bf16)
+    # or 5 pieces of at least 48 keys, on a GPU too (where these short requests would take one), so
+    # the cuts fall inside tiles' runs, not at fixed positions; the page-48 cases keep the fixed cut
+    # (pieces of FAST_SPLIT_KEYS keys)
+    if module.SPLIT_WHEN_PROGRAMS_BELOW:
+        module.PAGED_MIN_PIECE_KEYS = 48
+        module.PAGED_PIECES = 3 if "bfloat16" in case else 5
+        module.PAGED_BALANCE = "-p48" not in case
     if case.endswith("-n32") and device == "cpu":
         module.PAGED_TILES = [(0, WIDE_KEY_TILE)]
     with torch.no_grad():

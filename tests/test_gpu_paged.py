@@ -117,6 +117,31 @@ def test_prefill_heavy_steps_take_the_wide_tiles_and_match_the_reference(cuda, t
     assert W.numel() == 4
 
 
+@pytest.mark.parametrize("name", ["causal", "users_head_window"])
+def test_long_decodes_cut_into_even_pieces_match_the_reference(cuda, tmp_path, name):
+    """Fast mode's split-KV on the GPU: the cut the GPU's program slots choose (PAGED_BALANCE: a
+    request's key tiles in near-equal pieces, as many as fill the SMs), and 33 pieces asked for, at
+    lengths off every tile grid, with short requests and a chunk in the same step; each request
+    against its float64 reference, in bf16."""
+    import random
+
+    sys.path.insert(0, str(ROOT))
+    from run_port_paged import W, head_window
+
+    from workbench import Mask, make, port
+
+    mask = make("causal") if name == "causal" else Mask("users_head_window", mask_mod=head_window)
+    heads, kv_heads = (8, 2) if name == "causal" else (4, 2)
+    module = port.load(port.build(mask, 256, 256, heads=heads, batch=4, out_dir=tmp_path))
+    module.PAGED_BALANCE = True
+    rng = random.Random(1)
+    for pieces in (None, 33):
+        module.PAGED_PIECES = pieces
+        for reqs in ([(1, 20011)], [(1, 20011), (1, 5000), (5, 3001), (1, 1)]):
+            _serve_and_check(module, mask, reqs, 16, heads, kv_heads, 128, "bfloat16", rng, len(reqs))
+    assert W.numel() == 4
+
+
 _HOPPER_PREFILL = ["causal", "sliding_window_700", "users_head_window", "users_per_request_prefix", "causal+softcap",
                    "users_spans_any", "and_masks_window"]
 

@@ -288,6 +288,82 @@ def test_tables_replace_the_captured_tensors_per_call(tmp_path):
     assert "SAME CHANGED" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
+PIECES = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, sys.argv[2])
+    from workbench import port
+    m = port.load(sys.argv[1])
+    W = torch.tensor([300, 40, 7, 1000])  # the file's per-head windows (the mask's captured table)
+    g = torch.Generator().manual_seed(3)
+    reqs = [(1, 300), (3, 77), (1, 16)]  # (queries, seq_len): 19, 5 and 1 tiles of 16 keys
+    page, Hq, Hkv, D = 16, 4, 2, 16
+    pages = sum(-(-n // page) for _, n in reqs)
+    kc = torch.randn(pages, page, Hkv, D, generator=g); vc = torch.randn(pages, page, Hkv, D, generator=g)
+    order = torch.randperm(pages, generator=g).to(torch.int32)
+    table = torch.full((len(reqs), 20), 10 ** 6, dtype=torch.int32)  # garbage past each request's pages
+    at = 0
+    for r, (_, n) in enumerate(reqs):
+        table[r, :-(-n // page)] = order[at:at - (-n // page)]
+        at -= -n // page
+    cu = torch.tensor([0, 1, 4, 5], dtype=torch.int32); lens = torch.tensor([n for _, n in reqs], dtype=torch.int32)
+    q = torch.randn(5, Hq, D, generator=g)
+    # the float64 reference, request by request, from the keys gathered in order
+    want, want_lse = torch.empty(5, Hq, D, dtype=torch.float64), torch.empty(5, Hq, dtype=torch.float64)
+    for r, (n_q, n) in enumerate(reqs):
+        idx = torch.arange(n)
+        k = kc[table[r, idx // page].long(), idx % page].double()  # [n, Hkv, D]
+        v = vc[table[r, idx // page].long(), idx % page].double()
+        for i in range(n_q):
+            row, pos = int(cu[r]) + i, n - n_q + i
+            for h in range(Hq):
+                s = (k[:, h // 2] @ q[row, h].double()) / D ** 0.5
+                keep = (idx <= pos) & (pos - idx < W[h])
+                s = torch.where(keep, s, float("-inf"))
+                want[row, h] = torch.softmax(s, 0) @ v[:, h // 2]
+                want_lse[row, h] = torch.logsumexp(s, 0)
+    m.SPLIT_WHEN_PROGRAMS_BELOW = 1 << 30  # (the interpreter splits only when told to)
+    m.PAGED_MIN_PIECE_KEYS = 16
+    for pieces in ("fixed", 1, 2, 5, 7, 19, 40):
+        m.PAGED_BALANCE = pieces != "fixed"
+        m.PAGED_PIECES = None if pieces == "fixed" else pieces
+        m.FAST_SPLIT_KEYS = 64
+        with torch.no_grad():
+            out, lse = m.attention_paged(q, kc, vc, table, cu, lens, return_lse=True)
+        print(json.dumps({"pieces": pieces, "err": float((out.double() - want).abs().max()),
+                          "lse_err": float((lse.double() - want_lse).abs().max()),
+                          "nan": bool(out.isnan().any() or lse.isnan().any()),
+                          "bits": out.view(torch.int32).sum().item()}))
+""")
+
+
+def test_fast_modes_even_pieces_cover_each_requests_keys_once(tmp_path):
+    """Fast mode's split-KV cuts a request's key tiles into near-equal pieces (PAGED_BALANCE; on a
+    GPU as many as fill its program slots): 19 tiles in 2, 5, 7, 19 pieces, or 40 asked of a
+    request that has fewer tiles, with a user's per-head window narrowing each piece. Every cut
+    equals the float64 reference (a key read twice or skipped would not), and the cuts are really
+    different: their outputs' bits differ."""
+    from workbench import Mask, port
+
+    global W
+    import torch
+
+    W = torch.tensor([300, 40, 7, 1000])
+
+    def head_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < W[h])
+
+    path = port.write(port.generate(Mask("head_window", mask_mod=head_window), 300, 300, heads=4), tmp_path / "w")
+    script = tmp_path / "pieces.py"
+    script.write_text(PIECES)
+    done = subprocess.run([sys.executable, str(script), str(path), str(ROOT.parent)], capture_output=True,
+                          text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 7, done.stdout[-2000:] + done.stderr[-3000:]
+    for row in rows:
+        assert not row["nan"] and row["err"] < 1e-5 and row["lse_err"] < 1e-5, row
+    assert len({row["bits"] for row in rows}) >= 3, rows  # the cuts fold different partial sums
+
+
 # ---------------------------------------------------------------- verify(..., backend="port-paged")
 
 PW = None

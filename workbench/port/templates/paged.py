@@ -30,6 +30,16 @@ INVARIANT_PAGED_STAGES = 3  # invariant mode's pipeline depth (stages never chan
 # fast mode's pieces (None: SPLIT_KEYS, invariant mode's); the interpreter's tests use longer ones
 FAST_SPLIT_KEYS = 128 if _INTERPRET else None
 FOLD_AT_ONCE = 64  # fast mode's _paged_fold sums up to this many pieces of a row in one tile
+# fast mode's split-KV cut. PAGED_BALANCE: a request's key tiles in near-equal runs, as many per
+# request as fill the GPU's program slots (SMs x programs an SM holds) most evenly, each at least
+# PAGED_MIN_PIECE_KEYS keys (a short request in a wide block table takes fewer); checked against
+# the float64 reference under the interpreter and compiled for sm_90a, not yet timed on a GPU, so
+# off: pieces of FAST_SPLIT_KEYS keys at fixed positions (invariant mode's cut in any case), which
+# benchmarks/bench_paged.py --pieces compares it with. PAGED_PIECES: that many even pieces per
+# request, whatever the GPU (for benchmarks and tests)
+PAGED_BALANCE = False
+PAGED_MIN_PIECE_KEYS = 48 if _INTERPRET else 512
+PAGED_PIECES = None
 # (under the interpreter every call has few programs: there only a forced split runs split-KV)
 SPLIT_WHEN_PROGRAMS_BELOW = 0 if _INTERPRET else 512  # only calls with fewer (row block, kv head) programs than this split
 
@@ -242,14 +252,15 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
                   D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr,
                   IEEE: tl.constexpr, WIDEN: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
                   SPLIT: tl.constexpr, INVARIANT: tl.constexpr, PIPELINE: tl.constexpr, HEADS_DIFFER: tl.constexpr,
-                  WHOLE_PIECE_TEST: tl.constexpr,
+                  WHOLE_PIECE_TEST: tl.constexpr, BALANCED: tl.constexpr,
                   EVEN_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # one program = `tokens` query tokens of one request times the `group` query heads that share
     # kv head kv_h (grouped-query attention: row r is token r // group, head kv_h * group + r % group,
     # so each K/V tile is read once for the whole group), over one piece of the request's keys
     # (SPLIT: keys [split * split_keys, (split + 1) * split_keys), else all of them). The grid's
     # first axis is an upper bound on the step's row blocks (from shapes only: a CUDA graph can
-    # replay it); programs past the last block return at once.
+    # replay it); programs past the last block return at once. BALANCED (fast mode's split): piece
+    # `split` of the request's tiles cut evenly (see 3.), not keys at fixed positions.
     pid = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -301,7 +312,19 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
     # table. SPLIT: this program's piece of split_keys keys (folded by _paged_fold); else all of
     # them, and in invariant mode each piece is folded into the total as the next begins, with the
     # same _fold_piece as _paged_fold and the contiguous kernel (so splitting never changes a bit)
-    if SPLIT:
+    if SPLIT and BALANCED:
+        # fast mode: the request's key tiles cut into n_pieces runs whose lengths differ by at
+        # most one tile (piece i: tiles [i T / n, (i + 1) T / n)), n_pieces = the grid's pieces, or
+        # fewer for a request shorter than that many pieces of split_keys keys (_paged_fold counts
+        # them the same way); the host chose the grid's pieces so that the programs fill the GPU's
+        # program slots evenly (_fast_pieces)
+        n_pieces = tl.minimum((L + split_keys - 1) // split_keys, tl.num_programs(2))
+        if split >= n_pieces:
+            return
+        n_tiles = (L + BLOCK_N - 1) // BLOCK_N
+        start = (split * n_tiles // n_pieces) * BLOCK_N
+        stop = tl.minimum(L, ((split + 1) * n_tiles // n_pieces) * BLOCK_N)
+    elif SPLIT:
         start = split * split_keys
         stop = tl.minimum(L, start + split_keys)
     else:
@@ -411,7 +434,8 @@ def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, t
     # / l. ORDERED (invariant mode): one piece after another from the first, with _fold_piece, the
     # arithmetic the kernels use where pieces meet in registers; else (fast mode) all PIECES at once,
     # a tree of sums: no chain of dependent loads. Pieces past the request's keys were never
-    # written: skipped.
+    # written: skipped (the kernel counts a request's pieces with the same formula, in both of
+    # fast mode's cuts).
     t = tl.program_id(0)
     h = tl.program_id(1)
     lo = t * 0
@@ -464,6 +488,46 @@ def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, t
         lse = tl.where(l_sum == 0.0, float("-inf"), (m + tl.math.log2(l_safe)) * 0.6931471805599453)
         lse = tl.where(tl.sum(acc, 1) == tl.sum(acc, 1), lse, float("nan"))  # NaN rows (see _paged_kernel)
         tl.store(Lse + t.to(tl.int64) * Hq + h + one, lse)
+
+
+def _fast_pieces(busy: int, capacity: int, tile: tuple, D_PAD: int, itemsize: int, device) -> int:
+    """Fast mode's pieces per request (PAGED_BALANCE): of 1 .. FOLD_AT_ONCE (and no piece under
+    PAGED_MIN_PIECE_KEYS keys of the block table's capacity), the count whose busy x count programs
+    fill the GPU's program slots in whole waves most nearly, the smallest such; from shapes and the
+    GPU alone (a CUDA graph replays it). One request against 131,072 keys, 8 kv heads, on an H200's
+    132 SMs x 2 programs: 33 pieces (264 programs for 264 slots), where fixed pieces of 4,096 keys
+    give 32 (256 programs for 264 slots)."""
+    most = max(1, min(FOLD_AT_ONCE, capacity // PAGED_MIN_PIECE_KEYS))
+    if PAGED_PIECES:
+        return max(1, min(int(PAGED_PIECES), FOLD_AT_ONCE))
+    if _INTERPRET or device.type != "cuda":  # (the interpreter: the fixed cut's count, cut evenly)
+        return min(most, -(-capacity // (FAST_SPLIT_KEYS or SPLIT_KEYS)))
+    slots = _sm_count(device) * _programs_per_sm(tile, D_PAD, itemsize, device)
+    best, best_fill = 1, 0.0
+    for n in range(1, most + 1):
+        waves = -(-busy * n // slots)
+        fill = busy * n / (waves * slots)  # the share of the slots' time the programs use
+        if fill > best_fill + 1e-9:
+            best, best_fill = n, fill
+    return best
+
+
+_PER_SM: dict = {}
+
+
+def _programs_per_sm(tile: tuple, D_PAD: int, itemsize: int, device) -> int:
+    """How many programs of the decode tile (BLOCK_M, BLOCK_N, warps, stages) one SM holds at once:
+    by shared memory (stages x BLOCK_N x D_PAD keys and values), by registers (the decode tile uses
+    about 255 a thread: 254 compiled for sm_90a at D 128) and by warps (64 an SM), cached."""
+    key = (tile, D_PAD, itemsize, str(device))
+    if key not in _PER_SM:
+        props = torch.cuda.get_device_properties(device)
+        shared = getattr(props, "shared_memory_per_multiprocessor", 0) or 228 * 1024
+        _, block_n, warps, stages = tile
+        need = max(1, stages) * block_n * D_PAD * itemsize * 2 + 1024  # (+ the compiler's own scratch)
+        regs = getattr(props, "regs_per_multiprocessor", 0) or 65536
+        _PER_SM[key] = max(1, min(shared // need, regs // (max(1, warps) * 32 * 256), 64 // max(1, warps)))
+    return _PER_SM[key]
 
 
 _paged_stages_for: dict = {}
@@ -650,6 +714,13 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
     capacity = block_table.shape[1] * page_size
     split_keys = SPLIT_KEYS if invariant else (FAST_SPLIT_KEYS or SPLIT_KEYS)
     splits = -(-capacity // split_keys) if row_blocks * Hkv < SPLIT_WHEN_PROGRAMS_BELOW else 1
+    balanced = not invariant and PAGED_BALANCE and (splits > 1 or bool(PAGED_PIECES))
+    if balanced:  # (pieces cut evenly; split_keys is now the least piece, see _paged_kernel)
+        split_keys = PAGED_MIN_PIECE_KEYS
+        # (the programs that hold rows: a block per request at least, or per `tokens` queries)
+        busy = max(num_seqs, -(-total_q // tokens)) * Hkv
+        splits = _fast_pieces(busy, capacity, (block_m, block_n, warps, PAGED_STAGES or stages), D_PAD,
+                              q.element_size(), q.device)
     split = splits > 1
     if split:
         part_acc = torch.empty(splits, total_q, Hq, D, dtype=torch.float32, device=q.device)
@@ -666,7 +737,7 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
                  RETURN_LSE=return_lse, INTERPRET=_INTERPRET, SPLIT=split, INVARIANT=bool(invariant),
                  PIPELINE=PAGED_PIPELINE and not _INTERPRET, HEADS_DIFFER=MASK_READS_HEAD and group > 1,
                  EVEN_D=D == D_PAD, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-                 WHOLE_PIECE_TEST=PAGED_WHOLE_PIECE_TEST,
+                 WHOLE_PIECE_TEST=PAGED_WHOLE_PIECE_TEST, BALANCED=balanced and split,
                  **(_fusion() if invariant else {}))
     _launch_paged((row_blocks, Hkv, splits), args, flags, PAGED_STAGES or stages, q.device)
     if split:

@@ -23,12 +23,12 @@ demo: $(STAMP)
 
 ## the test suite (CPU); GPU tests run with `make test-gpu` on a CUDA machine
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 ## the exhaustive CPU sweeps left out of `make test` (marked slow: every case of the interpreter
 ## scripts, minute-long end-to-end runs); CI runs them after `make test`
 test-slow: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile -m "slow and not gpu"
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "slow and not gpu"
 
 ## pyflakes and unused-argument rules over the tree (configured in pyproject.toml)
 lint: $(STAMP)

@@ -62,6 +62,20 @@ def _start(key: str):
     _started[key] = (proc, out, err)
 
 
+# modules that take minutes on a 2-core machine (`pytest --durations=0`, summed per file), longest
+# first. `make test` hands whole files to its two workers in collection order
+# (--no-loadscope-reorder), so these start at once and the short ones fill in behind them; a long
+# file left for last would keep one worker busy while the other sits idle
+LONG_MODULES = ["test_port_paged.py", "test_port.py", "test_distribute.py", "test_bounds.py", "test_serving.py",
+                "test_sweep.py", "test_hopper.py", "test_cli.py", "test_notebooks.py", "test_port_backward.py",
+                "test_trust.py", "test_report.py", "test_browser.py", "test_invariance.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # (stable: a file's own order)
+
+
 def pytest_collection_finish(session):
     if session.config.getoption("collectonly", False) or os.environ.get("PYTEST_XDIST_WORKER"):
         # (under pytest-xdist each worker collects every test: a script starts when a test asks; `make

@@ -4,7 +4,10 @@ ptxas reports the kernel's registers and spills (and, for masks without a score_
 backward's two kernels, templates/hopper_backward.py). For each mask: the library at 1,024 tokens, and
 users' mods (per-head and per-sample tables, spans with .any(), and_masks, documents, a softcap). Usage:
 
-    python tests/run_hopper_compile.py [NAME ...]
+    python tests/run_hopper_compile.py [--quick] [NAME ...]
+
+--quick compiles only the forms a call takes by default (the "auto" loop, the keys-down backward),
+not every form a switch can choose (the default test suite; the slow suite compiles them all).
 
 Prints `CASE <mask> OK|FAIL <registers, spills, shared memory>` per mask, then a SUMMARY line;
 exits 1 on any failure. It never runs the kernel: whether it computes attention is for a GPU
@@ -97,6 +100,8 @@ def masks(device: str = "cpu") -> list[Mask]:
 
 
 def main(argv) -> int:
+    quick = "--quick" in argv
+    argv = [a for a in argv if a != "--quick"]
     driver.set_active(_Target())
     folder = Path(tempfile.mkdtemp(prefix="hopper_compile_"))
     failed = total = 0
@@ -119,11 +124,11 @@ def main(argv) -> int:
                                                    torch.zeros(rows, dtype=torch.int32),
                                                    torch.zeros(rows, cols, dtype=torch.int32))
             details = []
-            for loop in ("specialized", "pingpong"):  # every form (HOPPER_LOOP)
+            for loop in ("auto", ) if quick else ("specialized", "pingpong", "persistent"):  # (HOPPER_LOOP)
                 module.HOPPER_LOOP = loop
                 grid, args, options, _, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
                 kernel = module._hopper_kernel().warmup(*args, grid=grid, **options)
-                details.append(f"{loop}: {ptxas(kernel)}; shared {kernel.metadata.shared} bytes")
+                details.append(f"{module._hopper_loop()}: {ptxas(kernel)}; shared {kernel.metadata.shared} bytes")
             # lengths off the 128 grid (HOPPER_RAGGED): the masked store and the last key tile
             # loaded from Lk - BLOCK_N, in the form "auto" picks for this mask
             module.HOPPER_LOOP, module.HOPPER_RAGGED = "auto", True
@@ -141,7 +146,7 @@ def main(argv) -> int:
             plan = (torch.zeros(slots, 8, dtype=torch.int32), torch.zeros(slots * heads, 3, dtype=torch.int32),
                     torch.zeros(slots * heads, 8, dtype=torch.int32), torch.zeros(slots * heads, 8, dtype=torch.int32))
             pointers = [tables[n] for n in module.ALL_POINTERS]
-            for page in (16, 128):  # (an int64 block table at page 128)
+            for page in (16, ) if quick else (16, 128):  # (an int64 block table at page 128)
                 cache = torch.zeros(1024 // page * 2, page, 2, D, dtype=torch.bfloat16)
                 table = torch.zeros(2, 1024 // page, dtype=torch.int32 if page == 16 else torch.int64)
                 grid, args, options = module._hopper_paged_launch(qp, cache, cache, table, D ** -0.5, True, pointers,
@@ -161,7 +166,8 @@ def main(argv) -> int:
                 module.column_lists = module.block_lists
                 rows_f = torch.zeros(B, H, L, dtype=torch.float32)
                 # (HOPPER_BWD_FUSED_DQ: dq by atomic adds in the dk / dv kernel; 3: by TMA reduce-adds)
-                for fused in (0, 1, 2, 3) if module._HAS_TMA_REDUCE else (0, 1, 2):
+                forms = (0, 1, 2, 3) if module._HAS_TMA_REDUCE else (0, 1, 2)
+                for fused in forms[-1:] if quick else forms:
                     *_, launches = module._hopper_bwd_plan(qb, kb, kb, qb, rows_f, rows_f, d ** -0.5, tables,
                                                            fused=fused)
                     for kernel, grid, args, options, *_ in launches:
@@ -172,7 +178,8 @@ def main(argv) -> int:
                                        f"{ptxas(compiled)}")
                 # D 128's fused forms split dQ's matmul between the warpgroups (HOPPER_BWD_DQ_SPLIT_HEAD_DIMS)
                 qb, kb = torch.zeros(B, H, L, 128, dtype=torch.bfloat16), torch.zeros(B, 2, L, 128, dtype=torch.bfloat16)
-                for fused in (2, 3) if module._HAS_TMA_REDUCE else (2, ):
+                forms = (2, 3) if module._HAS_TMA_REDUCE else (2, )
+                for fused in forms[-1:] if quick else forms:
                     *_, launches = module._hopper_bwd_plan(qb, kb, kb, qb, rows_f, rows_f, 128 ** -0.5, tables,
                                                            fused=fused)
                     (kernel, grid, args, options, *_), = launches

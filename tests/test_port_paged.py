@@ -323,7 +323,7 @@ PIECES = textwrap.dedent("""
                 want_lse[row, h] = torch.logsumexp(s, 0)
     m.SPLIT_WHEN_PROGRAMS_BELOW = 1 << 30  # (the interpreter splits only when told to)
     m.PAGED_MIN_PIECE_KEYS = 16
-    for pieces in ("fixed", 1, 2, 5, 7, 19, 40):
+    for pieces in ("fixed", 2, 7, 25):
         m.PAGED_BALANCE = pieces != "fixed"
         m.PAGED_PIECES = None if pieces == "fixed" else pieces
         m.FAST_SPLIT_KEYS = 64
@@ -338,8 +338,8 @@ PIECES = textwrap.dedent("""
 
 def test_fast_modes_even_pieces_cover_each_requests_keys_once(tmp_path):
     """Fast mode's split-KV cuts a request's key tiles into near-equal pieces (PAGED_BALANCE; on a
-    GPU as many as fill its program slots): 19 tiles in 2, 5, 7, 19 pieces, or 40 asked of a
-    request that has fewer tiles, with a user's per-head window narrowing each piece. Every cut
+    GPU as many as fill its program slots): 19 tiles in 2 or 7 pieces, or 25 asked of a request
+    that has fewer tiles, with a user's per-head window narrowing each piece. Every cut
     equals the float64 reference (a key read twice or skipped would not), and the cuts are really
     different: their outputs' bits differ."""
     from workbench import Mask, port
@@ -358,7 +358,7 @@ def test_fast_modes_even_pieces_cover_each_requests_keys_once(tmp_path):
     done = subprocess.run([sys.executable, str(script), str(path), str(ROOT.parent)], capture_output=True,
                           text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 7, done.stdout[-2000:] + done.stderr[-3000:]
+    assert len(rows) == 4, done.stdout[-2000:] + done.stderr[-3000:]
     for row in rows:
         assert not row["nan"] and row["err"] < 1e-5 and row["lse_err"] < 1e-5, row
     assert len({row["bits"] for row in rows}) >= 3, rows  # the cuts fold different partial sums

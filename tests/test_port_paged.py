@@ -364,6 +364,33 @@ def test_fast_modes_even_pieces_cover_each_requests_keys_once(tmp_path):
     assert len({row["bits"] for row in rows}) >= 3, rows  # the cuts fold different partial sums
 
 
+def test_fast_modes_pieces_fill_the_gpus_program_slots(tmp_path, monkeypatch):
+    """_fast_pieces (PAGED_BALANCE) on a GPU of 132 SMs holding two decode programs each: the count
+    of pieces per request whose programs fill the 264 slots in whole waves, the smallest such; never
+    more than FOLD_AT_ONCE, nor pieces under PAGED_MIN_PIECE_KEYS keys; PAGED_PIECES overrides."""
+    import torch
+
+    from workbench import make, port
+
+    module = port.load(port.build(make("causal"), 64, 64, out_dir=tmp_path))
+    monkeypatch.setattr(module, "_INTERPRET", False)
+    monkeypatch.setattr(module, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(module, "_programs_per_sm", lambda *args: 2)
+    cuda = torch.device("cuda", 0)
+
+    def pieces(busy, capacity):
+        return module._fast_pieces(busy, capacity, (16, 64, 4, 3), 128, 2, cuda)
+
+    assert pieces(8, 131072) == 33  # one request, 8 kv heads: 264 programs, where 4,096-key pieces give 256
+    assert pieces(64, 32768) == 33  # 8 requests x 8 kv heads: 2,112 programs, 8 whole waves
+    assert pieces(64, 8192) == 4  # at most 16 pieces of 512 keys: 256 programs of 264 slots fill best
+    assert pieces(1, 131072) == 64  # a lone kv head: FOLD_AT_ONCE pieces at most
+    assert pieces(8, 1024) == 2  # pieces of at least 512 keys
+    assert pieces(300, 131072) == 22  # 6,600 programs: exactly 25 waves
+    monkeypatch.setattr(module, "PAGED_PIECES", 5)
+    assert pieces(8, 131072) == 5
+
+
 # ---------------------------------------------------------------- verify(..., backend="port-paged")
 
 PW = None

@@ -167,6 +167,14 @@ def test_the_score_functions_gluon_copies_take_fast_forms_with_the_same_values()
                                    rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(run["score_grad_gluon"](s, idx, idx, q_idx, idx).double() + 0 * s64.detach(), grad,
                                    rtol=1e-5, atol=1e-5)
+    # divisions by a constant become multiplications only where float32 holds the reciprocal as a
+    # normal number: a divisor of 1e-39 (1 / c past float32's range) or 0 stays a division
+    from workbench.port.generate import _fast_scores
+
+    divides = ("@gluon.jit\ndef score_mod_gluon(score, b, h, q_idx, kv_idx):\n"
+                 "    return score / 4 + score / 1e-39 + score / 0.0 + score / 2.5e30 + score / 1e-30\n")
+    assert _fast_scores(divides).endswith(
+        f"return score * 0.25 + score / 1e-39 + score / 0.0 + score / 2.5e30 + score * {1 / 1e-30!r}\n"), _fast_scores(divides)
     # only the portable tanh is rewritten: text that begins like it is left as it is
     for other in ("(2.0 * _sigmoid_gluon(2.0 * x) - 2.0)", "(2.0 * _sigmoid_gluon(2.0 * (x + 1))",
                   "y = (2.0 * _sigmoid_gluon(2.0 * x)) * 3.0"):

@@ -313,13 +313,20 @@ def _fast_scores(text: str) -> str:
         part = _replace_tanh(part)
         part = part.replace("_sigmoid_gluon(", "_sigmoid_fast_gluon(")
         part = re.sub(r"\bgl\.log\(", "_log_fast_gluon(", re.sub(r"\bgl\.log2\(", "_log2_fast_gluon(", part))
-        part = re.sub(rf"(?<![/*]) / {_NUMBER}(?![\w.(])(?!\s*\*\*)",
-                      lambda m: f" * {1.0 / float(m.group(1))!r}" if float(m.group(1)) else m.group(0), part)
+        part = re.sub(rf"(?<![/*]) / {_NUMBER}(?![\w.(])(?!\s*\*\*)", _times_reciprocal, part)
         if part.startswith("def score_grad_gluon("):  # (its first `score * 0.0` is the seed, derivative.py's)
             part = re.sub(r"^(\s+\w+) = \(score \* 0\.0\)$", r"\1 = gl.zeros_like(score)", part, count=1,
                           flags=re.M)
         parts[i] = part
     return "@gluon.jit\n".join(parts)
+
+
+def _times_reciprocal(m: re.Match) -> str:
+    """` / c` as ` * (1 / c)` where float32 holds c and 1 / c as normal numbers (1e-30 <= c <=
+    1e30); other divisors stay divisions: 1 / 1e-39 is past float32's largest number (x * inf
+    where x / c is finite), and a zero stays a division by zero."""
+    c = float(m.group(1))
+    return f" * {1.0 / c!r}" if 1e-30 <= c <= 1e30 else m.group(0)
 
 
 def _replace_tanh(text: str) -> str:

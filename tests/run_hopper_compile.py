@@ -207,18 +207,19 @@ def main(argv) -> int:
             detail = " | ".join(details)
             # no spills at whole blocks; lengths off the grid may spill a little where a mask is heavy
             # (a user's .any() spans: 92 bytes in the ping-pong loop, 168 in the persistent one that
-            # "auto" takes: scalars, the tables' pointers and indices)
+            # "auto" takes: scalars, the tables' pointers and indices), and so may the persistent
+            # loop, which carries its tile walk's scalars too (12 bytes for a window or documents)
             # (the backward's dk / dv kernel keeps dK and dV in registers and spills some at its
             # fastest tile: reported, not failed)
             spilled = [d for d in details if " 0 bytes spill stores" not in d and not d.startswith(("backward", "paged"))
-                       and not (d.startswith("1000 x 1011") and _spill_bytes(d) <= 192)]
+                       and not (d.startswith(("1000 x 1011", "persistent")) and _spill_bytes(d) <= 192)]
             problem = f"spills: {detail}" if spilled else None
         except Exception as exc:
             problem, detail = f"{type(exc).__name__}: {str(exc)[:400]}", ""
         failed += problem is not None
         print(f"CASE {mask.name} {'OK ' + detail if problem is None else 'FAIL ' + problem}", flush=True)
     print(f"SUMMARY {total - failed}/{total} masks' Hopper kernels compile for sm_90a without spills (the backward's "
-          "reported; lengths off the 128 grid: at most 192 bytes)")
+          "reported; lengths off the 128 grid and the persistent loop: at most 192 bytes)")
     return 1 if failed else 0
 
 

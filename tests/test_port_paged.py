@@ -333,6 +333,14 @@ PIECES = textwrap.dedent("""
                           "lse_err": float((lse.double() - want_lse).abs().max()),
                           "nan": bool(out.isnan().any() or lse.isnan().any()),
                           "bits": out.view(torch.int32).sum().item()}))
+    # invariant mode keeps its fixed cut (its bits must not follow the GPU): the same bits with the
+    # even cut asked for
+    same = []
+    for balance in (False, True):
+        m.PAGED_BALANCE, m.PAGED_PIECES = balance, 7 if balance else None
+        with torch.no_grad():
+            same.append(m.attention_paged(q, kc, vc, table, cu, lens, invariant=True))
+    print("INVARIANT", "SAME" if torch.equal(same[0], same[1]) else "DIFFERENT")
 """)
 
 
@@ -341,7 +349,8 @@ def test_fast_modes_even_pieces_cover_each_requests_keys_once(tmp_path):
     GPU as many as fill its program slots): 19 tiles in 2 or 7 pieces, or 25 asked of a request
     that has fewer tiles, with a user's per-head window narrowing each piece. Every cut
     equals the float64 reference (a key read twice or skipped would not), and the cuts are really
-    different: their outputs' bits differ."""
+    different: their outputs' bits differ. Invariant mode keeps its fixed cut when PAGED_BALANCE
+    is on."""
     from workbench import Mask, port
 
     global W
@@ -362,6 +371,7 @@ def test_fast_modes_even_pieces_cover_each_requests_keys_once(tmp_path):
     for row in rows:
         assert not row["nan"] and row["err"] < 1e-5 and row["lse_err"] < 1e-5, row
     assert len({row["bits"] for row in rows}) >= 3, rows  # the cuts fold different partial sums
+    assert "INVARIANT SAME" in done.stdout, done.stdout[-2000:]  # invariant mode ignores PAGED_BALANCE
 
 
 def test_fast_modes_pieces_fill_the_gpus_program_slots(tmp_path, monkeypatch):
@@ -389,6 +399,13 @@ def test_fast_modes_pieces_fill_the_gpus_program_slots(tmp_path, monkeypatch):
     assert pieces(300, 131072) == 22  # 6,600 programs: exactly 25 waves
     monkeypatch.setattr(module, "PAGED_PIECES", 5)
     assert pieces(8, 131072) == 5
+    monkeypatch.setattr(module, "PAGED_PIECES", 100)  # (past FOLD_AT_ONCE the fold takes them in turn)
+    assert pieces(8, 131072) == 100
+    for bad in (0, -3, 2.5, "33", True):
+        monkeypatch.setattr(module, "PAGED_PIECES", bad)
+        with pytest.raises(ValueError, match=r"PAGED_PIECES = .* must be a whole number of pieces per request, "
+                                              r"at least 1, or None"):
+            pieces(8, 131072)
 
 
 # ---------------------------------------------------------------- verify(..., backend="port-paged")

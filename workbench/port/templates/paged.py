@@ -36,7 +36,7 @@ FOLD_AT_ONCE = 64  # fast mode's _paged_fold sums up to this many pieces of a ro
 # the float64 reference under the interpreter and compiled for sm_90a, not yet timed on a GPU, so
 # off: pieces of FAST_SPLIT_KEYS keys at fixed positions (invariant mode's cut in any case), which
 # benchmarks/bench_paged.py --pieces compares it with. PAGED_PIECES: that many even pieces per
-# request, whatever the GPU (for benchmarks and tests)
+# request (a whole number >= 1), whatever the GPU (for benchmarks and tests)
 PAGED_BALANCE = False
 PAGED_MIN_PIECE_KEYS = 48 if _INTERPRET else 512
 PAGED_PIECES = None
@@ -497,9 +497,12 @@ def _fast_pieces(busy: int, capacity: int, tile: tuple, D_PAD: int, itemsize: in
     GPU alone (a CUDA graph replays it). One request against 131,072 keys, 8 kv heads, on an H200's
     132 SMs x 2 programs: 33 pieces (264 programs for 264 slots), where fixed pieces of 4,096 keys
     give 32 (256 programs for 264 slots)."""
+    if PAGED_PIECES is not None:  # (past FOLD_AT_ONCE, _paged_fold folds them one after another)
+        if isinstance(PAGED_PIECES, bool) or not isinstance(PAGED_PIECES, int) or PAGED_PIECES < 1:
+            raise ValueError(f"PAGED_PIECES = {PAGED_PIECES!r} must be a whole number of pieces per request, at least "
+                             "1, or None (the count that fills the GPU's program slots)")
+        return PAGED_PIECES
     most = max(1, min(FOLD_AT_ONCE, capacity // PAGED_MIN_PIECE_KEYS))
-    if PAGED_PIECES:
-        return max(1, min(int(PAGED_PIECES), FOLD_AT_ONCE))
     if _INTERPRET or device.type != "cuda":  # (the interpreter: the fixed cut's count, cut evenly)
         return min(most, -(-capacity // (FAST_SPLIT_KEYS or SPLIT_KEYS)))
     slots = _sm_count(device) * _programs_per_sm(tile, D_PAD, itemsize, device)
@@ -714,7 +717,7 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
     capacity = block_table.shape[1] * page_size
     split_keys = SPLIT_KEYS if invariant else (FAST_SPLIT_KEYS or SPLIT_KEYS)
     splits = -(-capacity // split_keys) if row_blocks * Hkv < SPLIT_WHEN_PROGRAMS_BELOW else 1
-    balanced = not invariant and PAGED_BALANCE and (splits > 1 or bool(PAGED_PIECES))
+    balanced = not invariant and PAGED_BALANCE and (splits > 1 or PAGED_PIECES is not None)
     if balanced:  # (pieces cut evenly; split_keys is now the least piece, see _paged_kernel)
         split_keys = PAGED_MIN_PIECE_KEYS
         # (the programs that hold rows: a block per request at least, or per `tokens` queries)

@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench import make, port  # noqa: E402
 
+from bench_port import _kernel_ms  # noqa: E402  (the kernels' GPU time per call, torch.profiler)
+
 PEAK_TBS = 4.8  # the H200's HBM bandwidth, TB/s
 DECODE_CASES = ((1, 131072), (8, 32768))
 # (tile or None for the file's own, split_keys or None for the file's own, invariant[, pieces]):
@@ -84,20 +86,7 @@ def graph_ms(fn, kernels=False):
     ms = do_bench(graph.replay, warmup=10, rep=50)
     if not kernels:
         return ms
-    return ms, kernel_us(graph.replay)
-
-
-def kernel_us(fn, reps=30):
-    """The GPU time of the kernels one call of fn runs (µs; torch.profiler over `reps` calls)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / reps
+    return ms, 1e3 * _kernel_ms(graph.replay, steps=30)
 
 
 def _set_variant(module, tile, split_keys, defaults, pieces=None):
@@ -220,6 +209,15 @@ def prefill(module, variants, lengths, pages, defaults):
             torch.cuda.empty_cache()
 
 
+def _cut(text: str):
+    """One --pieces value: 'auto', 'fixed' or a whole number of pieces >= 1."""
+    if text in ("auto", "fixed"):
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a cut: give 'auto', 'fixed' or a number of pieces >= 1")
+    return int(text)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="tiles x piece sizes (decode) and tiles (prefill)")
@@ -227,7 +225,7 @@ def main(argv=None):
     ap.add_argument("--prefill", type=int, nargs="*", default=None,
                     help="prefill lengths (default 8192 32768); give none to skip prefill")
     ap.add_argument("--no-decode", action="store_true")
-    ap.add_argument("--pieces", nargs="+", default=None, metavar="N",
+    ap.add_argument("--pieces", nargs="+", type=_cut, default=None, metavar="N",
                     help="decode rows for these cuts of fast mode's split-KV: 'auto' (even pieces, as "
                          "many as fill the GPU), 'fixed' (pieces of FAST_SPLIT_KEYS keys at fixed positions) or a "
                          "number of even pieces per request")
@@ -247,7 +245,7 @@ def main(argv=None):
     if not a.no_decode:
         variants = SWEEP_DECODE if a.sweep else DEFAULT_DECODE
         if a.pieces:
-            variants = [(None, None, False, p if p in ("auto", "fixed") else int(p)) for p in a.pieces]
+            variants = [(None, None, False, p) for p in a.pieces]
         decode(module, variants, a.pages, defaults)
     lengths = [8192, 32768] if a.prefill is None else a.prefill
     if lengths:

@@ -108,18 +108,9 @@ def _label(tile, split_keys, invariant, module, pieces=None):
 
 
 def _pieces_of(module, q, kc, table):
-    """The pieces per request fast mode cut this decode call into (1: none)."""
-    B, Hq, D = q.shape
-    Hkv, page = kc.shape[2], kc.shape[1]
-    group = Hq // Hkv
-    tile = module.PAGED_TILES[-1][1]
-    block_m = max(tile[0], module._next_pow2(group))
-    if B // max(1, block_m // group) + B >= module.SPLIT_WHEN_PROGRAMS_BELOW // Hkv:
-        return 1
-    capacity = table.shape[1] * page
-    if not module.PAGED_BALANCE:
-        return -(-capacity // (module.FAST_SPLIT_KEYS or module.SPLIT_KEYS))
-    return module._fast_pieces(B * Hkv, capacity, tile, max(16, module._next_pow2(D)), q.element_size(), q.device)
+    """The pieces per request this decode call's keys are cut into (1: none), as the file plans it."""
+    (B, Hq, D), (page, Hkv) = q.shape, kc.shape[1:3]
+    return module._paged_shape(B, B, Hq, Hkv, D, table.shape[1] * page, q.element_size(), q.device, False)[7]
 
 
 def decode(module, variants, pages, defaults):

@@ -515,6 +515,47 @@ def _fast_pieces(busy: int, capacity: int, tile: tuple, D_PAD: int, itemsize: in
     return best
 
 
+def _paged_shape(total_q: int, num_seqs: int, Hq: int, Hkv: int, D: int, capacity: int, itemsize: int, device,
+                 invariant: bool) -> tuple:
+    """attention_paged's launch shape, from shapes alone (a CUDA graph replays it): (BLOCK_M,
+    BLOCK_N, warps, stages, tokens per program, row-block slots, D_PAD, pieces per request, the
+    pieces' keys (PAGED_BALANCE: the least piece), whether the pieces are cut evenly); capacity: the
+    block table's keys per request."""
+    # a program's rows are (token, head) pairs of one kv head's group: `tokens` tokens x `group` heads
+    group = Hq // Hkv
+    if invariant:
+        block_m, block_n, warps = INVARIANT_TILE
+        stages = INVARIANT_PAGED_STAGES
+        if group > block_m:
+            raise ValueError(f"invariant mode packs at most {block_m} query heads per kv head into its {block_m}-row "
+                             f"tiles; Hq / Hkv = {group}: call with invariant=False")
+        if SPLIT_KEYS % block_n:
+            raise ValueError(f"SPLIT_KEYS = {SPLIT_KEYS} must be a multiple of {block_n} keys (invariant mode's key "
+                             "tile)")
+    else:
+        # rows per program by the step's shape (never its contents): 16 for decode-heavy steps,
+        # wider tiles when requests bring many queries on average (prefill chunks)
+        per_request = total_q // max(num_seqs, 1)
+        block_m, block_n, warps, stages = next((tile for least, tile in PAGED_TILES if per_request >= least),
+                                               PAGED_TILES[-1][1])
+        block_m = max(block_m, _next_pow2(group))
+    tokens = block_m // group
+    row_blocks = total_q // tokens + num_seqs  # the program slots (see _paged_kernel): from shapes alone
+    D_PAD = max(16, _next_pow2(D))
+    # split the keys when the call has too few programs to fill the GPU (decode, short chunks); the
+    # number of pieces from the block table's capacity: a shape, not a content
+    split_keys = SPLIT_KEYS if invariant else (FAST_SPLIT_KEYS or SPLIT_KEYS)
+    splits = -(-capacity // split_keys) if row_blocks * Hkv < SPLIT_WHEN_PROGRAMS_BELOW else 1
+    balanced = not invariant and PAGED_BALANCE and (splits > 1 or PAGED_PIECES is not None)
+    if balanced:  # (pieces cut evenly; split_keys is now the least piece, see _paged_kernel)
+        split_keys = PAGED_MIN_PIECE_KEYS
+        # (the programs that hold rows: a block per request at least, or per `tokens` queries)
+        busy = max(num_seqs, -(-total_q // tokens)) * Hkv
+        splits = _fast_pieces(busy, capacity, (block_m, block_n, warps, PAGED_STAGES or stages), D_PAD,
+                              itemsize, device)
+    return block_m, block_n, warps, stages, tokens, row_blocks, D_PAD, splits, split_keys, balanced
+
+
 _PER_SM: dict = {}
 
 
@@ -691,39 +732,9 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
             _attention_paged_hopper(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, return_lse,
                                     pointers, ranges, out, lse):
         return (out, lse) if return_lse else out
-    # a program's rows are (token, head) pairs of one kv head's group: `tokens` tokens x `group` heads
     group = Hq // Hkv
-    if invariant:
-        block_m, block_n, warps = INVARIANT_TILE
-        stages = INVARIANT_PAGED_STAGES
-        if group > block_m:
-            raise ValueError(f"invariant mode packs at most {block_m} query heads per kv head into its {block_m}-row "
-                             f"tiles; Hq / Hkv = {group}: call with invariant=False")
-        if SPLIT_KEYS % block_n:
-            raise ValueError(f"SPLIT_KEYS = {SPLIT_KEYS} must be a multiple of {block_n} keys (invariant mode's key "
-                             "tile)")
-    else:
-        # rows per program by the step's shape (never its contents): 16 for decode-heavy steps,
-        # wider tiles when requests bring many queries on average (prefill chunks)
-        per_request = total_q // max(num_seqs, 1)
-        block_m, block_n, warps, stages = next((tile for least, tile in PAGED_TILES if per_request >= least),
-                                               PAGED_TILES[-1][1])
-        block_m = max(block_m, _next_pow2(group))
-    tokens = block_m // group
-    row_blocks = total_q // tokens + num_seqs  # the program slots (see _paged_kernel): from shapes alone
-    D_PAD = max(16, _next_pow2(D))
-    # split the keys when the call has too few programs to fill the GPU (decode, short chunks); the
-    # number of pieces from the block table's capacity: a shape, not a content
-    capacity = block_table.shape[1] * page_size
-    split_keys = SPLIT_KEYS if invariant else (FAST_SPLIT_KEYS or SPLIT_KEYS)
-    splits = -(-capacity // split_keys) if row_blocks * Hkv < SPLIT_WHEN_PROGRAMS_BELOW else 1
-    balanced = not invariant and PAGED_BALANCE and (splits > 1 or PAGED_PIECES is not None)
-    if balanced:  # (pieces cut evenly; split_keys is now the least piece, see _paged_kernel)
-        split_keys = PAGED_MIN_PIECE_KEYS
-        # (the programs that hold rows: a block per request at least, or per `tokens` queries)
-        busy = max(num_seqs, -(-total_q // tokens)) * Hkv
-        splits = _fast_pieces(busy, capacity, (block_m, block_n, warps, PAGED_STAGES or stages), D_PAD,
-                              q.element_size(), q.device)
+    block_m, block_n, warps, stages, tokens, row_blocks, D_PAD, splits, split_keys, balanced = _paged_shape(
+        total_q, num_seqs, Hq, Hkv, D, block_table.shape[1] * page_size, q.element_size(), q.device, invariant)
     split = splits > 1
     if split:
         part_acc = torch.empty(splits, total_q, Hq, D, dtype=torch.float32, device=q.device)

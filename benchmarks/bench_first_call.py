@@ -6,8 +6,18 @@ kernel cache to see what a later process pays once the compiled kernels are on d
     TRITON_CACHE_DIR=/tmp/tc python benchmarks/bench_first_call.py   # empty cache: compiles
     TRITON_CACHE_DIR=/tmp/tc python benchmarks/bench_first_call.py   # the cache the first filled
 
-Prints `FIRST <mask>: ...` per mask, with whether the calls ran the Hopper kernel."""
+Prints `FIRST <mask>: ...` per mask, with whether the calls ran the Hopper kernel. The first call
+is split in two: the block lists (`block_lists`, built on the GPU by a scan kernel that is compiled
+for each mask) and the rest (the attention kernel's compile and launch). `--profile MASK` also
+prints the functions the first call of that mask spent its time in (cProfile, cumulative).
 
+    python benchmarks/bench_first_call.py --profile "per-head window"
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
 import sys
 import tempfile
 import time
@@ -23,6 +33,9 @@ from bench_port import masks_at  # noqa: E402
 from workbench import port  # noqa: E402
 from workbench.run import Shape, make_inputs  # noqa: E402
 
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--profile", default=None, metavar="MASK", help="cProfile this mask's first call")
+args = ap.parse_args()
 torch.zeros(1, device="cuda")
 torch.cuda.synchronize()
 print(f"# torch + CUDA context {time.perf_counter() - t00:.2f} s", flush=True)
@@ -39,14 +52,27 @@ for name in ["causal", "sliding window 1024", "document (8 docs)", "per-head win
     real = module._attention_hopper
     module._attention_hopper = lambda *a, real=real, **kw: ran.append(1) or real(*a, **kw)
     t2 = time.perf_counter()
+    profile = cProfile.Profile() if name == args.profile else None
     with torch.no_grad():
+        if profile:
+            profile.enable()
+        module.block_lists(1, heads, seq, seq, inputs.q.device)  # (kept: the call below finds them)
+        torch.cuda.synchronize()
+        t_lists = time.perf_counter()
         out = module.attention(inputs.q, inputs.k, inputs.v)
         torch.cuda.synchronize()
         t3 = time.perf_counter()
+        if profile:
+            profile.disable()
         out = module.attention(inputs.q, inputs.k, inputs.v)
         torch.cuda.synchronize()
         t4 = time.perf_counter()
     kernel = f"hopper x{len(ran)}" if ran else "portable"
-    print(f"FIRST {name}: build {t1 - t0:.2f} s, load {t2 - t1:.2f} s, first call {t3 - t2:.2f} s, second "
+    print(f"FIRST {name}: build {t1 - t0:.2f} s, load {t2 - t1:.2f} s, first call {t3 - t2:.2f} s (block lists "
+          f"{t_lists - t2:.2f}, the rest {t3 - t_lists:.2f}), second "
           f"{1000 * (t4 - t3):.1f} ms; total {t3 - t0:.2f} s ({kernel}, {'NaN!' if out.isnan().any() else 'finite'})",
           flush=True)
+    if profile:
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
+        print(text.getvalue(), flush=True)

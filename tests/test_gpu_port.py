@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench import make
+from workbench import Mask, make
 from workbench.run import Shape
 from workbench.verify import verify
 
@@ -129,13 +129,18 @@ def test_float32_at_wide_head_dims(cuda, head_dim):
 
 _HOPPER_CASES = ["users_and_masks", "causal_bottom_right", "full", "causal_sliding_window_256", "document_causal_3docs",
                  "causal_bottom_right+softcap_30", "causal_bottom_right+alibi_4heads", "users_head_window", "users_per_sample_prefix",
-                 "users_image_spans", "causal_8k_fp16_d64", "full_512x2048"]
+                 "users_image_spans", "causal_8k_fp16_d64", "full_512x2048", "neighborhood_2d_k7_1000",
+                 "users_natten_1d"]
 
 
 def _hopper_case(name: str):
     # (mask, B, Hq, Hkv, Lq, Lk, D, dtype): the compile script's masks (library, softcap, ALiBi, users'
     # per-head / per-sample tables and .any() spans; their tensors on the GPU) at 1,024 tokens, GQA,
-    # bf16, D 128; and causal at 8K in fp16 at D 64, full attention at Lq < Lk
+    # bf16, D 128; and causal at 8K in fp16 at D 64, full attention at Lq < Lk; windows whose checks
+    # the Gluon copy folds into one unsigned compare (translate/fast_mask.py): the 2-D neighbourhood
+    # off the 128 grid, and a user's 1-D neighbourhood shifted per head by a table, `<=` at its top
+    import torch
+
     sys.path.insert(0, str(ROOT / "tests"))
     from run_hopper_compile import masks
 
@@ -143,6 +148,16 @@ def _hopper_case(name: str):
         return make("causal", q_len=8192, kv_len=8192), 1, 8, 8, 8192, 8192, 64, "float16"
     if name == "full_512x2048":
         return make("full"), 1, 4, 1, 512, 2048, 128, "bfloat16"
+    if name == "neighborhood_2d_k7_1000":
+        return make("neighborhood_2d", {"kernel": 7}, q_len=1000, kv_len=1000), 2, 4, 2, 1000, 1000, 128, "bfloat16"
+    if name == "users_natten_1d":
+        shift = torch.tensor([0, 5, 17, 40], dtype=torch.int32, device="cuda")
+
+        def natten_1d(b, h, q_idx, kv_idx):
+            lo = (q_idx - 16 + shift[h]).clamp(0, 1024 - 33)
+            return (kv_idx >= lo) & (kv_idx <= lo + 32)
+
+        return Mask("users_natten_1d", mask_mod=natten_1d), 2, 4, 2, 1024, 1024, 128, "bfloat16"
     found = {m.name: m for m in masks("cuda")}
     assert name in found, f"no compile-script mask named {name}: {sorted(found)}"
     return found[name], 2, 4, 2, 1024, 1024, 128, "bfloat16"

@@ -115,11 +115,19 @@ def _run_gluon_text(text: str, names: list[str]) -> dict:
         assert constraints == "=f,f" and is_pure and pack == 1
         return exact(args[0])
 
+    def both(op):  # (a literal takes the tensor's dtype, as in Triton)
+        return lambda a, b: op(a, torch.as_tensor(b, dtype=a.dtype)) if isinstance(a, torch.Tensor) else op(
+            torch.as_tensor(a, dtype=b.dtype), b)
+
     gl = types.SimpleNamespace(exp=torch.exp, exp2=torch.exp2, log=torch.log, where=torch.where, float32=torch.float32,
-                               zeros_like=torch.zeros_like, inline_asm_elementwise=asm, minimum=torch.minimum, abs=torch.abs,
-                               maximum=torch.maximum, load=lambda p: p)
+                               zeros_like=torch.zeros_like, inline_asm_elementwise=asm, minimum=both(torch.minimum),
+                               abs=torch.abs, maximum=both(torch.maximum), load=lambda p: p, int32=torch.int32,
+                               constexpr=int)
+    # (an int32 seen as uint32: its bits as a number 0 .. 2^32 - 1, in int64)
+    text = textwrap.dedent(text).replace("x.to(gl.float32)", "x.to(torch.float32)").replace(
+        ".to(gl.uint32, bitcast=True)", ".to(torch.int64).bitwise_and(4294967295)")
     scope = {"gl": gl, "gluon": types.SimpleNamespace(jit=lambda f: f), "torch": torch}
-    exec(textwrap.dedent(text).replace("x.to(gl.float32)", "x.to(torch.float32)"), scope)
+    exec(text, scope)
     return {n: scope[n] for n in names}
 
 
@@ -181,6 +189,85 @@ def test_the_score_functions_gluon_copies_take_fast_forms_with_the_same_values()
         assert _replace_tanh(other) == other
     assert (_replace_tanh("(2.0 * _sigmoid_gluon(2.0 * x) - 2.0) + (2.0 * _sigmoid_gluon(2.0 * (y * 3)) - 1.0)")
             == "(2.0 * _sigmoid_gluon(2.0 * x) - 2.0) + _tanh_fast_gluon((y * 3))")
+
+
+def _gluon_section(source: str) -> str:
+    """The Gluon copies of a generated file's mods (helpers, mask, score, derivative), dedented."""
+    text = source[source.index("if _HAS_GLUON and HOPPER_MODS is None:"):source.index("def _hopper_tile_start")]
+    return text[text.rindex("\n", 0, text.index("@gluon.jit")) + 1:].rsplit("@gluon.jit", 1)[0]
+
+
+def test_window_checks_in_the_masks_gluon_copy_are_one_unsigned_compare_exact_for_every_int32():
+    # (x >= lo) & (x < lo + k), k a literal, is one unsigned compare of x - lo in the Gluon copy
+    # (_in_range_gluon), two windows of one k one compare of the larger offset (_in_ranges_gluon: a
+    # 2-D neighbourhood's row and column). The copy must keep the very pairs the mask keeps, for every
+    # int32 x and lo, lo + k wrapping past 2^31 - 1 included (there the mask, in int32, keeps nothing)
+    import torch
+
+    from workbench.translate.fast_mask import RANGE_HELPERS
+
+    run = _run_gluon_text(RANGE_HELPERS, ["_in_range_gluon", "_in_ranges_gluon"])
+    top, bottom = 2 ** 31 - 1, -2 ** 31
+    edges = [bottom, bottom + 1, -14, -13, -1, 0, 1, 12, 13, 14, top - 14, top - 13, top - 12, top - 1, top]
+    values = torch.tensor(edges + torch.randint(bottom, top, (25,), generator=torch.Generator().manual_seed(0)).tolist(),
+                          dtype=torch.int32)
+    x, lo = values[:, None], values[None, :]
+    for k in (0, 1, 13, 2 ** 30, top):
+        want = (x >= lo) & (x < lo + k)  # int32 arithmetic, as the kernel's: lo + k wraps
+        got = run["_in_range_gluon"](x, lo, k)
+        assert torch.equal(got, want), (k, x.expand_as(want)[got != want][:4], lo.expand_as(want)[got != want][:4])
+        x2, lo2 = values.flip(0)[:, None], values.roll(3)[None, :]
+        want2 = want & (x2 >= lo2) & (x2 < lo2 + k)
+        assert torch.equal(run["_in_ranges_gluon"](x, lo, x2, lo2, k), want2), k
+    # an int64 operand keeps the compares as written (64-bit arithmetic, no fold)
+    big = torch.tensor([2 ** 40, 5], dtype=torch.int64)
+    assert run["_in_range_gluon"](big, big - 3, 4).tolist() == [True, True]
+    assert run["_in_range_gluon"](big + 2 ** 32, big, 4).tolist() == [False, False]
+
+    # in generated files: the library's 2-D neighbourhood (both axes in one compare), a user's 1-D
+    # neighbourhood under a causal mask (`<=` for the upper end), Lq != Lk; the Gluon copy keeps the
+    # mask's pairs, and the portable copy (the reference for the Hopper kernel) keeps the mask as written
+    def natten_1d(b, h, q_idx, kv_idx):
+        lo = (q_idx + 50 - 3).clamp(0, 200 - 7)
+        return (kv_idx >= lo) & (kv_idx <= lo + 6) & (kv_idx <= q_idx + 50)
+
+    def head_window(b, h, q_idx, kv_idx):  # (a window whose size is no literal: no fold)
+        lo = q_idx - 4
+        return (kv_idx >= lo) & (kv_idx < lo + (h + 2))
+
+    def sinks_or_window(b, h, q_idx, kv_idx):  # (a window inside an or, lo of either sign)
+        lo = q_idx - 4
+        return (kv_idx < 2) | ((kv_idx >= lo) & (kv_idx < lo + 3))
+
+    def outside(b, h, q_idx, kv_idx):  # (the same compares joined by an or: no fold)
+        lo = q_idx - 4
+        return (kv_idx < lo) | (kv_idx >= lo + 3)
+
+    cases = [(make("neighborhood_2d", {"kernel": 5}, q_len=150, kv_len=150), 150, 150, "_in_ranges_gluon("),
+             (Mask("natten_1d", mask_mod=natten_1d), 150, 200, "_in_range_gluon("),
+             (Mask("sinks_or_window", mask_mod=sinks_or_window), 64, 64, "_in_range_gluon("),
+             (Mask("head_window", mask_mod=head_window), 64, 64, None),
+             (Mask("outside", mask_mod=outside), 64, 64, None)]
+    for mask, lq, lk, call in cases:
+        source = port.generate(mask, lq, lk).source
+        section = _gluon_section(source)
+        body = section[section.index("def mask_mod_gluon"):section.index("def score_mod_gluon")]
+        portable = source[source.index("def mask_mod_triton"):source.index("def mask_mod_bounds")]
+        assert "_in_range" not in portable, portable
+        if call is None:
+            assert "_in_range" not in section, (mask.name, body)
+        else:
+            assert call in body, body
+        run = _run_gluon_text(section, ["mask_mod_gluon"])
+        q_idx = torch.arange(lq, dtype=torch.int32)[:, None]
+        kv_idx = torch.arange(lk, dtype=torch.int32)[None, :]
+        b = h = torch.zeros((), dtype=torch.int32)
+        for h_val in (0, 3):
+            h = torch.full((), h_val, dtype=torch.int32)
+            got = run["mask_mod_gluon"](b, h, q_idx, kv_idx)
+            want = mask.mask_mod(b, h, q_idx, kv_idx)
+            assert torch.equal(got.expand_as(want), want), (mask.name, int((got != want).sum()))
+            assert 0 < int(want.sum()) < lq * lk
 
 
 def test_mods_with_a_name_gluon_lacks_keep_the_portable_kernel():

@@ -24,6 +24,7 @@ from workbench.define.lengths import RELATION_TEXT, LengthRule, follow, rebuilda
 from workbench.define.util import fill_template, template_body
 from workbench.define import captured_tensors, trace_mod
 from workbench.translate import Untranslatable, mod_functions, range_pointers
+from workbench.translate.fast_mask import RANGE_HELPERS, translate_fast_mask
 from workbench.translate.derivative import derivative_mod
 from workbench.translate.triton_mask import PORTABLE_TANH, translate_mod
 from workbench.translate.triton_table_grad import translate_table_grad
@@ -220,7 +221,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     text = (TEMPLATE.read_text() + "\n\n" + template_body(PAGED_TEMPLATE) + "\n\n"
             + template_body(BACKWARD_TEMPLATE) + "\n\n" + template_body(HOPPER_TEMPLATE) + "\n\n"
             + template_body(HOPPER_PAGED_TEMPLATE) + "\n\n" + template_body(HOPPER_BWD_TEMPLATE))
-    gluon_mods, no_gluon, no_gluon_grad = _gluon_mods(parts)
+    gluon_mods, no_gluon, no_gluon_grad = _gluon_mods(parts, _fast_mask(source_mask, lifted, mask_ptrs))
     source_comment = textwrap.indent(mask.source.strip() or "(source not available)", "    ")
     fills = {
         "@@TITLE@@": f"{mask.name}: attention with this mask and score as one standalone Triton kernel.",
@@ -259,14 +260,29 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     return port
 
 
-def _gluon_mods(parts: list[str]) -> tuple[str, str | None, str | None]:
+def _fast_mask(mask: Mask, lifted: frozenset, mask_ptrs: list[str]) -> str | None:
+    """mask_mod_triton with its window checks folded (translate.fast_mask), for the Gluon copy; None
+    where the mask has no window check to fold (or no mask_mod)."""
+    if mask.mask_mod is None:
+        return None
+    try:
+        text, pointers = translate_fast_mask(mask, lifted)
+    except Untranslatable:
+        return None
+    return text if pointers == mask_ptrs and "_in_range" in text else None
+
+
+def _gluon_mods(parts: list[str], fast_mask: str | None = None) -> tuple[str, str | None, str | None]:
     """The mask_mod and score_mod as Gluon functions (mask_mod_gluon, score_mod_gluon, and the
     helpers they call, each named *_gluon) for the Hopper kernels, indented for their `if` block:
     the Triton translation with Gluon's names, which are the same for every elementwise op it writes
     (tl.sigmoid, which Gluon lacks, as the same 1 / (1 + exp(-x))); then the score_mod's derivative
     (score_grad_gluon) for the Hopper backward. (text, None, None), or a stand-in and the reason for
     the mods (then the Hopper kernels do not run), or for the derivative alone (then the Hopper
-    backward does not run with the score_mod)."""
+    backward does not run with the score_mod). `fast_mask`: mask_mod_triton with its window checks
+    folded (_fast_mask), copied in place of the plain one."""
+    if fast_mask is not None:
+        parts = [fast_mask.strip() if re.search(r"^def mask_mod_triton\(", p, re.MULTILINE) else p for p in parts]
     mods, why = _as_gluon(parts, {"mask_mod_triton": "mask_mod_gluon", "score_mod_triton": "score_mod_gluon"})
     if why is not None:
         return "    pass", f"the mods use {why}, which Gluon does not have", None
@@ -279,8 +295,10 @@ def _gluon_mods(parts: list[str]) -> tuple[str, str | None, str | None]:
     mods, grad = _fast_scores(mods), _fast_scores(grad)
     helpers = "_sigmoid_gluon(" in mods + grad
     fast = "_fast_gluon(" in mods + grad
+    ranges = "_in_range" in mods
     text = (("@gluon.jit\ndef _sigmoid_gluon(x):\n    # tl.sigmoid's formula\n    return 1 / (1 + gl.exp(-x))\n\n"
-             if helpers else "") + (_FAST_HELPERS if fast else "") + mods + "\n\n" + grad)
+             if helpers else "") + (_FAST_HELPERS if fast else "") + (RANGE_HELPERS + "\n\n" if ranges else "")
+            + mods + "\n\n" + grad)
     return textwrap.indent(text, "    "), None, why_grad
 
 

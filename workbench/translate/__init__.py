@@ -4,6 +4,7 @@
                       environment, captured tensors as pointer views, one hook per node kind
     triton_mask.py    Triton pair by pair: `mask_mod_triton`, `score_mod_triton` (a method per aten-op family)
     triton_bounds.py  Triton interval bounds of a mask over a block of pairs: `mask_mod_bounds`
+    fast_mask.py      the mask's copy for the port's Hopper kernels: window checks as one unsigned compare
     triton.py         the assembly (mods + helpers + harness kernels), the spec's `triton` section
 
 Generated text is data (it goes into specs and generated files); the port and the block-scan

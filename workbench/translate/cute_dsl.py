@@ -27,7 +27,8 @@ import re
 import torch
 
 from workbench.translate.emitter import Untranslatable
-from workbench.translate.triton_mask import _BINARY, _REDUCE, _UNARY, TritonMaskEmitter, Vec
+from workbench.translate.triton_mask import (_BINARY, _REDUCE, _UNARY, TritonMaskEmitter, Vec, and_leaves, is_integer,
+                                             range_pairs, same_value, window_of)
 
 __all__ = ["CuteMaskEmitter", "translate_cute", "cute_mods", "CUTE_HELPERS", "AUX_DTYPES"]
 
@@ -186,44 +187,12 @@ class CuteMaskEmitter(TritonMaskEmitter):
         x and lo, `(x >= lo) & (x < lo + k)` (a NATTEN window) as `Uint32(x - lo) < k`. The and's
         operands are gathered through nested ands (`a & b & c & d`), so a pair split across them
         still meets. A window's partial blocks then pay one compare per pair, as a literal's do."""
-        import torch.fx
-
-        from workbench.define.trace import op_name
-
-        def is_and(n):
-            return (isinstance(n, torch.fx.Node) and n.op == "call_function" and len(n.args) == 2 and
-                    op_name(n.target) in ("bitwise_and", "logical_and") and
-                    getattr(n.meta.get("val"), "dtype", None) == torch.bool)
-
-        def leaves(n):
-            if is_and(n) and len(n.users) == 1:
-                return leaves(n.args[0]) + leaves(n.args[1])
-            return [n]
-
-        def compare(n):
-            if not isinstance(n, torch.fx.Node) or n.op != "call_function" or len(n.args) != 2:
-                return None
-            name = op_name(n.target)
-            return (name, n.args[0], n.args[1]) if name in ("ge", "lt", "le") else None
-
-        def same(a, b):  # one value, or one computed twice (`kv - q` in both)
-            return a is b or (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and
-                              a.op == b.op == "call_function" and a.target == b.target and a.args == b.args and
-                              a.kwargs == b.kwargs)
-
-        def integer(v):
-            if isinstance(v, bool):
-                return False
-            if isinstance(v, int):
-                return True
-            return isinstance(v, torch.fx.Node) and getattr(v.meta.get("val"), "dtype", None) in (torch.int32,
-                                                                                                  torch.int64)
 
         def pair(lower, upper):
             (lo_op, x, lo), (hi_op, x2, hi) = lower, upper
-            if lo_op != "ge" or hi_op not in ("lt", "le") or not same(x, x2) or not isinstance(x, torch.fx.Node):
+            if lo_op != "ge" or hi_op not in ("lt", "le") or not same_value(x, x2) or not isinstance(x, torch.fx.Node):
                 return None
-            if not (integer(x) and integer(lo) and integer(hi)):
+            if not (is_integer(x) and is_integer(lo) and is_integer(hi)):
                 return None
             x_text = self.value(x)
             if not isinstance(x_text, str):
@@ -238,29 +207,17 @@ class CuteMaskEmitter(TritonMaskEmitter):
                 bound = f"cutlass.max({w_text}, 0)" if hi_op == "lt" else f"(cutlass.max({w_text}, -1) + 1)"
                 return f"(cutlass.Uint32({x_text}) < cutlass.Uint32({bound}))"
             # x >= lo and x < lo + k, with x, lo >= 0 (x - lo cannot overflow) and a literal k >= 0
-            if not (isinstance(lo, torch.fx.Node) and isinstance(hi, torch.fx.Node) and hi.op == "call_function"
-                    and op_name(hi.target) == "add" and len(hi.args) == 2):
+            window = window_of(lower, upper)
+            if window is None:
                 return None
-            base, k = hi.args
-            if not same(base, lo) or isinstance(k, bool) or not isinstance(k, int) or k < 0:
-                return None
-            k = k if hi_op == "lt" else k + 1
+            _, _, k = window
             lo_text = self.value(lo)
             if not (self.is_nonneg(x) and self.is_nonneg(lo)) or not isinstance(lo_text, str) or k >= 2 ** 31:
                 return None
             return f"(cutlass.Uint32({x_text} - {lo_text}) < cutlass.Uint32({k}))"
 
-        parts = leaves(node.args[0]) + leaves(node.args[1])
-        exprs, used = [], set()
-        for i, lower in enumerate(parts):
-            for j, upper in enumerate(parts):
-                if i in used or j in used or i == j:
-                    continue
-                a, b = compare(lower), compare(upper)
-                expr = pair(a, b) if a is not None and b is not None else None
-                if expr is not None:
-                    exprs.append(expr)
-                    used |= {i, j}
+        parts = and_leaves(node.args[0]) + and_leaves(node.args[1])
+        exprs, used = range_pairs(parts, pair)
         if not exprs:
             return None
         for i, leaf in enumerate(parts):

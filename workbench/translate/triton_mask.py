@@ -12,11 +12,12 @@ consumes them; the reduction is unrolled over the table's entries.
 from __future__ import annotations
 
 import torch
+import torch.fx
 
 from workbench.define import cdiv
 from workbench.translate.emitter import K, Emitter, Untranslatable, Vec, View, literal
 
-__all__ = ["TritonMaskEmitter", "translate_mod", "HELPERS", "MAX_UNROLLED"]
+__all__ = ["TritonMaskEmitter", "translate_mod", "HELPERS", "MAX_UNROLLED", "and_leaves", "range_pairs"]
 
 _BINARY = {
     "__rshift__": "({a} >> {b})", "__lshift__": "({a} << {b})", "bitwise_right_shift": "({a} >> {b})",
@@ -71,6 +72,85 @@ def _py_mod(a, b):
     r = a % b
     return r + b * ((r != 0) & ((r < 0) != (b < 0))).to(r.dtype)
 '''
+
+
+# ------------------------------------------------------------ range checks in an and (fast forms)
+# `(x >= lo) & (x < hi)` is two compares and, in a kernel, two selects per pair; the fast copies of a
+# mask (the FA4 export's CuTe DSL, the port's Gluon copy) write such a pair as one unsigned compare.
+# These find the pairs in the traced graph; each translator decides which it can spell exactly.
+
+def _is_bool_and(n) -> bool:
+    from workbench.define.trace import op_name
+
+    return (isinstance(n, torch.fx.Node) and n.op == "call_function" and len(n.args) == 2 and
+            op_name(n.target) in ("bitwise_and", "logical_and") and getattr(n.meta.get("val"), "dtype", None) == torch.bool)
+
+
+def and_leaves(node) -> list:
+    """The operands of an and of booleans, gathered through the nested ands that nothing else uses
+    (`a & b & c & d` -> [a, b, c, d]), so a pair split across them still meets."""
+    if _is_bool_and(node) and len(node.users) == 1:
+        return and_leaves(node.args[0]) + and_leaves(node.args[1])
+    return [node]
+
+
+def comparison(n):
+    """(op, left, right) for a node `left >= / < / <= right`, else None."""
+    from workbench.define.trace import op_name
+
+    if not isinstance(n, torch.fx.Node) or n.op != "call_function" or len(n.args) != 2:
+        return None
+    name = op_name(n.target)
+    return (name, n.args[0], n.args[1]) if name in ("ge", "lt", "le") else None
+
+
+def same_value(a, b) -> bool:
+    """One value, or one computed twice by the same op on the same arguments (`kv - q` in both)."""
+    return a is b or (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and
+                      a.op == b.op == "call_function" and a.target == b.target and a.args == b.args and
+                      a.kwargs == b.kwargs)
+
+
+def is_integer(v) -> bool:
+    """An int literal, or a node whose value is int32 / int64 (not a bool)."""
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int):
+        return True
+    return isinstance(v, torch.fx.Node) and getattr(v.meta.get("val"), "dtype", None) in (torch.int32, torch.int64)
+
+
+def window_of(lower, upper):
+    """(x, lo, k) when `lower & upper` reads lo <= x < lo + k: `x >= lo` with `x < lo + k` (or
+    `x <= lo + (k - 1)`), k a literal >= 0, x and lo integer nodes; else None."""
+    from workbench.define.trace import op_name
+
+    (lo_op, x, lo), (hi_op, x2, hi) = lower, upper
+    if lo_op != "ge" or hi_op not in ("lt", "le") or not same_value(x, x2) or not isinstance(x, torch.fx.Node):
+        return None
+    if not (is_integer(x) and isinstance(lo, torch.fx.Node) and is_integer(lo) and isinstance(hi, torch.fx.Node)
+            and hi.op == "call_function" and op_name(hi.target) == "add" and len(hi.args) == 2):
+        return None
+    base, k = hi.args
+    if not same_value(base, lo) or isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        return None
+    return x, lo, k if hi_op == "lt" else k + 1
+
+
+def range_pairs(parts: list, spell) -> tuple[list, set]:
+    """Pairs of `parts` (the leaves of an and) that `spell(lower, upper)` writes as one check, each
+    comparison in at most one pair: ([what spell returned, ...], the indices used)."""
+    spelled, used = [], set()
+    for i, lower in enumerate(parts):
+        for j, upper in enumerate(parts):
+            if i in used or j in used or i == j:
+                continue
+            a, b = comparison(lower), comparison(upper)
+            found = spell(a, b) if a is not None and b is not None else None
+            if found is not None:
+                spelled.append(found)
+                used |= {i, j}
+    return spelled, used
 
 
 class TritonMaskEmitter(Emitter):

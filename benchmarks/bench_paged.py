@@ -103,7 +103,9 @@ def _label(tile, split_keys, invariant, module, pieces=None):
         return f"invariant {m}x{n} w{w} s{module.INVARIANT_PAGED_STAGES}, pieces {module.SPLIT_KEYS}"
     t = "file's tiles" if tile is None else "{}x{} w{} s{}".format(*tile)
     if module.PAGED_BALANCE:
-        return f"fast {t}, {'as many as fill the GPU' if pieces in (None, 'auto') else pieces} even pieces"
+        if pieces in (None, "auto"):
+            return f"fast {t}, the file's cut (even pieces where fixed ones leave slots idle)"
+        return f"fast {t}, {pieces} even pieces"
     return f"fast {t}, pieces of {split_keys or module.FAST_SPLIT_KEYS or module.SPLIT_KEYS} keys"
 
 

@@ -375,9 +375,10 @@ def test_fast_modes_even_pieces_cover_each_requests_keys_once(tmp_path):
 
 
 def test_fast_modes_pieces_fill_the_gpus_program_slots(tmp_path, monkeypatch):
-    """_fast_pieces (PAGED_BALANCE) on a GPU of 132 SMs holding two decode programs each: the count
-    of pieces per request whose programs fill the 264 slots in whole waves, the smallest such; never
-    more than FOLD_AT_ONCE, nor pieces under PAGED_MIN_PIECE_KEYS keys; PAGED_PIECES overrides."""
+    """_fast_pieces (PAGED_BALANCE) on a GPU of 132 SMs holding two decode programs each: where the
+    fixed cut's programs fill fewer than the 264 slots, as many even pieces per request as fill one
+    wave (never more than FOLD_AT_ONCE, nor pieces under PAGED_MIN_PIECE_KEYS keys); else None, the
+    fixed cut, which attention_paged then takes; PAGED_PIECES overrides."""
     import torch
 
     from workbench import make, port
@@ -386,17 +387,24 @@ def test_fast_modes_pieces_fill_the_gpus_program_slots(tmp_path, monkeypatch):
     monkeypatch.setattr(module, "_INTERPRET", False)
     monkeypatch.setattr(module, "_sm_count", lambda device: 132)
     monkeypatch.setattr(module, "_programs_per_sm", lambda *args: 2)
+    monkeypatch.setattr(module, "FAST_SPLIT_KEYS", 4096)
     cuda = torch.device("cuda", 0)
 
     def pieces(busy, capacity):
         return module._fast_pieces(busy, capacity, (16, 64, 4, 3), 128, 2, cuda)
 
     assert pieces(8, 131072) == 33  # one request, 8 kv heads: 264 programs, where 4,096-key pieces give 256
-    assert pieces(64, 32768) == 33  # 8 requests x 8 kv heads: 2,112 programs, 8 whole waves
-    assert pieces(64, 8192) == 4  # at most 16 pieces of 512 keys: 256 programs of 264 slots fill best
+    assert pieces(64, 32768) is None  # 8 requests x 8 kv heads: 8 fixed pieces each, 512 programs, two waves
+    assert pieces(64, 8192) == 4  # 2 fixed pieces each (128 programs): 4 fill one wave (256 of 264)
     assert pieces(1, 131072) == 64  # a lone kv head: FOLD_AT_ONCE pieces at most
     assert pieces(8, 1024) == 2  # pieces of at least 512 keys
-    assert pieces(300, 131072) == 22  # 6,600 programs: exactly 25 waves
+    assert pieces(300, 131072) is None  # 9,600 programs of fixed pieces
+    assert pieces(264, 8192) is None and pieces(263, 2048) == 1  # (one fixed piece each: no split)
+    # the launch follows: even pieces for one long request, the fixed cut for eight
+    shape = module._paged_shape(1, 1, 32, 8, 128, 131072, 2, cuda, False)
+    assert shape[-3:] == (33, module.PAGED_MIN_PIECE_KEYS, True), shape
+    shape = module._paged_shape(8, 8, 32, 8, 128, 32768, 2, cuda, False)
+    assert shape[-3:] == (8, 4096, False), shape
     monkeypatch.setattr(module, "PAGED_PIECES", 5)
     assert pieces(8, 131072) == 5
     monkeypatch.setattr(module, "PAGED_PIECES", 100)  # (past FOLD_AT_ONCE the fold takes them in turn)

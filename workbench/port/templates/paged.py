@@ -30,14 +30,18 @@ INVARIANT_PAGED_STAGES = 3  # invariant mode's pipeline depth (stages never chan
 # fast mode's pieces (None: SPLIT_KEYS, invariant mode's); the interpreter's tests use longer ones
 FAST_SPLIT_KEYS = 128 if _INTERPRET else None
 FOLD_AT_ONCE = 64  # fast mode's _paged_fold sums up to this many pieces of a row in one tile
-# fast mode's split-KV cut. PAGED_BALANCE: a request's key tiles in near-equal runs, as many per
-# request as fill the GPU's program slots (SMs x programs an SM holds) most evenly, each at least
-# PAGED_MIN_PIECE_KEYS keys (a short request in a wide block table takes fewer); checked against
-# the float64 reference under the interpreter and compiled for sm_90a, not yet timed on a GPU, so
-# off: pieces of FAST_SPLIT_KEYS keys at fixed positions (invariant mode's cut in any case), which
-# benchmarks/bench_paged.py --pieces compares it with. PAGED_PIECES: that many even pieces per
+# fast mode's split-KV cut. Pieces of FAST_SPLIT_KEYS keys at fixed positions (invariant mode's cut
+# in any case), except where those leave part of the GPU idle: when a step's programs of fixed
+# pieces are fewer than the GPU's program slots (SMs x programs an SM holds), PAGED_BALANCE cuts
+# each request's key tiles into near-equal runs, as many as fill one wave of slots, each at least
+# PAGED_MIN_PIECE_KEYS keys (a short request in a wide block table takes fewer). On an H200 (bf16,
+# 8 kv heads, D 128, the decode kernels' GPU time): one request against 131,072 keys, 33 even
+# pieces against 32 fixed ones, 126.2-126.6 us against 128.1 at page 128 (SDPA's cuDNN kernel
+# 126.7) and 128.7-129.5 against 129.9-130.2 at page 16; 8 requests against 32,768 keys (512 fixed
+# programs, two waves) keep the fixed cut, which ran 1.02-1.03x SDPA there against 1.05-1.09x for
+# 33 even pieces (benchmarks/bench_paged.py --pieces). PAGED_PIECES: that many even pieces per
 # request (a whole number >= 1), whatever the GPU (for benchmarks and tests)
-PAGED_BALANCE = False
+PAGED_BALANCE = True
 PAGED_MIN_PIECE_KEYS = 48 if _INTERPRET else 512
 PAGED_PIECES = None
 # (under the interpreter every call has few programs: there only a forced split runs split-KV)
@@ -490,29 +494,27 @@ def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, t
         tl.store(Lse + t.to(tl.int64) * Hq + h + one, lse)
 
 
-def _fast_pieces(busy: int, capacity: int, tile: tuple, D_PAD: int, itemsize: int, device) -> int:
-    """Fast mode's pieces per request (PAGED_BALANCE): of 1 .. FOLD_AT_ONCE (and no piece under
-    PAGED_MIN_PIECE_KEYS keys of the block table's capacity), the count whose busy x count programs
-    fill the GPU's program slots in whole waves most nearly, the smallest such; from shapes and the
-    GPU alone (a CUDA graph replays it). One request against 131,072 keys, 8 kv heads, on an H200's
-    132 SMs x 2 programs: 33 pieces (264 programs for 264 slots), where fixed pieces of 4,096 keys
-    give 32 (256 programs for 264 slots)."""
+def _fast_pieces(busy: int, capacity: int, tile: tuple, D_PAD: int, itemsize: int, device) -> int | None:
+    """Fast mode's even pieces per request (PAGED_BALANCE), or None for the fixed cut: where busy x
+    (the fixed cut's pieces) programs fill at least one wave of the GPU's program slots, None; else
+    as many pieces as fill one wave most nearly, at most FOLD_AT_ONCE and none under
+    PAGED_MIN_PIECE_KEYS keys of the block table's capacity. From shapes and the GPU alone (a CUDA
+    graph replays it). One request against 131,072 keys, 8 kv heads, on an H200's 132 SMs x 2
+    programs: 33 pieces (264 programs for 264 slots), where fixed pieces of 4,096 keys give 32
+    (256 programs)."""
     if PAGED_PIECES is not None:  # (past FOLD_AT_ONCE, _paged_fold folds them one after another)
         if isinstance(PAGED_PIECES, bool) or not isinstance(PAGED_PIECES, int) or PAGED_PIECES < 1:
             raise ValueError(f"PAGED_PIECES = {PAGED_PIECES!r} must be a whole number of pieces per request, at least "
                              "1, or None (the count that fills the GPU's program slots)")
         return PAGED_PIECES
     most = max(1, min(FOLD_AT_ONCE, capacity // PAGED_MIN_PIECE_KEYS))
+    fixed = -(-capacity // (FAST_SPLIT_KEYS or SPLIT_KEYS))
     if _INTERPRET or device.type != "cuda":  # (the interpreter: the fixed cut's count, cut evenly)
-        return min(most, -(-capacity // (FAST_SPLIT_KEYS or SPLIT_KEYS)))
+        return min(most, fixed)
     slots = _sm_count(device) * _programs_per_sm(tile, D_PAD, itemsize, device)
-    best, best_fill = 1, 0.0
-    for n in range(1, most + 1):
-        waves = -(-busy * n // slots)
-        fill = busy * n / (waves * slots)  # the share of the slots' time the programs use
-        if fill > best_fill + 1e-9:
-            best, best_fill = n, fill
-    return best
+    if busy * fixed >= slots:
+        return None
+    return max(1, min(most, slots // max(busy, 1)))
 
 
 def _paged_shape(total_q: int, num_seqs: int, Hq: int, Hkv: int, D: int, capacity: int, itemsize: int, device,
@@ -548,11 +550,14 @@ def _paged_shape(total_q: int, num_seqs: int, Hq: int, Hkv: int, D: int, capacit
     splits = -(-capacity // split_keys) if row_blocks * Hkv < SPLIT_WHEN_PROGRAMS_BELOW else 1
     balanced = not invariant and PAGED_BALANCE and (splits > 1 or PAGED_PIECES is not None)
     if balanced:  # (pieces cut evenly; split_keys is now the least piece, see _paged_kernel)
-        split_keys = PAGED_MIN_PIECE_KEYS
         # (the programs that hold rows: a block per request at least, or per `tokens` queries)
         busy = max(num_seqs, -(-total_q // tokens)) * Hkv
-        splits = _fast_pieces(busy, capacity, (block_m, block_n, warps, PAGED_STAGES or stages), D_PAD,
-                              itemsize, device)
+        even = _fast_pieces(busy, capacity, (block_m, block_n, warps, PAGED_STAGES or stages), D_PAD, itemsize,
+                            device)
+        if even is None:  # (the fixed cut fills the GPU)
+            balanced = False
+        else:
+            splits, split_keys = even, PAGED_MIN_PIECE_KEYS
     return block_m, block_n, warps, stages, tokens, row_blocks, D_PAD, splits, split_keys, balanced
 
 

@@ -309,7 +309,8 @@ def _gluon_mods(parts: list[str], fast_mask: str | None = None) -> tuple[str, st
 # log2 through the chip's lg2.approx (where tl.log is the exact library routine, a dozen FMAs),
 # divisions by a constant as multiplications, and the derivative's seed (d score / d score = score * 0 + 1, a tensor only for
 # its shape) as a constant the compiler folds. Masks keep the exact formulas: a kept pair must be
-# the one the block scan and the reference keep
+# the one the block scan and the reference keep (a window check is written as one unsigned compare,
+# which keeps the same pairs for every int32: translate/fast_mask.py)
 _FAST_HELPERS = ("@gluon.jit\ndef _tanh_fast_gluon(x):\n    # the chip's tanh.approx.f32 (sm_75 and later)\n"
                  "    return gl.inline_asm_elementwise(\"tanh.approx.f32 $0, $1;\", \"=f,f\", [x.to(gl.float32)],\n"
                  "                                     dtype=gl.float32, is_pure=True, pack=1)\n\n"

@@ -96,7 +96,9 @@ def masks(device: str = "cpu") -> list[Mask]:
             with_score(make("causal"), make("softcap")),
             with_score(make("causal"), make("alibi", {"num_heads": 4}, device=device)),
             Mask("users_head_window", mask_mod=head_window), Mask("users_per_sample_prefix", mask_mod=per_sample_prefix),
-            Mask("users_image_spans", mask_mod=image_spans)]
+            Mask("users_image_spans", mask_mod=image_spans),
+            # (its window checks folded into one unsigned compare: translate/fast_mask.py)
+            make("neighborhood_2d", {"kernel": 7}, q_len=1024, kv_len=1024)]
 
 
 def main(argv) -> int:

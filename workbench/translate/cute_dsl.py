@@ -27,8 +27,8 @@ import re
 import torch
 
 from workbench.translate.emitter import Untranslatable
-from workbench.translate.triton_mask import (_BINARY, _REDUCE, _UNARY, TritonMaskEmitter, Vec, and_leaves, is_integer,
-                                             range_pairs, same_value, window_of)
+from workbench.translate.triton_mask import (_BINARY, _REDUCE, _UNARY, TritonMaskEmitter, Vec, is_integer, same_value,
+                                             window_of)
 
 __all__ = ["CuteMaskEmitter", "translate_cute", "cute_mods", "CUTE_HELPERS", "AUX_DTYPES"]
 
@@ -216,17 +216,7 @@ class CuteMaskEmitter(TritonMaskEmitter):
                 return None
             return f"(cutlass.Uint32({x_text} - {lo_text}) < cutlass.Uint32({k}))"
 
-        parts = and_leaves(node.args[0]) + and_leaves(node.args[1])
-        exprs, used = range_pairs(parts, pair)
-        if not exprs:
-            return None
-        for i, leaf in enumerate(parts):
-            if i not in used:
-                value = self.value(leaf)
-                if not isinstance(value, str):
-                    return None
-                exprs.append(value)
-        return "(" + " & ".join(exprs) + ")"
+        return self.fold_and(node, pair)
 
     def constant(self, node, tensor):
         name = self.tensor_name(tensor)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from workbench.define import captured_tensors, trace_mod
-from workbench.translate.triton_mask import TritonMaskEmitter, and_leaves, range_pairs, window_of
+from workbench.translate.triton_mask import TritonMaskEmitter, window_of
 
 __all__ = ["FastMaskEmitter", "translate_fast_mask", "RANGE_HELPERS"]
 
@@ -67,8 +67,7 @@ class FastMaskEmitter(TritonMaskEmitter):
         return super().call(op, node)
 
     def _windows(self, node) -> str | None:
-        """The and at `node` with its windows folded, or None when it has none (or a leaf is not a
-        plain value: a vector over a table, which the walk reduces itself)."""
+        """The and at `node` with its windows folded, or None when it has none (fold_and)."""
 
         def spell(lower, upper):
             window = window_of(lower, upper)
@@ -80,27 +79,18 @@ class FastMaskEmitter(TritonMaskEmitter):
                 return None
             return x_text, lo_text, k
 
-        parts = and_leaves(node.args[0]) + and_leaves(node.args[1])
-        windows, used = range_pairs(parts, spell)
-        if not windows:
-            return None
-        by_k: dict[int, list] = {}
-        for window in windows:
-            by_k.setdefault(window[2], []).append(window)
-        exprs = []
-        for k, same_k in by_k.items():
-            for (x1, lo1, _), (x2, lo2, _) in zip(same_k[0::2], same_k[1::2]):
-                exprs.append(f"_in_ranges_gluon({x1}, {lo1}, {x2}, {lo2}, {k})")
-            if len(same_k) % 2:
-                x, lo, _ = same_k[-1]
-                exprs.append(f"_in_range_gluon({x}, {lo}, {k})")
-        for i, leaf in enumerate(parts):
-            if i not in used:
-                value = self.value(leaf)
-                if not isinstance(value, str):
-                    return None
-                exprs.append(value)
-        return "(" + " & ".join(exprs) + ")"
+        def merge(windows):  # two windows of one k: one compare
+            by_k: dict[int, list] = {}
+            for window in windows:
+                by_k.setdefault(window[2], []).append(window)
+            for k, same_k in by_k.items():
+                for (x1, lo1, _), (x2, lo2, _) in zip(same_k[0::2], same_k[1::2]):
+                    yield f"_in_ranges_gluon({x1}, {lo1}, {x2}, {lo2}, {k})"
+                if len(same_k) % 2:
+                    x, lo, _ = same_k[-1]
+                    yield f"_in_range_gluon({x}, {lo}, {k})"
+
+        return self.fold_and(node, spell, merge)
 
 
 def translate_fast_mask(mask, lifted: frozenset = frozenset()) -> tuple[str, list[str]]:

@@ -230,6 +230,24 @@ class TritonMaskEmitter(Emitter):
             return a >= 0
         return hasattr(a, "name") and a.name in self.nonneg
 
+    def fold_and(self, node, spell, combine=None) -> str | None:
+        """The and at `node` with its range checks written as `spell(lower, upper)` writes them
+        (range_pairs; `combine` may merge the spelled checks), the other operands as they are;
+        None when no pair is spelled or an operand is not a plain value (a vector over a table,
+        which the walk reduces itself)."""
+        parts = and_leaves(node.args[0]) + and_leaves(node.args[1])
+        spelled, used = range_pairs(parts, spell)
+        if not spelled:
+            return None
+        exprs = list(combine(spelled) if combine is not None else spelled)
+        for i, leaf in enumerate(parts):
+            if i not in used:
+                value = self.value(leaf)
+                if not isinstance(value, str):
+                    return None
+                exprs.append(value)
+        return "(" + " & ".join(exprs) + ")"
+
     # ------------------------------------------------------------ hooks
 
     def placeholder(self, node):

@@ -34,7 +34,9 @@ from workbench import port  # noqa: E402
 from workbench.run import Shape, make_inputs  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("--profile", default=None, metavar="MASK", help="cProfile this mask's first call")
+MASKS = ["causal", "sliding window 1024", "document (8 docs)", "per-head window"]
+ap.add_argument("--profile", default=None, choices=MASKS, metavar="MASK",
+                help=f"cProfile this mask's first call (one of: {', '.join(MASKS)})")
 args = ap.parse_args()
 torch.zeros(1, device="cuda")
 torch.cuda.synchronize()
@@ -43,7 +45,7 @@ seq, heads = 32768, 16
 allm = masks_at(seq, heads, "cuda")
 folder = Path(tempfile.mkdtemp())
 inputs = make_inputs(Shape(batch=1, q_heads=heads, q_len=seq, head_dim=128), "bfloat16", "cuda", seed=0)
-for name in ["causal", "sliding window 1024", "document (8 docs)", "per-head window"]:
+for name in MASKS:
     t0 = time.perf_counter()
     path = port.build(allm[name], seq, seq, heads=heads, batch=1, out_dir=folder / name.replace(" ", "_"))
     t1 = time.perf_counter()

@@ -87,6 +87,12 @@ def masks(device: str = "cpu") -> list[Mask]:
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
 
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=device)
+    relative = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def score_biases(score, b, h, q_idx, kv_idx):  # (ALiBi as attention-gym writes it, a relative table)
+        return score + slopes[h] * (kv_idx - q_idx) + relative[h, (q_idx - kv_idx).clamp(0, 15)]
+
     def near(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < 200
 
@@ -98,7 +104,10 @@ def masks(device: str = "cpu") -> list[Mask]:
             Mask("users_head_window", mask_mod=head_window), Mask("users_per_sample_prefix", mask_mod=per_sample_prefix),
             Mask("users_image_spans", mask_mod=image_spans),
             # (its window checks folded into one unsigned compare: translate/fast_mask.py)
-            make("neighborhood_2d", {"kernel": 7}, q_len=1024, kv_len=1024)]
+            make("neighborhood_2d", {"kernel": 7}, q_len=1024, kv_len=1024),
+            # (biases added to the score: one fused multiply-add in base 2, distances converted per
+            # row and column: translate/fast_score.py)
+            Mask("users_score_biases", mask_mod=causal, score_mod=score_biases)]
 
 
 def main(argv) -> int:

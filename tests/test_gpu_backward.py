@@ -176,6 +176,55 @@ def test_a_saturated_softcap_on_the_hopper_kernels_matches_the_reference(cuda, t
     assert not bad, "; ".join(bad)
 
 
+@pytest.mark.parametrize("name, dtype, head_dim", [("alibi", "bfloat16", 128), ("alibi", "float16", 64),
+                                                   ("users_score_biases", "bfloat16", 128)])
+def test_the_fast_score_forms_on_the_hopper_kernels_match_the_reference(cuda, tmp_path, monkeypatch, name, dtype,
+                                                                        head_dim):
+    # PORT_FAST_SCORE's forms (translate/fast_score.py, off by default): biases added to the score in
+    # one fused multiply-add in base 2, integer distances converted per row and column. Positions
+    # past 2^24 cannot be reached at these lengths; the CPU test checks the conversion's bits there.
+    # Causal + ALiBi (per-head slopes), and a user's sum of biases (ALiBi as attention-gym writes
+    # it, a relative table read at a clamped distance, a lens[b] shift): out, lse, dq, dk, dv of the
+    # Hopper forward and backward against float64, at Lq != Lk (the ALiBi distance's offset)
+    import importlib
+
+    from workbench import port, with_score
+    from workbench.run import make_inputs
+    from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention
+    from workbench.verify.compare import _grad_tolerance
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm_90 only")
+    monkeypatch.setattr(importlib.import_module("workbench.port.generate"), "FAST_SCORE_FORMS", True)
+    sys.path.insert(0, str(ROOT))
+    from run_hopper_compile import masks
+
+    q_len, kv_len = 1024, 1280
+    mask = (with_score(make("causal"), make("alibi", {"num_heads": 4}, q_len=q_len, kv_len=kv_len, device="cuda"))
+            if name == "alibi" else {m.name: m for m in masks("cuda")}[name])
+    path = port.build(mask, q_len, kv_len, heads=4, batch=2, out_dir=tmp_path)
+    assert "gl.fma(qk, sm_scale * 1.4426950408889634, " in path.read_text()  # (the bias form was written)
+    module = port.load(path)
+    module.HOPPER_BWD_PER_HEAD_MIN_PAIRS = 0
+    ran = {"forward": [], "backward": []}
+    fwd, bwd = module._attention_hopper, module._hopper_bwd_launch
+    module._attention_hopper = lambda *a: ran["forward"].append(1) or fwd(*a)
+    module._hopper_bwd_launch = lambda *a: (lambda done: ran["backward"].append(done is not None) or done)(bwd(*a))
+    shape = Shape(batch=2, q_heads=4, kv_heads=2, q_len=q_len, kv_len=kv_len, head_dim=head_dim)
+    inputs = make_inputs(shape, dtype, "cuda", seed=7, backward=True)
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (inputs.q, inputs.k, inputs.v))
+    out, lse = module.attention(qg, kg, vg, return_lse=True)
+    out.backward(inputs.grad_out)
+    assert ran["forward"] and ran["backward"] and all(ran["backward"]), ran
+    ref = reference_attention(mask, inputs, backward=True, progress=False)
+    checks = [compare("out", out, ref.out, TOLERANCES[dtype]), compare("lse", lse, ref.lse, LSE_TOLERANCE[dtype])]
+    checks += [compare(n, got, ref.grads[n], _grad_tolerance(dtype, n, ref.grads[n], shape))
+               for n, got in (("dq", qg.grad), ("dk", kg.grad), ("dv", vg.grad))]
+    bad = [f"{c.name}: max abs err {c.max_abs_err:.3g}, {c.bad_count} bad, {c.nan_count} NaN" for c in checks
+           if not c.passed or c.nan_count]
+    assert not bad, "; ".join(bad)
+
+
 def test_one_port_called_at_several_lengths_matches_the_reference_every_call(cuda, tmp_path):
     # One generated file, called again and again: after a kind of launch has run once, _launch
     # sends the next launches of that kind straight to the compiled kernel with their own arguments

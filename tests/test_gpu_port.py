@@ -130,7 +130,7 @@ def test_float32_at_wide_head_dims(cuda, head_dim):
 _HOPPER_CASES = ["users_and_masks", "causal_bottom_right", "full", "causal_sliding_window_256", "document_causal_3docs",
                  "causal_bottom_right+softcap_30", "causal_bottom_right+alibi_4heads", "users_head_window", "users_per_sample_prefix",
                  "users_image_spans", "causal_8k_fp16_d64", "full_512x2048", "neighborhood_2d_k7_1000",
-                 "users_natten_1d"]
+                 "users_natten_1d", "users_score_biases"]
 
 
 def _hopper_case(name: str):

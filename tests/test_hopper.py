@@ -67,11 +67,17 @@ def test_hopper_kernel_compiles_for_sm90_without_spills():
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
 def test_every_form_of_every_masks_hopper_kernels_compiles_for_sm90():
     # every mask of the compile script (the library's, users' tables, spans, and_masks, documents,
-    # score_mods, a 2-D neighbourhood), every loop form, page size and backward form a switch can choose
+    # score_mods, biases added to the score, a 2-D neighbourhood), every loop form, page size and backward form a switch can choose
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "run_hopper_compile.py")], capture_output=True,
                           text=True, timeout=3000, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "SUMMARY 11/11" in done.stdout, done.stdout[-3000:]
+    assert "SUMMARY 12/12" in done.stdout, done.stdout[-3000:]
+    # the score functions' fast forms (translate/fast_score.py, PORT_FAST_SCORE=1) on the masks with a score_mod
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "run_hopper_compile.py"), "causal_bottom_right+alibi_4heads",
+                           "causal_bottom_right+softcap_30", "users_score_biases"], capture_output=True, text=True,
+                          timeout=3000, env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+                                             "PORT_FAST_SCORE": "1"})
+    assert done.returncode == 0 and "SUMMARY 3/3" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def test_the_mods_gluon_copy_and_the_kernel_is_on_unless_turned_off(tmp_path, monkeypatch):
@@ -122,7 +128,7 @@ def _run_gluon_text(text: str, names: list[str]) -> dict:
     gl = types.SimpleNamespace(exp=torch.exp, exp2=torch.exp2, log=torch.log, where=torch.where, float32=torch.float32,
                                zeros_like=torch.zeros_like, inline_asm_elementwise=asm, minimum=both(torch.minimum),
                                abs=torch.abs, maximum=both(torch.maximum), load=lambda p: p, int32=torch.int32,
-                               constexpr=int)
+                               constexpr=int, fma=lambda a, b, c: a * b + c)
     # (an int32 seen as uint32: its bits as a number 0 .. 2^32 - 1, in int64)
     text = textwrap.dedent(text).replace("x.to(gl.float32)", "x.to(torch.float32)").replace(
         ".to(gl.uint32, bitcast=True)", ".to(torch.int64).bitwise_and(4294967295)")
@@ -278,6 +284,124 @@ def test_window_checks_in_the_masks_gluon_copy_are_one_unsigned_compare_exact_fo
             want = mask.mask_mod(b, h, q_idx, kv_idx)
             assert torch.equal(got.expand_as(want), want), (mask.name, int((got != want).sum()))
             assert 0 < int(want.sum()) < lq * lk or (lq == 1 and int(want.sum()) > 0)
+
+
+class _Pointer:
+    """A table pointer for _run_gluon_text: `ptr + offset` moves it, gl.load reads the table there."""
+
+    def __init__(self, table, offset=0):
+        self.table, self.offset = table, offset
+
+    def __add__(self, offset):
+        return _Pointer(self.table, self.offset + offset)
+
+    def load(self):
+        import torch
+
+        return self.table[torch.as_tensor(self.offset).long()]
+
+
+def test_integer_distances_in_the_score_functions_gluon_copies_convert_per_row_and_column_with_the_same_bits():
+    # (the fast score forms, translate/fast_score.py: off by default, PORT_FAST_SCORE=1)
+    # float(q_idx + c - kv_idx) in a score_mod (ALiBi's distance) converts every pair; the Gluon copy
+    # converts the row part and the column part once each (_sub_as_float_gluon), split at 2^12 so
+    # that the result is float32(a - b), one rounding, for every int32 a, b whose difference fits
+    # int32: the same bits as the mod, past 2^24 too. A bias added to the score joins the base-2
+    # scaling in one fused multiply-add (score_log2_gluon), within a rounding of the mod's value
+    import torch
+
+    from workbench.translate.fast_score import INDEX_HELPERS
+
+    run = _run_gluon_text(INDEX_HELPERS, ["_sub_as_float_gluon"])
+    top, bottom = 2 ** 31 - 1, -2 ** 31
+    edges = [0, 1, -1, 4095, 4096, 4097, -4096, -4097, 2 ** 24 - 1, 2 ** 24, 2 ** 24 + 1, 2 ** 24 + 3, 2 ** 25 + 1,
+             -2 ** 24 - 1, 2 ** 30 + 12345, 2 ** 30 - 1, -2 ** 30 - 7, top, top - 4096, bottom, bottom + 4097]
+    values = torch.tensor(edges + torch.randint(bottom, top, (40,), generator=torch.Generator().manual_seed(1)).tolist(),
+                          dtype=torch.int32)
+    a, b = values[:, None], values[None, :]
+    exact = a.long() - b.long()  # (the true difference; float64 holds it, and rounds it once to float32)
+    got = run["_sub_as_float_gluon"](a, b)
+    assert got.dtype == torch.float32 and torch.equal(got, exact.double().float())
+    fits = (exact >= bottom) & (exact <= top)  # there it is float32 of the int32 difference, bit for bit
+    assert torch.equal(got[fits], (a - b).float()[fits]) and int(fits.sum()) > 2000
+    assert not torch.equal(a.float() - b.float(), exact.double().float())  # (one conversion per side would not be exact)
+    big = torch.tensor([2 ** 40 + 2 ** 16 + 1])  # (int64 converts as written)
+    assert torch.equal(run["_sub_as_float_gluon"](big, torch.tensor([1])), (big - 1).float())
+
+    slope = torch.tensor([0.5, 0.25, 0.125, 2.0 ** -20])  # (undeclared per-head and per-sample tables)
+    lens = torch.tensor([3, 2 ** 24 + 5], dtype=torch.int32)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(2))
+
+    def alibi_gym(score, b, h, q_idx, kv_idx):  # attention-gym's: no abs, kv - q
+        return score + slope[h] * (kv_idx - q_idx)
+
+    def cast_distance(score, b, h, q_idx, kv_idx):  # an explicit cast, a per-sample shift, a literal divisor
+        return score - (q_idx - lens[b] - kv_idx + 7).float() / 8
+
+    def bucket(score, b, h, q_idx, kv_idx):  # a T5-style bucket: the clamp and the log in floats
+        d = (q_idx - kv_idx).clamp(0, 2 ** 20)
+        big = (8 + (torch.log((d.float() + 1) / 8) * 2.5).int()).clamp(max=39)
+        return score + bias[torch.where(d < 8, d, big)]
+
+    def clamped(score, b, h, q_idx, kv_idx):  # (both bounds reached in the tiles below)
+        return score - (kv_idx - q_idx).clamp(-2000, 1500).float() / 1024
+
+    def negated(score, b, h, q_idx, kv_idx):
+        return score * 1.5 + (-(kv_idx - q_idx).abs()) * slope[h]
+
+    def product(score, b, h, q_idx, kv_idx):  # (one term reads both indices: converted per pair)
+        return score + (q_idx * kv_idx - q_idx).float() * 1e-9
+
+    def biases(score, b, h, q_idx, kv_idx):  # (three biases: added, added, subtracted)
+        return score + slope[h] * (kv_idx - q_idx) + bias[(q_idx - kv_idx).clamp(0, 39)] - (q_idx - lens[b]).float() / 64
+
+    def scaled(score, b, h, q_idx, kv_idx):  # (the score times a number: no bias form)
+        return score * 0.5 - slope[h] * (q_idx - kv_idx).abs()
+
+    # (score_mod, Lq, Lk, converts a distance per row / column, the kernels' base-2 score is score + bias)
+    cases = [(make("alibi", {"num_heads": 4}, q_len=3000, kv_len=3100).score_mod, 3000, 3100, True, True),
+             (alibi_gym, 64, 64, True, True), (cast_distance, 64, 64, True, True), (bucket, 64, 64, True, True),
+             (clamped, 64, 64, True, True), (negated, 64, 64, True, False), (product, 64, 64, False, True),
+             (biases, 64, 64, True, True), (scaled, 64, 64, True, False)]
+    for score_mod, lq, lk, converts, adds in cases:
+        mask = with_score(make("causal") if score_mod is not product else make("full"), Mask("s", score_mod=score_mod))
+        generated = port.generate(mask, lq, lk, fast_score_forms=True)
+        source = generated.source
+        plain = _gluon_section(port.generate(mask, lq, lk, fast_score_forms=False).source)  # (the default)
+        assert "_sub_as_float" not in plain and "gl.fma(" not in plain and \
+            "return score_mod_gluon(qk * sm_scale, b, h, q_idx, kv_idx" in plain
+        section = _gluon_section(source)
+        body = section[section.index("def score_mod_gluon"):]
+        portable = source[source.index("def score_mod_triton"):source.index("def mask_mod_triton")]
+        assert "_sub_as_float" not in portable
+        assert ("_sub_as_float_gluon(" in body) == converts, body
+        log2_text = body[body.index("def score_log2_gluon"):]
+        assert ("gl.fma(qk, sm_scale * 1.4426950408889634, " in log2_text) == adds, log2_text
+        assert adds or "return score_mod_gluon(qk * sm_scale, " in log2_text
+        run = _run_gluon_text(section.replace("gl.load(", "_load("), ["score_mod_gluon", "score_log2_gluon"])
+        run["score_mod_gluon"].__globals__["_load"] = _Pointer.load
+        names = re.findall(r"def score_mod_gluon\(score, b, h, q_idx, kv_idx((?:, \w+_ptr)*)\)", body)[0]
+        pointers = [_Pointer(generated.tensors[n.strip()[:-4]]) for n in names.split(",") if n.strip()]
+        # positions past 2^24 (where float32 skips odd integers) and near 0, rows and columns of a tile
+        for base in (0, 2 ** 24 - 40, 2 ** 27 + 3):
+            q_idx = (base + torch.arange(0, 64, dtype=torch.int32) * 37)[:, None]
+            kv_idx = (base + torch.arange(0, 64, dtype=torch.int32) * 41 - 900)[None, :]
+            score = torch.randn(64, 64, generator=torch.Generator().manual_seed(base % 97))
+            for b_val, h_val in ((0, 0), (1, 3)):
+                b, h = torch.tensor(b_val, dtype=torch.int32), torch.tensor(h_val, dtype=torch.int32)
+                want = score_mod(score, b, h, q_idx, kv_idx)
+                got = run["score_mod_gluon"](score, b, h, q_idx, kv_idx, *pointers)
+                if score_mod is bucket:  # (the copy's log is the chip's approximation: torch's log2 stands in)
+                    assert torch.equal(got, want) or (got != want).float().mean() < 0.01
+                else:
+                    assert torch.equal(got, want), (score_mod.__name__, base, (got - want).abs().max())
+                # the kernels' base-2 score: qk * (scale * log2 e) + bias * log2 e where the mod adds
+                # a bias (one rounding apart from (qk * scale + bias) * log2 e, float64 the judge)
+                qk, scale = score * 9.0, 0.125
+                want2 = score_mod(qk.double() * scale, b, h, q_idx, kv_idx) * 1.4426950408889634
+                got2 = run["score_log2_gluon"](qk, scale, b, h, q_idx, kv_idx, *pointers)
+                if score_mod is not bucket:
+                    torch.testing.assert_close(got2.double(), want2, rtol=2e-6, atol=2e-6 * float(want2.abs().max()))
 
 
 def test_mods_with_a_name_gluon_lacks_keep_the_portable_kernel():

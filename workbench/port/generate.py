@@ -12,6 +12,7 @@ offset) are computed per call. The file states this and refuses other calls with
 
 from __future__ import annotations
 
+import os
 import re
 import textwrap
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from workbench.define.util import fill_template, template_body
 from workbench.define import captured_tensors, trace_mod
 from workbench.translate import Untranslatable, mod_functions, range_pointers
 from workbench.translate.fast_mask import RANGE_HELPERS, translate_fast_mask
+from workbench.translate.fast_score import INDEX_HELPERS, score_log2_function, translate_fast_score
 from workbench.translate.derivative import derivative_mod
 from workbench.translate.triton_mask import PORTABLE_TANH, translate_mod
 from workbench.translate.triton_table_grad import translate_table_grad
@@ -41,9 +43,15 @@ HOPPER_BWD_TEMPLATE = Path(__file__).with_name("templates") / "hopper_backward.p
 HOPPER_PAGED_TEMPLATE = Path(__file__).with_name("templates") / "hopper_paged.py"  # attention_paged's prefill on sm_90
 # the Triton names the mods' translation writes that Gluon has under the same name (tl.X -> gl.X)
 GLUON_NAMES = frozenset({"where", "minimum", "maximum", "log", "log2", "exp", "exp2", "load", "erf", "sqrt", "rsqrt",
-                         "sin", "cos", "floor", "ceil", "abs", "float16", "bfloat16", "float32", "float64", "int1",
+                         "sin", "cos", "floor", "ceil", "abs", "fma", "float16", "bfloat16", "float32", "float64", "int1",
                          "int8", "uint8", "int16", "int32", "int64"})
 ENTRY = "attention"
+# The Hopper kernels' score functions with a bias added to the score as one fused multiply-add in
+# base 2, and integer distances converted per row and per column (translate/fast_score.py): compiled
+# for sm_90a and checked against the mods' values on torch tensors, but not yet timed or checked
+# against the reference on an H100 / H200, so off unless PORT_FAST_SCORE=1 when a file is generated
+# (the files' score functions are then score_mod * log2(e), as before)
+FAST_SCORE_FORMS = os.environ.get("PORT_FAST_SCORE", "0") == "1"
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -158,11 +166,13 @@ def length_plan(mask: Mask, q_len: int, kv_len: int):
 
 
 def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | None = None,
-             batch: int | None = None) -> PortSource:
+             batch: int | None = None, fast_score_forms: bool | None = None) -> PortSource:
     """The port of `mask`, generated at these sizes. Numbers its factory computes from the lengths
     (the bottom-right offset Lk - Lq) are computed by the file per call (`lengths.follow`); a mask
     whose meaning is tied to these lengths otherwise (per-token tables) is valid at them only.
-    Raises a WorkbenchError naming the construct when a mod has no Triton translation."""
+    Raises a WorkbenchError naming the construct when a mod has no Triton translation.
+    `fast_score_forms`: the Hopper kernels' score functions in the forms of translate/fast_score.py
+    (None: FAST_SCORE_FORMS)."""
 
     kv_len = kv_len or q_len
     indexed, plan, per_token, rules, source_mask = length_plan(mask, q_len, kv_len)
@@ -221,7 +231,11 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     text = (TEMPLATE.read_text() + "\n\n" + template_body(PAGED_TEMPLATE) + "\n\n"
             + template_body(BACKWARD_TEMPLATE) + "\n\n" + template_body(HOPPER_TEMPLATE) + "\n\n"
             + template_body(HOPPER_PAGED_TEMPLATE) + "\n\n" + template_body(HOPPER_BWD_TEMPLATE))
-    gluon_mods, no_gluon, no_gluon_grad = _gluon_mods(parts, _fast_mask(source_mask, lifted, mask_ptrs))
+    fast_scores = FAST_SCORE_FORMS if fast_score_forms is None else fast_score_forms
+    gluon_mods, no_gluon, no_gluon_grad = _gluon_mods(
+        parts, _fast_mask(source_mask, lifted, mask_ptrs),
+        _fast_score(source_mask, lifted, score_ptrs, grad_ptrs) if fast_scores else None,
+        score_log2_function(source_mask.score_mod if fast_scores else None, source_mask, lifted, score_ptrs)[0])
     source_comment = textwrap.indent(mask.source.strip() or "(source not available)", "    ")
     fills = {
         "@@TITLE@@": f"{mask.name}: attention with this mask and score as one standalone Triton kernel.",
@@ -272,7 +286,36 @@ def _fast_mask(mask: Mask, lifted: frozenset, mask_ptrs: list[str]) -> str | Non
     return text if pointers == mask_ptrs and "_in_range" in text else None
 
 
-def _gluon_mods(parts: list[str], fast_mask: str | None = None) -> tuple[str, str | None, str | None]:
+def _score_pointers(parts: list[str]) -> list[str]:
+    """score_mod_triton's pointer parameters, read off its text in `parts`."""
+    for part in parts:
+        found = re.search(r"^def score_mod_triton\(score, b, h, q_idx, kv_idx((?:, \w+)*)\):", part, re.MULTILINE)
+        if found:
+            return [p.strip() for p in found.group(1).split(",") if p.strip()]
+    return []
+
+
+def _fast_score(mask: Mask, lifted: frozenset, score_ptrs: list[str], grad_ptrs: list[str]) -> dict[str, str]:
+    """score_mod_triton and score_grad_triton with their integer distances converted per row and
+    per column (translate.fast_score), by function name, for the Gluon copies; only those with a
+    conversion moved (and the plain translation's pointers)."""
+    if mask.score_mod is None:
+        return {}
+    out = {}
+    for name, mod, pointers in (("score_mod_triton", mask.score_mod, score_ptrs),
+                                ("score_grad_triton", None, grad_ptrs)):
+        try:
+            mod = mod or derivative_mod(mask.score_mod)
+            text, ptrs, converted = translate_fast_score(mod, name, mask, lifted)
+        except Exception:  # (the plain copy stays: it translated, so the Gluon kernels still run)
+            continue
+        if converted and ptrs == pointers:
+            out[name] = text
+    return out
+
+
+def _gluon_mods(parts: list[str], fast_mask: str | None = None, fast_score: dict[str, str] | None = None,
+                score_log2: str | None = None) -> tuple[str, str | None, str | None]:
     """The mask_mod and score_mod as Gluon functions (mask_mod_gluon, score_mod_gluon, and the
     helpers they call, each named *_gluon) for the Hopper kernels, indented for their `if` block:
     the Triton translation with Gluon's names, which are the same for every elementwise op it writes
@@ -280,10 +323,19 @@ def _gluon_mods(parts: list[str], fast_mask: str | None = None) -> tuple[str, st
     (score_grad_gluon) for the Hopper backward. (text, None, None), or a stand-in and the reason for
     the mods (then the Hopper kernels do not run), or for the derivative alone (then the Hopper
     backward does not run with the score_mod). `fast_mask`: mask_mod_triton with its window checks
-    folded (_fast_mask), copied in place of the plain one."""
+    folded (_fast_mask), copied in place of the plain one; `fast_score`: the score functions with
+    their distances converted per row and column (_fast_score), likewise; `score_log2`: the
+    kernels' base-2 score, score_log2_triton (fast_score.score_log2_function; by default a call of
+    score_mod_triton times log2(e))."""
+    if score_log2 is None:
+        score_log2 = score_log2_function(None, None, frozenset(), _score_pointers(parts))[0]
+    swaps = dict(fast_score or {})
     if fast_mask is not None:
-        parts = [fast_mask.strip() if re.search(r"^def mask_mod_triton\(", p, re.MULTILINE) else p for p in parts]
-    mods, why = _as_gluon(parts, {"mask_mod_triton": "mask_mod_gluon", "score_mod_triton": "score_mod_gluon"})
+        swaps["mask_mod_triton"] = fast_mask
+    for name, text in swaps.items():
+        parts = [text.strip() if re.search(rf"^def {name}\(", p, re.MULTILINE) else p for p in parts]
+    mods, why = _as_gluon(parts + [score_log2], {"mask_mod_triton": "mask_mod_gluon", "score_mod_triton": "score_mod_gluon",
+                                                 "score_log2_triton": "score_log2_gluon"})
     if why is not None:
         return "    pass", f"the mods use {why}, which Gluon does not have", None
     grad, why_grad = _as_gluon(parts, {"score_grad_triton": "score_grad_gluon"}, helpers=False)
@@ -296,8 +348,10 @@ def _gluon_mods(parts: list[str], fast_mask: str | None = None) -> tuple[str, st
     helpers = "_sigmoid_gluon(" in mods + grad
     fast = "_fast_gluon(" in mods + grad
     ranges = "_in_range" in mods
+    index = "_sub_as_float_gluon(" in mods + grad
     text = (("@gluon.jit\ndef _sigmoid_gluon(x):\n    # tl.sigmoid's formula\n    return 1 / (1 + gl.exp(-x))\n\n"
              if helpers else "") + (_FAST_HELPERS if fast else "") + (RANGE_HELPERS + "\n\n" if ranges else "")
+            + (INDEX_HELPERS + "\n\n" if index else "")
             + mods + "\n\n" + grad)
     return textwrap.indent(text, "    "), None, why_grad
 
@@ -327,7 +381,7 @@ def _fast_scores(text: str) -> str:
     they are)."""
     parts = text.split("@gluon.jit\n")
     for i, part in enumerate(parts):
-        if not part.startswith(("def score_mod_gluon(", "def score_grad_gluon(")):
+        if not part.startswith(("def score_mod_gluon(", "def score_grad_gluon(", "def score_log2_gluon(")):
             continue
         part = _replace_tanh(part)
         part = part.replace("_sigmoid_gluon(", "_sigmoid_fast_gluon(")

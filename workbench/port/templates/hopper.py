@@ -103,7 +103,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # c = scale * log2(e) (c > 0, _hopper_ready), and P = exp2(qk * c - max), one fused
         # multiply-add per score.
         if HAS_SCORE:
-            s = score_mod_gluon(qk * sm_scale, b, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@) * 1.4426950408889634
+            s = score_log2_gluon(qk, sm_scale, b, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@)  # (score_mod * log2(e))
         else:
             s = qk
         if not full:

@@ -195,6 +195,10 @@ def main(argv=None) -> int:
     p.add_argument("--loops", nargs="+", default=["specialized", "pingpong"],
                    help="--hopper: the forms of its tile loop to time (HOPPER_LOOP), each optionally with its number "
                    "of K / V buffers: pingpong:3")
+    p.add_argument("--score-forms", nargs="+", default=["plain"], choices=["plain", "fast"],
+                   help="--hopper: the score functions' forms to time, each loop with each: plain (score_mod times "
+                   "log2 e), fast (PORT_FAST_SCORE's: biases in one fused multiply-add, distances converted per row "
+                   "and column)")
     args = p.parse_args(argv)
     if args.hopper:
         return hopper_bench(args)
@@ -273,13 +277,19 @@ def hopper_bench(args) -> int:
     (each form of its tile loop, HOPPER_LOOP "specialized", "pingpong", "persistent", or "auto").
     Beside the calls' times, each path's GPU kernels alone (torch.profiler): at short lengths a
     call's time can be its host's."""
+    import importlib
+
     folder = Path(tempfile.mkdtemp(prefix="bench_hopper_"))
+    generator = importlib.import_module("workbench.port.generate")
+    fast_default = generator.FAST_SCORE_FORMS
     flex = compiled_flex_attention()
     kv_heads = args.kv_heads or args.heads
     gqa = {"enable_gqa": True} if kv_heads != args.heads else {}
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, B={args.batch} H={args.heads} "
           f"Hkv={kv_heads} D={args.head_dim}, forward; medians of {args.rounds} rounds timed in turn", flush=True)
-    loops = list(args.loops)
+    forms = list(dict.fromkeys(args.score_forms))
+    # the timed columns: each loop form, with each score form when there are several
+    loops = [loop if len(forms) == 1 else f"{loop} {form}" for form in forms for loop in args.loops]
     print("| mask | tokens | " + " | ".join(f"Hopper {loop} ms (TFLOP/s)" for loop in loops) + " | portable port ms | "
           "Flex Triton ms | Flex FLASH ms | portable / best Hopper | Flex Triton / best Hopper | FLASH / best Hopper | "
           "GPU kernels ms: " + " / ".join(f"Hopper {loop}" for loop in loops) + " / portable / Flex Triton / FLASH | "
@@ -293,8 +303,15 @@ def hopper_bench(args) -> int:
             inputs = make_inputs(shape, args.dtype, "cuda", seed=0)
             q, k, v = inputs.q, inputs.k, inputs.v
             try:
-                module = port.load(port.build(mask, seq, seq, heads=args.heads, batch=args.batch,
-                                              out_dir=folder / f"{seq}_{name[:12]}".replace(" ", "_")))
+                modules = {}
+                for form in forms:
+                    generator.FAST_SCORE_FORMS = form == "fast"
+                    try:
+                        modules[form] = port.load(port.build(mask, seq, seq, heads=args.heads, batch=args.batch,
+                                                             out_dir=folder / f"{seq}_{name[:12]}_{form}".replace(" ", "_")))
+                    finally:
+                        generator.FAST_SCORE_FORMS = fast_default
+                module = modules[forms[0]]
                 block_mask = build_block_mask(mask, seq, seq, heads=args.heads, device="cuda", shrink=True, progress=False)
                 scan = scan_blocks(mask, seq, seq, heads=args.heads, device="cuda", progress=False)
                 flops = 4 * scan.kept_pairs * (1 if scan.depends_on_head else args.heads) * args.head_dim * args.batch
@@ -302,7 +319,9 @@ def hopper_bench(args) -> int:
                 if not module._hopper_ready(q, k, v, None, False):
                     raise RuntimeError(f"the Hopper kernel does not take this call ({module.HOPPER_MODS or 'shape'})")
 
-                def hopper(variant, module=module):
+                def hopper(variant, modules=modules):
+                    variant, _, form = variant.partition(" ")
+                    module = modules[form or forms[0]]
                     loop, _, buffers = variant.partition(":")
                     block_n, default_buffers, warps = module.HOPPER_TILE
                     module.HOPPER, module.HOPPER_LOOP = True, loop

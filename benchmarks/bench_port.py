@@ -195,10 +195,10 @@ def main(argv=None) -> int:
     p.add_argument("--loops", nargs="+", default=["specialized", "pingpong"],
                    help="--hopper: the forms of its tile loop to time (HOPPER_LOOP), each optionally with its number "
                    "of K / V buffers: pingpong:3")
-    p.add_argument("--score-forms", nargs="+", default=["plain"], choices=["plain", "fast"],
-                   help="--hopper: the score functions' forms to time, each loop with each: plain (score_mod times "
-                   "log2 e), fast (PORT_FAST_SCORE's: biases in one fused multiply-add, distances converted per row "
-                   "and column)")
+    p.add_argument("--score-forms", nargs="+", default=["off"], choices=["off", "bias", "all"],
+                   help="--hopper: the score functions' forms to time, each loop with each (PORT_FAST_SCORE's): off "
+                   "(score_mod times log2 e), bias (biases added to the score in one fused multiply-add), all (and "
+                   "integer distances converted per row and column)")
     args = p.parse_args(argv)
     if args.hopper:
         return hopper_bench(args)
@@ -305,7 +305,7 @@ def hopper_bench(args) -> int:
             try:
                 modules = {}
                 for form in forms:
-                    generator.FAST_SCORE_FORMS = form == "fast"
+                    generator.FAST_SCORE_FORMS = form
                     try:
                         modules[form] = port.load(port.build(mask, seq, seq, heads=args.heads, batch=args.batch,
                                                              out_dir=folder / f"{seq}_{name[:12]}_{form}".replace(" ", "_")))

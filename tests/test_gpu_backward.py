@@ -176,12 +176,14 @@ def test_a_saturated_softcap_on_the_hopper_kernels_matches_the_reference(cuda, t
     assert not bad, "; ".join(bad)
 
 
+@pytest.mark.parametrize("forms", ["bias", "all"])
 @pytest.mark.parametrize("name, dtype, head_dim", [("alibi", "bfloat16", 128), ("alibi", "float16", 64),
                                                    ("users_score_biases", "bfloat16", 128)])
 def test_the_fast_score_forms_on_the_hopper_kernels_match_the_reference(cuda, tmp_path, monkeypatch, name, dtype,
-                                                                        head_dim):
+                                                                        head_dim, forms):
     # PORT_FAST_SCORE's forms (translate/fast_score.py, off by default): biases added to the score in
-    # one fused multiply-add in base 2, integer distances converted per row and column. Positions
+    # one fused multiply-add in base 2 ("bias"), and integer distances converted per row and column
+    # ("all"). Positions
     # past 2^24 cannot be reached at these lengths; the CPU test checks the conversion's bits there.
     # Causal + ALiBi (per-head slopes), and a user's sum of biases (ALiBi as attention-gym writes
     # it, a relative table read at a clamped distance, a lens[b] shift): out, lse, dq, dk, dv of the
@@ -195,7 +197,7 @@ def test_the_fast_score_forms_on_the_hopper_kernels_match_the_reference(cuda, tm
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels run on sm_90 only")
-    monkeypatch.setattr(importlib.import_module("workbench.port.generate"), "FAST_SCORE_FORMS", True)
+    monkeypatch.setattr(importlib.import_module("workbench.port.generate"), "FAST_SCORE_FORMS", forms)
     sys.path.insert(0, str(ROOT))
     from run_hopper_compile import masks
 
@@ -203,7 +205,8 @@ def test_the_fast_score_forms_on_the_hopper_kernels_match_the_reference(cuda, tm
     mask = (with_score(make("causal"), make("alibi", {"num_heads": 4}, q_len=q_len, kv_len=kv_len, device="cuda"))
             if name == "alibi" else {m.name: m for m in masks("cuda")}[name])
     path = port.build(mask, q_len, kv_len, heads=4, batch=2, out_dir=tmp_path)
-    assert "gl.fma(qk, sm_scale * 1.4426950408889634, " in path.read_text()  # (the bias form was written)
+    text = path.read_text()  # (the forms were written)
+    assert "gl.fma(qk, sm_scale * 1.4426950408889634, " in text and ("_sub_as_float_gluon(" in text) == (forms == "all")
     module = port.load(path)
     module.HOPPER_BWD_PER_HEAD_MIN_PAIRS = 0
     ran = {"forward": [], "backward": []}

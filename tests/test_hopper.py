@@ -370,6 +370,8 @@ def test_integer_distances_in_the_score_functions_gluon_copies_convert_per_row_a
         plain = _gluon_section(port.generate(mask, lq, lk, fast_score_forms=False).source)  # (the default)
         assert "_sub_as_float" not in plain and "gl.fma(" not in plain and \
             "return score_mod_gluon(qk * sm_scale, b, h, q_idx, kv_idx" in plain
+        bias_only = _gluon_section(port.generate(mask, lq, lk, fast_score_forms="bias").source)
+        assert "_sub_as_float" not in bias_only and ("gl.fma(qk, sm_scale" in bias_only) == adds
         section = _gluon_section(source)
         body = section[section.index("def score_mod_gluon"):]
         portable = source[source.index("def score_mod_triton"):source.index("def mask_mod_triton")]
@@ -380,6 +382,8 @@ def test_integer_distances_in_the_score_functions_gluon_copies_convert_per_row_a
         assert adds or "return score_mod_gluon(qk * sm_scale, " in log2_text
         run = _run_gluon_text(section.replace("gl.load(", "_load("), ["score_mod_gluon", "score_log2_gluon"])
         run["score_mod_gluon"].__globals__["_load"] = _Pointer.load
+        run_bias = _run_gluon_text(bias_only.replace("gl.load(", "_load("), ["score_log2_gluon"])
+        run_bias["score_log2_gluon"].__globals__["_load"] = _Pointer.load
         names = re.findall(r"def score_mod_gluon\(score, b, h, q_idx, kv_idx((?:, \w+_ptr)*)\)", body)[0]
         pointers = [_Pointer(generated.tensors[n.strip()[:-4]]) for n in names.split(",") if n.strip()]
         # positions past 2^24 (where float32 skips odd integers) and near 0, rows and columns of a tile
@@ -399,9 +403,10 @@ def test_integer_distances_in_the_score_functions_gluon_copies_convert_per_row_a
                 # a bias (one rounding apart from (qk * scale + bias) * log2 e, float64 the judge)
                 qk, scale = score * 9.0, 0.125
                 want2 = score_mod(qk.double() * scale, b, h, q_idx, kv_idx) * 1.4426950408889634
-                got2 = run["score_log2_gluon"](qk, scale, b, h, q_idx, kv_idx, *pointers)
-                if score_mod is not bucket:
-                    torch.testing.assert_close(got2.double(), want2, rtol=2e-6, atol=2e-6 * float(want2.abs().max()))
+                for log2 in (run["score_log2_gluon"], run_bias["score_log2_gluon"]):  # (all forms; the bias form alone)
+                    got2 = log2(qk, scale, b, h, q_idx, kv_idx, *pointers)
+                    if score_mod is not bucket:
+                        torch.testing.assert_close(got2.double(), want2, rtol=2e-6, atol=2e-6 * float(want2.abs().max()))
 
 
 def test_mods_with_a_name_gluon_lacks_keep_the_portable_kernel():

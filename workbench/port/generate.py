@@ -50,8 +50,10 @@ ENTRY = "attention"
 # base 2, and integer distances converted per row and per column (translate/fast_score.py): compiled
 # for sm_90a and checked against the mods' values on torch tensors, but not yet timed or checked
 # against the reference on an H100 / H200, so off unless PORT_FAST_SCORE=1 when a file is generated
-# (the files' score functions are then score_mod * log2(e), as before)
-FAST_SCORE_FORMS = os.environ.get("PORT_FAST_SCORE", "0") == "1"
+# (the files' score functions are then score_mod * log2(e), as before): "off", "bias" (the bias form
+# alone) or "all" (PORT_FAST_SCORE=bias / all, or 1 for all)
+FAST_SCORE_FORMS = {"1": "all", "all": "all", "bias": "bias"}.get(os.environ.get("PORT_FAST_SCORE", "0"), "off")
+_SCORE_FORMS = ("off", "bias", "all")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -166,13 +168,13 @@ def length_plan(mask: Mask, q_len: int, kv_len: int):
 
 
 def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | None = None,
-             batch: int | None = None, fast_score_forms: bool | None = None) -> PortSource:
+             batch: int | None = None, fast_score_forms: str | bool | None = None) -> PortSource:
     """The port of `mask`, generated at these sizes. Numbers its factory computes from the lengths
     (the bottom-right offset Lk - Lq) are computed by the file per call (`lengths.follow`); a mask
     whose meaning is tied to these lengths otherwise (per-token tables) is valid at them only.
     Raises a WorkbenchError naming the construct when a mod has no Triton translation.
-    `fast_score_forms`: the Hopper kernels' score functions in the forms of translate/fast_score.py
-    (None: FAST_SCORE_FORMS)."""
+    `fast_score_forms`: the Hopper kernels' score functions in the forms of translate/fast_score.py,
+    "off", "bias" or "all" (True: "all", False: "off"; None: FAST_SCORE_FORMS)."""
 
     kv_len = kv_len or q_len
     indexed, plan, per_token, rules, source_mask = length_plan(mask, q_len, kv_len)
@@ -231,11 +233,16 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     text = (TEMPLATE.read_text() + "\n\n" + template_body(PAGED_TEMPLATE) + "\n\n"
             + template_body(BACKWARD_TEMPLATE) + "\n\n" + template_body(HOPPER_TEMPLATE) + "\n\n"
             + template_body(HOPPER_PAGED_TEMPLATE) + "\n\n" + template_body(HOPPER_BWD_TEMPLATE))
-    fast_scores = FAST_SCORE_FORMS if fast_score_forms is None else fast_score_forms
+    forms = FAST_SCORE_FORMS if fast_score_forms is None else fast_score_forms
+    forms = {True: "all", False: "off"}.get(forms, forms) if isinstance(forms, bool) else forms
+    if forms not in _SCORE_FORMS:
+        raise WorkbenchError(f"fast_score_forms={fast_score_forms!r} is not one of {_SCORE_FORMS}",
+                             "pass 'off', 'bias' or 'all' (or set PORT_FAST_SCORE to 0, bias or all)", mask.name)
     gluon_mods, no_gluon, no_gluon_grad = _gluon_mods(
         parts, _fast_mask(source_mask, lifted, mask_ptrs),
-        _fast_score(source_mask, lifted, score_ptrs, grad_ptrs) if fast_scores else None,
-        score_log2_function(source_mask.score_mod if fast_scores else None, source_mask, lifted, score_ptrs)[0])
+        _fast_score(source_mask, lifted, score_ptrs, grad_ptrs) if forms == "all" else None,
+        score_log2_function(source_mask.score_mod if forms != "off" else None, source_mask, lifted, score_ptrs,
+                            convert=forms == "all")[0])
     source_comment = textwrap.indent(mask.source.strip() or "(source not available)", "    ")
     fills = {
         "@@TITLE@@": f"{mask.name}: attention with this mask and score as one standalone Triton kernel.",

@@ -14,8 +14,8 @@ IABS, 270 FMUL, 1,048 FADD). A thread holds half as many columns of a tile as pa
 below converts about as often per column as the plain form does per pair: the conversions saved
 are the abs and the rows', and a tile's columns are held twice (high and low part): a user's ALiBi
 plus a relative table spills 748 bytes in the D 128 backward (60 without these forms) and 128 in
-the paged kernel at page 128 (none). These forms are off by default
-(port.generate.FAST_SCORE_FORMS) until they are timed and checked on an H100 / H200.
+the paged kernel at page 128 (none). These forms are off by default (port.generate.FAST_SCORE_FORMS:
+"bias" takes the bias form alone, "all" both) until they are timed and checked on an H100 / H200.
 
 What is converted: an int32 value made by adding and subtracting (`+`, `-`, unary minus) terms of
 which each reads q_idx or kv_idx but not both (b, h and tables read at them may enter either), and
@@ -74,8 +74,9 @@ class FastScoreEmitter(TritonMaskEmitter):
     """TritonMaskEmitter with integer distances converted per row and per column (module
     docstring). Its arguments are (score, b, h, q_idx, kv_idx)."""
 
-    def __init__(self, gm, arg_names, captured, lifted=frozenset()):
+    def __init__(self, gm, arg_names, captured, lifted=frozenset(), convert: bool = True):
         super().__init__(gm, arg_names, captured, lifted)
+        self.convert = convert  # (False: the plain walk's conversions, for the bias form alone)
         self.roles: dict[str, str] = {}
         self._reads: dict[str, frozenset] = {}
         self.converted = 0  # conversions written per row / column (0: the plain walk's text)
@@ -137,8 +138,8 @@ class FastScoreEmitter(TritonMaskEmitter):
 
     def _as_float(self, v) -> str | None:
         """float32(v) for an int32 node v, converted per row and per column; None where v is not
-        of the form the module docstring names."""
-        if not isinstance(v, torch.fx.Node) or v.op != "call_function":
+        of the form the module docstring names (or conversions are off)."""
+        if not self.convert or not isinstance(v, torch.fx.Node) or v.op != "call_function":
             return None
         op, args = op_name(v.target), v.args
         if op == "neg" and len(args) == 1 and _dtype(args[0]) == torch.int32:
@@ -251,11 +252,12 @@ def translate_fast_score(mod, role_name: str, mask, lifted: frozenset = frozense
 _LOG2E = "1.4426950408889634"
 
 
-def score_log2_function(mod, mask, lifted: frozenset, pointers: list[str]) -> tuple[str, bool]:
+def score_log2_function(mod, mask, lifted: frozenset, pointers: list[str], convert: bool = True) -> tuple[str, bool]:
     """`score_log2_triton(qk, sm_scale, b, h, q_idx, kv_idx, *pointers)`, score_mod(qk * sm_scale)
     * log2(e) for the Hopper kernels (Triton-spelled, turned into Gluon by the port): (source, True)
     with the bias form above where the mod adds a bias to the score and its walk reads exactly
-    `pointers`; else (a call of score_mod_triton, False)."""
+    `pointers`; else (a call of score_mod_triton, False). `convert`: distances converted per row and
+    column too (FastScoreEmitter)."""
     params = ["qk", "sm_scale", "b", "h", "q_idx", "kv_idx"] + pointers
     head = f"@triton.jit\ndef score_log2_triton({', '.join(params)}):\n"
     plain = head + ("    # score_mod(qk * scale) in base 2\n"
@@ -265,7 +267,8 @@ def score_log2_function(mod, mask, lifted: frozenset, pointers: list[str]) -> tu
         return plain, False
     try:
         gm = trace_mod(mod, "score")
-        emitter = _BiasEmitter(gm, ["score", "b", "h", "q_idx", "kv_idx"], dict(captured_tensors(mask)), lifted)
+        emitter = _BiasEmitter(gm, ["score", "b", "h", "q_idx", "kv_idx"], dict(captured_tensors(mask)), lifted,
+                               convert)
         emitter.walk()
     except Exception:
         return plain, False

@@ -310,7 +310,9 @@ def test_integer_distances_in_the_score_functions_gluon_copies_convert_per_row_a
     # scaling in one fused multiply-add (score_log2_gluon), within a rounding of the mod's value
     import torch
 
-    from workbench.translate.fast_score import INDEX_HELPERS
+    from workbench.port.generate import _as_gluon
+    from workbench.translate.fast_score import INDEX_HELPERS, translate_fast_score
+    from workbench.translate.triton_mask import HELPERS
 
     run = _run_gluon_text(INDEX_HELPERS, ["_sub_as_float_gluon"])
     top, bottom = 2 ** 31 - 1, -2 ** 31
@@ -379,8 +381,16 @@ def test_integer_distances_in_the_score_functions_gluon_copies_convert_per_row_a
         assert ("_sub_as_float_gluon(" in body) == converts, body
         log2_text = body[body.index("def score_log2_gluon"):]
         assert ("gl.fma(qk, sm_scale * 1.4426950408889634, " in log2_text) == adds, log2_text
-        assert adds or "return score_mod_gluon(qk * sm_scale, " in log2_text
-        run = _run_gluon_text(section.replace("gl.load(", "_load("), ["score_mod_gluon", "score_log2_gluon"])
+        assert adds or ("return score_mod_gluon(qk * sm_scale, " in log2_text) != converts, log2_text
+        # the walk with the conversions, as a score function (the forward's score_log2_gluon makes
+        # the same walk), bit for bit against the mod
+        fast_text, _, converted = translate_fast_score(score_mod, "score_mod_triton", mask)
+        assert (converted > 0) == converts
+        fast_gluon, why = _as_gluon([HELPERS, fast_text], {"score_mod_triton": "score_mod_gluon"})
+        assert why is None, why
+        run = _run_gluon_text((textwrap.dedent(section) + "\n" + INDEX_HELPERS + "\n" + fast_gluon).replace(
+            "gl.load(", "_load("),
+                              ["score_mod_gluon", "score_log2_gluon"])
         run["score_mod_gluon"].__globals__["_load"] = _Pointer.load
         run_bias = _run_gluon_text(bias_only.replace("gl.load(", "_load("), ["score_log2_gluon"])
         run_bias["score_log2_gluon"].__globals__["_load"] = _Pointer.load

@@ -26,7 +26,7 @@ from workbench.define.util import fill_template, template_body
 from workbench.define import captured_tensors, trace_mod
 from workbench.translate import Untranslatable, mod_functions, range_pointers
 from workbench.translate.fast_mask import RANGE_HELPERS, translate_fast_mask
-from workbench.translate.fast_score import INDEX_HELPERS, score_log2_function, translate_fast_score
+from workbench.translate.fast_score import INDEX_HELPERS, score_log2_function
 from workbench.translate.derivative import derivative_mod
 from workbench.translate.triton_mask import PORTABLE_TANH, translate_mod
 from workbench.translate.triton_table_grad import translate_table_grad
@@ -240,7 +240,6 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
                              "pass 'off', 'bias' or 'all' (or set PORT_FAST_SCORE to 0, bias or all)", mask.name)
     gluon_mods, no_gluon, no_gluon_grad = _gluon_mods(
         parts, _fast_mask(source_mask, lifted, mask_ptrs),
-        _fast_score(source_mask, lifted, score_ptrs, grad_ptrs) if forms == "all" else None,
         score_log2_function(source_mask.score_mod if forms != "off" else None, source_mask, lifted, score_ptrs,
                             convert=forms == "all")[0])
     source_comment = textwrap.indent(mask.source.strip() or "(source not available)", "    ")
@@ -302,26 +301,7 @@ def _score_pointers(parts: list[str]) -> list[str]:
     return []
 
 
-def _fast_score(mask: Mask, lifted: frozenset, score_ptrs: list[str], grad_ptrs: list[str]) -> dict[str, str]:
-    """score_mod_triton and score_grad_triton with their integer distances converted per row and
-    per column (translate.fast_score), by function name, for the Gluon copies; only those with a
-    conversion moved (and the plain translation's pointers)."""
-    if mask.score_mod is None:
-        return {}
-    out = {}
-    for name, mod, pointers in (("score_mod_triton", mask.score_mod, score_ptrs),
-                                ("score_grad_triton", None, grad_ptrs)):
-        try:
-            mod = mod or derivative_mod(mask.score_mod)
-            text, ptrs, converted = translate_fast_score(mod, name, mask, lifted)
-        except Exception:  # (the plain copy stays: it translated, so the Gluon kernels still run)
-            continue
-        if converted and ptrs == pointers:
-            out[name] = text
-    return out
-
-
-def _gluon_mods(parts: list[str], fast_mask: str | None = None, fast_score: dict[str, str] | None = None,
+def _gluon_mods(parts: list[str], fast_mask: str | None = None,
                 score_log2: str | None = None) -> tuple[str, str | None, str | None]:
     """The mask_mod and score_mod as Gluon functions (mask_mod_gluon, score_mod_gluon, and the
     helpers they call, each named *_gluon) for the Hopper kernels, indented for their `if` block:
@@ -330,17 +310,13 @@ def _gluon_mods(parts: list[str], fast_mask: str | None = None, fast_score: dict
     (score_grad_gluon) for the Hopper backward. (text, None, None), or a stand-in and the reason for
     the mods (then the Hopper kernels do not run), or for the derivative alone (then the Hopper
     backward does not run with the score_mod). `fast_mask`: mask_mod_triton with its window checks
-    folded (_fast_mask), copied in place of the plain one; `fast_score`: the score functions with
-    their distances converted per row and column (_fast_score), likewise; `score_log2`: the
-    kernels' base-2 score, score_log2_triton (fast_score.score_log2_function; by default a call of
+    folded (_fast_mask), copied in place of the plain one; `score_log2`: the Hopper forward's
+    base-2 score, score_log2_triton (fast_score.score_log2_function; by default a call of
     score_mod_triton times log2(e))."""
     if score_log2 is None:
         score_log2 = score_log2_function(None, None, frozenset(), _score_pointers(parts))[0]
-    swaps = dict(fast_score or {})
     if fast_mask is not None:
-        swaps["mask_mod_triton"] = fast_mask
-    for name, text in swaps.items():
-        parts = [text.strip() if re.search(rf"^def {name}\(", p, re.MULTILINE) else p for p in parts]
+        parts = [fast_mask.strip() if re.search(r"^def mask_mod_triton\(", p, re.MULTILINE) else p for p in parts]
     mods, why = _as_gluon(parts + [score_log2], {"mask_mod_triton": "mask_mod_gluon", "score_mod_triton": "score_mod_gluon",
                                                  "score_log2_triton": "score_log2_gluon"})
     if why is not None:

@@ -12,9 +12,10 @@ ping-pong, D 64, read with nvdisasm), the per-pair IABS and most I2FP conversion
 FMULs go: 4,960 instructions (256 I2FP, 260 IABS, 776 FMUL, 528 FADD) become 4,688 (148 I2FP, 4
 IABS, 270 FMUL, 1,048 FADD). A thread holds half as many columns of a tile as pairs, so the split
 below converts about as often per column as the plain form does per pair: the conversions saved
-are the abs and the rows', and a tile's columns are held twice (high and low part): a user's ALiBi
-plus a relative table spills 748 bytes in the D 128 backward (60 without these forms) and 128 in
-the paged kernel at page 128 (none). These forms are off by default (port.generate.FAST_SCORE_FORMS:
+are the abs and the rows', and a tile's columns are held twice (high and low part): with both
+forms a user's ALiBi plus a relative table spills 128 bytes in the Hopper paged forward at page 128
+(none with the bias form alone or without these forms). Only the forward takes these forms; the
+backward keeps the plain score_mod. These forms are off by default (port.generate.FAST_SCORE_FORMS:
 "bias" takes the bias form alone, "all" both) until they are timed and checked on an H100 / H200.
 
 What is converted: an int32 value made by adding and subtracting (`+`, `-`, unary minus) terms of
@@ -233,9 +234,10 @@ def _exact_int(v) -> bool:
 
 
 def translate_fast_score(mod, role_name: str, mask, lifted: frozenset = frozenset()) -> tuple[str, list[str], int]:
-    """`role_name` (score_mod_triton, or score_grad_triton for the derivative `mod`) written by
-    FastScoreEmitter: (source, pointer argument names, conversions moved to rows / columns).
-    Raises Untranslatable as translate_mod does."""
+    """`role_name` (e.g. score_mod_triton) written by FastScoreEmitter: (source, pointer argument
+    names, conversions moved to rows / columns): the walk score_log2_function makes, as a plain
+    score function, which checks compare bit for bit with the mod. Raises Untranslatable as
+    translate_mod does."""
     gm = trace_mod(mod, "score")
     args = ["score", "b", "h", "q_idx", "kv_idx"]
     emitter = FastScoreEmitter(gm, args, dict(captured_tensors(mask)), lifted)
@@ -254,10 +256,12 @@ _LOG2E = "1.4426950408889634"
 
 def score_log2_function(mod, mask, lifted: frozenset, pointers: list[str], convert: bool = True) -> tuple[str, bool]:
     """`score_log2_triton(qk, sm_scale, b, h, q_idx, kv_idx, *pointers)`, score_mod(qk * sm_scale)
-    * log2(e) for the Hopper kernels (Triton-spelled, turned into Gluon by the port): (source, True)
-    with the bias form above where the mod adds a bias to the score and its walk reads exactly
-    `pointers`; else (a call of score_mod_triton, False). `convert`: distances converted per row and
-    column too (FastScoreEmitter)."""
+    * log2(e) for the Hopper forward (Triton-spelled, turned into Gluon by the port): (source, True)
+    with the bias form above where the mod adds a bias to the score, and with `convert` its integer
+    distances converted per row and column (FastScoreEmitter), where its walk reads exactly
+    `pointers`; else (a call of score_mod_triton, False). The backward keeps score_mod_triton's
+    plain copy (the forms cost its keys-down kernel registers: compiled for sm_90a, a user's ALiBi
+    plus a relative table spilled 584 bytes at D 128 with them, 60 without)."""
     params = ["qk", "sm_scale", "b", "h", "q_idx", "kv_idx"] + pointers
     head = f"@triton.jit\ndef score_log2_triton({', '.join(params)}):\n"
     plain = head + ("    # score_mod(qk * scale) in base 2\n"
@@ -272,12 +276,14 @@ def score_log2_function(mod, mask, lifted: frozenset, pointers: list[str], conve
         emitter.walk()
     except Exception:
         return plain, False
-    if emitter.bias is None or emitter.pointers != pointers:
+    if emitter.pointers != pointers or (emitter.bias is None and not emitter.converted):
         return plain, False
     lines = [ln for ln in emitter.lines if not ln.lstrip().startswith("return ")]
-    return (head + "    # score + bias in base 2: one fused multiply-add with the bias (fast_score.py)\n"
-            + "    score = qk * sm_scale\n" + "\n".join(lines) + "\n"
-            + f"    return tl.fma(qk, sm_scale * {_LOG2E}, {emitter.bias})\n"), True
+    result = next(ln for ln in reversed(emitter.lines) if ln.lstrip().startswith("return ")).split("return ", 1)[1]
+    body = head + "    score = qk * sm_scale\n" + "\n".join(lines) + "\n"
+    if emitter.bias is None:  # (distances converted per row and column; the mod's value times log2(e))
+        return body + f"    return ({result}) * {_LOG2E}\n", True
+    return body + f"    return tl.fma(qk, sm_scale * {_LOG2E}, {emitter.bias})  # (score + bias in base 2)\n", True
 
 
 class _BiasEmitter(FastScoreEmitter):

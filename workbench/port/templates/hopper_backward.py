@@ -412,8 +412,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
                             q_idx = (r * TABLE_M + sub * BLOCK_M
                                      + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)))[None, :]
                             x = st * sm_scale
-                            s = score_log2_gluon(st, sm_scale, b, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@)
-                            pt = gl.exp2(s - lse2[None, :])  # (s: score_mod(x) * log2(e), as the forward's)
+                            s = score_mod_gluon(x, b, h, q_idx, kv_idx@@SCORE_PTR_ARGS@@)
+                            pt = gl.exp2(s * 1.4426950408889634 - lse2[None, :])
                         else:
                             pt = gl.exp2(gl.fma(st, c, -lse2[None, :]))
                         if not full:  # (the columns' query indices made here, not held over the loop)

@@ -66,6 +66,7 @@ def test_verify_with_workers_passes_and_still_fails_a_dropped_block(capsys):
     assert not verdict.passed
 
 
+@pytest.mark.slow  # (Ray's start dominates: make test-slow, which CI runs; the default suite keeps the two-worker check above)
 def test_rows_compared_on_workers_merge_to_the_one_piece_check(tmp_path):
     """Forward verification with workers: each worker compares its rows and sends statistics back;
     merged, they equal the check of the whole output against the whole reference."""
@@ -110,6 +111,7 @@ def test_a_worker_count_below_one_is_refused():
         compare_on_ray(mask, inputs, inputs.q, None, -1, TOLERANCES["float32"], LSE_TOLERANCE["float32"])
 
 
+@pytest.mark.slow  # (Ray's start dominates: make test-slow, which CI runs; the default suite keeps the two-worker check above)
 def test_actors_draw_inputs_from_the_seed_and_stay_in_a_ray_session():
     """In a Ray session the caller started, verify's actors stay for the next verification and
     draw each one's inputs from its seed (nothing sent); a wrong kernel still fails on them."""
@@ -144,6 +146,7 @@ def test_actors_draw_inputs_from_the_seed_and_stay_in_a_ray_session():
         distribute._kept.clear()
 
 
+@pytest.mark.slow  # (Ray's start dominates: make test-slow, which CI runs; the default suite keeps the two-worker check above)
 def test_inputs_that_the_seed_does_not_give_are_sent(tmp_path):
     """Inputs whose bits the actors cannot draw from the seed (a caller's own tensors) are sent
     through Ray's object store, and the split check still equals the one-piece one."""
@@ -165,6 +168,7 @@ def test_inputs_that_the_seed_does_not_give_are_sent(tmp_path):
     assert all(c.passed for c in checks) and checks[0].max_abs_err < 1e-6
 
 
+@pytest.mark.slow  # (Ray's start dominates: make test-slow, which CI runs; the default suite keeps the two-worker check above)
 def test_more_workers_than_the_ray_session_can_place_is_refused_not_a_hang():
     """A Ray session with one CPU cannot place two workers: Ray would wait for ever; the workbench
     says so at once, naming the cause and the fix."""

@@ -86,6 +86,7 @@ def test_small_sweep_runs_records_failures_and_resumes(tmp_path, capsys):
     assert {p.name: p.stat().st_mtime_ns for p in (out / "cases").iterdir()} == stamps
 
 
+@pytest.mark.slow  # (a Ray sweep with a worker killed: make test-slow, which CI runs)
 def test_a_dying_worker_is_recorded_and_the_sweep_goes_on(tmp_path):
     dies = f"{ROOT / 'tests' / 'bad_inputs' / 'dies.py'}:dies"
     cases = [{**sweep.DEFAULTS, "target": dies, "q_len": 64, "device": "cpu", "task": "blocks"},

@@ -181,13 +181,13 @@ def test_a_saturated_softcap_on_the_hopper_kernels_matches_the_reference(cuda, t
                                                    ("users_score_biases", "bfloat16", 128)])
 def test_the_fast_score_forms_on_the_hopper_kernels_match_the_reference(cuda, tmp_path, monkeypatch, name, dtype,
                                                                         head_dim, forms):
-    # PORT_FAST_SCORE's forms (translate/fast_score.py, off by default): biases added to the score in
-    # one fused multiply-add in base 2 ("bias"), and integer distances converted per row and column
-    # ("all"). Positions
-    # past 2^24 cannot be reached at these lengths; the CPU test checks the conversion's bits there.
-    # Causal + ALiBi (per-head slopes), and a user's sum of biases (ALiBi as attention-gym writes
-    # it, a relative table read at a clamped distance, a lens[b] shift): out, lse, dq, dk, dv of the
-    # Hopper forward and backward against float64, at Lq != Lk (the ALiBi distance's offset)
+    # PORT_FAST_SCORE's forms (translate/fast_score.py, off by default) in the Hopper forward: biases
+    # added to the score in one fused multiply-add in base 2 ("bias"), and integer distances converted
+    # per row and column ("all"); positions past 2^24 are not reached at these lengths (the CPU test
+    # checks the conversion's bits there). Causal + ALiBi (per-head slopes), and a user's sum of biases
+    # (ALiBi as attention-gym writes it, a relative table read at a clamped distance): out and lse of
+    # the forward, and dq, dk, dv of the Hopper backward (its plain score_mod against the forward's
+    # lse) against float64, at Lq != Lk (the ALiBi distance's offset)
     import importlib
 
     from workbench import port, with_score

@@ -420,6 +420,30 @@ def test_integer_distances_in_the_score_functions_gluon_copies_convert_per_row_a
                         torch.testing.assert_close(got2.double(), want2, rtol=2e-6, atol=2e-6 * float(want2.abs().max()))
 
 
+def test_fast_score_forms_other_than_off_bias_all_are_refused_naming_the_setting(monkeypatch):
+    # fast_score_forms / PORT_FAST_SCORE: "off" (0), "bias", "all" (1); a typo is an error that names
+    # the setting and the values, not a file silently generated without the forms
+    import importlib
+
+    from workbench.define import WorkbenchError
+
+    generator = importlib.import_module("workbench.port.generate")
+    mask = with_score(make("causal"), make("alibi", {"num_heads": 4}))
+    with pytest.raises(WorkbenchError, match=r"fast_score_forms='fast' is not one of \('off', 'bias', 'all'\).*Fix: pass"):
+        port.generate(mask, 256, 256, fast_score_forms="fast")
+    monkeypatch.setenv("PORT_FAST_SCORE", "bais")
+    monkeypatch.setattr(generator, "FAST_SCORE_FORMS", "bais")
+    with pytest.raises(WorkbenchError, match=r"PORT_FAST_SCORE='bais'.*is not one of.*set PORT_FAST_SCORE to 0, bias or all"):
+        port.generate(mask, 256, 256)
+    assert "gl.fma(qk, sm_scale" in port.generate(mask, 1, 300, fast_score_forms="bias").source  # (Lq = 1)
+    # the variable as a process reads it
+    code = "import workbench.port.generate as g, sys; print(sys.modules['workbench.port.generate'].FAST_SCORE_FORMS)"
+    for value, want in (("0", "off"), ("1", "all"), ("bias", "bias"), ("all", "all"), ("fast", "fast")):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "PORT_FAST_SCORE": value})
+        assert done.stdout.strip() == want, (value, done.stdout, done.stderr[-500:])
+
+
 def test_mods_with_a_name_gluon_lacks_keep_the_portable_kernel():
     # a translation that writes a Triton name with no Gluon counterpart gets no Gluon copy: the file
     # says why (HOPPER_MODS) and the Hopper kernel never takes its calls

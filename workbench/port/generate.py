@@ -46,13 +46,14 @@ GLUON_NAMES = frozenset({"where", "minimum", "maximum", "log", "log2", "exp", "e
                          "sin", "cos", "floor", "ceil", "abs", "fma", "float16", "bfloat16", "float32", "float64", "int1",
                          "int8", "uint8", "int16", "int32", "int64"})
 ENTRY = "attention"
-# The Hopper kernels' score functions with a bias added to the score as one fused multiply-add in
-# base 2, and integer distances converted per row and per column (translate/fast_score.py): compiled
-# for sm_90a and checked against the mods' values on torch tensors, but not yet timed or checked
-# against the reference on an H100 / H200, so off unless PORT_FAST_SCORE=1 when a file is generated
-# (the files' score functions are then score_mod * log2(e), as before): "off", "bias" (the bias form
-# alone) or "all" (PORT_FAST_SCORE=bias / all, or 1 for all)
-FAST_SCORE_FORMS = {"1": "all", "all": "all", "bias": "bias"}.get(os.environ.get("PORT_FAST_SCORE", "0"), "off")
+# The Hopper forward's score in the forms of translate/fast_score.py: "bias" (biases added to the
+# score in one fused multiply-add in base 2) or "all" (also integer distances converted per row and
+# per column). Compiled for sm_90a and checked against the mods' values on torch tensors, not yet
+# timed or checked against the reference on an H100 / H200, so "off" (score_mod * log2(e), as
+# before) unless PORT_FAST_SCORE is bias or all (1: all) when a file is generated; another value
+# is refused by generate(), naming the variable, not silently read as "off"
+FAST_SCORE_FORMS = {"0": "off", "1": "all", "": "off"}.get(os.environ.get("PORT_FAST_SCORE", "0"),
+                                                            os.environ.get("PORT_FAST_SCORE"))
 _SCORE_FORMS = ("off", "bias", "all")
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -177,6 +178,13 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     "off", "bias" or "all" (True: "all", False: "off"; None: FAST_SCORE_FORMS)."""
 
     kv_len = kv_len or q_len
+    forms = FAST_SCORE_FORMS if fast_score_forms is None else fast_score_forms
+    forms = {True: "all", False: "off"}.get(forms, forms)
+    if forms not in _SCORE_FORMS:
+        given = (f"fast_score_forms={fast_score_forms!r}" if fast_score_forms is not None
+                 else f"PORT_FAST_SCORE={os.environ.get('PORT_FAST_SCORE')!r} (generate.FAST_SCORE_FORMS={forms!r})")
+        raise WorkbenchError(f"{given} is not one of {_SCORE_FORMS}",
+                             "pass 'off', 'bias' or 'all' (or set PORT_FAST_SCORE to 0, bias or all)", mask.name)
     indexed, plan, per_token, rules, source_mask = length_plan(mask, q_len, kv_len)
     has_bounds = mask.mask_mod is not None  # mask_mod_bounds too: the paged kernel skips tiles by them
     # 0-d tensors the score_mod learns (a temperature) are kernel arguments, not numbers in the source
@@ -233,11 +241,6 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
     text = (TEMPLATE.read_text() + "\n\n" + template_body(PAGED_TEMPLATE) + "\n\n"
             + template_body(BACKWARD_TEMPLATE) + "\n\n" + template_body(HOPPER_TEMPLATE) + "\n\n"
             + template_body(HOPPER_PAGED_TEMPLATE) + "\n\n" + template_body(HOPPER_BWD_TEMPLATE))
-    forms = FAST_SCORE_FORMS if fast_score_forms is None else fast_score_forms
-    forms = {True: "all", False: "off"}.get(forms, forms) if isinstance(forms, bool) else forms
-    if forms not in _SCORE_FORMS:
-        raise WorkbenchError(f"fast_score_forms={fast_score_forms!r} is not one of {_SCORE_FORMS}",
-                             "pass 'off', 'bias' or 'all' (or set PORT_FAST_SCORE to 0, bias or all)", mask.name)
     gluon_mods, no_gluon, no_gluon_grad = _gluon_mods(
         parts, _fast_mask(source_mask, lifted, mask_ptrs),
         score_log2_function(source_mask.score_mod if forms != "off" else None, source_mask, lifted, score_ptrs,

@@ -10,9 +10,10 @@ integer subtraction, an abs and a conversion per pair. At D 64 the H200 ran caus
 on the Hopper kernel than on the portable one (docs/benchmarks.md). Compiled for sm_90a (ALiBi,
 ping-pong, D 64, read with nvdisasm), the per-pair IABS and most I2FP conversions and two of three
 FMULs go: 4,960 instructions (256 I2FP, 260 IABS, 776 FMUL, 528 FADD) become 4,688 (148 I2FP, 4
-IABS, 270 FMUL, 1,048 FADD); the bias form alone gives 4,760 (256 I2FP, 260 IABS, 270 FMUL). A thread holds half as many columns of a tile as pairs, so the split
-below converts about as often per column as the plain form does per pair: the conversions saved
-are the abs and the rows', and a tile's columns are held twice (high and low part): with both
+IABS, 270 FMUL, 1,048 FADD); the bias form alone gives 4,760 (256 I2FP, 260 IABS, 270 FMUL). A
+thread holds half as many columns of a tile as pairs, so the split below converts about as often
+per column as the plain form does per pair: the conversions saved are the abs and the rows', and
+a tile's columns are held twice (high and low part): with both
 forms a user's ALiBi plus a relative table spills 128 bytes in the Hopper paged forward at page 128
 (none with the bias form alone or without these forms). Only the forward takes these forms; the
 backward keeps the plain score_mod. These forms are off by default (port.generate.FAST_SCORE_FORMS:

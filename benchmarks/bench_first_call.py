@@ -7,11 +7,13 @@ kernel cache to see what a later process pays once the compiled kernels are on d
     TRITON_CACHE_DIR=/tmp/tc python benchmarks/bench_first_call.py   # the cache the first filled
 
 Prints `FIRST <mask>: ...` per mask, with whether the calls ran the Hopper kernel. The first call
-is split in two: the block lists (`block_lists`, built on the GPU by a scan kernel that is compiled
-for each mask) and the rest (the attention kernel's compile and launch). `--profile MASK` also
+builds the block lists (a scan kernel compiled for each mask) while a second thread compiles the
+Hopper kernel (the file's HOPPER_EARLY_COMPILE; PORT_HOPPER_EARLY_COMPILE=0 turns it off, for the
+plain order). `--split` builds the block lists before the call instead, so the two are timed apart
+(the block lists, then the rest: the attention kernel's compile and launch). `--profile MASK` also
 prints the functions the first call of that mask spent its time in (cProfile, cumulative).
 
-    python benchmarks/bench_first_call.py --profile "per-head window"
+    python benchmarks/bench_first_call.py --split --profile "per-head window"
 """
 
 import argparse
@@ -37,6 +39,8 @@ ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDe
 MASKS = ["causal", "sliding window 1024", "document (8 docs)", "per-head window"]
 ap.add_argument("--profile", default=None, choices=MASKS, metavar="MASK",
                 help=f"cProfile this mask's first call (one of: {', '.join(MASKS)})")
+ap.add_argument("--split", action="store_true", help="build the block lists before the first call and time them apart "
+                "(no compile beside them)")
 args = ap.parse_args()
 torch.zeros(1, device="cuda")
 torch.cuda.synchronize()
@@ -58,8 +62,9 @@ for name in MASKS:
     with torch.no_grad():
         if profile:
             profile.enable()
-        module.block_lists(1, heads, seq, seq, inputs.q.device)  # (kept: the call below finds them)
-        torch.cuda.synchronize()
+        if args.split:
+            module.block_lists(1, heads, seq, seq, inputs.q.device)  # (kept: the call below finds them)
+            torch.cuda.synchronize()
         t_lists = time.perf_counter()
         out = module.attention(inputs.q, inputs.k, inputs.v)
         torch.cuda.synchronize()
@@ -70,8 +75,9 @@ for name in MASKS:
         torch.cuda.synchronize()
         t4 = time.perf_counter()
     kernel = f"hopper x{len(ran)}" if ran else "portable"
-    print(f"FIRST {name}: build {t1 - t0:.2f} s, load {t2 - t1:.2f} s, first call {t3 - t2:.2f} s (block lists "
-          f"{t_lists - t2:.2f}, the rest {t3 - t_lists:.2f}), second "
+    split = f" (block lists {t_lists - t2:.2f}, the rest {t3 - t_lists:.2f})" if args.split else (
+        f" (Hopper compile beside the block lists: {'on' if module.HOPPER_EARLY_COMPILE else 'off'})")
+    print(f"FIRST {name}: build {t1 - t0:.2f} s, load {t2 - t1:.2f} s, first call {t3 - t2:.2f} s{split}, second "
           f"{1000 * (t4 - t3):.1f} ms; total {t3 - t0:.2f} s ({kernel}, {'NaN!' if out.isnan().any() else 'finite'})",
           flush=True)
     if profile:

@@ -243,3 +243,65 @@ def test_the_persistent_form_hands_every_tile_out_once(cuda, tmp_path, lengths):
     assert all(c.passed for c in checks), "; ".join(
         f"{c.name}: max abs err {c.max_abs_err:.3g}, {c.bad_count} bad, {c.nan_count} NaN" for c in checks)
     assert bool((out[:, :, :300] == 0).all()) and bool(torch.isinf(lse[:, :, :300]).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("early", [True, False])
+def test_a_new_kind_of_call_compiles_the_hopper_kernel_once_beside_its_block_lists(cuda, tmp_path, early):
+    # HOPPER_EARLY_COMPILE: a new kind of call compiles the Hopper kernel in a second thread while
+    # the block lists are built; the launch must find that compile (the JIT holds one kernel after
+    # the call, not two) and the answer must be the one the plain order gives, bit for bit, and the
+    # float64 reference's. A user's per-head table at Lq != Lk off the 128 grid, GQA, a persistent
+    # and a pingpong (softcap) loop; a fresh kernel cache so the compile really runs.
+    import torch
+
+    from workbench import port, with_score
+    from workbench.run import Inputs
+    from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90 only")
+    w = torch.tensor([64, 300, 1000, 5000], device="cuda")
+
+    def head_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + 400) & (q_idx + 400 - kv_idx < w[h])
+
+    B, Hq, Hkv, Lq, Lk, D = 2, 4, 2, 1600, 2000, 128
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(B, Hq, Lq, D, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(B, Hkv, Lk, D, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(B, Hkv, Lk, D, device="cuda", generator=g).to(torch.bfloat16)
+    shape = Shape(batch=B, q_heads=Hq, kv_heads=Hkv, q_len=Lq, kv_len=Lk, head_dim=D)
+    for mask in (Mask("users_head_window", mask_mod=head_window), with_score(Mask("users_head_window_softcap",
+                                                                                  mask_mod=head_window), make("softcap"))):
+        env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / f"cache_{mask.name}_{early}"))
+        old = os.environ.copy()
+        os.environ.update(env)
+        try:
+            module = port.load(port.build(mask, Lq, Lk, heads=Hq, batch=B, out_dir=tmp_path / mask.name))
+            module.HOPPER, module.HOPPER_EARLY_COMPILE = True, early
+            threads = []
+            real = module._compile_early
+            module._compile_early = lambda *a: threads.append(real(*a)) or threads[-1]
+            with torch.no_grad():
+                out, lse = module.attention(q, k, v, return_lse=True)
+                again = module.attention(q, k, v, return_lse=True)
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+        kernel = module._hopper_kernel()
+        assert len(threads) == (1 if early else 0), threads
+        assert all(t is not None and not t.is_alive() for t in threads)
+        assert len(kernel.device_caches[torch.cuda.current_device()][0]) == 1, "the launch compiled the kernel again"
+        assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+        ref = reference_attention(mask, Inputs(q=q, k=k, v=v, shape=shape, dtype="bfloat16", seed=3), progress=False)
+        checks = [compare("out", out, ref.out, TOLERANCES["bfloat16"]),
+                  compare("lse", lse, ref.lse, LSE_TOLERANCE["bfloat16"])]
+        assert all(c.passed for c in checks), "; ".join(
+            f"{c.name}: max abs err {c.max_abs_err:.3g}, {c.bad_count} bad, {c.nan_count} NaN" for c in checks)
+        # the other order's bits, from a second load of the same file
+        other = port.load(port.build(mask, Lq, Lk, heads=Hq, batch=B, out_dir=tmp_path / f"{mask.name}_other"))
+        other.HOPPER, other.HOPPER_EARLY_COMPILE = True, not early
+        with torch.no_grad():
+            out2, lse2 = other.attention(q, k, v, return_lse=True)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2), "the compile's order changed the answer"

@@ -1041,3 +1041,67 @@ def test_a_copied_descriptor_is_the_one_the_constructor_would_make(tmp_path):
     off = torch.randn(2 * 4 * 256 * 64 + 4).bfloat16()[4:]  # (8 bytes past a 16-byte boundary)
     with pytest.raises(AssertionError, match="16-byte aligned"):
         module._descriptor(off, 2048, 64, [128, 64], layout)
+
+
+@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
+def test_the_early_compile_sees_arguments_that_specialize_as_the_launchs_do(tmp_path):
+    # A new kind of call compiles the Hopper kernel in a second thread from stand-ins of the block
+    # lists, while this thread builds them (HOPPER_EARLY_COMPILE). The launch finds that compile
+    # only if the kernel, grid and options are the same and every argument specializes alike
+    # (_arg_kind: a tensor's dtype and alignment, a descriptor's block and layout); the integers
+    # must be the very values (the JIT makes 1 a constant, and the kernel reads them). Users' mods
+    # reading head and batch tables, Lq != Lk off the 128 grid, GQA, every loop, with and without lse.
+    import torch
+
+    w = torch.tensor([64, 128, 256, 1024])
+    lens = torch.tensor([300, 700])
+
+    def head_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + 500) & (q_idx + 500 - kv_idx < w[h])
+
+    def per_sample_prefix(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (kv_idx < lens[b])
+
+    cases = [(Mask("users_head_window", mask_mod=head_window), (2, 4, 2, 512, 1011, 128, torch.bfloat16), "auto", True),
+             (Mask("users_per_sample_prefix", mask_mod=per_sample_prefix), (2, 4, 4, 1000, 1000, 64, torch.float16),
+              "specialized", False),
+             (with_score(make("causal"), make("softcap")), (1, 2, 1, 1024, 1024, 128, torch.bfloat16), "auto", False),
+             (make("full"), (1, 2, 2, 256, 2048, 64, torch.bfloat16), "pingpong", True)]
+    for mask, (B, Hq, Hkv, Lq, Lk, D, dtype), loop, want_lse in cases:
+        module = port.load(port.build(mask, Lq, Lk, heads=Hq, batch=B, out_dir=tmp_path / mask.name))
+        module.HOPPER_LOOP = loop
+        cpu = torch.device("cpu")
+        module._SM_COUNTS[cpu] = 132
+        rows, cols = -(-Lq // 128), -(-Lk // 128)
+        shape = (B if module.MASK_READS_BATCH else 1, Hq if module.MASK_READS_HEAD else 1, rows, cols)
+        built = []
+
+        def lists(*a, **kw):  # (the scan kernel would launch: lists of their true shapes, as int32)
+            built.append(a)
+            return tuple(torch.zeros(shape[:-1] if i % 2 == 0 else shape, dtype=torch.int32) for i in range(4))
+
+        early = []
+        module.block_lists = lists
+        module._compile_early = lambda kernel, grid, args, options, device: early.append((kernel, grid, args, options))
+        q = torch.randn(B, Hq, Lq, D).to(dtype)
+        k, v = (torch.randn(B, Hkv, Lk, D).to(dtype) for _ in range(2))
+        tables = module._tables(cpu, Lq, Lk)
+        grid, args, options, out, lse, _ = module._hopper_launch(q, k, v, D ** -0.5, want_lse, tables)
+        assert len(early) == 1 and len(built) == 1, (mask.name, early, built)
+        kernel, e_grid, e_args, e_options = early[0]
+        assert kernel is module._hopper_kernel() and e_grid == grid and e_options == options, mask.name
+        assert ("persistent" in kernel.fn.__name__) == (module._hopper_loop() == "persistent")
+        assert len(e_args) == len(args), mask.name
+        for i, (a, b) in enumerate(zip(e_args, args)):
+            if isinstance(b, (int, float)):
+                assert type(a) is type(b) and a == b, (mask.name, i, a, b)
+            else:
+                assert module._arg_kind(a) == module._arg_kind(b), (mask.name, i, module._arg_kind(a), module._arg_kind(b))
+        assert e_args[3] is out and (e_args[4] is lse) and (lse is not out) == want_lse
+        # the integers the kernel walks the lists by are the lists' own (a column count, line strides)
+        partial_num, partial_idx = args[5], args[6]
+        assert args[11] == partial_idx.shape[-1] == cols and args[14:16] == (Lq, Lk), (mask.name, args[9:16])
+        assert args[9:11] == tuple(partial_num.stride(i) if partial_num.shape[i] > 1 else 0 for i in (0, 1)), mask.name
+        # the same kind of call again: the plan is kept, nothing is built or compiled again
+        module._hopper_launch(q, k, v, D ** -0.5, want_lse, tables)
+        assert len(early) == 1 and len(built) == 1, mask.name

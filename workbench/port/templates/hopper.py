@@ -738,6 +738,11 @@ def _hopper_descriptor(t, rows: int):
 
 
 _HOPPER_PLANS: dict = {}
+# A new kind of call compiles the Hopper kernel (about 3 s on an H200's host) in a second thread
+# while this one builds the block lists (the scan kernel's own compile and its launch, 0.3-0.6 s
+# at 32K): the compile needs only what each argument specializes to, never the lists' contents.
+# PORT_HOPPER_EARLY_COMPILE=0 (or False here) compiles at the launch instead, one after the other.
+HOPPER_EARLY_COMPILE = os.environ.get("PORT_HOPPER_EARLY_COMPILE", "1") != "0"
 
 
 def _hopper_launch(q, k, v, scale, return_lse, tables):
@@ -751,28 +756,37 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
     pointers = [tables[n] for n in ALL_POINTERS]
     site = ("forward", q.shape, k.shape, q.dtype, q.device, _current_device(q), return_lse, HOPPER_LOOP,
             HOPPER_TILE, tuple(t.data_ptr() % 16 == 0 for t in pointers))
-    grid, options, block_n, persistent, lists = _remember(_HOPPER_PLANS, site, lambda: _hopper_plan(q, k, return_lse))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
+    plan = _HOPPER_PLANS.get(site)
+    if plan is None:
+        plan = _remember(_HOPPER_PLANS, site, lambda: _hopper_plan(q, k, v, scale, out, lse, pointers))
+    else:
+        _HOPPER_PLANS[site] = _HOPPER_PLANS.pop(site)  # (the most recently used last)
+    grid, options, block_n, persistent, lists = plan
+    return grid, _hopper_args(q, k, v, out, lse, lists, scale, block_n, persistent, pointers), options, out, lse, site
+
+
+def _hopper_args(q, k, v, out, lse, lists, scale, block_n, persistent, pointers) -> tuple:
+    """The Hopper kernel's arguments, in its order."""
     # (persistent: the call's tile counter, zeroed here, so a program takes tile 0 first)
     extra = (torch.zeros(1, dtype=torch.int32, device=q.device), q.shape[0] * q.shape[1]) if persistent else ()
-    args = (_hopper_descriptor(q, 128), _hopper_descriptor(k, block_n), _hopper_descriptor(v, block_n), out, lse,
+    return (_hopper_descriptor(q, 128), _hopper_descriptor(k, block_n), _hopper_descriptor(v, block_n), out, lse,
             *lists, scale, *extra, *pointers)
-    return grid, args, options, out, lse, site
 
 
-def _hopper_plan(q, k, return_lse):
-    """(grid, options, block_n, persistent, the block lists and integer arguments) of a Hopper call."""
+def _hopper_plan(q, k, v, scale, out, lse, pointers):
+    """(grid, options, block_n, persistent, the block lists and integer arguments) of a Hopper call;
+    with HOPPER_EARLY_COMPILE, the kernel compiles in a second thread while the lists are built."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     loop = _hopper_loop()
     block_n, buffers, warps = HOPPER_TILE
     buffers = buffers or (3 if loop in ("pingpong", "persistent") else 2)
-    partial_num, partial_idx, full_num, full_idx = block_lists(B, Hq, Lq, Lk, q.device)
-    n_rows = _cdiv(Lq, TABLE_M)
+    n_rows, n_cols = _cdiv(Lq, TABLE_M), _cdiv(Lk, TABLE_N)
     s_tb, s_th = _list_strides(Hq, n_rows)
     persistent = loop == "persistent"
-    options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers,
+    options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=lse is not out, TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers,
                    num_warps=4 if loop in ("pingpong", "persistent") else warps)
     if not persistent:
         options["PINGPONG"] = loop == "pingpong"
@@ -783,8 +797,42 @@ def _hopper_plan(q, k, return_lse):
     grid = (_cdiv(Lq, 128), B * Hq)
     if persistent:  # one program per SM, or per tile where there are fewer
         grid = (min(grid[0] * grid[1], _sm_count(q.device)), )
-    lists = (partial_num, partial_idx, full_num, full_idx, s_tb, s_th, partial_idx.shape[-1], Hq, Hq // Hkv, Lq, Lk)
-    return grid, options, block_n, persistent, lists
+    ints = (s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk)
+    early = None
+    if HOPPER_EARLY_COMPILE:
+        # the lists' stand-ins: int32 tensors on 16 bytes, as the lists are, so the launch below
+        # finds this compile (an argument's kind: _arg_kind)
+        stand_in = [torch.empty(4, dtype=torch.int32, device=q.device) for _ in range(4)]
+        args = _hopper_args(q, k, v, out, lse, (*stand_in, *ints), scale, block_n, persistent, pointers)
+        early = _compile_early(_hopper_kernel(), grid, args, options, q.device)
+    try:
+        lists = block_lists(B, Hq, Lq, Lk, q.device)
+    finally:
+        if early is not None:
+            early.join()
+    return grid, options, block_n, persistent, (*lists, *ints)
+
+
+def _compile_early(kernel, grid, args, options, device):
+    """A started thread that compiles kernel for these arguments' kinds (Triton's warmup: nothing
+    launches), or None where that cannot help. A failure here is left to the launch, which meets it
+    again and says why (_attention_hopper)."""
+    import threading
+
+    if device.type != "cuda":
+        return None
+
+    def compile_():
+        try:
+            with torch.cuda.device(device):  # (the JIT keeps a compiled kernel per device)
+                kernel.warmup(*args, grid=grid, **options)
+        except Exception:
+            pass
+
+    triton.runtime.driver.active.get_current_target()  # (the driver made here, not in two threads at once)
+    thread = threading.Thread(target=compile_, name=f"{NAME}: Hopper compile", daemon=True)
+    thread.start()
+    return thread
 
 
 def _hopper_kernel():

@@ -176,14 +176,14 @@ def test_a_saturated_softcap_on_the_hopper_kernels_matches_the_reference(cuda, t
     assert not bad, "; ".join(bad)
 
 
-@pytest.mark.parametrize("forms", ["bias", "all"])
+@pytest.mark.parametrize("forms", ["off", "bias", "all"])
 @pytest.mark.parametrize("name, dtype, head_dim", [("alibi", "bfloat16", 128), ("alibi", "float16", 64),
                                                    ("users_score_biases", "bfloat16", 128)])
 def test_the_fast_score_forms_on_the_hopper_kernels_match_the_reference(cuda, tmp_path, monkeypatch, name, dtype,
                                                                         head_dim, forms):
-    # PORT_FAST_SCORE's forms (translate/fast_score.py, off by default) in the Hopper forward: biases
+    # PORT_FAST_SCORE's forms (translate/fast_score.py; "bias" the default) in the Hopper forward: biases
     # added to the score in one fused multiply-add in base 2 ("bias"), and integer distances converted
-    # per row and column ("all"); positions past 2^24 are not reached at these lengths (the CPU test
+    # per row and column ("all"), and neither ("off"); positions past 2^24 are not reached at these lengths (the CPU test
     # checks the conversion's bits there). Causal + ALiBi (per-head slopes), and a user's sum of biases
     # (ALiBi as attention-gym writes it, a relative table read at a clamped distance): out and lse of
     # the forward, and dq, dk, dv of the Hopper backward (its plain score_mod against the forward's

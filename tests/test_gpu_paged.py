@@ -143,7 +143,7 @@ def test_long_decodes_cut_into_even_pieces_match_the_reference(cuda, tmp_path, n
 
 
 _HOPPER_PREFILL = ["causal", "sliding_window_700", "users_head_window", "users_per_request_prefix", "causal+softcap",
-                   "users_spans_any", "and_masks_window"]
+                   "users_spans_any", "and_masks_window", "users_score_biases"]
 
 
 @pytest.mark.parametrize("form", ["bfloat16-128", "float16-64"])
@@ -156,6 +156,7 @@ def test_prefill_steps_on_hopper_match_the_reference(cuda, tmp_path, name, form)
     import random
 
     sys.path.insert(0, str(ROOT))
+    from run_hopper_compile import masks
     from run_port_paged import head_window, per_request_prefix, spans_any
     from torch.nn.attention.flex_attention import and_masks
 
@@ -175,7 +176,9 @@ def test_prefill_steps_on_hopper_match_the_reference(cuda, tmp_path, name, form)
             "users_per_request_prefix": lambda: Mask("users_per_request_prefix", mask_mod=per_request_prefix),
             "causal+softcap": lambda: with_score(make("causal"), make("softcap")),
             "users_spans_any": lambda: Mask("users_spans_any", mask_mod=spans_any),
-            "and_masks_window": lambda: Mask("and_masks_window", mask_mod=and_masks(causal, window_300))}[name]()
+            "and_masks_window": lambda: Mask("and_masks_window", mask_mod=and_masks(causal, window_300)),
+            # (causal, attention-gym's ALiBi and a relative table: biases in one fused multiply-add)
+            "users_score_biases": lambda: next(m for m in masks("cuda") if m.name == "users_score_biases")}[name]()
     dtype, d = form.split("-")
     heads, kv_heads = (4, 2) if name.startswith("users") else (16, 4)
     module = port.load(port.build(mask, 256, 256, heads=heads, batch=4, out_dir=tmp_path))

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -196,9 +195,6 @@ def main(argv=None) -> int:
     p.add_argument("--loops", nargs="+", default=["specialized", "pingpong"],
                    help="--hopper: the forms of its tile loop to time (HOPPER_LOOP), each optionally with its number "
                    "of K / V buffers: pingpong:3")
-    p.add_argument("--exp2-fma", nargs="+", type=int, default=[0], choices=range(5),
-                   help="--hopper: quarters of each tile's exponentials computed on the FMA units "
-                        "(PORT_HOPPER_EXP2_FMA), each loop with each")
     p.add_argument("--score-forms", nargs="+", choices=["off", "bias", "all"],
                    help="--hopper: the score functions' forms to time, each loop with each (PORT_FAST_SCORE's; default: "
                    "the generator's, bias unless PORT_FAST_SCORE says otherwise): off "
@@ -292,15 +288,9 @@ def hopper_bench(args) -> int:
     gqa = {"enable_gqa": True} if kv_heads != args.heads else {}
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, B={args.batch} H={args.heads} "
           f"Hkv={kv_heads} D={args.head_dim}, forward; medians of {args.rounds} rounds timed in turn", flush=True)
-    score_forms = list(dict.fromkeys(args.score_forms or [fast_default]))
-    exp2s = list(dict.fromkeys(args.exp2_fma))
-    # the files: one per score form and exp2 split (PORT_HOPPER_EXP2_FMA, read when a file loads),
-    # named in the columns where there are several of either
-    forms = [" ".join(x for x in (form if len(score_forms) > 1 else "", f"exp2-fma-{e}" if len(exp2s) > 1 else "") if x)
-             for form in score_forms for e in exp2s]
-    settings = dict(zip(forms, [(form, e) for form in score_forms for e in exp2s]))
-    # the timed columns: each loop form, in each file
-    loops = [f"{loop} {form}".strip() for form in forms for loop in args.loops]
+    forms = list(dict.fromkeys(args.score_forms or [fast_default]))
+    # the timed columns: each loop form, with each score form when there are several
+    loops = [loop if len(forms) == 1 else f"{loop} {form}" for form in forms for loop in args.loops]
     print("| mask | tokens | " + " | ".join(f"Hopper {loop} ms (TFLOP/s)" for loop in loops) + " | portable port ms | "
           "Flex Triton ms | Flex FLASH ms | portable / best Hopper | Flex Triton / best Hopper | FLASH / best Hopper | "
           "GPU kernels ms: " + " / ".join(f"Hopper {loop}" for loop in loops) + " / portable / Flex Triton / FLASH | "
@@ -315,20 +305,13 @@ def hopper_bench(args) -> int:
             q, k, v = inputs.q, inputs.k, inputs.v
             try:
                 modules = {}
-                for form, (score_form, e) in settings.items():
-                    generator.FAST_SCORE_FORMS = score_form
-                    exp2_env = os.environ.get("PORT_HOPPER_EXP2_FMA")
-                    os.environ["PORT_HOPPER_EXP2_FMA"] = str(e)
+                for form in forms:
+                    generator.FAST_SCORE_FORMS = form
                     try:
-                        modules[form] = port.load(port.build(
-                            mask, seq, seq, heads=args.heads, batch=args.batch,
-                            out_dir=folder / f"{seq}_{name[:12]}_{score_form}_{e}".replace(" ", "_")))
+                        modules[form] = port.load(port.build(mask, seq, seq, heads=args.heads, batch=args.batch,
+                                                             out_dir=folder / f"{seq}_{name[:12]}_{form}".replace(" ", "_")))
                     finally:
                         generator.FAST_SCORE_FORMS = fast_default
-                        if exp2_env is None:
-                            os.environ.pop("PORT_HOPPER_EXP2_FMA")
-                        else:
-                            os.environ["PORT_HOPPER_EXP2_FMA"] = exp2_env
                 module = modules[forms[0]]
                 block_mask = build_block_mask(mask, seq, seq, heads=args.heads, device="cuda", shrink=True, progress=False)
                 scan = scan_blocks(mask, seq, seq, heads=args.heads, device="cuda", progress=False)
@@ -339,7 +322,7 @@ def hopper_bench(args) -> int:
 
                 def hopper(variant, modules=modules):
                     variant, _, form = variant.partition(" ")
-                    module = modules[form]
+                    module = modules[form or forms[0]]
                     loop, _, buffers = variant.partition(":")
                     block_n, default_buffers, warps = module.HOPPER_TILE
                     module.HOPPER, module.HOPPER_LOOP = True, loop

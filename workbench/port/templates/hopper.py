@@ -46,11 +46,6 @@ HOPPER_LOOPS = ("auto", "specialized", "pingpong", "persistent")
 # PORT_HOPPER_RAGGED=0 (or False here) sends those calls to the portable kernel
 HOPPER_RAGGED = os.environ.get("PORT_HOPPER_RAGGED", "1") != "0"
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
-# exp2 of the softmax's P on the FMA units for part of each tile (_exp2_fma_gluon: a cubic in
-# Horner form, relative error 1.0e-4, below bf16's and fp16's rounding), the rest on the chip's
-# MUFU.EX2 (16 a clock per SM, against 128 FMAs): this many quarters of a tile's columns (0-4). At D 64 a
-# tile's matmuls take about as long as its exponentials, so those can be what the kernel waits on
-HOPPER_EXP2_FMA = int(os.environ.get("PORT_HOPPER_EXP2_FMA", "0"))
 
 # Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved
 # between 3.4, 3.5 and 3.6: warp_specialize's arguments, the descriptors); with an older Triton the
@@ -70,7 +65,6 @@ if _HAS_GLUON:
 _HOPPER_FAILED: dict = {}
 
 if _HAS_GLUON and HOPPER_MODS is None:
-    EXP2_FMA = gl.constexpr(HOPPER_EXP2_FMA)  # (read by the kernels when they compile)
 @@GLUON_MODS@@
 
     @gluon.jit
@@ -97,56 +91,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # buffer `slot`, which signals its barrier when the bytes have landed
         mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(desc, [row, 0], bars.index(slot), smem.index(slot), pred=pred)
-
-    @gluon.jit
-    def _exp2_fma_gluon(x):
-        # 2^x for x <= 0 on the FMA units: x = r + f with r = round(x) (the 1.5 * 2^23 trick: the
-        # addition rounds, r's bits land in the sum's low mantissa bits) and f in [-0.5, 0.5];
-        # 2^f = 1 + f (c1 + f (c2 + f c3)) fitted for the least relative error (1.0e-4); 2^r is
-        # added to the exponent field as an integer (r << 23: the sum's bits shifted, the 1.5 *
-        # 2^23's own bits fall off the top). x clamps at -127: -inf (a masked pair) gives r = -127,
-        # f = 0, 2^f = 1.0 exactly, so the exponent field becomes 0: exactly +0.0
-        x = gl.maximum(x, -127.0)
-        t = x + 12582912.0
-        f = x - (t - 12582912.0)
-        p = gl.fma(gl.fma(gl.fma(f, 0.05500892922282219, 0.2422109842300415), f, 0.6932829022407532), f, 1.0)
-        bits = (t.to(gl.int32, bitcast=True) << 23) + p.to(gl.int32, bitcast=True)
-        return bits.to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _exp2_tile_gluon(x, QUARTERS: gl.constexpr):
-        # exp2 of a tile of scores, QUARTERS of every 4 columns on the FMA units (_exp2_fma_gluon),
-        # the rest on MUFU.EX2. The columns are split where a thread holds them (the MMA layout's
-        # column n = 16 g + 8 j + 2 t + e: lane t of a quad holds e = 0, 1 of both 8-column groups
-        # j), so no value moves between threads: assert_trivial fails the compile if one would
-        if QUARTERS == 0:
-            p = gl.exp2(x)
-        elif QUARTERS == 4:
-            p = _exp2_fma_gluon(x)
-        else:
-            M: gl.constexpr = x.shape[0]
-            N: gl.constexpr = x.shape[1]
-            even, odd = x.reshape([M, N // 2, 2]).split()  # (e = 0, e = 1)
-            p = gl.join(_exp2_half_gluon(even, QUARTERS - 2 if QUARTERS > 2 else 0),
-                        _exp2_half_gluon(odd, QUARTERS if QUARTERS < 2 else 2))
-            p = gl.convert_layout(p.reshape([M, N]), x.type.layout, assert_trivial=True)
-        return p
-
-    @gluon.jit
-    def _exp2_half_gluon(x, QUARTERS: gl.constexpr):
-        # _exp2_tile_gluon's half (the columns of one e): QUARTERS (0-2) of its two 8-column groups
-        # j on the FMA units
-        if QUARTERS == 0:
-            p = gl.exp2(x)
-        elif QUARTERS == 2:
-            p = _exp2_fma_gluon(x)
-        else:
-            M: gl.constexpr = x.shape[0]
-            H: gl.constexpr = x.shape[1]
-            j0, j1 = x.reshape([M, H // 8, 2, 4]).permute((0, 1, 3, 2)).split()
-            p = gl.join(gl.exp2(j0), _exp2_fma_gluon(j1)).permute((0, 1, 3, 2)).reshape([M, H])
-            p = gl.convert_layout(p, x.type.layout, assert_trivial=True)
-        return p
 
     @gluon.jit
     def _hopper_softmax(qk, m_i, l_i, b, h, q_idx, kv_idx, first, Lk, full, sm_scale, @@ALL_PTR_PARAMS@@
@@ -178,9 +122,9 @@ if _HAS_GLUON and HOPPER_MODS is None:
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         if HAS_SCORE:
-            p = _exp2_tile_gluon(s - m_safe[:, None], EXP2_FMA)
+            p = gl.exp2(s - m_safe[:, None])
         else:
-            p = _exp2_tile_gluon(gl.fma(s, c, -m_safe[:, None]), EXP2_FMA)
+            p = gl.exp2(gl.fma(s, c, -m_safe[:, None]))
         l_i = l_i * alpha + gl.sum(p, 1)
         return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
 

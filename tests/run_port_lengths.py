@@ -79,6 +79,17 @@ def users_fixed_table(q_len=None, kv_len=None):
     return docs
 
 
+def users_relative_table(q_len=None, kv_len=None):
+    """A score_mod reading a per-head table at a clamped distance and at a remainder: indices inside
+    the table at every position, so the port holds at any length."""
+    table = torch.linspace(-1.0, 1.0, 2 * 16).reshape(2, 16)
+
+    def relative_table(score, b, h, q_idx, kv_idx):
+        return score + table[h, (q_idx - kv_idx).clamp(-8, 7) + 8] + 0.5 * table[h, (kv_idx - q_idx) % 16]
+
+    return relative_table
+
+
 USERS = [users_offset_and, users_prefix_fraction, users_gym_factory, users_fixed_table]
 
 
@@ -88,12 +99,14 @@ def cases():
         yield name, name, None, (BASE, BASE)
     yield "causal_sliding_window+alibi", "causal_sliding_window", "alibi", (BASE, BASE)
     yield "prefix_lm+relative_bias", "prefix_lm", "relative_bias", (BASE, BASE)
+    yield "causal+users_relative_table", "causal", users_relative_table, (BASE, BASE)
     for factory in USERS:
         yield factory.__name__, factory, None, (BASE, BASE)
     # generated at Lq < Lk (a decode-shaped call), called at Lq = Lk and others
     for name in ("causal", "sinks_window", "prefix_lm"):
         yield f"{name}@64x200", name, None, (64, 200)
     yield "users_offset_and@64x200", users_offset_and, None, (64, 200)
+    yield "relative_bias@64x200", "causal", "relative_bias", (64, 200)
 
 
 CASE_NAMES = [c[0] for c in cases()]

@@ -54,3 +54,46 @@ def test_bottom_right_masks_follow_the_call_lengths(calls):
     assert _outcome(calls, "causal@64x200", 128, 128)["outcome"] == "equal"
     assert _outcome(calls, "users_prefix_fraction", 1, 200)["outcome"] == "equal"
     assert _outcome(calls, "users_fixed_table", 64, 200)["outcome"] == "refused"
+
+
+def test_tables_read_inside_their_bounds_bind_the_port_to_no_length():
+    # A table read at an index that stays inside it at every position (a relative table at a
+    # clamped distance, at a remainder) holds at any length: the port follows the call's lengths
+    # (checked against the rebuilt factory by the script above: causal+users_relative_table,
+    # relative_bias@64x200). An index that can leave the table (a clamp one past its end, no lower
+    # bound, a position itself) keeps the port at the lengths it was made for.
+    import torch
+
+    from run_port_lengths import users_relative_table
+    from workbench import Mask, make, port, with_score
+    from workbench.define import data_indices
+
+    rel = torch.randn(4, 16)
+    doc = (torch.arange(256) // 50).to(torch.int32)
+    w = torch.tensor([3, 40, 100, 7])
+    ok = {"clamped": lambda s, b, h, q, kv: s + rel[h, (q - kv).clamp(0, 15)],
+          "shifted": lambda s, b, h, q, kv: s + rel[h, (q - kv).clamp(-8, 7) + 8],
+          "remainder": lambda s, b, h, q, kv: s + rel[h, (kv - q) % 16],
+          "floor_div": lambda s, b, h, q, kv: s + rel[h, ((q - kv).abs() // 64).clamp(max=15)]}
+    tied = {"past_the_end": lambda s, b, h, q, kv: s + rel[h, (q - kv).clamp(0, 16)],
+            "no_lower_bound": lambda s, b, h, q, kv: s + rel[h, (q - kv).clamp(max=15)],
+            "position": lambda s, b, h, q, kv: s + doc[kv].float()}
+    for name, mod in ok.items():
+        assert data_indices(mod, "score") == {"h"}, name
+    for name, mod in tied.items():
+        assert {"q_idx", "kv_idx"} & data_indices(mod, "score"), name
+    assert data_indices(lambda b, h, q, kv: (kv <= q) & (q - kv < w[h])) == {"h"}
+    assert data_indices(lambda b, h, q, kv: doc[q] == doc[kv]) == {"q_idx", "kv_idx"}
+    causal = make("causal")
+    for name, mod in ok.items():
+        made = port.generate(with_score(causal, Mask(name, score_mod=mod)), 256, 256, heads=4)
+        assert made.valid_q_len is None and made.valid_kv_len is None, name
+        assert made.valid_for().startswith("any Lq, Lk"), (name, made.valid_for())
+    for name, mod in tied.items():
+        made = port.generate(with_score(causal, Mask(name, score_mod=mod)), 256, 256, heads=4)
+        assert (made.valid_q_len, made.valid_kv_len) == (256, 256), name
+    made = port.generate(with_score(causal, make(users_relative_table, q_len=128, kv_len=128)), 128, 128, heads=2)
+    assert made.valid_q_len is None
+    made = port.generate(with_score(make("causal", q_len=64, kv_len=200),
+                                    make("relative_bias", q_len=64, kv_len=200)), 64, 200)
+    assert made.valid_q_len is None and "Lk - Lq computed per call" in made.valid_for(), made.valid_for()

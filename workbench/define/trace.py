@@ -290,6 +290,7 @@ def _traced_data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
                 out |= deps[a.name]
         return out
 
+    spans: dict[str, tuple] = {}  # integer values' intervals over every position (_span)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             deps[node.name] = frozenset([next(placeholders, node.name)])
@@ -297,13 +298,102 @@ def _traced_data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
             op = op_name(node.target)
             deps[node.name] = frozenset() if op in _SHAPE_ONLY_OPS else \
                 inputs_of(list(node.args) + list(node.kwargs.values()))
-            if op in ("index", "select", "slice", "gather", "index_select", "take"):
+            spans[node.name] = _span(op, node, spans, deps)
+            if op in ("index", "select") and not node.kwargs:
+                # an index inside the table's bounds at every position (a relative table at a
+                # clamped distance) binds the mod to no length: only its b / h count
+                table = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+                places = (list(enumerate(node.args[1])) if op == "index" else [(node.args[1], node.args[2])])
+                for dim, idx in places:
+                    if idx is None:  # (a dimension taken whole)
+                        continue
+                    used = inputs_of([idx])
+                    lo, hi = spans.get(getattr(idx, "name", None), _UNBOUNDED) if hasattr(idx, "name") else (idx, idx)
+                    if (isinstance(table, torch.Tensor) and isinstance(dim, int) and 0 <= dim < table.dim()
+                            and 0 <= lo and hi < table.shape[dim]):
+                        used -= {"q_idx", "kv_idx"}
+                    indexing |= used
+            elif op in ("index", "select", "slice", "gather", "index_select", "take"):
                 indexing |= inputs_of(list(node.args[1:]) + list(node.kwargs.values()))
         elif node.op == "output":
             result = inputs_of(node.args)
         else:
             deps[node.name] = frozenset()
     return result, indexing
+
+
+_UNBOUNDED = (-float("inf"), float("inf"))
+_POSITIONS = (0, 2 ** 31 - 1)  # b, h, q_idx, kv_idx: any int32 position, whatever the lengths
+
+
+def _span(op: str, node, spans: dict, deps: dict) -> tuple:
+    """(lo, hi) of an integer node's values over every b, h, q_idx, kv_idx >= 0 (the lengths
+    unknown), from its arguments' spans; _UNBOUNDED where no sound rule applies (floats, tables'
+    values, ops not listed). Only what a table index needs: sums, differences, negation, abs,
+    products and floor division by positive literals, remainders, clamps and where."""
+    def of(a):
+        if isinstance(a, bool):
+            return (int(a), int(a))
+        if isinstance(a, (int, float)):
+            return (a, a)
+        if hasattr(a, "name"):
+            if a.op == "placeholder":
+                return _UNBOUNDED if deps[a.name] == {"score"} else _POSITIONS
+            return spans.get(a.name, _UNBOUNDED)
+        return _UNBOUNDED
+
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point and op not in ("clamp", "clamp_min", "clamp_max"):
+        return _UNBOUNDED
+    args = node.args
+    if op in ("add", "sub", "rsub") and len(args) == 2 and not node.kwargs:
+        (a0, a1), (b0, b1) = of(args[0]), of(args[1])
+        if op == "add":
+            return (a0 + b0, a1 + b1)
+        if op == "rsub":
+            (a0, a1), (b0, b1) = (b0, b1), (a0, a1)
+        return (a0 - b1, a1 - b0)
+    if op == "neg":
+        lo, hi = of(args[0])
+        return (-hi, -lo)
+    if op == "abs":
+        lo, hi = of(args[0])
+        return (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
+    if op in ("clamp", "clamp_min", "clamp_max", "minimum", "maximum"):
+        lo, hi = of(args[0])
+        rest = list(args[1:]) + [node.kwargs.get("min"), node.kwargs.get("max")]
+        if op == "clamp":
+            low, high = (rest + [None, None])[:2] if len(args) > 1 else rest[-2:]
+        else:
+            low = rest[0] if op in ("clamp_min", "maximum") else None
+            high = rest[0] if op in ("clamp_max", "minimum") else None
+        if low is not None:
+            lo, hi = max(lo, of(low)[0]), max(hi, of(low)[1])
+        if high is not None:
+            lo, hi = min(lo, of(high)[0]), min(hi, of(high)[1])
+        return (lo, hi) if lo <= hi else _UNBOUNDED
+    if op == "where" and len(args) == 3:
+        (a0, a1), (b0, b1) = of(args[1]), of(args[2])
+        return (min(a0, b0), max(a1, b1))
+    if op == "mul" and len(args) == 2:
+        spans_ = [of(a) for a in args]
+        if all(abs(x) != float("inf") for s_ in spans_ for x in s_):
+            corners = [x * y for x in spans_[0] for y in spans_[1]]
+            return (min(corners), max(corners))
+        return _UNBOUNDED
+    if op in ("floor_divide", "div") and len(args) == 2 and isinstance(args[1], int) and args[1] > 0 and (
+            op == "floor_divide" or node.kwargs.get("rounding_mode") == "floor"):
+        lo, hi = of(args[0])
+        return (lo // args[1] if lo != -float("inf") else lo, hi // args[1] if hi != float("inf") else hi)
+    if op in ("remainder", "fmod") and len(args) == 2 and isinstance(args[1], int) and args[1] > 0:
+        lo, _ = of(args[0])
+        return (0 if op == "remainder" or lo >= 0 else -(args[1] - 1), args[1] - 1)
+    if op in ("full_like", "new_full", "scalar_tensor", "full") and args:
+        fill = args[0] if op == "scalar_tensor" else args[1] if len(args) > 1 else None
+        return (fill, fill) if isinstance(fill, (int, float)) and not isinstance(fill, bool) else _UNBOUNDED
+    if op in ("_to_copy", "to", "clone", "alias", "lift_fresh_copy") and args:
+        return of(args[0])
+    return _UNBOUNDED
 
 
 def index_reads(mod: Callable | None, role: str = "mask") -> frozenset[str]:

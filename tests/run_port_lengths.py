@@ -90,6 +90,25 @@ def users_relative_table(q_len=None, kv_len=None):
     return relative_table
 
 
+def users_t5_bucket(q_len=None, kv_len=None):
+    """T5's bidirectional relative bucket as Hugging Face writes it (exact up to 4, then a log
+    bucket up to 64 positions, 16 buckets a direction) into a per-head table: proved inside the
+    table at every position, so the port holds at any length."""
+    import math
+
+    table = torch.linspace(-2.0, 2.0, 2 * 16).reshape(2, 16)
+
+    def t5_bucket(score, b, h, q_idx, kv_idx):
+        rp = kv_idx - q_idx
+        ret = (rp > 0).to(torch.int64) * 8
+        n = rp.abs()
+        large = 4 + (torch.log(n.float() / 4) / math.log(64 / 4) * 4).to(torch.int64)
+        large = torch.minimum(large, torch.full_like(large, 7))
+        return score + table[h, ret + torch.where(n < 4, n, large)]
+
+    return t5_bucket
+
+
 USERS = [users_offset_and, users_prefix_fraction, users_gym_factory, users_fixed_table]
 
 
@@ -100,6 +119,7 @@ def cases():
     yield "causal_sliding_window+alibi", "causal_sliding_window", "alibi", (BASE, BASE)
     yield "prefix_lm+relative_bias", "prefix_lm", "relative_bias", (BASE, BASE)
     yield "causal+users_relative_table", "causal", users_relative_table, (BASE, BASE)
+    yield "full+users_t5_bucket", "full", users_t5_bucket, (BASE, BASE)
     for factory in USERS:
         yield factory.__name__, factory, None, (BASE, BASE)
     # generated at Lq < Lk (a decode-shaped call), called at Lq = Lk and others

@@ -147,3 +147,83 @@ def test_a_span_table_off_the_cpu_is_traced_on_its_own_device():
         return (kv_idx <= q_idx) | inside.any(-1)
 
     assert {str(n.target) for n in trace_mod(image_spans_cpu, "mask").graph.nodes if n.op == "call_function"} == ops
+
+
+def test_value_spans_hold_at_every_position_drawn():
+    # define.value_spans gives each value of a traced mod an interval over every b, h, q_idx,
+    # kv_idx >= 0, whatever the lengths; the port trusts it to let a table read at an index
+    # proved inside the table follow the call's lengths (test_port_lengths). Each interval must
+    # hold: the mods evaluated node by node at small, bucket-edge, 2^24-edge and int32-edge positions
+    # and random ones; no value outside its interval, no NaN inside a known one.
+    import math
+    import random
+
+    import torch
+    from torch.fx import Interpreter
+
+    from workbench.define import trace_mod, value_spans
+
+    rel = torch.randn(4, 32)
+    nb, max_exact = 16, 8
+
+    def hf_t5(score, b, h, q_idx, kv_idx):  # (Hugging Face's bidirectional bucket)
+        rp = kv_idx - q_idx
+        ret = (rp > 0).to(torch.int64) * nb
+        n = rp.abs()
+        large = max_exact + (torch.log(n.float() / max_exact) / math.log(128 / max_exact)
+                             * (nb - max_exact)).to(torch.int64)
+        large = torch.minimum(large, torch.full_like(large, nb - 1))
+        return score + rel[h, ret + torch.where(n < max_exact, n, large)]
+
+    def mirrored(score, b, h, q_idx, kv_idx):  # (the number on the left of the compare)
+        d = (q_idx - kv_idx).clamp(min=0)
+        return score + rel[h, torch.where(8 > d, d, (8 + torch.log1p(d.float() - 8) * 3).clamp(max=31).int())]
+
+    def arithmetic(score, b, h, q_idx, kv_idx):
+        a = (q_idx - kv_idx) // 7 + torch.div(kv_idx - q_idx, 5, rounding_mode="trunc")
+        c = ((kv_idx * 3) % 32 + (-q_idx).abs().clamp(max=2) - torch.div(q_idx, 3, rounding_mode="floor").clamp(0, 4))
+        f = torch.sqrt((q_idx - kv_idx).abs().float()).clamp(0, 31).int() + (q_idx.float() / 1e9).exp2().int()
+        return score + a.float() + rel[h, c.clamp(0, 31)] + rel[h, f.clamp(max=31)] + (c * c).float()
+
+    def both_sides(score, b, h, q_idx, kv_idx):
+        d = q_idx - kv_idx
+        return score + rel[h, torch.where(d >= 0, d.clamp(max=15), (-d).clamp(max=15) + 16)]
+
+    class Recorder(Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            self.seen[n.name] = out
+            return out
+
+    edges = [0, 1, 2, 7, 8, 9, 15, 16, 17, 120, 128, 129, 2 ** 24 - 1, 2 ** 24, 2 ** 24 + 1, 2 ** 30, 2 ** 31 - 1]
+    rng = random.Random(0)
+    pairs = [(q, kv) for q in edges for kv in edges] + [(rng.randrange(2 ** 31), rng.randrange(2 ** 31))
+                                                         for _ in range(200)]
+    for mod in (hf_t5, mirrored, arithmetic, both_sides):
+        gm = trace_mod(mod, "score")
+        _, spans = value_spans(gm, "score")
+        known = {n: s for n, s in spans.items() if s[0] > -math.inf or s[1] < math.inf}
+        assert known, mod.__name__
+        for q, kv in pairs:
+            run = Recorder(gm)
+            run.seen = {}
+            run.run(torch.tensor(0.5), torch.tensor(0, dtype=torch.int32), torch.tensor(q % 4, dtype=torch.int32),
+                    torch.tensor(q, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32))
+            for name, (lo, hi) in known.items():
+                value = run.seen[name]
+                if not isinstance(value, torch.Tensor):
+                    continue
+                x = float(value)
+                slack = 1e-5 * max(1.0, abs(x)) if value.is_floating_point() else 0
+                assert x == x and lo - slack <= x <= hi + slack, (mod.__name__, name, q, kv, x, (lo, hi))
+    # and what the port reads off them: these tables are read inside their bounds at every position
+    from workbench.define import data_indices
+    for mod in (hf_t5, mirrored, both_sides, arithmetic):
+        assert data_indices(mod, "score") == {"h"}, mod.__name__
+    # and where no bound is proved, the positions count: below 0, past the end, a NaN clamped
+    tied = [lambda s, b, h, q, kv: s + rel[h, (q - kv).clamp(max=31)],
+            lambda s, b, h, q, kv: s + rel[h, (q - kv).clamp(0, 32)],
+            lambda s, b, h, q, kv: s + rel[h, torch.log((q - kv).float()).clamp(0, 31).int()],
+            lambda s, b, h, q, kv: s + rel[h, torch.where(q - kv < 8, q - kv, 8)]]
+    for i, mod in enumerate(tied):
+        assert {"q_idx", "kv_idx"} <= data_indices(mod, "score"), i

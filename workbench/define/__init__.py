@@ -32,13 +32,13 @@ from workbench.define.targets import (bind, check_captured_devices, factory_para
                                       parse_params, prepare)
 from workbench.define.trace import (MASK_ARGS, SCORE_ARGS, captured_scalars, captured_tensors, data_indices, elementwise,
                                     forget_structures, index_reads, op_name, structure_fact, structure_key,
-                                    trace_mod)
+                                    trace_mod, value_spans)
 from workbench.define.util import TimedOut, call_with_timeout, cdiv, check_device, output_folder, same_device
 
 __all__ = ["Mask", "WorkbenchError", "with_score", "make", "bind", "prepare", "probe", "library",
            "library_variants", "load_factory", "check_captured_devices", "parse_params", "factory_params", "CONTEXT_KEYS", "check_signature",
            "mod_role", "mod_source", "positional_arity", "returned_role", "captured_scalars", "captured_tensors",
-           "trace_mod", "op_name", "index_reads", "data_indices", "elementwise", "structure_key", "structure_fact",
+           "trace_mod", "op_name", "index_reads", "data_indices", "elementwise", "value_spans", "structure_key", "structure_fact",
            "forget_structures", "lift_scalars", "lift_knobs", "MASK_ARGS", "SCORE_ARGS", "evaluate_mod", "broadcast_indices",
            "probe_grid", "probe_regions", "choose_evaluator", "EvaluatorChoice", "explain_mod_error", "implied_size",
            "check_device", "TimedOut", "call_with_timeout", "output_folder", "cdiv", "same_device"]

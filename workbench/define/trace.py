@@ -14,7 +14,8 @@ from workbench import compat
 from workbench.define.mask import Mask
 
 __all__ = ["captured_scalars", "captured_tensors", "structure_key", "structure_fact", "forget_structures",
-           "trace_mod", "op_name", "index_reads", "data_indices", "elementwise", "MASK_ARGS", "SCORE_ARGS"]
+           "trace_mod", "op_name", "index_reads", "data_indices", "elementwise", "value_spans", "MASK_ARGS",
+           "SCORE_ARGS"]
 
 
 # ---------------------------------------------------------------- what a mod captures and reads
@@ -276,8 +277,7 @@ def _traced_data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
         gm = trace_mod(mod, role)
     except Exception:
         return frozenset(names), frozenset(names)
-    deps: dict[str, frozenset] = {}
-    placeholders = iter(names)
+    deps, spans = value_spans(gm, role)
     result: frozenset = frozenset()
     indexing: frozenset = frozenset()
 
@@ -290,15 +290,9 @@ def _traced_data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
                 out |= deps[a.name]
         return out
 
-    spans: dict[str, tuple] = {}  # integer values' intervals over every position (_span)
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            deps[node.name] = frozenset([next(placeholders, node.name)])
-        elif node.op == "call_function":
+        if node.op == "call_function":
             op = op_name(node.target)
-            deps[node.name] = frozenset() if op in _SHAPE_ONLY_OPS else \
-                inputs_of(list(node.args) + list(node.kwargs.values()))
-            spans[node.name] = _span(op, node, spans, deps)
             if op in ("index", "select") and not node.kwargs:
                 # an index inside the table's bounds at every position (a relative table at a
                 # clamped distance) binds the mod to no length: only its b / h count
@@ -308,8 +302,10 @@ def _traced_data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
                     if idx is None:  # (a dimension taken whole)
                         continue
                     used = inputs_of([idx])
-                    lo, hi = spans.get(getattr(idx, "name", None), _UNBOUNDED) if hasattr(idx, "name") else (idx, idx)
+                    kind = idx.meta.get("val") if hasattr(idx, "meta") else None
+                    lo, hi = spans.get(idx.name, _UNKNOWN) if hasattr(idx, "name") else (idx, idx)
                     if (isinstance(table, torch.Tensor) and isinstance(dim, int) and 0 <= dim < table.dim()
+                            and (not isinstance(kind, torch.Tensor) or kind.dtype not in (torch.bool, torch.uint8))
                             and 0 <= lo and hi < table.shape[dim]):
                         used -= {"q_idx", "kv_idx"}
                     indexing |= used
@@ -317,83 +313,248 @@ def _traced_data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
                 indexing |= inputs_of(list(node.args[1:]) + list(node.kwargs.values()))
         elif node.op == "output":
             result = inputs_of(node.args)
-        else:
-            deps[node.name] = frozenset()
     return result, indexing
 
 
-_UNBOUNDED = (-float("inf"), float("inf"))
+def value_spans(gm, role: str = "mask") -> tuple[dict, dict]:
+    """({node: the mod's arguments it depends on}, {node: (lo, hi) of its values}) over a traced
+    mod's graph: the span over every b, h, q_idx, kv_idx >= 0 whatever the lengths (_span), or
+    (-inf, inf) where no bound is known."""
+    names = iter(MASK_ARGS if role == "mask" else SCORE_ARGS)
+    deps: dict[str, frozenset] = {}
+    spans: dict[str, tuple] = {}
+
+    def inputs_of(args) -> frozenset:
+        out: frozenset = frozenset()
+        for a in args:
+            if isinstance(a, (list, tuple)):
+                out |= inputs_of(a)
+            elif hasattr(a, "name") and a.name in deps:
+                out |= deps[a.name]
+        return out
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            deps[node.name] = frozenset([next(names, node.name)])
+        elif node.op == "call_function":
+            op = op_name(node.target)
+            deps[node.name] = frozenset() if op in _SHAPE_ONLY_OPS else \
+                inputs_of(list(node.args) + list(node.kwargs.values()))
+            spans[node.name] = _span(op, node, spans, deps)
+        elif node.op != "output":
+            deps[node.name] = frozenset()
+    return deps, spans
+
+
+_INF = float("inf")
+_UNKNOWN = (-_INF, _INF)  # no bound known (and, for a float, possibly NaN): compared by identity
 _POSITIONS = (0, 2 ** 31 - 1)  # b, h, q_idx, kv_idx: any int32 position, whatever the lengths
+_FLIP = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt"}
+_MIRROR = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
+_INCREASING = {"log": (0.0, "log"), "log2": (0.0, "log2"), "log10": (0.0, "log10"), "log1p": (-1.0, "log1p"),
+               "sqrt": (0.0, "sqrt"), "exp": (None, "exp"), "exp2": (None, "exp2")}
 
 
-def _span(op: str, node, spans: dict, deps: dict) -> tuple:
-    """(lo, hi) of an integer node's values over every b, h, q_idx, kv_idx >= 0 (the lengths
-    unknown), from its arguments' spans; _UNBOUNDED where no sound rule applies (floats, tables'
-    values, ops not listed). Only what a table index needs: sums, differences, negation, abs,
-    products and floor division by positive literals, remainders, clamps and where."""
+def _span(op: str, node, spans: dict, deps: dict, fixed: dict | None = None) -> tuple:
+    """_span_of_op, with an integer span that leaves its dtype's range unknown (eager integer
+    arithmetic wraps there)."""
+    span = _span_of_op(op, node, spans, deps, fixed)
+    val = node.meta.get("val")
+    if span is not _UNKNOWN and isinstance(val, torch.Tensor) and not val.dtype.is_floating_point \
+            and val.dtype != torch.bool:
+        info = torch.iinfo(val.dtype)
+        if span[0] < info.min or span[1] > info.max:
+            return _UNKNOWN
+    return span
+
+
+def _span_of_op(op: str, node, spans: dict, deps: dict, fixed: dict | None = None) -> tuple:
+    """(lo, hi) of a node's values over every b, h, q_idx, kv_idx >= 0 (the lengths unknown),
+    from its arguments' spans, or _UNKNOWN where no sound rule applies (a table's values, the
+    score, ops not listed; a float that may be NaN, which a clamp does not bound). Only what a
+    table index needs: sums, differences, negation, abs, products and divisions, floor division
+    and remainders by positive literals, clamps, increasing functions (log, exp, sqrt), casts,
+    comparisons (0 or 1), and where, whose branches are taken under their condition when it
+    compares a node with a number (`torch.where(d < 8, d, 8 + log-bucket(d))`: T5's bucket).
+    `fixed`: spans a where's branch puts on nodes; the nodes after them are recomputed (and
+    remembered there)."""
     def of(a):
         if isinstance(a, bool):
             return (int(a), int(a))
         if isinstance(a, (int, float)):
-            return (a, a)
-        if hasattr(a, "name"):
-            if a.op == "placeholder":
-                return _UNBOUNDED if deps[a.name] == {"score"} else _POSITIONS
-            return spans.get(a.name, _UNBOUNDED)
-        return _UNBOUNDED
+            return _UNKNOWN if a != a else (a, a)
+        if not hasattr(a, "name"):
+            return _UNKNOWN
+        if fixed is not None:
+            if a.name not in fixed and a.op == "call_function":
+                fixed[a.name] = _span(op_name(a.target), a, spans, deps, fixed)
+            if a.name in fixed:
+                return fixed[a.name]
+        if a.op == "placeholder":
+            return _UNKNOWN if deps[a.name] == {"score"} else _POSITIONS
+        return spans.get(a.name, _UNKNOWN)
 
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point and op not in ("clamp", "clamp_min", "clamp_max"):
-        return _UNBOUNDED
-    args = node.args
-    if op in ("add", "sub", "rsub") and len(args) == 2 and not node.kwargs:
+    if not isinstance(val, torch.Tensor) or val.dtype.is_complex:
+        return _UNKNOWN
+    args, kwargs = node.args, node.kwargs
+    floating = val.dtype.is_floating_point
+    if op == "where" and len(args) == 3:
+        sides = _branches(node, spans, deps, fixed, of)
+        return _UNKNOWN if any(x is _UNKNOWN for x in sides) else _hull(sides)
+    if val.dtype == torch.bool:
+        return (0, 1)
+    given = [of(a) for a in list(args) + list(kwargs.values()) if hasattr(a, "name") or isinstance(a, (int, float))]
+    if floating and any(x is _UNKNOWN for x in given):
+        return _UNKNOWN  # (NaN may be among its values)
+    if op in ("add", "sub", "rsub") and len(args) == 2 and kwargs.get("alpha", 1) == 1:
         (a0, a1), (b0, b1) = of(args[0]), of(args[1])
-        if op == "add":
-            return (a0 + b0, a1 + b1)
         if op == "rsub":
             (a0, a1), (b0, b1) = (b0, b1), (a0, a1)
-        return (a0 - b1, a1 - b0)
+        return _finite((a0 + b0, a1 + b1) if op == "add" else (a0 - b1, a1 - b0))
     if op == "neg":
         lo, hi = of(args[0])
         return (-hi, -lo)
     if op == "abs":
         lo, hi = of(args[0])
+        if not floating and lo <= torch.iinfo(val.dtype).min:
+            return _UNKNOWN  # (abs of the most negative integer is itself)
         return (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
     if op in ("clamp", "clamp_min", "clamp_max", "minimum", "maximum"):
         lo, hi = of(args[0])
-        rest = list(args[1:]) + [node.kwargs.get("min"), node.kwargs.get("max")]
+        rest = list(args[1:])
         if op == "clamp":
-            low, high = (rest + [None, None])[:2] if len(args) > 1 else rest[-2:]
+            low, high = (rest + [None, None])[:2]
+            low, high = kwargs.get("min", low), kwargs.get("max", high)
         else:
-            low = rest[0] if op in ("clamp_min", "maximum") else None
-            high = rest[0] if op in ("clamp_max", "minimum") else None
+            low = rest[0] if op in ("clamp_min", "maximum") and rest else None
+            high = rest[0] if op in ("clamp_max", "minimum") and rest else None
         if low is not None:
             lo, hi = max(lo, of(low)[0]), max(hi, of(low)[1])
         if high is not None:
             lo, hi = min(lo, of(high)[0]), min(hi, of(high)[1])
-        return (lo, hi) if lo <= hi else _UNBOUNDED
-    if op == "where" and len(args) == 3:
-        (a0, a1), (b0, b1) = of(args[1]), of(args[2])
-        return (min(a0, b0), max(a1, b1))
-    if op == "mul" and len(args) == 2:
-        spans_ = [of(a) for a in args]
-        if all(abs(x) != float("inf") for s_ in spans_ for x in s_):
-            corners = [x * y for x in spans_[0] for y in spans_[1]]
-            return (min(corners), max(corners))
-        return _UNBOUNDED
-    if op in ("floor_divide", "div") and len(args) == 2 and isinstance(args[1], int) and args[1] > 0 and (
-            op == "floor_divide" or node.kwargs.get("rounding_mode") == "floor"):
+        return (lo, hi) if lo <= hi else _UNKNOWN
+    mode = kwargs.get("rounding_mode") if op == "div" else None
+    if op == "div" and mode in ("floor", "trunc") and isinstance(args[1], int) and not isinstance(args[1], bool) \
+            and args[1] > 0 and not floating:
+        lo, hi = of(args[0])  # (integers: exact floor / trunc division)
+        f = (lambda x: x // args[1]) if mode == "floor" else (lambda x: int(x / args[1]) if abs(x) < 2 ** 52
+                                                                 else x // args[1])
+        return (f(lo) if lo > -_INF else lo, f(hi) if hi < _INF else hi)
+    if op in ("mul", "div") and len(args) == 2 and (mode is None or floating):
+        (a0, a1), (b0, b1) = of(args[0]), of(args[1])
+        if op == "div":
+            if not (b0 > 0 or b1 < 0) or not all(abs(x) < _INF for x in (b0, b1)):
+                return _UNKNOWN  # (a divisor that can be 0 or infinite)
+            b0, b1 = 1 / b1, 1 / b0
+        if not all(abs(x) < _INF for x in (a0, a1, b0, b1)):
+            if not b0 > 0:  # (an unbounded side times a positive number keeps its order)
+                return _UNKNOWN
+            corners = [a0 * b0, a0 * b1, a1 * b0, a1 * b1]
+        else:
+            corners = [x * y for x in (a0, a1) for y in (b0, b1)]
+        if any(c != c for c in corners):
+            return _UNKNOWN  # (0 times infinity)
+        if mode is not None:  # (a float divided and rounded: float64's rounding kept out of the bound)
+            lo, hi = min(corners), max(corners)
+            return _rounded((lo - 1e-9 * max(1.0, abs(lo)), hi + 1e-9 * max(1.0, abs(hi))), mode)
+        return (min(corners), max(corners))
+    if op == "floor_divide" and len(args) == 2 and isinstance(args[1], int) and args[1] > 0:
         lo, hi = of(args[0])
-        return (lo // args[1] if lo != -float("inf") else lo, hi // args[1] if hi != float("inf") else hi)
+        return (lo // args[1] if lo > -_INF else lo, hi // args[1] if hi < _INF else hi)
     if op in ("remainder", "fmod") and len(args) == 2 and isinstance(args[1], int) and args[1] > 0:
         lo, _ = of(args[0])
         return (0 if op == "remainder" or lo >= 0 else -(args[1] - 1), args[1] - 1)
+    if op in _INCREASING and len(args) == 1:
+        import math
+
+        edge, name = _INCREASING[op]
+        lo, hi = of(args[0])
+        if edge is not None and lo < edge:
+            return _UNKNOWN  # (NaN below the domain)
+        fn = getattr(math, name) if name != "exp2" else (lambda x: 2.0 ** x)
+
+        def at(x):
+            if x == edge and name.startswith("log"):
+                return -_INF
+            if abs(x) == _INF:
+                return fn(x) if name != "exp2" else (_INF if x > 0 else 0.0)
+            try:
+                return fn(x)
+            except OverflowError:
+                return _INF
+        return (at(lo), at(hi))
+    if op in ("_to_copy", "to", "clone", "alias", "lift_fresh_copy", "type_as", "contiguous") and args:
+        lo, hi = of(args[0])
+        source = args[0].meta.get("val") if hasattr(args[0], "meta") else None
+        if not floating and isinstance(source, torch.Tensor) and source.dtype.is_floating_point:
+            # a float to an integer truncates (increasing; float32's rounding along the way
+            # widens the bounds by far less than 1e-5 of them); infinite or NaN: no bound
+            if not (abs(lo) < _INF and abs(hi) < _INF):
+                return _UNKNOWN
+            return (int(lo - 1e-5 * max(1.0, abs(lo))), int(hi + 1e-5 * max(1.0, abs(hi))))
+        return (lo, hi)
     if op in ("full_like", "new_full", "scalar_tensor", "full") and args:
         fill = args[0] if op == "scalar_tensor" else args[1] if len(args) > 1 else None
-        return (fill, fill) if isinstance(fill, (int, float)) and not isinstance(fill, bool) else _UNBOUNDED
-    if op in ("_to_copy", "to", "clone", "alias", "lift_fresh_copy") and args:
-        return of(args[0])
-    return _UNBOUNDED
+        return (fill, fill) if isinstance(fill, (int, float)) and not isinstance(fill, bool) else _UNKNOWN
+    return _UNKNOWN
+
+
+def _finite(span: tuple) -> tuple:
+    lo, hi = span
+    return _UNKNOWN if lo != lo or hi != hi else span  # (inf - inf)
+
+
+def _rounded(span: tuple, mode) -> tuple:
+    import math
+
+    lo, hi = _finite(span)
+    if mode in ("floor", "trunc"):
+        f = math.floor if mode == "floor" else math.trunc
+        return (f(lo) if abs(lo) < _INF else lo, f(hi) if abs(hi) < _INF else hi)
+    return (lo, hi)
+
+
+def _hull(spans: list) -> tuple:
+    return (min(s[0] for s in spans), max(s[1] for s in spans))
+
+
+def _branches(node, spans: dict, deps: dict, fixed, of) -> list:
+    """The spans of where(cond, a, b)'s two branches, each under its side of cond where cond
+    compares a node with a number (refined on that node, the nodes after it recomputed)."""
+    cond, a, b = node.args
+    op = op_name(cond.target) if hasattr(cond, "target") and cond.op == "call_function" else None
+    if op not in _MIRROR or len(cond.args) != 2:
+        return [of(a), of(b)]
+    x, c = cond.args
+    if hasattr(c, "name") and not hasattr(x, "name"):
+        x, c, op = c, x, _MIRROR[op]
+    if not hasattr(x, "name") or not isinstance(c, (int, float)) or isinstance(c, bool) or c != c:
+        return [of(a), of(b)]
+    lo, hi = of(x)
+    whole = not x.meta["val"].dtype.is_floating_point if isinstance(x.meta.get("val"), torch.Tensor) else False
+    if not whole and (lo, hi) is _UNKNOWN:
+        return [of(a), of(b)]  # (a NaN takes neither side of a compare: where takes b)
+    out = []
+    for rel, value in ((op, a), (_FLIP[op], b)):
+        if rel == "lt":
+            span = (lo, min(hi, c - 1 if whole else c))
+        elif rel == "le":
+            span = (lo, min(hi, c))
+        elif rel == "gt":
+            span = (max(lo, c + 1 if whole else c), hi)
+        else:
+            span = (max(lo, c), hi)
+        if span[0] > span[1]:
+            continue  # (a branch never taken)
+        if not hasattr(value, "name"):
+            out.append(of(value))
+            continue
+        inner = {**(fixed or {}), x.name: span}
+        out.append(inner[value.name] if value.name in inner else
+                   _span(op_name(value.target), value, spans, deps, inner) if value.op == "call_function"
+                   else of(value))
+    return out or [of(a), of(b)]
 
 
 def index_reads(mod: Callable | None, role: str = "mask") -> frozenset[str]:

@@ -42,17 +42,19 @@ class _Launches:
         return self.kernel[grid]
 
 
-def run(mask, shape, dtype, device, folder, lse_weight=None, deterministic=False, cu_seqlens=None, fused=True):
+def run(mask, shape, dtype, device, folder, lse_weight=None, deterministic=False, cu_seqlens=None, fused=True,
+        built_at=None):
     """(out, lse, grads by the reference's names) of the port's forward and backward on fresh
     inputs, with the loss sum(out * grad_out) (+ sum(lse * lse_weight)). fused=False: dq and
-    dk / dv in two launches (the path where their tiles cannot share one), checked to be taken."""
+    dk / dv in two launches (the path where their tiles cannot share one), checked to be taken.
+    built_at: the (Lq, Lk) the port is generated at, when not the call's."""
     if str(device) != "cpu":  # the cases' tables are made on the CPU, as users make them: moved, in place,
         for t in captured_tensors(mask).values():  # to where this run is (their mods capture them)
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 t.data = t.data.to(device)
     mask = prepare(mask, None, shape.q_len, shape.kv_len, device, heads=shape.q_heads)
-    module = port.load(port.build(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, batch=shape.batch,
-                                  out_dir=folder))
+    module = port.load(port.build(mask, *(built_at or (shape.q_len, shape.kv_len)), heads=shape.q_heads,
+                                  batch=shape.batch, out_dir=folder))
     module.BWD_FUSED = fused
     launched = []
     for name in ("_bwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"):
@@ -110,12 +112,12 @@ def finite_difference(mask, shape, dtype, device, folder, eps=None) -> str | Non
 
 
 def check(mask, shape, dtype, device, folder, lse_grad=False, deterministic=False, fd=False,
-          cu_seqlens=None, two_launches=False) -> str | None:
+          cu_seqlens=None, two_launches=False, built_at=None) -> str | None:
     if fd:
         return finite_difference(mask, shape, dtype, device, folder)
     weight = torch.randn(shape.batch, shape.q_heads, shape.q_len, device=device) if lse_grad else None
     mask, inputs, out, grads = run(mask, shape, dtype, device, folder, weight, deterministic, cu_seqlens,
-                                   fused=not two_launches)
+                                   fused=not two_launches, built_at=built_at)
     if two_launches:  # the same bits as one launch: dq, dk, dv always; a table's gradient where it is
         # summed in a fixed order (deterministic=True); float atomics add in the order the GPU runs them
         _, _, _, fused = run(mask, shape, dtype, device, folder / "fused", weight, deterministic, cu_seqlens)
@@ -209,6 +211,13 @@ def special_cases() -> list[tuple[str, Mask, Shape, str, dict]]:
          {"two_launches": True, "deterministic": True}),
         ("learn_wide_relative_table", wide_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=150, kv_len=130,
                                                        head_dim=16), "float32", {}),
+        # tables read inside their bounds hold at any length (define.value_spans): generated at one
+        # length, called and trained at another
+        ("learn_t5_bias_other_length", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=131, kv_len=140,
+                                                      head_dim=16), "float32", {"built_at": (64, 64)}),
+        ("learn_wide_relative_table_other_length", wide_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=70,
+                                                                    kv_len=190, head_dim=16), "float32",
+         {"built_at": (150, 130)}),
         ("finite_difference_t5_bias", t5_mask, Shape(batch=1, q_heads=H, kv_heads=2, q_len=90, kv_len=90,
                                                      head_dim=16), "float32", {"fd": True}),
         ("packed_documents", doc_mask, Shape(batch=1, q_heads=4, kv_heads=2, q_len=150, kv_len=150, head_dim=16),

@@ -551,9 +551,12 @@ def _branches(node, spans: dict, deps: dict, fixed, of) -> list:
             out.append(of(value))
             continue
         inner = {**(fixed or {}), x.name: span}
-        out.append(inner[value.name] if value.name in inner else
-                   _span(op_name(value.target), value, spans, deps, inner) if value.op == "call_function"
-                   else of(value))
+        try:  # (the branch recomputed from the refined node: a recursion as deep as the graph)
+            out.append(inner[value.name] if value.name in inner else
+                       _span(op_name(value.target), value, spans, deps, inner) if value.op == "call_function"
+                       else of(value))
+        except RecursionError:
+            return [of(a), of(b)]
     return out or [of(a), of(b)]
 
 

@@ -57,6 +57,21 @@ def spans_any(b, h, q_idx, kv_idx):  # spans with .any(): a query inside a span 
     return inside.any() | (kv_idx <= q_idx)
 
 
+REL = torch.linspace(-1.0, 1.0, 4 * 16).reshape(4, 16)  # a user's per-head relative-position table
+
+
+def relative_table(score, b, h, q_idx, kv_idx):  # read inside the table at every position: any length
+    return score + REL[h, (q_idx - kv_idx).clamp(-8, 7) + 8]
+
+
+def t5_bucket(score, b, h, q_idx, kv_idx):  # T5's bidirectional bucket as Hugging Face writes it
+    rp = kv_idx - q_idx
+    n = rp.abs()
+    large = torch.minimum(4 + (torch.log(n.float() / 4) / 2.772588722239781 * 4).to(torch.int64),
+                          torch.full_like(n, 7, dtype=torch.int64))
+    return score + REL[h, (rp > 0).to(torch.int64) * 8 + torch.where(n < 4, n, large)]
+
+
 def masks():
     """(name, mask, heads[, kv_heads]): library masks, score mods, users' mods; kv heads half the
     query heads unless given (GQA groups of 1, 2, 3 and 32 query heads per kv head)."""
@@ -70,6 +85,10 @@ def masks():
     out.append(("users_head_window_gqa3", Mask("users_head_window_gqa3", mask_mod=head_window6), 6, 2))
     out.append(("causal_mha", make("causal"), 3, 3))
     out.append(("sinks_window_mqa32", make("sinks_window"), 32, 1))
+    # tables read inside their bounds: the port holds past the 256 tokens it is generated at
+    # (requests of up to 500 here)
+    out.append(("users_relative_table", with_score(make("causal"), Mask("relative_table", score_mod=relative_table)), 4))
+    out.append(("users_t5_bucket", Mask("users_t5_bucket", score_mod=t5_bucket), 4))
     return out
 
 
@@ -183,6 +202,12 @@ def check(case, mask, heads, kv_heads, dtype, page, device, folder, rng, batch=N
                                                                           else rng.randint(2, 5))
     q, kc, vc, table, cu, lens, reqs = draw_step(rng, num_seqs, page, heads, kv_heads, 16, real, longest=length)
     source = port.generate(mask, length or 256, length or 256, heads=heads, batch=num_seqs)
+    if case.startswith(("users_relative_table", "users_t5_bucket")):
+        if source.valid_q_len is not None:
+            return f"the port holds at its lengths only ({source.valid_for()})"
+        q, kc, vc, table, cu, lens, reqs = draw_step(rng, num_seqs, page, heads, kv_heads, 16, real)
+        while max(length for _, length in reqs) <= 256:  # (a request past the port's lengths)
+            q, kc, vc, table, cu, lens, reqs = draw_step(rng, num_seqs, page, heads, kv_heads, 16, real)
     module = port.load(port.write(source, folder / case.replace("+", "_")))
     # half the cases with split-KV (pieces of the keys folded by a second kernel), half without
     module.SPLIT_WHEN_PROGRAMS_BELOW = 1 << 30 if "-p16" in case or "bfloat16" in case or "-p48" in case else 0

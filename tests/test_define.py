@@ -227,3 +227,62 @@ def test_value_spans_hold_at_every_position_drawn():
             lambda s, b, h, q, kv: s + rel[h, torch.where(q - kv < 8, q - kv, 8)]]
     for i, mod in enumerate(tied):
         assert {"q_idx", "kv_idx"} <= data_indices(mod, "score"), i
+
+
+def test_value_spans_hold_on_the_library_and_the_mod_corpus():
+    # value_spans' soundness on every mod people write (the library, users' and attention-gym's
+    # tables, spans with .any(), and_masks, score mods): each node that got an interval, evaluated
+    # at positions inside and far past the corpus's lengths, every element within it
+    import math
+    import random
+    import sys
+    from pathlib import Path
+
+    import torch
+    from torch.fx import Interpreter
+
+    from workbench.define import trace_mod, value_spans
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from mod_corpus import corpus
+
+    class Recorder(Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            self.seen[n.name] = out
+            return out
+
+    rng = random.Random(1)
+    positions = [0, 1, 5, 19, 20, 95, 96, 97, 191, 192, 1000, 2 ** 24 + 1, 2 ** 31 - 1]
+    checked = 0
+    for mask, batch, heads in corpus():
+        for role, mod in (("mask", mask.mask_mod), ("score", mask.score_mod)):
+            if mod is None:
+                continue
+            try:
+                gm = trace_mod(mod, role)
+            except Exception:
+                continue  # (a mod that does not trace gets no spans at all)
+            _, spans = value_spans(gm, role)
+            known = {n: s for n, s in spans.items() if s[0] > -math.inf or s[1] < math.inf}
+            pairs = [(rng.choice(positions), rng.choice(positions)) for _ in range(30)]
+            for q, kv in pairs:
+                run = Recorder(gm)
+                run.seen = {}
+                args = [torch.tensor(rng.randrange(batch), dtype=torch.int32),
+                        torch.tensor(rng.randrange(heads), dtype=torch.int32),
+                        torch.tensor(q, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32)]
+                try:
+                    run.run(*([torch.tensor(0.25)] if role == "score" else []), *args)
+                except (IndexError, RuntimeError):
+                    continue  # (a per-token table read past its end: the mod's own limit, not a span's)
+                for name, (lo, hi) in known.items():
+                    value = run.seen.get(name)
+                    if not isinstance(value, torch.Tensor) or value.numel() == 0:
+                        continue
+                    v = value.double()
+                    slack = 1e-5 * max(1.0, float(v.abs().max())) if value.is_floating_point() else 0
+                    assert not v.isnan().any() and lo - slack <= float(v.min()) and float(v.max()) <= hi + slack, (
+                        mask.name, role, name, q, kv, float(v.min()), float(v.max()), (lo, hi))
+                    checked += 1
+    assert checked > 1000, checked

@@ -271,6 +271,17 @@ def _data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
     return structure_fact(mod, ("data_flow", role), lambda: _traced_data_flow(mod, role))
 
 
+def _inputs_of(deps: dict, args) -> frozenset:
+    """The mod's arguments that the graph nodes among `args` (nested lists too) depend on."""
+    out: frozenset = frozenset()
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out |= _inputs_of(deps, a)
+        elif hasattr(a, "name") and a.name in deps:
+            out |= deps[a.name]
+    return out
+
+
 def _traced_data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
     names = MASK_ARGS if role == "mask" else SCORE_ARGS
     try:
@@ -280,15 +291,6 @@ def _traced_data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
     deps, spans = value_spans(gm, role)
     result: frozenset = frozenset()
     indexing: frozenset = frozenset()
-
-    def inputs_of(args) -> frozenset:
-        out: frozenset = frozenset()
-        for a in args:
-            if isinstance(a, (list, tuple)):
-                out |= inputs_of(a)
-            elif hasattr(a, "name") and a.name in deps:
-                out |= deps[a.name]
-        return out
 
     for node in gm.graph.nodes:
         if node.op == "call_function":
@@ -301,7 +303,7 @@ def _traced_data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
                 for dim, idx in places:
                     if idx is None:  # (a dimension taken whole)
                         continue
-                    used = inputs_of([idx])
+                    used = _inputs_of(deps, [idx])
                     kind = idx.meta.get("val") if hasattr(idx, "meta") else None
                     lo, hi = spans.get(idx.name, _UNKNOWN) if hasattr(idx, "name") else (idx, idx)
                     if (isinstance(table, torch.Tensor) and isinstance(dim, int) and 0 <= dim < table.dim()
@@ -310,9 +312,9 @@ def _traced_data_flow(mod: Callable, role: str) -> tuple[frozenset, frozenset]:
                         used -= {"q_idx", "kv_idx"}
                     indexing |= used
             elif op in ("index", "select", "slice", "gather", "index_select", "take"):
-                indexing |= inputs_of(list(node.args[1:]) + list(node.kwargs.values()))
+                indexing |= _inputs_of(deps, list(node.args[1:]) + list(node.kwargs.values()))
         elif node.op == "output":
-            result = inputs_of(node.args)
+            result = _inputs_of(deps, node.args)
     return result, indexing
 
 
@@ -324,22 +326,13 @@ def value_spans(gm, role: str = "mask") -> tuple[dict, dict]:
     deps: dict[str, frozenset] = {}
     spans: dict[str, tuple] = {}
 
-    def inputs_of(args) -> frozenset:
-        out: frozenset = frozenset()
-        for a in args:
-            if isinstance(a, (list, tuple)):
-                out |= inputs_of(a)
-            elif hasattr(a, "name") and a.name in deps:
-                out |= deps[a.name]
-        return out
-
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             deps[node.name] = frozenset([next(names, node.name)])
         elif node.op == "call_function":
             op = op_name(node.target)
             deps[node.name] = frozenset() if op in _SHAPE_ONLY_OPS else \
-                inputs_of(list(node.args) + list(node.kwargs.values()))
+                _inputs_of(deps, list(node.args) + list(node.kwargs.values()))
             spans[node.name] = _span(op, node, spans, deps)
         elif node.op != "output":
             deps[node.name] = frozenset()

@@ -55,8 +55,6 @@ ENTRY = "attention"
 # chooses when a file is generated; another value is refused by generate(), naming the variable
 FAST_SCORE_FORMS = {"0": "off", "1": "all", "": "bias"}.get(os.environ.get("PORT_FAST_SCORE", ""),
                                                              os.environ.get("PORT_FAST_SCORE"))
-_SCORE_FORMS = {"0": "off", "1": "all", "": "off"}.get(os.environ.get("PORT_FAST_SCORE", "0"),
-                                                            os.environ.get("PORT_FAST_SCORE"))
 _SCORE_FORMS = ("off", "bias", "all")
 DTYPES = ("bfloat16", "float16", "float32")
 

@@ -169,11 +169,6 @@ def _hopper_case(name: str):
 def test_hopper_kernel_matches_the_reference(cuda, tmp_path, case, loop):
     # the Gluon sm_90 kernel (templates/hopper.py, HOPPER on, each form of its tile loop) against
     # the float64 reference, and the call must have gone through it
-    _check_hopper_case(case, loop, tmp_path)
-
-
-def _check_hopper_case(case, loop, tmp_path):
-    """One _HOPPER_CASES case on the Hopper kernel in this loop form against float64 (the module)."""
     import torch
 
     from workbench import port

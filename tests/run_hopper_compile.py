@@ -139,6 +139,10 @@ def main(argv) -> int:
                 module.HOPPER_LOOP = loop
                 grid, args, options, _, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
                 kernel = module._hopper_kernel().warmup(*args, grid=grid, **options)
+                # (HOPPER_NAMED, on by default: the two warpgroups' turns and the buffers they give
+                # back through named barriers, bar.arrive, in the ping-pong and persistent loops)
+                named = module._hopper_loop() != "specialized" and bool(module.HOPPER_NAMED)
+                assert ("bar.arrive" in kernel.asm["ptx"]) == named, (module._hopper_loop(), module.HOPPER_NAMED)
                 details.append(f"{module._hopper_loop()}: {ptxas(kernel)}; shared {kernel.metadata.shared} bytes")
             # lengths off the 128 grid (HOPPER_RAGGED): the masked store and the last key tile
             # loaded from Lk - BLOCK_N, in the form "auto" picks for this mask

@@ -246,6 +246,64 @@ def test_the_persistent_form_hands_every_tile_out_once(cuda, tmp_path, lengths):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("loop", ["pingpong", "persistent"])
+def test_the_warpgroups_hand_offs_give_the_same_bits_every_way(cuda, tmp_path, loop):
+    # HOPPER_NAMED: the two warpgroups take turns on the tensor cores and give K / V buffers back to
+    # the load warp through named barriers (3, the default), named turns only (1) or mbarriers (0).
+    # The arithmetic is the same, so the bits must be; a barrier left half done or a buffer given
+    # back early would hang or mix tiles. Programs whose rows keep nothing (no turn at all), rows of
+    # every length, more tiles than SMs, GQA, lengths off the 128 grid, a softcap in the ping-pong
+    # loop; each setting called twice, and against float64.
+    import torch
+
+    from workbench import Mask, make, port, with_score
+    from workbench.run import Inputs
+    from workbench.verify import LSE_TOLERANCE, TOLERANCES, compare, reference_attention
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90 only")
+    lens = torch.tensor([700, 1500, 64], device="cuda")
+
+    def late_start(b, h, q_idx, kv_idx):
+        return (q_idx >= 300) & (kv_idx <= q_idx) & ((q_idx - kv_idx < lens[b]) | (kv_idx < 16))
+
+    mask = Mask("late_start", mask_mod=late_start)
+    if loop == "pingpong":
+        mask = with_score(mask, make("softcap", {"cap": 20.0}))
+    B, Hq, Hkv, D = 3, 16, 4, 128
+    for Lq, Lk in ((2048, 2048), (1000, 1011)):
+        module = port.load(port.build(mask, Lq, Lk, heads=Hq, batch=B, out_dir=tmp_path / f"{Lq}"))
+        module.HOPPER, module.HOPPER_LOOP = True, loop
+        calls = []
+        real = module._attention_hopper
+        module._attention_hopper = lambda *a, real=real, **kw: calls.append(1) or real(*a, **kw)
+        g = torch.Generator(device="cuda").manual_seed(2)
+        q = torch.randn(B, Hq, Lq, D, device="cuda", generator=g).to(torch.bfloat16)
+        k = torch.randn(B, Hkv, Lk, D, device="cuda", generator=g).to(torch.bfloat16)
+        v = torch.randn(B, Hkv, Lk, D, device="cuda", generator=g).to(torch.bfloat16)
+        got = {}
+        with torch.no_grad():
+            for named in (3, 1, 0, 3):
+                module.HOPPER_NAMED = named
+                out, lse = module.attention(q, k, v, return_lse=True)
+                torch.cuda.synchronize()
+                if named in got:
+                    assert torch.equal(got[named][0], out), f"HOPPER_NAMED = {named}: a second call gave other bits"
+                got[named] = (out, lse)
+        assert len(calls) == 4, "attention() did not run the Hopper kernel"
+        for named in (1, 0):
+            assert torch.equal(got[named][0], got[3][0]) and torch.equal(got[named][1], got[3][1]), \
+                f"{loop}, {Lq} x {Lk}: HOPPER_NAMED = {named} gave other bits than 3"
+        out, lse = got[3]
+        shape = Shape(batch=B, q_heads=Hq, kv_heads=Hkv, q_len=Lq, kv_len=Lk, head_dim=D)
+        ref = reference_attention(mask, Inputs(q=q, k=k, v=v, shape=shape, dtype="bfloat16", seed=2), progress=False)
+        checks = [compare("out", out, ref.out, TOLERANCES["bfloat16"]),
+                  compare("lse", lse, ref.lse, LSE_TOLERANCE["bfloat16"])]
+        assert all(c.passed for c in checks), f"{loop}, {Lq} x {Lk}: " + "; ".join(
+            f"{c.name}: max abs err {c.max_abs_err:.3g}, {c.bad_count} bad, {c.nan_count} NaN" for c in checks)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("early", [True, False])
 def test_a_new_kind_of_call_compiles_the_hopper_kernel_once_beside_its_block_lists(cuda, tmp_path, early):
     # HOPPER_EARLY_COMPILE: a new kind of call compiles the Hopper kernel in a second thread while

@@ -1109,3 +1109,46 @@ def test_the_early_compile_sees_arguments_that_specialize_as_the_launchs_do(tmp_
         # the same kind of call again: the plan is kept, nothing is built or compiled again
         module._hopper_launch(q, k, v, D ** -0.5, want_lse, tables)
         assert len(early) == 1 and len(built) == 1, mask.name
+
+
+@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
+def test_the_warpgroups_hand_offs_reach_the_kernel_as_the_switch_says(tmp_path):
+    # HOPPER_NAMED chooses how the ping-pong and persistent loops' warpgroups take turns and give
+    # K / V buffers back (bit 1: named turns, bit 2: named releases, 0: mbarriers). The launch
+    # passes it to the kernel for those loops only; the named releases need a ring of at most 3
+    # slots (their barrier ids: 10 + slot, 13 + slot), so a 4-buffer ring keeps only the turns; a
+    # changed switch is a new kind of call (never a plan made under the other setting); and the
+    # paged prefill takes the named turns only.
+    import torch
+
+    module = port.load(port.build(make("causal"), 1024, 1024, heads=2, out_dir=tmp_path))
+    cpu = torch.device("cpu")
+    module._SM_COUNTS[cpu] = 132
+    module.block_lists = lambda *a, **kw: tuple(torch.zeros((1, 1, 8) if i % 2 else (1, 1), dtype=torch.int32)
+                                                for i in range(4))
+    module._compile_early = lambda *a: None
+    q = torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16)
+    tables = module._tables(cpu, 1024, 1024)
+    assert module.HOPPER_NAMED == int(os.environ.get("PORT_HOPPER_NAMED", "0"))
+    seen = {}
+    for loop in ("specialized", "pingpong", "persistent"):
+        for named, buffers in ((3, 0), (1, 0), (0, 0), (3, 4)):
+            module.HOPPER_LOOP, module.HOPPER_NAMED = loop, named
+            module.HOPPER_TILE = (128, buffers, 8)
+            _, _, options, _, _, site = module._hopper_launch(q, q, q, 0.125, False, tables)
+            want = 0 if loop == "specialized" else (named if buffers <= 3 else named & 1)
+            assert options.get("NAMED", 0) == want, (loop, named, buffers, options)
+            assert site not in seen, (loop, named, buffers, seen.get(site))
+            seen[site] = (loop, named, buffers)
+    module.HOPPER_TILE = (128, 0, 8)
+    for named, want in ((3, 1), (1, 1), (0, 0)):
+        module.HOPPER_LOOP, module.HOPPER_NAMED = "auto", named
+        heads = 2
+        plan = (torch.zeros(3, 8, dtype=torch.int32), torch.zeros(3, 3, dtype=torch.int32),
+                torch.zeros(3, 8, dtype=torch.int32), torch.zeros(3, 8, dtype=torch.int32))
+        qp = torch.zeros(300, heads, 128, dtype=torch.bfloat16)
+        cache = torch.zeros(64, 16, 1, 128, dtype=torch.bfloat16)
+        table = torch.zeros(2, 32, dtype=torch.int32)
+        pointers = [tables[n] for n in module.ALL_POINTERS]
+        _, _, options = module._hopper_paged_launch(qp, cache, cache, table, 0.125, False, pointers, plan, qp, qp)
+        assert options.get("NAMED", 0) == want, (named, options)

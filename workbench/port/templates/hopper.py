@@ -45,6 +45,15 @@ HOPPER_LOOPS = ("auto", "specialized", "pingpong", "persistent")
 # tests/test_gpu_port.py::test_the_hopper_kernel_runs_drawn_mods_like_the_reference);
 # PORT_HOPPER_RAGGED=0 (or False here) sends those calls to the portable kernel
 HOPPER_RAGGED = os.environ.get("PORT_HOPPER_RAGGED", "1") != "0"
+# How the ping-pong and persistent loops' warpgroups hand work over (bits): 1, the turns on the tensor
+# cores through named barriers; 2, K / V buffers given back to the load warp through named barriers;
+# 0, both through mbarriers. Gluon's mbarrier.arrive is one thread's arrive after a bar.sync of its
+# whole warpgroup, so every hand-off through an mbarrier held the warpgroup until its four warps
+# met (compiled for sm_90a: three bar.sync a tile; Nsight Compute put 21% of the math warps' stall
+# samples of causal 8K on them, FlashAttention-4's kernel 10% on its barriers). A named barrier's
+# arrive (bar.arrive) does not wait; its sync waits for the other side's threads, FlashAttention-3's
+# ping-pong. PORT_HOPPER_NAMED=0 / 1 / 3 in the environment chooses.
+HOPPER_NAMED = int(os.environ.get("PORT_HOPPER_NAMED", "0"))
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 # Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved
@@ -91,6 +100,87 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # buffer `slot`, which signals its barrier when the bytes have landed
         mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(desc, [row, 0], bars.index(slot), smem.index(slot), pred=pred)
+
+    # Named barriers: bar.sync / bar.arrive on a hardware barrier id with a thread count (a multiple
+    # of 32: whole warps), written as inline PTX. A barrier completes when that many threads have
+    # arrived, the syncing ones included; a thread that only arrives goes on at once. Ids 8 and up
+    # stay clear of the ones Triton's partitions use (0 to 3). The forward's ids (HOPPER_NAMED):
+    # 8 + WG, warpgroup WG's turn on the tensor cores (its 128 threads sync, the other's 128 arrive);
+    # 10 + slot and 13 + slot, ring buffer slot's keys / values read by both warpgroups (2 x 128
+    # arrive, the load warp's 32 sync before it loads the slot again; a ring of at most 3).
+    _BAR_TURN = gl.constexpr(8)
+    _BAR_K_FREE = gl.constexpr(10)
+    _BAR_V_FREE = gl.constexpr(13)
+
+    @gluon.jit
+    def _bar_sync(bar_id, threads: gl.constexpr):
+        # wait at barrier `bar_id` until `threads` threads have arrived (this warp's 32 included)
+        gl.inline_asm_elementwise("bar.sync $1, $2;\n\tmov.u32 $0, 0;", "=r,r,r", [bar_id, threads], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _bar_arrive(bar_id, threads: gl.constexpr):
+        # count this warp's 32 threads in at barrier `bar_id` and go on
+        gl.inline_asm_elementwise("bar.arrive $1, $2;\n\tmov.u32 $0, 0;", "=r,r,r", [bar_id, threads],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _turn_wait(mine, parity, WG: gl.constexpr, NAMED: gl.constexpr):
+        # (ping-pong) wait for this warpgroup's turn to issue its matmuls
+        if NAMED % 2 == 1:
+            _bar_sync(_BAR_TURN + WG, 256)
+        else:
+            mbarrier.wait(mine, parity)
+
+    @gluon.jit
+    def _turn_pass(other, WG: gl.constexpr, NAMED: gl.constexpr):
+        # (ping-pong) this warpgroup's matmuls are issued: the other's turn
+        if NAMED % 2 == 1:
+            _bar_arrive(_BAR_TURN + 1 - WG, 256)
+        else:
+            mbarrier.arrive(other)
+
+    @gluon.jit
+    def _turn_start(WG: gl.constexpr, NAMED: gl.constexpr):
+        # (ping-pong, named turns) warpgroup 0 goes first: warpgroup 1 arrives at its barrier once
+        if NAMED % 2 == 1:
+            if WG == 1:
+                _bar_arrive(_BAR_TURN, 256)
+
+    @gluon.jit
+    def _turn_end(WG: gl.constexpr, NAMED: gl.constexpr):
+        # (ping-pong, named turns) warpgroup 1's last pass left one arrival at warpgroup 0's barrier
+        # (one more than warpgroup 0's turns): warpgroup 0 takes it, so no barrier is left half done
+        if NAMED % 2 == 1:
+            if WG == 0:
+                _bar_sync(_BAR_TURN, 256)
+
+    @gluon.jit
+    def _release(empty, slot, FIRST: gl.constexpr, NAMED: gl.constexpr):
+        # (ping-pong) this warpgroup has read ring slot `slot` (its matmul is done): give it back
+        if NAMED >= 2:
+            _bar_arrive(FIRST + slot, 288)
+        else:
+            mbarrier.arrive(empty.index(slot))
+
+    @gluon.jit
+    def _acquire(empty, slot, c, FIRST: gl.constexpr, NAMED: gl.constexpr, NUM_BUF: gl.constexpr):
+        # (the load warp) wait until ring slot `slot` may take its c-th tile (c counts the ring's
+        # tiles: the first NUM_BUF find it free)
+        if NAMED >= 2:
+            if c >= NUM_BUF:
+                _bar_sync(FIRST + slot, 288)
+        else:
+            mbarrier.wait(empty.index(slot), ((c // NUM_BUF) & 1) ^ 1)
+
+    @gluon.jit
+    def _acquire_end(c, NAMED: gl.constexpr, NUM_BUF: gl.constexpr):
+        # (the load warp, named releases) the ring's last NUM_BUF tiles are given back after the
+        # last load: take those arrivals too, so no barrier is left half done
+        if NAMED >= 2:
+            for i in range(gl.maximum(c - NUM_BUF, 0), c):
+                _bar_sync(_BAR_K_FREE + i % NUM_BUF, 288)
+                _bar_sync(_BAR_V_FREE + i % NUM_BUF, 288)
 
     @gluon.jit
     def _hopper_softmax(qk, m_i, l_i, b, h, q_idx, kv_idx, first, Lk, full, sm_scale, @@ALL_PTR_PARAMS@@
@@ -184,7 +274,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
 
     @gluon.jit
     def _hopper_producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f, n_tiles,
-                         idx_f, idx_p, Lk, SUB: gl.constexpr, TABLE_N: gl.constexpr, EVEN_N: gl.constexpr):
+                         idx_f, idx_p, Lk, SUB: gl.constexpr, TABLE_N: gl.constexpr, EVEN_N: gl.constexpr,
+                         NAMED: gl.constexpr = 0):
         # the load warp of the specialized kernel: each tile's keys, then its values, into the
         # ring as soon as the consumers have released the buffer (its `empty` barrier; they start
         # released: a fresh barrier's phase 1 counts as complete)
@@ -192,12 +283,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
         NUM_BUF: gl.constexpr = k_smem.type.shape[0]
         for t in range(0, n_tiles):
             slot = t % NUM_BUF
-            phase = (t // NUM_BUF) & 1
             start, _, _ = _hopper_tile_start(t, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
-            mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            _acquire(k_empty, slot, t, _BAR_K_FREE, NAMED, NUM_BUF)
             _hopper_load(k_desc, k_smem, k_ready, slot, kv_row0 + start, True)
-            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            _acquire(v_empty, slot, t, _BAR_V_FREE, NAMED, NUM_BUF)
             _hopper_load(v_desc, v_smem, v_ready, slot, kv_row0 + start, True)
+        _acquire_end(n_tiles, NAMED, NUM_BUF)
 
     @gluon.jit
     def _hopper_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, Out, Lse, b, h,
@@ -274,7 +365,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                    HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                    TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                    PINGPONG: gl.constexpr = False, EVEN_M: gl.constexpr = True,
-                                   EVEN_N: gl.constexpr = True):
+                                   EVEN_N: gl.constexpr = True, NAMED: gl.constexpr = 0):
         # one program = BLOCK_M queries of one (batch entry, head) over the blocks its row of the
         # lists names (full ones without the mask, then partial ones with it). EVEN_M / EVEN_N:
         # Lq / Lk are multiples of BLOCK_M / TABLE_N. Otherwise (HOPPER_RAGGED) the last block of
@@ -338,13 +429,13 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                                              Out, Lse, b, h, row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f,
                                              n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
-                                             SUB, TABLE_N, 0, EVEN_M, EVEN_N, False)),
+                                             SUB, TABLE_N, 0, EVEN_M, EVEN_N, False, NAMED)),
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                                              Out, Lse, b, h, row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f,
                                              n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
-                                             SUB, TABLE_N, 1, EVEN_M, EVEN_N, False)),
+                                             SUB, TABLE_N, 1, EVEN_M, EVEN_N, False, NAMED)),
                 (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
-                                    n_tiles, idx_f, idx_p, Lk, SUB, TABLE_N, EVEN_N)),
+                                    n_tiles, idx_f, idx_p, Lk, SUB, TABLE_N, EVEN_N, NAMED)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
@@ -362,7 +453,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@
                                   HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
                                   TABLE_N: gl.constexpr, WG: gl.constexpr, EVEN_M: gl.constexpr,
-                                  EVEN_N: gl.constexpr, PAGED: gl.constexpr):
+                                  EVEN_N: gl.constexpr, PAGED: gl.constexpr, NAMED: gl.constexpr = 0):
         # one warpgroup (4 warps) of the ping-pong kernel: query rows WG * 64 .. WG * 64 + 64 of the
         # program's 128, the overlapped loop (tile t's S = Q K^T issued with tile t-1's P V, the
         # softmax under P V). The two warpgroups take turns to issue their matmuls (`turn`, one
@@ -391,16 +482,17 @@ if _HAS_GLUON and HOPPER_MODS is None:
         if not EVEN_M:  # rows past the sequence's queries are computed, never stored: the mods see its last one
             q_idx = gl.minimum(q_idx, q_pos0 + n_valid - 1)
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
+        _turn_start(WG, NAMED)
         mbarrier.wait(q_bar, 0)
         if n_tiles > 0:
             # turn 0: tile 0's S alone
             start, first, full = _hopper_tile_start(0, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
             mbarrier.wait(k_ready.index(0), 0)
-            mbarrier.wait(mine, 1 - WG)
+            _turn_wait(mine, 1 - WG, WG, NAMED)
             qk = warpgroup_mma(q_part, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.arrive(other)
+            _turn_pass(other, WG, NAMED)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-            mbarrier.arrive(k_empty.index(0))
+            _release(k_empty, 0, _BAR_K_FREE, NAMED)
             p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full, sm_scale,
                                                  @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N, PAGED)
             for t in range(1, n_tiles):  # turn t: tile t's S with tile t-1's P V
@@ -409,17 +501,17 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 start, first, full = _hopper_tile_start(t, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
                 mbarrier.wait(k_ready.index(slot), (t // NUM_BUF) & 1)
                 mbarrier.wait(v_ready.index(prev), ((t - 1) // NUM_BUF) & 1)
-                mbarrier.wait(mine, (t & 1) ^ (1 - WG))
+                _turn_wait(mine, (t & 1) ^ (1 - WG), WG, NAMED)
                 qk = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-                mbarrier.arrive(other)
+                _turn_pass(other, WG, NAMED)
                 qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S is done; P V may still run
-                mbarrier.arrive(k_empty.index(slot))
+                _release(k_empty, slot, _BAR_K_FREE, NAMED)
                 p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                      sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
                                                      PAGED)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(v_empty.index(prev))
+                _release(v_empty, prev, _BAR_V_FREE, NAMED)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             # turn n_tiles: the last tile's P V
             final = (n_tiles - 1) % NUM_BUF
@@ -427,11 +519,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
             if PAGED:  # (a request's last tile, the only one that may run past its end)
                 if first + BLOCK_N > Lk:
                     _hopper_zero_tail(v_smem.index(final), Lk - first, 4)
-            mbarrier.wait(mine, (n_tiles & 1) ^ (1 - WG))
+            _turn_wait(mine, (n_tiles & 1) ^ (1 - WG), WG, NAMED)
             acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
-            mbarrier.arrive(other)
+            _turn_pass(other, WG, NAMED)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(final))
+            _release(v_empty, final, _BAR_V_FREE, NAMED)
+        _turn_end(WG, NAMED)
         _hopper_store(Out, Lse, acc, m_i, l_i, o_off + WG * HALF * o_stride, o_stride, l_off + WG * HALF * l_stride,
                       l_stride, n_valid - WG * HALF, poison, RETURN_LSE, o_layout, EVEN_M, PAGED)
 
@@ -458,7 +551,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                     k_ready, v_ready, k_empty, v_empty, counter, num_m, BH, Hq, group, Lq, Lk,
                                     s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
                                     TABLE_M: gl.constexpr, SUB: gl.constexpr, TABLE_N: gl.constexpr,
-                                    EVEN_N: gl.constexpr):
+                                    EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0):
         # the load warp of the persistent kernel. It takes the next tile from the call's counter
         # (an atomic add: programs that finish early take more), waits until both warpgroups are
         # done with the queries of the tile before, writes the tile's number into `tile_smem` and
@@ -485,11 +578,10 @@ if _HAS_GLUON and HOPPER_MODS is None:
             tma.async_copy_global_to_shared(q_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_ready, q_smem)
             for t in range(0, n_tiles):
                 slot = c % NUM_BUF
-                phase = (c // NUM_BUF) & 1
                 start, _, _ = _hopper_tile_start(t, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
-                mbarrier.wait(k_empty.index(slot), phase ^ 1)
+                _acquire(k_empty, slot, c, _BAR_K_FREE, NAMED, NUM_BUF)
                 _hopper_load(k_desc, k_smem, k_ready, slot, kv_row0 + start, True)
-                mbarrier.wait(v_empty.index(slot), phase ^ 1)
+                _acquire(v_empty, slot, c, _BAR_V_FREE, NAMED, NUM_BUF)
                 _hopper_load(v_desc, v_smem, v_ready, slot, kv_row0 + start, True)
                 c += 1
             j += 1
@@ -497,6 +589,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         mbarrier.wait(q_empty, (j & 1) ^ 1)
         tile_smem.store(gl.full([32], total, gl.int32, layout=id_layout))
         mbarrier.arrive(q_ready, count=1)
+        _acquire_end(c, NAMED, NUM_BUF)
 
     @gluon.jit
     def _hopper_persistent_consumer(q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
@@ -504,7 +597,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                     partial_num, full_idx, partial_idx, sm_scale, @@ALL_PTR_PARAMS@@
                                     HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                     SUB: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
-                                    EVEN_M: gl.constexpr, EVEN_N: gl.constexpr):
+                                    EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0):
         # one warpgroup of the persistent kernel: _hopper_pingpong_consumer's loop (rows WG * 64 ..
         # + 64 of each tile's 128) over the tiles the load warp hands over, until it hands over
         # num_m * BH. The K / V slots and their phases follow `c`, and the turns `u`, counted over
@@ -532,6 +625,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         c = 0
         u = 0
         j = 0
+        _turn_start(WG, NAMED)
         mbarrier.wait(q_ready, 0)
         tile = gl.max(tile_smem.load(id_layout), 0)
         while tile < total:
@@ -551,12 +645,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 start, first, full = _hopper_tile_start(0, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
                 slot = c % NUM_BUF
                 mbarrier.wait(k_ready.index(slot), (c // NUM_BUF) & 1)
-                mbarrier.wait(mine, (u & 1) ^ (1 - WG))
+                _turn_wait(mine, (u & 1) ^ (1 - WG), WG, NAMED)
                 qk = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                mbarrier.arrive(other)
+                _turn_pass(other, WG, NAMED)
                 u += 1
                 qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-                mbarrier.arrive(k_empty.index(slot))
+                _release(k_empty, slot, _BAR_K_FREE, NAMED)
                 p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                      sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
                                                      False)
@@ -568,29 +662,29 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     start, first, full = _hopper_tile_start(t, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
                     mbarrier.wait(k_ready.index(slot), (c // NUM_BUF) & 1)
                     mbarrier.wait(v_ready.index(prev), prev_phase)
-                    mbarrier.wait(mine, (u & 1) ^ (1 - WG))
+                    _turn_wait(mine, (u & 1) ^ (1 - WG), WG, NAMED)
                     qk = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
                                        is_async=True)
                     acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-                    mbarrier.arrive(other)
+                    _turn_pass(other, WG, NAMED)
                     u += 1
                     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S is done; P V may still run
-                    mbarrier.arrive(k_empty.index(slot))
+                    _release(k_empty, slot, _BAR_K_FREE, NAMED)
                     p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                          sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout,
                                                          EVEN_N, False)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                    mbarrier.arrive(v_empty.index(prev))
+                    _release(v_empty, prev, _BAR_V_FREE, NAMED)
                     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 mbarrier.arrive(q_empty)  # (this warpgroup's last S is done: the next queries may load)
                 final = c % NUM_BUF
                 mbarrier.wait(v_ready.index(final), (c // NUM_BUF) & 1)
-                mbarrier.wait(mine, (u & 1) ^ (1 - WG))
+                _turn_wait(mine, (u & 1) ^ (1 - WG), WG, NAMED)
                 acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
-                mbarrier.arrive(other)
+                _turn_pass(other, WG, NAMED)
                 u += 1
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(v_empty.index(final))
+                _release(v_empty, final, _BAR_V_FREE, NAMED)
                 c += 1
             else:
                 mbarrier.arrive(q_empty)
@@ -599,13 +693,15 @@ if _HAS_GLUON and HOPPER_MODS is None:
             j += 1
             mbarrier.wait(q_ready, j & 1)
             tile = gl.max(tile_smem.load(id_layout), 0)
+        _turn_end(WG, NAMED)
 
     @gluon.jit
     def _hopper_persistent_kernel(q_desc, k_desc, v_desc, Out, Lse, partial_num, partial_idx, full_num, full_idx,
                                   s_tb, s_th, n_cols, Hq, group, Lq, Lk, sm_scale, counter, BH, @@ALL_PTR_PARAMS@@
                                   HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                   TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
-                                  EVEN_M: gl.constexpr = True, EVEN_N: gl.constexpr = True):
+                                  EVEN_M: gl.constexpr = True, EVEN_N: gl.constexpr = True,
+                                  NAMED: gl.constexpr = 0):
         # HOPPER_LOOP = "persistent": the ping-pong kernel's roles in one program per SM, each
         # taking (row block, head) tiles from the call's counter until none is left, heaviest first
         # (_hopper_tile_of). One buffer of queries (so the ring keeps its three K / V buffers): the
@@ -643,16 +739,16 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 0, EVEN_M,
-                                           EVEN_N)),
+                                           EVEN_N, NAMED)),
             (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty, k_ready, v_ready,
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 1, EVEN_M,
-                                           EVEN_N)),
+                                           EVEN_N, NAMED)),
             (_hopper_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, q_ready,
                                            q_empty, k_ready, v_ready, k_empty, v_empty, counter, num_m, BH, Hq, group,
                                            Lq, Lk, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
-                                           TABLE_M, SUB, TABLE_N, EVEN_N)),
+                                           TABLE_M, SUB, TABLE_N, EVEN_N, NAMED)),
         ], [4, 1], [240, 24])  # (the load warp walks the tiles too)
 
 
@@ -755,7 +851,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
                          f"one of {', '.join(map(repr, HOPPER_LOOPS))}")
     pointers = [tables[n] for n in ALL_POINTERS]
     site = ("forward", q.shape, k.shape, q.dtype, q.device, _current_device(q), return_lse, HOPPER_LOOP,
-            HOPPER_TILE, tuple(t.data_ptr() % 16 == 0 for t in pointers))
+            HOPPER_TILE, HOPPER_NAMED, tuple(t.data_ptr() % 16 == 0 for t in pointers))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
     plan = _HOPPER_PLANS.get(site)
@@ -790,6 +886,8 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
                    num_warps=4 if loop in ("pingpong", "persistent") else warps)
     if not persistent:
         options["PINGPONG"] = loop == "pingpong"
+    if loop in ("pingpong", "persistent") and HOPPER_NAMED:  # (named releases: a ring of at most 3 slots)
+        options["NAMED"] = HOPPER_NAMED if buffers <= 3 else HOPPER_NAMED & 1
     if Lq % 128:  # (HOPPER_RAGGED) the last block of queries runs past Lq
         options["EVEN_M"] = False
     if Lk % TABLE_N:  # (HOPPER_RAGGED) the last tile of keys runs past Lk

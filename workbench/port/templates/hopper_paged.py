@@ -119,7 +119,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
 
     @gluon.jit
     def _hopper_paged_producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pages, kv_col, L,
-                               n_f, n_tiles, idx_f, idx_p, PAGE_SIZE: gl.constexpr):
+                               n_f, n_tiles, idx_f, idx_p, PAGE_SIZE: gl.constexpr, NAMED: gl.constexpr = 0):
         # the load warp: as _hopper_producer, each tile's keys then its values, read through the pages
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
         NUM_BUF: gl.constexpr = k_smem.type.shape[0]
@@ -127,21 +127,21 @@ if _HAS_GLUON and HOPPER_MODS is None:
         last_page = (L - 1) // PAGE_SIZE
         for t in range(0, n_tiles):
             slot = t % NUM_BUF
-            phase = (t // NUM_BUF) & 1
             _, first, _ = _hopper_tile_start(t, n_f, idx_f, idx_p, L, 1, BLOCK_N, BLOCK_N, True)
-            mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            _acquire(k_empty, slot, t, _BAR_K_FREE, NAMED, NUM_BUF)
             _hopper_paged_load(k_desc, k_smem.index(slot), k_ready.index(slot), pages, first, last_page, kv_col,
                                PAGE_SIZE, PARTS)
-            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            _acquire(v_empty, slot, t, _BAR_V_FREE, NAMED, NUM_BUF)
             _hopper_paged_load(v_desc, v_smem.index(slot), v_ready.index(slot), pages, first, last_page, kv_col,
                                PAGE_SIZE, PARTS)
+        _acquire_end(n_tiles, NAMED, NUM_BUF)
 
     @gluon.jit
     def _hopper_paged_kernel(q_desc, k_desc, v_desc, Out, Lse, Slots, Rows, full_idx, partial_idx, n_cols, block_table,
                              s_bt, Hq, group, sm_scale, @@ALL_PTR_PARAMS@@
                              HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, NUM_BUF: gl.constexpr,
                              num_warps: gl.constexpr, PINGPONG: gl.constexpr, PER_HEAD: gl.constexpr,
-                             PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+                             PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NAMED: gl.constexpr = 0):
         # one program = one slot of 128 query tokens of a request (_hopper_paged_lists) and one
         # query head, over the tiles its row of the lists names: _hopper_specialized_kernel's loop
         # (the same consumers) with b = the request, q_idx = the queries' positions in it, and a load
@@ -198,13 +198,13 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                                              Out, Lse, req, h, q_pos0, n_valid, o_off, Hq * HEAD_D, l_off, Hq, poison,
                                              L, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE,
-                                             RETURN_LSE, 1, BLOCK_N, 0, False, True, True)),
+                                             RETURN_LSE, 1, BLOCK_N, 0, False, True, True, NAMED)),
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                                              Out, Lse, req, h, q_pos0, n_valid, o_off, Hq * HEAD_D, l_off, Hq, poison,
                                              L, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE,
-                                             RETURN_LSE, 1, BLOCK_N, 1, False, True, True)),
+                                             RETURN_LSE, 1, BLOCK_N, 1, False, True, True, NAMED)),
                 (_hopper_paged_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pages,
-                                          kv_col, L, n_f, n_tiles, idx_f, idx_p, PAGE_SIZE)),
+                                          kv_col, L, n_f, n_tiles, idx_f, idx_p, PAGE_SIZE, NAMED)),
             ], [4, 1], [240, 32])
         else:
             gl.warp_specialize([
@@ -284,9 +284,12 @@ def _hopper_paged_launch(q, k_cache, v_cache, block_table, scale, return_lse, po
     block_n, buffers, warps = HOPPER_TILE
     args = (q_desc, k_desc, v_desc, out, lse, Slots, Rows, full_idx, partial_idx, full_idx.shape[1], block_table,
             block_table.stride(0), Hq, Hq // Hkv, scale, *pointers)
-    options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, NUM_BUF=buffers or (3 if loop == "pingpong" else 2),
+    buffers = buffers or (3 if loop == "pingpong" else 2)
+    options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, NUM_BUF=buffers,
                    num_warps=4 if loop == "pingpong" else warps, PINGPONG=loop == "pingpong",
                    PER_HEAD=MASK_READS_HEAD, PAGE_SIZE=page_size, BLOCK_N=128)
+    if loop == "pingpong" and HOPPER_NAMED & 1:  # (_hopper_plan's named turns only: compiled for sm_90a,
+        options["NAMED"] = 1  # named releases made this kernel spill 12-20 bytes at pages of 16 where it did not)
     return (Slots.shape[0], Hq), args, options
 
 

@@ -1093,8 +1093,8 @@ def test_the_early_compile_sees_arguments_that_specialize_as_the_launchs_do(tmp_
         grid, args, options, out, lse, _ = module._hopper_launch(q, k, v, D ** -0.5, want_lse, tables)
         assert len(early) == 1 and len(built) == 1, (mask.name, early, built)
         kernel, e_grid, e_args, e_options = early[0]
-        assert kernel is module._hopper_kernel() and e_grid == grid and e_options == options, mask.name
-        assert ("persistent" in kernel.fn.__name__) == (module._hopper_loop() == "persistent")
+        assert kernel is module._hopper_kernel(D) and e_grid == grid and e_options == options, mask.name
+        assert ("persistent" in kernel.fn.__name__) == (module._hopper_loop(D) == "persistent")
         assert len(e_args) == len(args), mask.name
         for i, (a, b) in enumerate(zip(e_args, args)):
             if isinstance(b, (int, float)):
@@ -1152,3 +1152,15 @@ def test_the_warpgroups_hand_offs_reach_the_kernel_as_the_switch_says(tmp_path):
         pointers = [tables[n] for n in module.ALL_POINTERS]
         _, _, options = module._hopper_paged_launch(qp, cache, cache, table, 0.125, False, pointers, plan, qp, qp)
         assert options.get("NAMED", 0) == want, (named, options)
+
+
+def test_auto_runs_the_persistent_loop_except_with_a_score_mod_at_d128(tmp_path):
+    # HOPPER_LOOP = "auto": the persistent loop, except the ping-pong one with a score_mod at D 128
+    # (measured: with a score_mod persistent was slower at D 128, faster at D 64)
+    plain = port.load(port.build(make("causal"), 256, 256, out_dir=tmp_path / "plain"))
+    scored = port.load(port.build(with_score(make("causal"), make("softcap")), 256, 256, out_dir=tmp_path / "scored"))
+    assert [plain._hopper_loop(d) for d in (64, 128)] == ["persistent", "persistent"]
+    assert [scored._hopper_loop(d) for d in (64, 128)] == ["persistent", "pingpong"]
+    assert scored._hopper_kernel(64) is scored._hopper_persistent_kernel or not scored._HAS_GLUON
+    scored.HOPPER_LOOP = "specialized"
+    assert [scored._hopper_loop(d) for d in (64, 128)] == ["specialized", "specialized"]

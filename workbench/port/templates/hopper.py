@@ -29,9 +29,11 @@ HOPPER_TILE = (128, 0, 8)
 # under the other's matmuls); the same arithmetic. "persistent": pingpong's roles in one program
 # per SM that takes (row block, head) tiles from a counter (an atomic add: programs that finish
 # early take more), so a program's start and end no longer sit between short rows (windows,
-# documents). "auto": "persistent" without a score_mod, "pingpong" with one (since the score
+# documents). "auto": "persistent", except "pingpong" with a score_mod at D 128 (since the score
 # functions' Gluon copies take the chip's tanh; H200, bf16 D 128, 32K: image spans + softcap 10.2 ms
-# in both, "specialized" 11.7; causal + ALiBi 9.69, persistent 10.06, specialized 11.44). Measured
+# in both, "specialized" 11.7; causal + ALiBi 9.69, persistent 10.06, specialized 11.44; at D 64
+# the persistent form is the faster with one too: H100, fp16, 32K, ALiBi 7.65 ms against 8.16,
+# image spans + softcap 8.09 against 8.37). Measured
 # on an H200 (docs/benchmarks.md, bf16 D 128, 32K): persistent against pingpong 0.619 / 0.645 ms
 # on a 1,024 window, 1.060 / 1.072 on 8 documents, 7.087 / 7.088 on causal; fp16 D 64: 0.429 /
 # 0.475 (window), 0.317 / 0.374 (per-head windows). One-warpgroup loops without a load warp, and a
@@ -765,7 +767,7 @@ def _hopper_ready(q, k, v, bounds, invariant, scale=None) -> bool:
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         return False
     B, Hq, Lq, D = q.shape
-    if (q.dtype, D, _hopper_loop()) in _HOPPER_FAILED:
+    if (q.dtype, D, _hopper_loop(D)) in _HOPPER_FAILED:
         return False
     Lk = k.shape[2]
     even = Lq % 128 == 0 and Lk % 128 == 0
@@ -876,7 +878,7 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
     with HOPPER_EARLY_COMPILE, the kernel compiles in a second thread while the lists are built."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    loop = _hopper_loop()
+    loop = _hopper_loop(D)
     block_n, buffers, warps = HOPPER_TILE
     buffers = buffers or (3 if loop in ("pingpong", "persistent") else 2)
     n_rows, n_cols = _cdiv(Lq, TABLE_M), _cdiv(Lk, TABLE_N)
@@ -902,7 +904,7 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
         # finds this compile (an argument's kind: _arg_kind)
         stand_in = [torch.empty(4, dtype=torch.int32, device=q.device) for _ in range(4)]
         args = _hopper_args(q, k, v, out, lse, (*stand_in, *ints), scale, block_n, persistent, pointers)
-        early = _compile_early(_hopper_kernel(), grid, args, options, q.device)
+        early = _compile_early(_hopper_kernel(D), grid, args, options, q.device)
     try:
         lists = block_lists(B, Hq, Lq, Lk, q.device)
     finally:
@@ -933,15 +935,16 @@ def _compile_early(kernel, grid, args, options, device):
     return thread
 
 
-def _hopper_kernel():
+def _hopper_kernel(head_dim: int = 128):
     """The Hopper kernel of this call's loop form (_hopper_loop)."""
-    return _hopper_persistent_kernel if _hopper_loop() == "persistent" else _hopper_specialized_kernel
+    return _hopper_persistent_kernel if _hopper_loop(head_dim) == "persistent" else _hopper_specialized_kernel
 
 
-def _hopper_loop() -> str:
-    """The form of the tile loop this call runs: HOPPER_LOOP, with "auto" resolved."""
+def _hopper_loop(head_dim: int = 128) -> str:
+    """The form of the tile loop a call at this head dim runs: HOPPER_LOOP, with "auto" resolved
+    (persistent, except with a score_mod at D 128: ping-pong, see HOPPER_LOOP)."""
     if HOPPER_LOOP == "auto":
-        return "pingpong" if HAS_SCORE else "persistent"
+        return "pingpong" if HAS_SCORE and head_dim != 64 else "persistent"
     return HOPPER_LOOP
 
 
@@ -950,14 +953,15 @@ def _attention_hopper(q, k, v, scale, return_lse, tables):
     kernel failed to compile or launch for this kind of call (then the caller runs the portable
     one): the first failure warns with its cause, later calls of the same kind skip the attempt."""
     grid, args, options, out, lse, site = _hopper_launch(q, k, v, scale, return_lse, tables)
-    kind = (q.dtype, q.shape[-1], _hopper_loop())
+    D = q.shape[-1]
+    kind = (q.dtype, D, _hopper_loop(D))
     try:
-        _launch(_hopper_kernel(), grid, args, options, site)
+        _launch(_hopper_kernel(D), grid, args, options, site)
     except Exception as exc:
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             raise
         _HOPPER_FAILED[kind] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        warnings.warn(f"{NAME}: the Hopper kernel ({_hopper_loop()} loop, {q.dtype}, D {q.shape[-1]}) failed here "
+        warnings.warn(f"{NAME}: the Hopper kernel ({_hopper_loop(D)} loop, {q.dtype}, D {D}) failed here "
                       f"({_HOPPER_FAILED[kind]}); these calls run the portable kernel instead. Set PORT_HOPPER=0 "
                       "to run it from the start, and please report the cause", RuntimeWarning, stacklevel=3)
         return None

@@ -1129,7 +1129,7 @@ def test_the_warpgroups_hand_offs_reach_the_kernel_as_the_switch_says(tmp_path):
     module._compile_early = lambda *a: None
     q = torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16)
     tables = module._tables(cpu, 1024, 1024)
-    assert module.HOPPER_NAMED == int(os.environ.get("PORT_HOPPER_NAMED", "0"))
+    assert module.HOPPER_NAMED == int(os.environ.get("PORT_HOPPER_NAMED", "").strip() or 0)
     seen = {}
     for loop in ("specialized", "pingpong", "persistent"):
         for named, buffers in ((3, 0), (1, 0), (0, 0), (3, 4)):
@@ -1164,3 +1164,20 @@ def test_auto_runs_the_persistent_loop_except_with_a_score_mod_at_d128(tmp_path)
     assert scored._hopper_kernel(64) is scored._hopper_persistent_kernel or not scored._HAS_GLUON
     scored.HOPPER_LOOP = "specialized"
     assert [scored._hopper_loop(d) for d in (64, 128)] == ["specialized", "specialized"]
+
+
+def test_the_hand_off_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp_path, monkeypatch):
+    # PORT_HOPPER_NAMED: unset or empty 0 (mbarriers), 1 (named turns), 3 (turns and releases); any
+    # other value stops the file's load with an error that names the variable and the values
+    path = port.build(make("causal"), 256, 256, out_dir=tmp_path)
+    for value, want in ((None, 0), ("", 0), ("1", 1), (" 3 ", 3), ("0", 0)):
+        if value is None:
+            monkeypatch.delenv("PORT_HOPPER_NAMED", raising=False)
+        else:
+            monkeypatch.setenv("PORT_HOPPER_NAMED", value)
+        assert port.load(path).HOPPER_NAMED == want, value
+    for value in ("2", "on", "yes"):
+        monkeypatch.setenv("PORT_HOPPER_NAMED", value)
+        with pytest.raises(ValueError, match=rf"PORT_HOPPER_NAMED='{value}' names no hand-off.*set 0 \(mbarriers\), "
+                           r"1 \(named turns\) or 3"):
+            port.load(path)

@@ -139,7 +139,7 @@ def main(argv) -> int:
                 module.HOPPER_LOOP = loop
                 grid, args, options, _, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
                 kernel = module._hopper_kernel().warmup(*args, grid=grid, **options)
-                # (HOPPER_NAMED, on by default: the two warpgroups' turns and the buffers they give
+                # (HOPPER_NAMED, off by default: the two warpgroups' turns and the buffers they give
                 # back through named barriers, bar.arrive, in the ping-pong and persistent loops)
                 named = module._hopper_loop() != "specialized" and bool(module.HOPPER_NAMED)
                 assert ("bar.arrive" in kernel.asm["ptx"]) == named, (module._hopper_loop(), module.HOPPER_NAMED)

@@ -184,24 +184,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                                     do_smem.index(slot))
                     count += 1
 
-    # Named barriers (bar.sync / bar.arrive on a hardware barrier id with a thread count: how
-    # FlashAttention-3 hands tiles between warpgroups without an mbarrier round trip), for the
-    # keys-down split. Ids 8 and up stay clear of the ones Triton's partitions use (0 to 2).
+    # Named barriers (_bar_sync / _bar_arrive, templates/hopper.py: how FlashAttention-3 hands
+    # tiles between warpgroups without an mbarrier round trip), for the keys-down split; this
+    # kernel's own ids (the forward's are another kernel's).
     _BAR_PDS = gl.constexpr(8)  # both math warpgroups' halves of dS^T written (256 threads)
     _BAR_DQ_EMPTY = gl.constexpr(9)  # + WG: the warpgroup's dQ staging tile read by its reduce-add (128 + 32)
     _BAR_DQ_FULL = gl.constexpr(11)  # + WG: the warpgroup's dQ staged (128 + 32)
-
-    @gluon.jit
-    def _bar_sync(bar_id: gl.constexpr, threads: gl.constexpr):
-        # wait at barrier `bar_id` until `threads` threads have arrived (this warp's 32 included)
-        gl.inline_asm_elementwise("bar.sync $1, $2;\n\tmov.u32 $0, 0;", "=r,r,r", [bar_id, threads], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
-    def _bar_arrive(bar_id: gl.constexpr, threads: gl.constexpr):
-        # count this warp's 32 threads in at barrier `bar_id` and go on
-        gl.inline_asm_elementwise("bar.arrive $1, $2;\n\tmov.u32 $0, 0;", "=r,r,r", [bar_id, threads],
-                                  dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _hopper_bwd_keys_producer(k_desc, v_desc, q_desc, do_desc, kv_smem, kv_bar, kv_free, q_smem, do_smem, ready,

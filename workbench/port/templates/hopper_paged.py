@@ -119,7 +119,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
 
     @gluon.jit
     def _hopper_paged_producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pages, kv_col, L,
-                               n_f, n_tiles, idx_f, idx_p, PAGE_SIZE: gl.constexpr, NAMED: gl.constexpr = 0):
+                               n_f, n_tiles, idx_f, idx_p, PAGE_SIZE: gl.constexpr):
         # the load warp: as _hopper_producer, each tile's keys then its values, read through the pages
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
         NUM_BUF: gl.constexpr = k_smem.type.shape[0]
@@ -127,14 +127,14 @@ if _HAS_GLUON and HOPPER_MODS is None:
         last_page = (L - 1) // PAGE_SIZE
         for t in range(0, n_tiles):
             slot = t % NUM_BUF
+            phase = (t // NUM_BUF) & 1
             _, first, _ = _hopper_tile_start(t, n_f, idx_f, idx_p, L, 1, BLOCK_N, BLOCK_N, True)
-            _acquire(k_empty, slot, t, _BAR_K_FREE, NAMED, NUM_BUF)
+            mbarrier.wait(k_empty.index(slot), phase ^ 1)
             _hopper_paged_load(k_desc, k_smem.index(slot), k_ready.index(slot), pages, first, last_page, kv_col,
                                PAGE_SIZE, PARTS)
-            _acquire(v_empty, slot, t, _BAR_V_FREE, NAMED, NUM_BUF)
+            mbarrier.wait(v_empty.index(slot), phase ^ 1)
             _hopper_paged_load(v_desc, v_smem.index(slot), v_ready.index(slot), pages, first, last_page, kv_col,
                                PAGE_SIZE, PARTS)
-        _acquire_end(n_tiles, NAMED, NUM_BUF)
 
     @gluon.jit
     def _hopper_paged_kernel(q_desc, k_desc, v_desc, Out, Lse, Slots, Rows, full_idx, partial_idx, n_cols, block_table,
@@ -204,7 +204,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                              L, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE,
                                              RETURN_LSE, 1, BLOCK_N, 1, False, True, True, NAMED)),
                 (_hopper_paged_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pages,
-                                          kv_col, L, n_f, n_tiles, idx_f, idx_p, PAGE_SIZE, NAMED)),
+                                          kv_col, L, n_f, n_tiles, idx_f, idx_p, PAGE_SIZE)),
             ], [4, 1], [240, 32])
         else:
             gl.warp_specialize([
@@ -284,8 +284,7 @@ def _hopper_paged_launch(q, k_cache, v_cache, block_table, scale, return_lse, po
     block_n, buffers, warps = HOPPER_TILE
     args = (q_desc, k_desc, v_desc, out, lse, Slots, Rows, full_idx, partial_idx, full_idx.shape[1], block_table,
             block_table.stride(0), Hq, Hq // Hkv, scale, *pointers)
-    buffers = buffers or (3 if loop == "pingpong" else 2)
-    options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, NUM_BUF=buffers,
+    options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=return_lse, NUM_BUF=buffers or (3 if loop == "pingpong" else 2),
                    num_warps=4 if loop == "pingpong" else warps, PINGPONG=loop == "pingpong",
                    PER_HEAD=MASK_READS_HEAD, PAGE_SIZE=page_size, BLOCK_N=128)
     if loop == "pingpong" and HOPPER_NAMED & 1:  # (_hopper_plan's named turns only: compiled for sm_90a,

@@ -1161,8 +1161,11 @@ def test_the_warpgroups_hand_offs_reach_the_kernel_as_the_switch_says(tmp_path):
         cache = torch.zeros(64, 16, 1, 128, dtype=torch.bfloat16)
         table = torch.zeros(2, 32, dtype=torch.int32)
         pointers = [tables[n] for n in module.ALL_POINTERS]
-        _, _, options = module._hopper_paged_launch(qp, cache, cache, table, 0.125, False, pointers, plan, qp, qp)
-        assert options.get("NAMED", 0) == want, (named, options)
+        for tree in (0, 1):
+            module.HOPPER_TREE = tree
+            _, _, options = module._hopper_paged_launch(qp, cache, cache, table, 0.125, False, pointers, plan, qp, qp)
+            assert options.get("NAMED", 0) == want and options.get("TREE", 0) == tree, (named, tree, options)
+        module.HOPPER_TREE = 0
 
 
 def test_auto_runs_the_persistent_loop_except_with_a_score_mod_at_d128(tmp_path):

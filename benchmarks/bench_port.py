@@ -195,8 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--loops", nargs="+", default=["specialized", "pingpong"],
                    help="--hopper: the forms of its tile loop to time (HOPPER_LOOP), each optionally with its number "
                    "of K / V buffers and its warpgroups' hand-offs (HOPPER_NAMED: 0 mbarriers, 1 named turns, 3 named "
-                   "turns and releases) and its row reductions (+tree or +chain: HOPPER_TREE): pingpong:3, persistent@0, "
-                   "persistent@3+tree")
+                   "turns and releases): pingpong:3, persistent@0")
     p.add_argument("--score-forms", nargs="+", choices=["off", "bias", "all"],
                    help="--hopper: the score functions' forms to time, each loop with each (PORT_FAST_SCORE's; default: "
                    "the generator's, bias unless PORT_FAST_SCORE says otherwise): off "
@@ -325,20 +324,18 @@ def hopper_bench(args) -> int:
                 def hopper(variant, modules=modules):
                     variant, _, form = variant.partition(" ")
                     module = modules[form or forms[0]]
-                    variant, _, tree = variant.partition("+")
                     variant, _, named = variant.partition("@")
                     loop, _, buffers = variant.partition(":")
                     block_n, default_buffers, warps = module.HOPPER_TILE
-                    default_named, default_tree = module.HOPPER_NAMED, module.HOPPER_TREE
+                    default_named = module.HOPPER_NAMED
                     module.HOPPER, module.HOPPER_LOOP = True, loop
                     module.HOPPER_TILE = (block_n, int(buffers or default_buffers), warps)
                     module.HOPPER_NAMED = int(named) if named else default_named
-                    module.HOPPER_TREE = {"tree": 1, "chain": 0, "": default_tree}[tree]
                     try:
                         return module.attention(q, k, v)
                     finally:
                         module.HOPPER_TILE = (block_n, default_buffers, warps)
-                        module.HOPPER_NAMED, module.HOPPER_TREE = default_named, default_tree
+                        module.HOPPER_NAMED = default_named
 
                 def portable(module=module):
                     module.HOPPER = False

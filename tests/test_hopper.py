@@ -1140,18 +1140,7 @@ def test_the_warpgroups_hand_offs_reach_the_kernel_as_the_switch_says(tmp_path):
             assert options.get("NAMED", 0) == want, (loop, named, buffers, options)
             assert site not in seen, (loop, named, buffers, seen.get(site))
             seen[site] = (loop, named, buffers)
-    # HOPPER_TREE (the row max / sum as trees) reaches the ping-pong and persistent loops alone,
-    # and a changed switch is a new kind of call too
-    module.HOPPER_TILE, module.HOPPER_NAMED = (128, 0, 8), 0
-    for loop in ("specialized", "pingpong", "persistent"):
-        sites = set()
-        for tree in (0, 1):
-            module.HOPPER_LOOP, module.HOPPER_TREE = loop, tree
-            _, _, options, _, _, site = module._hopper_launch(q, q, q, 0.125, False, tables)
-            assert options.get("TREE", 0) == (tree if loop != "specialized" else 0), (loop, tree, options)
-            sites.add(site)
-        assert len(sites) == 2, loop
-    module.HOPPER_TREE = 0
+    module.HOPPER_TILE = (128, 0, 8)
     for named, want in ((3, 1), (1, 1), (0, 0)):
         module.HOPPER_LOOP, module.HOPPER_NAMED = "auto", named
         heads = 2
@@ -1161,11 +1150,8 @@ def test_the_warpgroups_hand_offs_reach_the_kernel_as_the_switch_says(tmp_path):
         cache = torch.zeros(64, 16, 1, 128, dtype=torch.bfloat16)
         table = torch.zeros(2, 32, dtype=torch.int32)
         pointers = [tables[n] for n in module.ALL_POINTERS]
-        for tree in (0, 1):
-            module.HOPPER_TREE = tree
-            _, _, options = module._hopper_paged_launch(qp, cache, cache, table, 0.125, False, pointers, plan, qp, qp)
-            assert options.get("NAMED", 0) == want and options.get("TREE", 0) == tree, (named, tree, options)
-        module.HOPPER_TREE = 0
+        _, _, options = module._hopper_paged_launch(qp, cache, cache, table, 0.125, False, pointers, plan, qp, qp)
+        assert options.get("NAMED", 0) == want, (named, options)
 
 
 def test_auto_runs_the_persistent_loop_except_with_a_score_mod_at_d128(tmp_path):
@@ -1195,13 +1181,3 @@ def test_the_hand_off_setting_is_read_from_the_environment_and_a_typo_is_refused
         with pytest.raises(ValueError, match=rf"PORT_HOPPER_NAMED='{value}' names no hand-off.*set 0 \(mbarriers\), "
                            r"1 \(named turns\) or 3"):
             port.load(path)
-    monkeypatch.delenv("PORT_HOPPER_NAMED")
-    for value, want in ((None, 0), ("1", 1), ("0", 0)):  # PORT_HOPPER_TREE: the row reductions as trees
-        if value is None:
-            monkeypatch.delenv("PORT_HOPPER_TREE", raising=False)
-        else:
-            monkeypatch.setenv("PORT_HOPPER_TREE", value)
-        assert port.load(path).HOPPER_TREE == want, value
-    monkeypatch.setenv("PORT_HOPPER_TREE", "yes")
-    with pytest.raises(ValueError, match=r"PORT_HOPPER_TREE='yes': set 0 .* or 1"):
-        port.load(path)

@@ -62,16 +62,6 @@ if _NAMED_SETTING not in ("0", "1", "3"):
     raise ValueError(f"PORT_HOPPER_NAMED={_NAMED_SETTING!r} names no hand-off of the Hopper kernel's warpgroups: set 0 "
                      "(mbarriers), 1 (named turns) or 3 (named turns and K / V releases), or unset it")
 HOPPER_NAMED = int(_NAMED_SETTING)
-# The online softmax's row max and row sum in the ping-pong and persistent loops: 1 combines a
-# thread's columns as a tree (columns c and c + N / 2 first, halving), 0 as the chain Triton's
-# reduction makes (each max / add waiting for the one before: compiled for sm_90a, a row's 32
-# values took 32 dependent instructions, the tree 5 levels). The same values either way; the sum's
-# rounding may differ in its last bit. PORT_HOPPER_TREE=0 / 1 in the environment chooses.
-_TREE_SETTING = os.environ.get("PORT_HOPPER_TREE", "").strip() or "0"
-if _TREE_SETTING not in ("0", "1"):
-    raise ValueError(f"PORT_HOPPER_TREE={_TREE_SETTING!r}: set 0 (the row reductions as chains) or 1 (as trees), "
-                     "or unset it")
-HOPPER_TREE = int(_TREE_SETTING)
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 # Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved
@@ -201,38 +191,9 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 _bar_sync(_BAR_V_FREE + i % NUM_BUF, 288)
 
     @gluon.jit
-    def _row_tree(x, IS_MAX: gl.constexpr):
-        # x [M, N] -> [M, N / 16] (N = 64 or 128): columns c and c + N / 2 combined, then halving
-        # again, while the halves stay in one thread (the wgmma accumulator's layout gives a thread
-        # columns 8 i + 2 (lane % 4) + {0, 1}): independent instructions, no data moved
-        M: gl.constexpr = x.shape[0]
-        N: gl.constexpr = x.shape[1]
-        y = x
-        for i in gl.static_range(4 if N == 128 else 3):
-            if IS_MAX:
-                y = gl.max(gl.reshape(y, [M, 2, N // 2 ** (i + 1)]), 1)
-            else:
-                y = gl.sum(gl.reshape(y, [M, 2, N // 2 ** (i + 1)]), 1)
-        return y
-
-    @gluon.jit
-    def _row_max(x, TREE: gl.constexpr):
-        if TREE:
-            return gl.max(_row_tree(x, True), 1)
-        else:
-            return gl.max(x, 1)
-
-    @gluon.jit
-    def _row_sum(x, TREE: gl.constexpr):
-        if TREE:
-            return gl.sum(_row_tree(x, False), 1)
-        else:
-            return gl.sum(x, 1)
-
-    @gluon.jit
     def _hopper_softmax(qk, m_i, l_i, b, h, q_idx, kv_idx, first, Lk, full, sm_scale, @@ALL_PTR_PARAMS@@
                         HAS_SCORE: gl.constexpr, dtype: gl.constexpr, p_layout: gl.constexpr,
-                        EVEN_N: gl.constexpr, PAGED: gl.constexpr, TREE: gl.constexpr = 0):
+                        EVEN_N: gl.constexpr, PAGED: gl.constexpr):
         # one tile's scores (score_mod, then the mask unless the block is full) into the online
         # softmax, base 2, the steps of _online_softmax_step: (P as the P V matmul's register
         # operand, the rows' rescale alpha, the new max, the new sum). Without a score_mod the
@@ -251,10 +212,10 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 keep = keep & (kv_idx < Lk)
             s = gl.where(keep, s, float("-inf"))
         if HAS_SCORE:
-            m_new = gl.maximum(m_i, gl.convert_layout(_row_max(s, TREE), m_i.type.layout))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
         else:
             c = sm_scale * 1.4426950408889634
-            m_new = gl.maximum(m_i, gl.convert_layout(_row_max(s, TREE), m_i.type.layout) * c)
+            m_new = gl.maximum(m_i, gl.max(s, 1) * c)
         # rows with nothing kept yet stay at -inf; shift them by 0 so exp2 gives 0, not NaN
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
@@ -262,7 +223,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
             p = gl.exp2(s - m_safe[:, None])
         else:
             p = gl.exp2(gl.fma(s, c, -m_safe[:, None]))
-        l_i = l_i * alpha + gl.convert_layout(_row_sum(p, TREE), l_i.type.layout)
+        l_i = l_i * alpha + gl.sum(p, 1)
         return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
 
     @gluon.jit
@@ -412,8 +373,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                    HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                    TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                    PINGPONG: gl.constexpr = False, EVEN_M: gl.constexpr = True,
-                                   EVEN_N: gl.constexpr = True, NAMED: gl.constexpr = 0,
-                                   TREE: gl.constexpr = 0):
+                                   EVEN_N: gl.constexpr = True, NAMED: gl.constexpr = 0):
         # one program = BLOCK_M queries of one (batch entry, head) over the blocks its row of the
         # lists names (full ones without the mask, then partial ones with it). EVEN_M / EVEN_N:
         # Lq / Lk are multiples of BLOCK_M / TABLE_N. Otherwise (HOPPER_RAGGED) the last block of
@@ -477,11 +437,11 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                                              Out, Lse, b, h, row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f,
                                              n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
-                                             SUB, TABLE_N, 0, EVEN_M, EVEN_N, False, NAMED, TREE)),
+                                             SUB, TABLE_N, 0, EVEN_M, EVEN_N, False, NAMED)),
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                                              Out, Lse, b, h, row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f,
                                              n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
-                                             SUB, TABLE_N, 1, EVEN_M, EVEN_N, False, NAMED, TREE)),
+                                             SUB, TABLE_N, 1, EVEN_M, EVEN_N, False, NAMED)),
                 (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
                                     n_tiles, idx_f, idx_p, Lk, SUB, TABLE_N, EVEN_N, NAMED)),
             ], [4, 1], [240, 24])
@@ -501,8 +461,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@
                                   HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
                                   TABLE_N: gl.constexpr, WG: gl.constexpr, EVEN_M: gl.constexpr,
-                                  EVEN_N: gl.constexpr, PAGED: gl.constexpr, NAMED: gl.constexpr = 0,
-                                  TREE: gl.constexpr = 0):
+                                  EVEN_N: gl.constexpr, PAGED: gl.constexpr, NAMED: gl.constexpr = 0):
         # one warpgroup (4 warps) of the ping-pong kernel: query rows WG * 64 .. WG * 64 + 64 of the
         # program's 128, the overlapped loop (tile t's S = Q K^T issued with tile t-1's P V, the
         # softmax under P V). The two warpgroups take turns to issue their matmuls (`turn`, one
@@ -543,7 +502,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
             _release(k_empty, 0, _BAR_K_FREE, NAMED)
             p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full, sm_scale,
-                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N, PAGED, TREE)
+                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N, PAGED)
             for t in range(1, n_tiles):  # turn t: tile t's S with tile t-1's P V
                 slot = t % NUM_BUF
                 prev = (t - 1) % NUM_BUF
@@ -558,7 +517,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 _release(k_empty, slot, _BAR_K_FREE, NAMED)
                 p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                      sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
-                                                     PAGED, TREE)
+                                                     PAGED)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _release(v_empty, prev, _BAR_V_FREE, NAMED)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -646,8 +605,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                     partial_num, full_idx, partial_idx, sm_scale, @@ALL_PTR_PARAMS@@
                                     HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                     SUB: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
-                                    EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0,
-                                    TREE: gl.constexpr = 0):
+                                    EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0):
         # one warpgroup of the persistent kernel: _hopper_pingpong_consumer's loop (rows WG * 64 ..
         # + 64 of each tile's 128) over the tiles the load warp hands over, until it hands over
         # num_m * BH. The K / V slots and their phases follow `c`, and the turns `u`, counted over
@@ -703,7 +661,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 _release(k_empty, slot, _BAR_K_FREE, NAMED)
                 p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                      sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
-                                                     False, TREE)
+                                                     False)
                 for t in range(1, n_tiles):  # tile t's S with tile t-1's P V
                     prev = c % NUM_BUF
                     prev_phase = (c // NUM_BUF) & 1
@@ -722,7 +680,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     _release(k_empty, slot, _BAR_K_FREE, NAMED)
                     p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                          sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout,
-                                                         EVEN_N, False, TREE)
+                                                         EVEN_N, False)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     _release(v_empty, prev, _BAR_V_FREE, NAMED)
                     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -751,7 +709,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                   TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                   EVEN_M: gl.constexpr = True, EVEN_N: gl.constexpr = True,
-                                  NAMED: gl.constexpr = 0, TREE: gl.constexpr = 0):
+                                  NAMED: gl.constexpr = 0):
         # HOPPER_LOOP = "persistent": the ping-pong kernel's roles in one program per SM, each
         # taking (row block, head) tiles from the call's counter until none is left, heaviest first
         # (_hopper_tile_of). One buffer of queries (so the ring keeps its three K / V buffers): the
@@ -789,12 +747,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 0, EVEN_M,
-                                           EVEN_N, NAMED, TREE)),
+                                           EVEN_N, NAMED)),
             (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty, k_ready, v_ready,
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 1, EVEN_M,
-                                           EVEN_N, NAMED, TREE)),
+                                           EVEN_N, NAMED)),
             (_hopper_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, q_ready,
                                            q_empty, k_ready, v_ready, k_empty, v_empty, counter, num_m, BH, Hq, group,
                                            Lq, Lk, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
@@ -901,7 +859,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
                          f"one of {', '.join(map(repr, HOPPER_LOOPS))}")
     pointers = [tables[n] for n in ALL_POINTERS]
     site = ("forward", q.shape, k.shape, q.dtype, q.device, _current_device(q), return_lse, HOPPER_LOOP,
-            HOPPER_TILE, HOPPER_NAMED, HOPPER_TREE, tuple(t.data_ptr() % 16 == 0 for t in pointers))
+            HOPPER_TILE, HOPPER_NAMED, tuple(t.data_ptr() % 16 == 0 for t in pointers))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
     plan = _HOPPER_PLANS.get(site)
@@ -938,8 +896,6 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
         options["PINGPONG"] = loop == "pingpong"
     if loop in ("pingpong", "persistent") and HOPPER_NAMED:  # (named releases: a ring of at most 3 slots)
         options["NAMED"] = HOPPER_NAMED if buffers <= 3 else HOPPER_NAMED & 1
-    if loop in ("pingpong", "persistent") and HOPPER_TREE:
-        options["TREE"] = 1
     if Lq % 128:  # (HOPPER_RAGGED) the last block of queries runs past Lq
         options["EVEN_M"] = False
     if Lk % TABLE_N:  # (HOPPER_RAGGED) the last tile of keys runs past Lk

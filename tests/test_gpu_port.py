@@ -249,7 +249,7 @@ def test_the_persistent_form_hands_every_tile_out_once(cuda, tmp_path, lengths):
 @pytest.mark.parametrize("loop", ["pingpong", "persistent"])
 def test_the_warpgroups_hand_offs_give_the_same_bits_every_way(cuda, tmp_path, loop):
     # HOPPER_NAMED: the two warpgroups take turns on the tensor cores and give K / V buffers back to
-    # the load warp through named barriers (3, the default), named turns only (1) or mbarriers (0).
+    # the load warp through named barriers (3), named turns only (1) or mbarriers (0, the default).
     # The arithmetic is the same, so the bits must be; a barrier left half done or a buffer given
     # back early would hang or mix tiles. Programs whose rows keep nothing (no turn at all), rows of
     # every length, more tiles than SMs, GQA, lengths off the 128 grid, a softcap in the ping-pong

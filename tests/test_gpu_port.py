@@ -130,7 +130,7 @@ def test_float32_at_wide_head_dims(cuda, head_dim):
 _HOPPER_CASES = ["users_and_masks", "causal_bottom_right", "full", "causal_sliding_window_256", "document_causal_3docs",
                  "causal_bottom_right+softcap_30", "causal_bottom_right+alibi_4heads", "users_head_window", "users_per_sample_prefix",
                  "users_image_spans", "causal_8k_fp16_d64", "full_512x2048", "neighborhood_2d_k7_1000",
-                 "users_natten_1d", "users_score_biases"]
+                 "users_natten_1d", "users_score_biases", "users_score_biases_fp16_d64", "softcap_fp16_d64_1000"]
 
 
 def _hopper_case(name: str):
@@ -146,6 +146,12 @@ def _hopper_case(name: str):
 
     if name == "causal_8k_fp16_d64":
         return make("causal", q_len=8192, kv_len=8192), 1, 8, 8, 8192, 8192, 64, "float16"
+    if name == "users_score_biases_fp16_d64":  # (a score_mod at D 64: "auto" runs the persistent loop)
+        found = {m.name: m for m in masks("cuda")}
+        return found["users_score_biases"], 2, 4, 2, 1024, 1024, 64, "float16"
+    if name == "softcap_fp16_d64_1000":  # (the same off the 128 grid, a softcap through tanh.approx)
+        found = {m.name: m for m in masks("cuda")}
+        return found["causal_bottom_right+softcap_30"], 2, 4, 2, 1000, 1011, 64, "float16"
     if name == "full_512x2048":
         return make("full"), 1, 4, 1, 512, 2048, 128, "bfloat16"
     if name == "neighborhood_2d_k7_1000":
@@ -181,6 +187,8 @@ def test_hopper_kernel_matches_the_reference(cuda, tmp_path, case, loop):
     module = port.load(port.build(mask, Lq, Lk, heads=Hq, batch=B, out_dir=tmp_path))
     assert module.HOPPER_MODS is None, module.HOPPER_MODS
     module.HOPPER, module.HOPPER_LOOP = True, loop
+    if loop == "auto" and mask.score_mod is not None:  # (ping-pong at D 128, persistent at D 64)
+        assert module._hopper_loop(D) == ("persistent" if D == 64 else "pingpong"), module._hopper_loop(D)
     calls = []
     real = module._attention_hopper
     module._attention_hopper = lambda *a, **kw: calls.append(1) or real(*a, **kw)

@@ -146,12 +146,6 @@ def _hopper_case(name: str):
 
     if name == "causal_8k_fp16_d64":
         return make("causal", q_len=8192, kv_len=8192), 1, 8, 8, 8192, 8192, 64, "float16"
-    if name == "users_score_biases_fp16_d64":  # (a score_mod at D 64: "auto" runs the persistent loop)
-        found = {m.name: m for m in masks("cuda")}
-        return found["users_score_biases"], 2, 4, 2, 1024, 1024, 64, "float16"
-    if name == "softcap_fp16_d64_1000":  # (the same off the 128 grid, a softcap through tanh.approx)
-        found = {m.name: m for m in masks("cuda")}
-        return found["causal_bottom_right+softcap_30"], 2, 4, 2, 1000, 1011, 64, "float16"
     if name == "full_512x2048":
         return make("full"), 1, 4, 1, 512, 2048, 128, "bfloat16"
     if name == "neighborhood_2d_k7_1000":
@@ -165,6 +159,13 @@ def _hopper_case(name: str):
 
         return Mask("users_natten_1d", mask_mod=natten_1d), 2, 4, 2, 1024, 1024, 128, "bfloat16"
     found = {m.name: m for m in masks("cuda")}
+    # score_mods at D 64 in fp16, where "auto" runs the persistent loop: whole blocks, and a
+    # softcap (tanh.approx) off the 128 grid
+    at_d64 = {"users_score_biases_fp16_d64": ("users_score_biases", 1024, 1024),
+              "softcap_fp16_d64_1000": ("causal_bottom_right+softcap_30", 1000, 1011)}
+    if name in at_d64:
+        base, Lq, Lk = at_d64[name]
+        return found[base], 2, 4, 2, Lq, Lk, 64, "float16"
     assert name in found, f"no compile-script mask named {name}: {sorted(found)}"
     return found[name], 2, 4, 2, 1024, 1024, 128, "bfloat16"
 

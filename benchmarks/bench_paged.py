@@ -10,13 +10,15 @@ else is a row that says so, not a time.
 
 Each row is one variant of the loaded file's knobs: the tile (BLOCK_M, BLOCK_N, warps, stages; set
 through PAGED_TILES), the split-KV piece size (FAST_SPLIT_KEYS) or count (PAGED_PIECES, --pieces)
-and the mode (fast or invariant). Decode rows also give the GPU time of each call's kernels
-(torch.profiler over CUDA-graph replays) beside SDPA's.
+and the mode (fast or invariant), and with --pdl whether the fold of split-KV pieces is launched as a
+programmatic dependent of the kernel (PAGED_PDL). Decode rows also give the GPU time of each call's
+kernels (torch.profiler over CUDA-graph replays) beside SDPA's.
 
     python benchmarks/bench_paged.py                       # the file's defaults
     python benchmarks/bench_paged.py --sweep               # tiles x piece sizes, decode and prefill
     python benchmarks/bench_paged.py --prefill 8192 32768  # prefill rows only at these lengths
     python benchmarks/bench_paged.py --prefill --pieces auto fixed 32 33  # decode: cuts of split-KV
+    python benchmarks/bench_paged.py --prefill --pdl on off  # decode: the fold as a dependent launch or not
 """
 
 import argparse
@@ -115,7 +117,7 @@ def _pieces_of(module, q, kc, table):
     return module._paged_shape(B, B, Hq, Hkv, D, table.shape[1] * page, q.element_size(), q.device, False)[7]
 
 
-def decode(module, variants, pages, defaults):
+def decode(module, variants, pages, defaults, pdl=(None,)):
     print("\n### Decode (Lq = 1), bf16, 32 query / 8 kv heads, D 128, shuffled pages\n")
     print("Each call timed twice: as Python calls it (do_bench; host work included) and replayed from a CUDA graph "
           "(the kernels alone, as an engine that captures decode runs them).\n")
@@ -134,10 +136,13 @@ def decode(module, variants, pages, defaults):
                 want = sdpa().view(B, Hq, D).float()
                 sd = do_bench(sdpa, warmup=10, rep=50)
                 sd_graph, sd_us = graph_ms(sdpa, kernels=True)
-                for tile, keys, invariant, *pieces in variants:
+                for (tile, keys, invariant, *pieces), dependent in [(v, d) for v in variants for d in pdl]:
                     pieces = pieces[0] if pieces else None
                     _set_variant(module, tile, keys, defaults, pieces)
+                    module.PAGED_PDL = defaults["pdl"] if dependent is None else dependent
                     label = _label(tile, keys, invariant, module, pieces)
+                    if dependent is not None:
+                        label += ", fold as a dependent launch (PDL)" if dependent else ", fold after the kernel"
                     n = "-" if invariant else _pieces_of(module, q, kc, table)
                     call = lambda: module.attention_paged(q, kc, vc, table, cu, lens, invariant=invariant)  # noqa: E731
                     try:
@@ -222,11 +227,15 @@ def main(argv=None):
                     help="decode rows for these cuts of fast mode's split-KV: 'auto' (even pieces, as "
                          "many as fill the GPU), 'fixed' (pieces of FAST_SPLIT_KEYS keys at fixed positions) or a "
                          "number of even pieces per request")
+    ap.add_argument("--pdl", nargs="+", choices=["on", "off"], default=None,
+                    help="decode rows with the fold launched as a programmatic dependent of the kernel (on) and "
+                         "after it (off), side by side (PAGED_PDL; default: the file's setting)")
     ap.add_argument("--once", type=int, nargs=3, metavar=("B", "L", "PAGE"),
                     help="only three calls of the file's default decode at this shape (for a profiler)")
     a = ap.parse_args(argv)
     module = port.load(port.build(make("causal"), 256, 256, out_dir=tempfile.mkdtemp()))
-    defaults = {"tiles": list(module.PAGED_TILES), "split": module.FAST_SPLIT_KEYS, "balance": module.PAGED_BALANCE}
+    defaults = {"tiles": list(module.PAGED_TILES), "split": module.FAST_SPLIT_KEYS, "balance": module.PAGED_BALANCE,
+                "pdl": module.PAGED_PDL}
     if a.once:
         args = decode_case(*a.once)
         with torch.no_grad():
@@ -239,7 +248,7 @@ def main(argv=None):
         variants = SWEEP_DECODE if a.sweep else DEFAULT_DECODE
         if a.pieces:
             variants = [(None, None, False, p) for p in a.pieces]
-        decode(module, variants, a.pages, defaults)
+        decode(module, variants, a.pages, defaults, pdl=[p == "on" for p in a.pdl] if a.pdl else (None,))
     lengths = [8192, 32768] if a.prefill is None else a.prefill
     if lengths:
         prefill(module, SWEEP_PREFILL if a.sweep else DEFAULT_PREFILL, lengths, a.pages, defaults)

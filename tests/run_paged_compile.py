@@ -25,7 +25,7 @@ def main() -> int:
     module = port.load(port.build(make("causal_sliding_window", {"window": 300}), 256, 256,
                                   out_dir=tempfile.mkdtemp(prefix="paged_compile_")))
     launches = []
-    module._launch_paged = lambda grid, args, flags, stages, device: launches.append((grid, args, flags, stages))
+    module._launch_paged = lambda grid, args, flags, stages, *rest: launches.append((grid, args, flags, stages))
     real_check = module._check_paged
 
     def check(*args):  # (the tensors are on the CPU: pass the device test as the interpreter would)
@@ -52,8 +52,20 @@ def main() -> int:
         try:
             grid, args, flags, stages = launches[0]
             assert flags["SPLIT"] or per_seq > 1, flags  # (a decode step splits its keys)
-            kernel = module._paged_kernel.warmup(*args, grid=grid, **flags, num_stages=stages)
+            # (on a GPU of sm_90 and newer a split decode's kernel and fold take programmatic
+            # dependent launch: PDL, griddepcontrol; a CPU tensor never does, so it is set here)
+            kernel = module._paged_kernel.warmup(*args, grid=grid, **flags, num_stages=stages, PDL=flags["SPLIT"])
             print(f"CASE {name} OK {ptxas(kernel)}", flush=True)
+            if flags["SPLIT"]:
+                out = torch.zeros(total_q, 8, 128, dtype=torch.bfloat16)
+                part = torch.zeros(2, total_q, 8, 128, dtype=torch.float32)
+                fold = module._paged_fold.warmup(out, part, part, part, lens, cu, seqs, total_q, 8, 128, 2, 4096,
+                                                 grid=(total_q, 8), D_PAD=128, RETURN_LSE=True, INTERPRET=False,
+                                                 ORDERED=False, PIECES=2, PDL=True, launch_pdl=True, num_warps=4,
+                                                 num_stages=3)
+                assert "griddepcontrol.wait" in fold.asm["ptx"], "the fold does not wait for the kernel"
+                assert "griddepcontrol.launch_dependents" in kernel.asm["ptx"], "the kernel never lets the fold start"
+                print(f"CASE {name}_fold OK {ptxas(fold)}", flush=True)
         except Exception as exc:
             failed += 1
             print(f"CASE {name} FAIL {type(exc).__name__}: {str(exc)[-400:]}", flush=True)

@@ -142,6 +142,59 @@ def test_long_decodes_cut_into_even_pieces_match_the_reference(cuda, tmp_path, n
     assert W.numel() == 4
 
 
+def test_the_fold_launched_as_a_dependent_gives_the_same_bits_and_replays(cuda, tmp_path):
+    """On an H100 / H200 a split decode's fold (_paged_fold) is launched as a programmatic dependent
+    of _paged_kernel (PAGED_PDL): it must give the same bits as the fold launched after the kernel,
+    alone and in a mixed step, called and replayed from a CUDA graph with new contents; later calls
+    of a kind go straight to the compiled kernels (the file's launch sites), with the same bits."""
+    from workbench import make, port
+
+    module = port.load(port.build(make("causal"), 256, 256, heads=8, batch=4, out_dir=tmp_path))
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    assert module._paged_pdl(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    page, pages = 16, 1400
+    kc = torch.randn(pages, page, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(pages, device="cuda", generator=g)[:4 * 350].view(4, 350).to(torch.int32)
+    for reqs in ([(1, 5587)], [(1, 5587), (1, 3001), (4, 2500), (1, 17)]):
+        q = torch.randn(sum(n for n, _ in reqs), 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        cu = torch.tensor([0] + list(torch.cumsum(torch.tensor([n for n, _ in reqs]), 0)), dtype=torch.int32,
+                          device="cuda")
+        lens = torch.tensor([length for _, length in reqs], dtype=torch.int32, device="cuda")
+        bt = table[:len(reqs)].contiguous()
+        with torch.no_grad():
+            module.PAGED_PDL = False
+            after, lse_after = module.attention_paged(q, kc, vc, bt, cu, lens, return_lse=True)
+            module.PAGED_PDL = True
+            sites = len(module._SITES)
+            dependent, lse_dep = module.attention_paged(q, kc, vc, bt, cu, lens, return_lse=True)
+            again, lse_again = module.attention_paged(q, kc, vc, bt, cu, lens, return_lse=True)  # (through its site)
+            assert len(module._SITES) > sites  # (the paged kernel's and the fold's sites)
+            assert torch.equal(after, dependent) and torch.equal(lse_after, lse_dep), reqs
+            assert torch.equal(after, again) and torch.equal(lse_after, lse_again), reqs
+            assert not torch.isnan(after).any() and torch.isfinite(lse_after).all()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = module.attention_paged(q, kc, vc, bt, cu, lens)
+            q.copy_(torch.randn_like(q))
+            lens.sub_(1)
+            graph.replay()
+            torch.cuda.synchronize()
+            module.PAGED_PDL = False
+            plain = module.attention_paged(q, kc, vc, bt, cu, lens)
+            module.PAGED_PDL = True
+        assert torch.equal(replayed, plain) and not torch.isnan(plain).any(), reqs
+    # and the numbers themselves: the last step's first request against SDPA in float64
+    k = kc[bt[0].long()].reshape(-1, 2, 128)[:int(lens[0])].transpose(0, 1)[None].double()
+    v = vc[bt[0].long()].reshape(-1, 2, 128)[:int(lens[0])].transpose(0, 1)[None].double()
+    want = torch.nn.functional.scaled_dot_product_attention(q[:1].permute(1, 0, 2)[None].double(), k, v,
+                                                            enable_gqa=True)
+    assert (plain[:1].permute(1, 0, 2)[None].double() - want).abs().max() < 2e-2
+
+
 _HOPPER_PREFILL = ["causal", "sliding_window_700", "users_head_window", "users_per_request_prefix", "causal+softcap",
                    "users_spans_any", "and_masks_window", "users_score_biases"]
 

@@ -46,6 +46,25 @@ PAGED_MIN_PIECE_KEYS = 48 if _INTERPRET else 512
 PAGED_PIECES = None
 # (under the interpreter every call has few programs: there only a forced split runs split-KV)
 SPLIT_WHEN_PROGRAMS_BELOW = 0 if _INTERPRET else 512  # only calls with fewer (row block, kv head) programs than this split
+# Programmatic dependent launch (sm_90 on): the fold of split-KV pieces (_paged_fold) is launched
+# so that the GPU may start it while the last programs of _paged_kernel finish; its programs find
+# their request (reading only cu_seqlens_q and seq_lens) and then wait (griddepcontrol.wait) until
+# every program of _paged_kernel has finished and its partial sums are visible, so the bits are the
+# same either way. PORT_PAGED_PDL=0 in the environment (or PAGED_PDL = False here) launches the
+# fold after the kernel has finished, as on older GPUs and Triton builds without it.
+PAGED_PDL = os.environ.get("PORT_PAGED_PDL", "1") != "0"
+try:  # Triton >= 3.3's grid dependency control (griddepcontrol.wait / launch_dependents)
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
+except ImportError:
+    _gdc_launch_dependents = _gdc_wait = None
+
+
+def _paged_pdl(device) -> bool:
+    """Whether the fold may be launched as a programmatic dependent of the kernel here: on an sm_90
+    or newer GPU, with a Triton that has grid dependency control, unless PAGED_PDL is off."""
+    return (PAGED_PDL and not _INTERPRET and _gdc_wait is not None and device.type == "cuda"
+            and _capability(device)[0] >= 9)
 
 
 def _table_ranges(tables: list) -> list:
@@ -257,7 +276,8 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
                   IEEE: tl.constexpr, WIDEN: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
                   SPLIT: tl.constexpr, INVARIANT: tl.constexpr, PIPELINE: tl.constexpr, HEADS_DIFFER: tl.constexpr,
                   WHOLE_PIECE_TEST: tl.constexpr, BALANCED: tl.constexpr,
-                  EVEN_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  EVEN_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PDL: tl.constexpr = False):
     # one program = `tokens` query tokens of one request times the `group` query heads that share
     # kv head kv_h (grouped-query attention: row r is token r // group, head kv_h * group + r % group,
     # so each K/V tile is read once for the whole group), over one piece of the request's keys
@@ -413,6 +433,8 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
     out_rows = q_row
     acc = tl.where(inside, acc, float("nan"))
     if SPLIT:  # this piece's (acc, m, l), folded by _paged_fold
+        if PDL:  # (the fold may be scheduled once every program is here; it waits for their stores)
+            _gdc_launch_dependents()
         at = (split * total_q + out_rows) * Hq + h
         tl.store(Part_acc + at[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(Part_ml + at * 2, m_i, mask=row_ok)
@@ -432,7 +454,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
 @triton.jit(do_not_specialize=["num_seqs", "total_q", "num_splits"])
 def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D, num_splits, split_keys,
                 D_PAD: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr, ORDERED: tl.constexpr,
-                PIECES: tl.constexpr):
+                PIECES: tl.constexpr, PDL: tl.constexpr = False):
     # one program = one (query token, head): the pieces of its keys folded with the online
     # softmax's rescaling (base 2): m = max m_s, l = sum l_s 2^(m_s - m), out = sum acc_s 2^(m_s - m)
     # / l. ORDERED (invariant mode): one piece after another from the first, with _fold_piece, the
@@ -451,6 +473,8 @@ def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, t
         hi = tl.where(here, hi, mid)
     # (a seq_len past the block table, whose rows are NaN, still folds only the pieces there are)
     pieces = tl.minimum((tl.load(seq_lens + lo) + split_keys - 1) // split_keys, num_splits)
+    if PDL:  # (launched as a dependent of _paged_kernel: its partial sums are complete from here on)
+        _gdc_wait()
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     m = tl.full([1], float("-inf"), tl.float32)
@@ -582,15 +606,22 @@ def _programs_per_sm(tile: tuple, D_PAD: int, itemsize: int, device) -> int:
 _paged_stages_for: dict = {}
 
 
-def _launch_paged(grid, args, flags, stages, device):
+def _launch_paged(grid, args, flags, stages, device, site=None):
     """Launch _paged_kernel with `stages` pipeline stages, or fewer where the chip has no room for
     them (shared memory: a mask's tables or a score_mod can need more than the causal kernel the
     tiles were measured with). Stages only move loads earlier: the arithmetic, and so the bits, are
-    the same at any depth. The depth that fits is kept per kernel variant."""
+    the same at any depth. The depth that fits is kept per kernel variant, and per call site
+    (`site`, see _launch): a later call of the same kind goes straight to the compiled kernel."""
     if _INTERPRET:
         _paged_kernel[grid](*args, **flags)
         return
+    if site is not None and site in _SITES:
+        _launch(_paged_kernel, grid, args, flags, site)
+        return
     key = (str(device), tuple(sorted((k, str(v)) for k, v in flags.items())), stages)
+    if site is not None and key in _paged_stages_for:  # (the depth is known: bind the site to it)
+        _launch(_paged_kernel, grid, args, {**flags, "num_stages": _paged_stages_for[key]}, site)
+        return
     if _first_that_fits(range(stages, 0, -1), lambda depth: _paged_kernel[grid](*args, **flags, num_stages=depth),
                         _paged_stages_for, key) is not None:
         return
@@ -758,13 +789,32 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
                  EVEN_D=D == D_PAD, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
                  WHOLE_PIECE_TEST=PAGED_WHOLE_PIECE_TEST, BALANCED=balanced and split,
                  **(_fusion() if invariant else {}))
-    _launch_paged((row_blocks, Hkv, splits), args, flags, PAGED_STAGES or stages, q.device)
+    pdl = split and _paged_pdl(q.device)
+    if pdl:
+        flags["PDL"] = True
+    # the launch's kind beyond the flags and the grid: every int argument the kernel specializes on
+    # (strides, heads, group, D, the pieces' keys), the tensors' dtypes and 16-byte alignment
+    site = None if _INTERPRET else (
+        "paged", (row_blocks, Hkv, splits), tuple(flags.values()), PAGED_STAGES or stages, q.device.index,
+        q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), block_table.shape[1], block_table.stride(0),
+        Hq, group, tokens, D, split_keys,
+        q.dtype, block_table.dtype, cu_seqlens_q.dtype, seq_lens.dtype,
+        tuple((t.dtype, t.data_ptr() % 16 == 0) for t in (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
+                                                         *pointers, *ranges)))
+    _launch_paged((row_blocks, Hkv, splits), args, flags, PAGED_STAGES or stages, q.device, site)
     if split:
         # fast mode folds up to FOLD_AT_ONCE pieces at once; invariant mode, and more pieces, in order
         ordered = bool(invariant) or splits > FOLD_AT_ONCE
-        _paged_fold[(total_q, Hq)](out, lse, part_acc, part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D,
-                                   splits, split_keys, D_PAD=D_PAD, RETURN_LSE=return_lse, INTERPRET=_INTERPRET,
-                                   ORDERED=ordered, PIECES=1 if ordered else _next_pow2(splits),
-                                   num_warps=1 if ordered else 4, **({} if _INTERPRET else {"num_stages": 3}),
-                                   **(_fusion() if invariant else {}))
+        fold_args = (out, lse, part_acc, part_ml, seq_lens, cu_seqlens_q, num_seqs, total_q, Hq, D, splits, split_keys)
+        fold_flags = dict(D_PAD=D_PAD, RETURN_LSE=return_lse, INTERPRET=_INTERPRET, ORDERED=ordered,
+                          PIECES=1 if ordered else _next_pow2(splits), num_warps=1 if ordered else 4,
+                          **({} if _INTERPRET else {"num_stages": 3}), **(_fusion() if invariant else {}),
+                          **({"PDL": True, "launch_pdl": True} if pdl else {}))
+        if _INTERPRET:
+            _paged_fold[(total_q, Hq)](*fold_args, **fold_flags)
+        else:
+            _launch(_paged_fold, (total_q, Hq), fold_args, fold_flags,
+                    ("fold", total_q, Hq, D, splits, split_keys, tuple(fold_flags.values()), q.device.index, q.dtype,
+                     seq_lens.dtype, cu_seqlens_q.dtype, seq_lens.data_ptr() % 16 == 0,
+                     cu_seqlens_q.data_ptr() % 16 == 0))
     return (out, lse) if return_lse else out

@@ -12,7 +12,8 @@ count twice; the wrappers add about a microsecond a call), and a bare autograd.F
 the same tensors (no kernels: autograd's own share, which any custom attention pays). --tree runs
 another checkout's workbench (e.g. an older commit's) in this process's place, so two trees can be
 timed in turn on one machine: the host's speed varies between machines by up to 2x. --gc-freeze
-moves the objects alive after warm-up out of Python's collector's reach first."""
+moves the objects alive after warm-up out of Python's collector's reach first. --cprofile N prints,
+per step, the functions with the most time of their own over N steps under cProfile."""
 
 from __future__ import annotations
 
@@ -97,6 +98,9 @@ def main(argv=None) -> int:
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() after each mask's warm-up: whether Python's collector passes over the "
                         "process's objects are part of the host time")
+    p.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
+                   help="also run STEPS steps under cProfile and print the functions with the most time of their "
+                        "own (torch's, autograd's and Triton's included), per step")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(args.tree).resolve()))
     import torch
@@ -156,6 +160,23 @@ def main(argv=None) -> int:
         print(f"  wrapped host {wrapped:.3f} ms; µs per step inside: "
               + ", ".join(f"{n} {us:.0f} (x{n_calls})" for n, (us, n_calls) in inside.items()), flush=True)
         print(f"  bare autograd.Function step: host {min(host_ms(bare) for _ in range(3)):.3f} ms", flush=True)
+        if args.cprofile:
+            import cProfile
+            import pstats
+
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.cprofile):
+                step()
+            prof.disable()
+            torch.cuda.synchronize()
+            stats = pstats.Stats(prof)
+            rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:30]  # (cc, nc, tottime, cumtime, callers)
+            print(f"  cProfile, {args.cprofile} steps: µs per step of own time (calls per step), cumulative µs")
+            for (file, line, fn), (_, calls, own, cum, _) in rows:
+                print(f"    {1e6 * own / args.cprofile:8.1f} ({calls / args.cprofile:5.1f})  {1e6 * cum / args.cprofile:8.1f}  "
+                      f"{Path(file).name}:{line} {fn}", flush=True)
     return 0
 
 

@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--loops", nargs="+", default=["specialized", "pingpong"],
                    help="--hopper: the forms of its tile loop to time (HOPPER_LOOP), each optionally with its number "
                    "of K / V buffers and its warpgroups' hand-offs (HOPPER_NAMED: 0 mbarriers, 1 named turns, 3 named "
-                   "turns and releases): pingpong:3, persistent@0")
+                   "turns and releases, 5 or 7: 1 or 3 with the turn taken before the tile's waits): pingpong:3, persistent@7")
     p.add_argument("--score-forms", nargs="+", choices=["off", "bias", "all"],
                    help="--hopper: the score functions' forms to time, each loop with each (PORT_FAST_SCORE's; default: "
                    "the generator's, bias unless PORT_FAST_SCORE says otherwise): off "

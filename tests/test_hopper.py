@@ -1114,7 +1114,8 @@ def test_the_early_compile_sees_arguments_that_specialize_as_the_launchs_do(tmp_
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
 def test_the_warpgroups_hand_offs_reach_the_kernel_as_the_switch_says(tmp_path):
     # HOPPER_NAMED chooses how the ping-pong and persistent loops' warpgroups take turns and give
-    # K / V buffers back (bit 1: named turns, bit 2: named releases, 0: mbarriers). The launch
+    # K / V buffers back (bit 1: named turns, bit 2: named releases, 0: mbarriers; bit 4: the turn
+    # taken before the tile's waits). The launch
     # passes it to the kernel for those loops only; the named releases need a ring of at most 3
     # slots (their barrier ids: 10 + slot, 13 + slot), so a 4-buffer ring keeps only the turns; a
     # changed switch is a new kind of call (never a plan made under the other setting); and the
@@ -1132,16 +1133,16 @@ def test_the_warpgroups_hand_offs_reach_the_kernel_as_the_switch_says(tmp_path):
     assert module.HOPPER_NAMED == int(os.environ.get("PORT_HOPPER_NAMED", "").strip() or 0)
     seen = {}
     for loop in ("specialized", "pingpong", "persistent"):
-        for named, buffers in ((3, 0), (1, 0), (0, 0), (3, 4)):
+        for named, buffers in ((3, 0), (1, 0), (0, 0), (3, 4), (7, 0), (5, 0), (7, 4)):
             module.HOPPER_LOOP, module.HOPPER_NAMED = loop, named
             module.HOPPER_TILE = (128, buffers, 8)
             _, _, options, _, _, site = module._hopper_launch(q, q, q, 0.125, False, tables)
-            want = 0 if loop == "specialized" else (named if buffers <= 3 else named & 1)
+            want = 0 if loop == "specialized" else (named if buffers <= 3 else named & 5)
             assert options.get("NAMED", 0) == want, (loop, named, buffers, options)
             assert site not in seen, (loop, named, buffers, seen.get(site))
             seen[site] = (loop, named, buffers)
     module.HOPPER_TILE = (128, 0, 8)
-    for named, want in ((3, 1), (1, 1), (0, 0)):
+    for named, want in ((3, 1), (1, 1), (0, 0), (7, 5), (5, 5)):
         module.HOPPER_LOOP, module.HOPPER_NAMED = "auto", named
         heads = 2
         plan = (torch.zeros(3, 8, dtype=torch.int32), torch.zeros(3, 3, dtype=torch.int32),
@@ -1167,17 +1168,18 @@ def test_auto_runs_the_persistent_loop_except_with_a_score_mod_at_d128(tmp_path)
 
 
 def test_the_hand_off_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp_path, monkeypatch):
-    # PORT_HOPPER_NAMED: unset or empty 0 (mbarriers), 1 (named turns), 3 (turns and releases); any
+    # PORT_HOPPER_NAMED: unset or empty 0 (mbarriers), 1 (named turns), 3 (turns and releases), 5 / 7
+    # (1 / 3, the turn before the tile's waits); any
     # other value stops the file's load with an error that names the variable and the values
     path = port.build(make("causal"), 256, 256, out_dir=tmp_path)
-    for value, want in ((None, 0), ("", 0), ("1", 1), (" 3 ", 3), ("0", 0)):
+    for value, want in ((None, 0), ("", 0), ("1", 1), (" 3 ", 3), ("0", 0), ("7", 7), ("5", 5)):
         if value is None:
             monkeypatch.delenv("PORT_HOPPER_NAMED", raising=False)
         else:
             monkeypatch.setenv("PORT_HOPPER_NAMED", value)
         assert port.load(path).HOPPER_NAMED == want, value
-    for value in ("2", "on", "yes"):
+    for value in ("2", "4", "6", "on", "yes"):
         monkeypatch.setenv("PORT_HOPPER_NAMED", value)
         with pytest.raises(ValueError, match=rf"PORT_HOPPER_NAMED='{value}' names no hand-off.*set 0 \(mbarriers\), "
-                           r"1 \(named turns\) or 3"):
+                           r"1 \(named turns\), 3"):
             port.load(path)

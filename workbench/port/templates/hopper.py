@@ -57,10 +57,15 @@ HOPPER_RAGGED = os.environ.get("PORT_HOPPER_RAGGED", "1") != "0"
 # ping-pong. PORT_HOPPER_NAMED=0 / 1 / 3 in the environment chooses; 0 (mbarriers) is the default:
 # on an H200 (32K, bf16, D 128) 3 gave the same bits and was within 1.4 % of 0 either way (causal
 # faster, documents and prefix-LM slower), so the barrier's wait moved rather than went away.
+# 4 (with 1): a warpgroup waits for its turn before it waits for the tile's keys and values, not
+# after. Triton puts a barrier of the warpgroup's 128 threads before each wait on an mbarrier of
+# the loop (its analysis of shared memory counts a wait as a write of the barrier): after the
+# named turn's sync of both warpgroups that barrier finds its four warps already together.
 _NAMED_SETTING = os.environ.get("PORT_HOPPER_NAMED", "").strip() or "0"
-if _NAMED_SETTING not in ("0", "1", "3"):
+if _NAMED_SETTING not in ("0", "1", "3", "5", "7"):
     raise ValueError(f"PORT_HOPPER_NAMED={_NAMED_SETTING!r} names no hand-off of the Hopper kernel's warpgroups: set 0 "
-                     "(mbarriers), 1 (named turns) or 3 (named turns and K / V releases), or unset it")
+                     "(mbarriers), 1 (named turns), 3 (named turns and K / V releases), 5 or 7 (1 or 3, the turn "
+                     "taken before the tile's waits), or unset it")
 HOPPER_NAMED = int(_NAMED_SETTING)
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
@@ -149,6 +154,20 @@ if _HAS_GLUON and HOPPER_MODS is None:
             mbarrier.arrive(other)
 
     @gluon.jit
+    def _tile_waits(k_ready, k_slot, k_phase, v_ready, v_slot, v_phase, mine, parity, WG: gl.constexpr,
+                    NAMED: gl.constexpr, HAS_K: gl.constexpr = True, HAS_V: gl.constexpr = True):
+        # (ping-pong) before a turn's matmuls: the tile's keys (HAS_K) and the previous tile's values
+        # (HAS_V) landed, and this warpgroup's turn; NAMED >= 4: the turn first (see HOPPER_NAMED)
+        if NAMED >= 4:
+            _turn_wait(mine, parity, WG, NAMED)
+        if HAS_K:
+            mbarrier.wait(k_ready.index(k_slot), k_phase)
+        if HAS_V:
+            mbarrier.wait(v_ready.index(v_slot), v_phase)
+        if NAMED < 4:
+            _turn_wait(mine, parity, WG, NAMED)
+
+    @gluon.jit
     def _turn_start(WG: gl.constexpr, NAMED: gl.constexpr):
         # (ping-pong, named turns) warpgroup 0 goes first: warpgroup 1 arrives at its barrier once
         if NAMED % 2 == 1:
@@ -166,7 +185,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
     @gluon.jit
     def _release(empty, slot, FIRST: gl.constexpr, NAMED: gl.constexpr):
         # (ping-pong) this warpgroup has read ring slot `slot` (its matmul is done): give it back
-        if NAMED >= 2:
+        if (NAMED // 2) % 2 == 1:
             _bar_arrive(FIRST + slot, 288)
         else:
             mbarrier.arrive(empty.index(slot))
@@ -175,7 +194,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
     def _acquire(empty, slot, c, FIRST: gl.constexpr, NAMED: gl.constexpr, NUM_BUF: gl.constexpr):
         # (the load warp) wait until ring slot `slot` may take its c-th tile (c counts the ring's
         # tiles: the first NUM_BUF find it free)
-        if NAMED >= 2:
+        if (NAMED // 2) % 2 == 1:
             if c >= NUM_BUF:
                 _bar_sync(FIRST + slot, 288)
         else:
@@ -185,7 +204,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
     def _acquire_end(c, NAMED: gl.constexpr, NUM_BUF: gl.constexpr):
         # (the load warp, named releases) the ring's last NUM_BUF tiles are given back after the
         # last load: take those arrivals too, so no barrier is left half done
-        if NAMED >= 2:
+        if (NAMED // 2) % 2 == 1:
             for i in range(gl.maximum(c - NUM_BUF, 0), c):
                 _bar_sync(_BAR_K_FREE + i % NUM_BUF, 288)
                 _bar_sync(_BAR_V_FREE + i % NUM_BUF, 288)
@@ -495,8 +514,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         if n_tiles > 0:
             # turn 0: tile 0's S alone
             start, first, full = _hopper_tile_start(0, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
-            mbarrier.wait(k_ready.index(0), 0)
-            _turn_wait(mine, 1 - WG, WG, NAMED)
+            _tile_waits(k_ready, 0, 0, v_ready, 0, 0, mine, 1 - WG, WG, NAMED, HAS_V=False)
             qk = warpgroup_mma(q_part, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             _turn_pass(other, WG, NAMED)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
@@ -507,9 +525,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 slot = t % NUM_BUF
                 prev = (t - 1) % NUM_BUF
                 start, first, full = _hopper_tile_start(t, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
-                mbarrier.wait(k_ready.index(slot), (t // NUM_BUF) & 1)
-                mbarrier.wait(v_ready.index(prev), ((t - 1) // NUM_BUF) & 1)
-                _turn_wait(mine, (t & 1) ^ (1 - WG), WG, NAMED)
+                _tile_waits(k_ready, slot, (t // NUM_BUF) & 1, v_ready, prev, ((t - 1) // NUM_BUF) & 1, mine,
+                            (t & 1) ^ (1 - WG), WG, NAMED)
                 qk = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
                 _turn_pass(other, WG, NAMED)
@@ -523,11 +540,14 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             # turn n_tiles: the last tile's P V
             final = (n_tiles - 1) % NUM_BUF
-            mbarrier.wait(v_ready.index(final), ((n_tiles - 1) // NUM_BUF) & 1)
             if PAGED:  # (a request's last tile, the only one that may run past its end)
+                mbarrier.wait(v_ready.index(final), ((n_tiles - 1) // NUM_BUF) & 1)
                 if first + BLOCK_N > Lk:
                     _hopper_zero_tail(v_smem.index(final), Lk - first, 4)
-            _turn_wait(mine, (n_tiles & 1) ^ (1 - WG), WG, NAMED)
+                _turn_wait(mine, (n_tiles & 1) ^ (1 - WG), WG, NAMED)
+            else:
+                _tile_waits(k_ready, 0, 0, v_ready, final, ((n_tiles - 1) // NUM_BUF) & 1, mine,
+                            (n_tiles & 1) ^ (1 - WG), WG, NAMED, HAS_K=False)
             acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
             _turn_pass(other, WG, NAMED)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -652,8 +672,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
             if n_tiles > 0:
                 start, first, full = _hopper_tile_start(0, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
                 slot = c % NUM_BUF
-                mbarrier.wait(k_ready.index(slot), (c // NUM_BUF) & 1)
-                _turn_wait(mine, (u & 1) ^ (1 - WG), WG, NAMED)
+                _tile_waits(k_ready, slot, (c // NUM_BUF) & 1, v_ready, 0, 0, mine, (u & 1) ^ (1 - WG), WG, NAMED,
+                            HAS_V=False)
                 qk = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 _turn_pass(other, WG, NAMED)
                 u += 1
@@ -668,9 +688,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     c += 1
                     slot = c % NUM_BUF
                     start, first, full = _hopper_tile_start(t, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
-                    mbarrier.wait(k_ready.index(slot), (c // NUM_BUF) & 1)
-                    mbarrier.wait(v_ready.index(prev), prev_phase)
-                    _turn_wait(mine, (u & 1) ^ (1 - WG), WG, NAMED)
+                    _tile_waits(k_ready, slot, (c // NUM_BUF) & 1, v_ready, prev, prev_phase, mine,
+                                (u & 1) ^ (1 - WG), WG, NAMED)
                     qk = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
                                        is_async=True)
                     acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
@@ -686,8 +705,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 mbarrier.arrive(q_empty)  # (this warpgroup's last S is done: the next queries may load)
                 final = c % NUM_BUF
-                mbarrier.wait(v_ready.index(final), (c // NUM_BUF) & 1)
-                _turn_wait(mine, (u & 1) ^ (1 - WG), WG, NAMED)
+                _tile_waits(k_ready, 0, 0, v_ready, final, (c // NUM_BUF) & 1, mine, (u & 1) ^ (1 - WG), WG, NAMED,
+                            HAS_K=False)
                 acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
                 _turn_pass(other, WG, NAMED)
                 u += 1
@@ -895,7 +914,7 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
     if not persistent:
         options["PINGPONG"] = loop == "pingpong"
     if loop in ("pingpong", "persistent") and HOPPER_NAMED:  # (named releases: a ring of at most 3 slots)
-        options["NAMED"] = HOPPER_NAMED if buffers <= 3 else HOPPER_NAMED & 1
+        options["NAMED"] = HOPPER_NAMED if buffers <= 3 else HOPPER_NAMED & 5
     if Lq % 128:  # (HOPPER_RAGGED) the last block of queries runs past Lq
         options["EVEN_M"] = False
     if Lk % TABLE_N:  # (HOPPER_RAGGED) the last tile of keys runs past Lk

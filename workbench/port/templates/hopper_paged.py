@@ -288,7 +288,8 @@ def _hopper_paged_launch(q, k_cache, v_cache, block_table, scale, return_lse, po
                    num_warps=4 if loop == "pingpong" else warps, PINGPONG=loop == "pingpong",
                    PER_HEAD=MASK_READS_HEAD, PAGE_SIZE=page_size, BLOCK_N=128)
     if loop == "pingpong" and HOPPER_NAMED & 1:  # (_hopper_plan's named turns only: compiled for sm_90a,
-        options["NAMED"] = 1  # named releases made this kernel spill 12-20 bytes at pages of 16 where it did not)
+        options["NAMED"] = HOPPER_NAMED & 5  # named releases made this kernel spill 12-20 bytes at pages of 16
+        # where it did not; 4: the turn before the tile's waits
     return (Slots.shape[0], Hq), args, options
 
 

@@ -195,7 +195,8 @@ def main(argv=None) -> int:
     p.add_argument("--loops", nargs="+", default=["specialized", "pingpong"],
                    help="--hopper: the forms of its tile loop to time (HOPPER_LOOP), each optionally with its number "
                    "of K / V buffers and its warpgroups' hand-offs (HOPPER_NAMED: 0 mbarriers, 1 named turns, 3 named "
-                   "turns and releases, 5 or 7: 1 or 3 with the turn taken before the tile's waits): pingpong:3, persistent@7")
+                   "turns and releases, 5 or 7: 1 or 3 with the turn taken before the tile's waits) and `+q2`, two buffers of "
+                   "queries (HOPPER_Q_BUFFERS): pingpong:3, persistent@7, persistent+q2")
     p.add_argument("--score-forms", nargs="+", choices=["off", "bias", "all"],
                    help="--hopper: the score functions' forms to time, each loop with each (PORT_FAST_SCORE's; default: "
                    "the generator's, bias unless PORT_FAST_SCORE says otherwise): off "
@@ -324,18 +325,20 @@ def hopper_bench(args) -> int:
                 def hopper(variant, modules=modules):
                     variant, _, form = variant.partition(" ")
                     module = modules[form or forms[0]]
+                    variant, _, extra = variant.partition("+")
                     variant, _, named = variant.partition("@")
                     loop, _, buffers = variant.partition(":")
                     block_n, default_buffers, warps = module.HOPPER_TILE
-                    default_named = module.HOPPER_NAMED
+                    default_named, default_q = module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS
                     module.HOPPER, module.HOPPER_LOOP = True, loop
                     module.HOPPER_TILE = (block_n, int(buffers or default_buffers), warps)
                     module.HOPPER_NAMED = int(named) if named else default_named
+                    module.HOPPER_Q_BUFFERS = 2 if extra == "q2" else default_q
                     try:
                         return module.attention(q, k, v)
                     finally:
                         module.HOPPER_TILE = (block_n, default_buffers, warps)
-                        module.HOPPER_NAMED = default_named
+                        module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS = default_named, default_q
 
                 def portable(module=module):
                     module.HOPPER = False

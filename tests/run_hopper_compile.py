@@ -144,6 +144,13 @@ def main(argv) -> int:
                 named = module._hopper_loop() != "specialized" and bool(module.HOPPER_NAMED)
                 assert ("bar.arrive" in kernel.asm["ptx"]) == named, (module._hopper_loop(), module.HOPPER_NAMED)
                 details.append(f"{module._hopper_loop()}: {ptxas(kernel)}; shared {kernel.metadata.shared} bytes")
+            if not quick:  # (HOPPER_Q_BUFFERS = 2: the persistent loop's two buffers of queries, a ring of 2)
+                module.HOPPER_LOOP, module.HOPPER_Q_BUFFERS = "persistent", 2
+                grid, args, options, _, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
+                kernel = module._hopper_kernel().warmup(*args, grid=grid, **options)
+                assert options["Q_BUF"] == 2 and kernel.metadata.shared <= 227 * 1024, (options, kernel.metadata.shared)
+                details.append(f"persistent, 2 query buffers: {ptxas(kernel)}; shared {kernel.metadata.shared} bytes")
+                module.HOPPER_Q_BUFFERS = 1
             # lengths off the 128 grid (HOPPER_RAGGED): the masked store and the last key tile
             # loaded from Lk - BLOCK_N, in the form "auto" picks for this mask
             module.HOPPER_LOOP, module.HOPPER_RAGGED = "auto", True

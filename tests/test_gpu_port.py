@@ -259,8 +259,8 @@ def test_the_persistent_form_hands_every_tile_out_once(cuda, tmp_path, lengths):
 def test_the_warpgroups_hand_offs_give_the_same_bits_every_way(cuda, tmp_path, loop):
     # HOPPER_NAMED: the two warpgroups take turns on the tensor cores and give K / V buffers back to
     # the load warp through named barriers (3), named turns only (1) or mbarriers (0, the default);
-    # 5 and 7 are 1 and 3 with the turn taken before the tile's waits. The arithmetic is the same,
-    # so the bits must be; a barrier left half done or a buffer given
+    # 5 and 7 are 1 and 3 with the turn taken before the tile's waits; the persistent loop also with
+    # two buffers of queries (HOPPER_Q_BUFFERS = 2). The arithmetic is the same, so the bits must be; a barrier left half done or a buffer given
     # back early would hang or mix tiles. Programs whose rows keep nothing (no turn at all), rows of
     # every length, more tiles than SMs, GQA, lengths off the 128 grid, a softcap in the ping-pong
     # loop; each setting called twice, and against float64.
@@ -300,8 +300,12 @@ def test_the_warpgroups_hand_offs_give_the_same_bits_every_way(cuda, tmp_path, l
                 if named in got:
                     assert torch.equal(got[named][0], out), f"HOPPER_NAMED = {named}: a second call gave other bits"
                 got[named] = (out, lse)
-        assert len(calls) == 6, "attention() did not run the Hopper kernel"
-        for named in (1, 0, 7, 5):
+            if loop == "persistent":  # (two buffers of queries, HOPPER_Q_BUFFERS: the same arithmetic)
+                module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS = 0, 2
+                got["q2"] = module.attention(q, k, v, return_lse=True)
+                module.HOPPER_Q_BUFFERS = 1
+        assert len(calls) == 6 + (loop == "persistent"), "attention() did not run the Hopper kernel"
+        for named in (1, 0, 7, 5) + (("q2", ) if loop == "persistent" else ()):
             assert torch.equal(got[named][0], got[3][0]) and torch.equal(got[named][1], got[3][1]), \
                 f"{loop}, {Lq} x {Lk}: HOPPER_NAMED = {named} gave other bits than 3"
         out, lse = got[3]

@@ -1155,6 +1155,35 @@ def test_the_warpgroups_hand_offs_reach_the_kernel_as_the_switch_says(tmp_path):
         assert options.get("NAMED", 0) == want, (named, options)
 
 
+@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
+def test_two_buffers_of_queries_reach_the_persistent_kernel_within_its_shared_memory(tmp_path):
+    # HOPPER_Q_BUFFERS = 2: the persistent loop's kernel gets Q_BUF = 2 (other loops never), and at
+    # D 128 its K / V ring shrinks to 2 buffers so both fit the 227 KB an SM gives a program (at D 64
+    # the ring keeps 3); a changed switch is a new kind of call. Compiled for sm_90a: tests/run_hopper_compile.py.
+    import torch
+
+    module = port.load(port.build(make("causal"), 1024, 1024, heads=2, out_dir=tmp_path))
+    cpu = torch.device("cpu")
+    module._SM_COUNTS[cpu] = 132
+    module.block_lists = lambda *a, **kw: tuple(torch.zeros((1, 1, 8) if i % 2 else (1, 1), dtype=torch.int32)
+                                                for i in range(4))
+    module._compile_early = lambda *a: None
+    assert module.HOPPER_Q_BUFFERS == int(os.environ.get("PORT_HOPPER_Q_BUFFERS", "1").strip() == "2") + 1
+    sites = set()
+    for D, want_buf in ((128, 2), (64, 3)):
+        q = torch.zeros(1, 2, 1024, D, dtype=torch.bfloat16)
+        tables = module._tables(cpu, 1024, 1024)
+        for loop in ("persistent", "pingpong"):
+            for q_buffers in (1, 2):
+                module.HOPPER_LOOP, module.HOPPER_Q_BUFFERS = loop, q_buffers
+                _, _, options, _, _, site = module._hopper_launch(q, q, q, 0.125, False, tables)
+                two = loop == "persistent" and q_buffers == 2
+                assert options.get("Q_BUF", 1) == (2 if two else 1), (D, loop, q_buffers, options)
+                assert options["NUM_BUF"] == (want_buf if two else 3), (D, loop, q_buffers, options)
+                assert site not in sites
+                sites.add(site)
+
+
 def test_auto_runs_the_persistent_loop_except_with_a_score_mod_at_d128(tmp_path):
     # HOPPER_LOOP = "auto": the persistent loop, except the ping-pong one with a score_mod at D 128
     # (measured: with a score_mod persistent was slower at D 128, faster at D 64)

@@ -47,6 +47,12 @@ HOPPER_LOOPS = ("auto", "specialized", "pingpong", "persistent")
 # tests/test_gpu_port.py::test_the_hopper_kernel_runs_drawn_mods_like_the_reference);
 # PORT_HOPPER_RAGGED=0 (or False here) sends those calls to the portable kernel
 HOPPER_RAGGED = os.environ.get("PORT_HOPPER_RAGGED", "1") != "0"
+# The persistent loop's buffers of queries: 1 (the next tile's 128 queries load once both
+# warpgroups have done this tile's last S, under its last P V and store) or 2 (tile j's queries in
+# buffer j % 2, brought while tile j - 1 runs: no wait for them between tiles, where short rows
+# (windows, documents) paid it once per ~9 key tiles; at D 128 the K / V ring then has 2 buffers, the
+# shared memory of 3). PORT_HOPPER_Q_BUFFERS=2 in the environment chooses 2.
+HOPPER_Q_BUFFERS = 2 if os.environ.get("PORT_HOPPER_Q_BUFFERS", "1").strip() == "2" else 1
 # How the ping-pong and persistent loops' warpgroups hand work over (bits): 1, the turns on the tensor
 # cores through named barriers; 2, K / V buffers given back to the load warp through named barriers;
 # 0, both through mbarriers. Gluon's mbarrier.arrive is one thread's arrive after a bar.sync of its
@@ -588,8 +594,10 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # brings its 128 queries (one `q_ready` phase per tile), then its keys and values through
         # the ring (`c` counts K / V tiles over all of the program's tiles, as the warpgroups do).
         # Past the last tile it writes num_m * BH and completes `q_ready` without a copy: the
-        # warpgroups stop there.
-        BLOCK_M: gl.constexpr = q_smem.type.shape[0]
+        # warpgroups stop there. With two buffers of queries (HOPPER_Q_BUFFERS) tile j takes buffer
+        # j % 2: the next tile's queries load while this tile's keys still run.
+        QB: gl.constexpr = q_smem.type.shape[0]
+        BLOCK_M: gl.constexpr = q_smem.type.shape[1]
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
         NUM_BUF: gl.constexpr = k_smem.type.shape[0]
         id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -602,10 +610,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 tile, num_m, BH, Hq, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx, TABLE_M,
                 BLOCK_M, SUB)
             kv_row0 = (b * (Hq // group) + h // group) * Lk
-            mbarrier.wait(q_empty, (j & 1) ^ 1)
-            tile_smem.store(gl.full([32], tile, gl.int32, layout=id_layout))
-            mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_ready, q_smem)
+            qs = j % QB
+            mbarrier.wait(q_empty.index(qs), ((j // QB) & 1) ^ 1)
+            tile_smem.index(qs).store(gl.full([32], tile, gl.int32, layout=id_layout))
+            mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_ready.index(qs),
+                                            q_smem.index(qs))
             for t in range(0, n_tiles):
                 slot = c % NUM_BUF
                 start, _, _ = _hopper_tile_start(t, n_f, idx_f, idx_p, Lk, SUB, TABLE_N, BLOCK_N, EVEN_N)
@@ -616,9 +626,10 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 c += 1
             j += 1
             tile = gl.atomic_add(counter, 1)
-        mbarrier.wait(q_empty, (j & 1) ^ 1)
-        tile_smem.store(gl.full([32], total, gl.int32, layout=id_layout))
-        mbarrier.arrive(q_ready, count=1)
+        qs = j % QB
+        mbarrier.wait(q_empty.index(qs), ((j // QB) & 1) ^ 1)
+        tile_smem.index(qs).store(gl.full([32], total, gl.int32, layout=id_layout))
+        mbarrier.arrive(q_ready.index(qs), count=1)
         _acquire_end(c, NAMED, NUM_BUF)
 
     @gluon.jit
@@ -633,10 +644,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # num_m * BH. The K / V slots and their phases follow `c`, and the turns `u`, counted over
         # all of the program's tiles exactly as the load warp and the other warpgroup count them.
         # Both warpgroups release the queries (`q_empty`) once their last S is done, so the next
-        # tile's queries load under this tile's last P V and its store.
-        BLOCK_M: gl.constexpr = q_smem.type.shape[0]
+        # tile's queries load under this tile's last P V and its store (with two buffers of queries,
+        # under the whole tile: tile j's are buffer j % 2).
+        QB: gl.constexpr = q_smem.type.shape[0]
+        BLOCK_M: gl.constexpr = q_smem.type.shape[1]
         HALF: gl.constexpr = BLOCK_M // 2
-        HEAD_D: gl.constexpr = q_smem.type.shape[1]
+        HEAD_D: gl.constexpr = q_smem.type.shape[2]
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
         NUM_BUF: gl.constexpr = k_smem.type.shape[0]
         dtype: gl.constexpr = q_smem.dtype
@@ -646,7 +659,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                                            instr_shape=[16, HEAD_D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        q_part = q_smem.slice(WG * HALF, HALF)
         mine = turn.index(WG)
         other = turn.index(1 - WG)
         zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
@@ -656,9 +668,11 @@ if _HAS_GLUON and HOPPER_MODS is None:
         u = 0
         j = 0
         _turn_start(WG, NAMED)
-        mbarrier.wait(q_ready, 0)
-        tile = gl.max(tile_smem.load(id_layout), 0)
+        mbarrier.wait(q_ready.index(0), 0)
+        tile = gl.max(tile_smem.index(0).load(id_layout), 0)
         while tile < total:
+            qs = j % QB
+            q_part = q_smem.index(qs).slice(WG * HALF, HALF)
             pid_m, bh, b, h, n_f, n_tiles, idx_f, idx_p = _hopper_tile_of(
                 tile, num_m, BH, Hq, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx, TABLE_M,
                 BLOCK_M, SUB)
@@ -705,7 +719,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     _release(v_empty, prev, _BAR_V_FREE, NAMED)
                     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                mbarrier.arrive(q_empty)  # (this warpgroup's last S is done: the next queries may load)
+                mbarrier.arrive(q_empty.index(qs))  # (this warpgroup's last S is done: the next queries may load)
                 final = c % NUM_BUF
                 _tile_waits(k_ready, 0, 0, v_ready, final, (c // NUM_BUF) & 1, mine, (u & 1) ^ (1 - WG), WG, NAMED,
                             HAS_K=False)
@@ -716,12 +730,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 _release(v_empty, final, _BAR_V_FREE, NAMED)
                 c += 1
             else:
-                mbarrier.arrive(q_empty)
+                mbarrier.arrive(q_empty.index(qs))
             _hopper_store(Out, Lse, acc, m_i, l_i, (l_off + WG * HALF) * HEAD_D, HEAD_D, l_off + WG * HALF, 1,
                           n_valid - WG * HALF, 0, RETURN_LSE, o_layout, EVEN_M, False)
             j += 1
-            mbarrier.wait(q_ready, j & 1)
-            tile = gl.max(tile_smem.load(id_layout), 0)
+            mbarrier.wait(q_ready.index(j % QB), (j // QB) & 1)
+            tile = gl.max(tile_smem.index(j % QB).load(id_layout), 0)
         _turn_end(WG, NAMED)
 
     @gluon.jit
@@ -730,32 +744,34 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                   TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                   EVEN_M: gl.constexpr = True, EVEN_N: gl.constexpr = True,
-                                  NAMED: gl.constexpr = 0):
+                                  NAMED: gl.constexpr = 0, Q_BUF: gl.constexpr = 1):
         # HOPPER_LOOP = "persistent": the ping-pong kernel's roles in one program per SM, each
         # taking (row block, head) tiles from the call's counter until none is left, heaviest first
-        # (_hopper_tile_of). One buffer of queries (so the ring keeps its three K / V buffers): the
-        # load warp brings the next tile's queries under this tile's last P V and its store, and its
-        # keys and values right behind. Where a row's work is short (windows, documents) the
-        # program's start and end no longer sit between tiles.
+        # (_hopper_tile_of). Q_BUF = 1 buffer of queries (so the ring keeps its three K / V
+        # buffers): the load warp brings the next tile's queries under this tile's last P V and its
+        # store, and its keys and values right behind; Q_BUF = 2 (HOPPER_Q_BUFFERS): tile j's queries
+        # in buffer j % 2, brought while tile j - 1 still runs. Where a row's work is short
+        # (windows, documents) the program's start and end no longer sit between tiles.
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
         SUB: gl.constexpr = TABLE_N // BLOCK_N
         dtype: gl.constexpr = q_desc.dtype
         num_m = gl.cdiv(Lq, BLOCK_M)
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [Q_BUF, BLOCK_M, HEAD_D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], v_desc.layout)
-        tile_smem = gl.allocate_shared_memory(gl.int32, [32], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        tile_smem = gl.allocate_shared_memory(gl.int32, [Q_BUF, 32], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUF, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUF, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
-        mbarrier.init(q_empty, count=2)  # both warpgroups release the queries
+        for i in gl.static_range(Q_BUF):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both warpgroups release the queries
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(NUM_BUF):
@@ -880,7 +896,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
                          f"one of {', '.join(map(repr, HOPPER_LOOPS))}")
     pointers = [tables[n] for n in ALL_POINTERS]
     site = ("forward", q.shape, k.shape, q.dtype, q.device, _current_device(q), return_lse, HOPPER_LOOP,
-            HOPPER_TILE, HOPPER_NAMED, tuple(t.data_ptr() % 16 == 0 for t in pointers))
+            HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS, tuple(t.data_ptr() % 16 == 0 for t in pointers))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
     plan = _HOPPER_PLANS.get(site)
@@ -911,12 +927,17 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
     n_rows, n_cols = _cdiv(Lq, TABLE_M), _cdiv(Lk, TABLE_N)
     s_tb, s_th = _list_strides(Hq, n_rows)
     persistent = loop == "persistent"
+    if persistent and HOPPER_Q_BUFFERS == 2:  # (two buffers of queries and the ring in the shared memory of one)
+        while buffers > 2 and (2 * 128 + 2 * buffers * block_n) * D * q.element_size() > 224 * 1024:
+            buffers -= 1
     options = dict(HAS_SCORE=HAS_SCORE, RETURN_LSE=lse is not out, TABLE_M=TABLE_M, TABLE_N=TABLE_N, NUM_BUF=buffers,
                    num_warps=4 if loop in ("pingpong", "persistent") else warps)
     if not persistent:
         options["PINGPONG"] = loop == "pingpong"
     if loop in ("pingpong", "persistent") and HOPPER_NAMED:  # (named releases: a ring of at most 3 slots)
         options["NAMED"] = HOPPER_NAMED if buffers <= 3 else HOPPER_NAMED & 5
+    if persistent and HOPPER_Q_BUFFERS == 2:
+        options["Q_BUF"] = 2
     if Lq % 128:  # (HOPPER_RAGGED) the last block of queries runs past Lq
         options["EVEN_M"] = False
     if Lk % TABLE_N:  # (HOPPER_RAGGED) the last tile of keys runs past Lk

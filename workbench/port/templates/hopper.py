@@ -51,7 +51,9 @@ HOPPER_RAGGED = os.environ.get("PORT_HOPPER_RAGGED", "1") != "0"
 # warpgroups have done this tile's last S, under its last P V and store) or 2 (tile j's queries in
 # buffer j % 2, brought while tile j - 1 runs: no wait for them between tiles, where short rows
 # (windows, documents) paid it once per ~9 key tiles; at D 128 the K / V ring then has 2 buffers, the
-# shared memory of 3). PORT_HOPPER_Q_BUFFERS=2 in the environment chooses 2.
+# shared memory of 3). PORT_HOPPER_Q_BUFFERS=2 in the environment chooses 2. On an H100 (bf16, D 128,
+# 8K and 32K) it gave the same bits and no gain: the short masks' kernels moved by under 1 %, the
+# long ones lost up to 7 % to the shorter ring; so 1 stays.
 HOPPER_Q_BUFFERS = 2 if os.environ.get("PORT_HOPPER_Q_BUFFERS", "1").strip() == "2" else 1
 # How the ping-pong and persistent loops' warpgroups hand work over (bits): 1, the turns on the tensor
 # cores through named barriers; 2, K / V buffers given back to the load warp through named barriers;

@@ -374,6 +374,30 @@ def test_fast_modes_even_pieces_cover_each_requests_keys_once(tmp_path):
     assert "INVARIANT SAME" in done.stdout, done.stdout[-2000:]  # invariant mode ignores PAGED_BALANCE
 
 
+def test_the_fold_is_a_dependent_launch_only_where_the_gpu_and_triton_have_one(tmp_path, monkeypatch):
+    """PAGED_PDL: the fold of split-KV pieces is launched as a programmatic dependent of the kernel
+    only on a CUDA GPU of sm_90 or newer, with a Triton that has grid dependency control, never under
+    the interpreter or with the switch off (then it is launched after the kernel, as before)."""
+    import torch
+
+    from workbench import make, port
+
+    module = port.load(port.build(make("causal"), 64, 64, out_dir=tmp_path))
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(module, "_INTERPRET", False)
+    has_gdc = module._gdc_wait is not None
+    for capability, want in (((9, 0), has_gdc), ((10, 0), has_gdc), ((8, 0), False), ((8, 9), False)):
+        monkeypatch.setattr(module, "_capability", lambda device, c=capability: c)
+        assert module._paged_pdl(cuda) == want, capability
+        assert module._paged_pdl(cpu) is False
+    monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(module, "PAGED_PDL", False)
+    assert module._paged_pdl(cuda) is False
+    monkeypatch.setattr(module, "PAGED_PDL", True)
+    monkeypatch.setattr(module, "_INTERPRET", True)
+    assert module._paged_pdl(cuda) is False
+
+
 def test_fast_modes_pieces_fill_the_gpus_program_slots(tmp_path, monkeypatch):
     """_fast_pieces (PAGED_BALANCE) on a GPU of 132 SMs holding two decode programs each: where the
     fixed cut's programs fill fewer than the 264 slots, as many even pieces per request as fill one

@@ -53,9 +53,12 @@ SPLIT_WHEN_PROGRAMS_BELOW = 0 if _INTERPRET else 512  # only calls with fewer (r
 # same either way. PORT_PAGED_PDL=0 in the environment (or PAGED_PDL = False here) launches the
 # fold after the kernel has finished, as on older GPUs and Triton builds without it.
 PAGED_PDL = os.environ.get("PORT_PAGED_PDL", "1") != "0"
-try:  # Triton >= 3.3's grid dependency control (griddepcontrol.wait / launch_dependents)
+try:  # Triton's grid dependency control (griddepcontrol.wait / launch_dependents) and its launch option
+    from triton.backends.nvidia.compiler import CUDAOptions as _CUDAOptions
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
     from triton.language.extra.cuda import gdc_wait as _gdc_wait
+    if "launch_pdl" not in getattr(_CUDAOptions, "__dataclass_fields__", {}):
+        raise ImportError("no launch_pdl option")
 except ImportError:
     _gdc_launch_dependents = _gdc_wait = None
 

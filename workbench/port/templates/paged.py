@@ -798,7 +798,7 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
     # the launch's kind beyond the flags and the grid: every int argument the kernel specializes on
     # (strides, heads, group, D, the pieces' keys), the tensors' dtypes and 16-byte alignment
     site = None if _INTERPRET else (
-        "paged", (row_blocks, Hkv, splits), tuple(flags.values()), PAGED_STAGES or stages, q.device.index,
+        "paged", (row_blocks, Hkv, splits), tuple(flags.values()), PAGED_STAGES or stages, q.device, _current_device(q),
         q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), block_table.shape[1], block_table.stride(0),
         Hq, group, tokens, D, split_keys,
         q.dtype, block_table.dtype, cu_seqlens_q.dtype, seq_lens.dtype,
@@ -817,7 +817,7 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
             _paged_fold[(total_q, Hq)](*fold_args, **fold_flags)
         else:
             _launch(_paged_fold, (total_q, Hq), fold_args, fold_flags,
-                    ("fold", total_q, Hq, D, splits, split_keys, tuple(fold_flags.values()), q.device.index, q.dtype,
-                     seq_lens.dtype, cu_seqlens_q.dtype, seq_lens.data_ptr() % 16 == 0,
+                    ("fold", total_q, Hq, D, splits, split_keys, tuple(fold_flags.values()), q.device,
+                     _current_device(q), q.dtype, seq_lens.dtype, cu_seqlens_q.dtype, seq_lens.data_ptr() % 16 == 0,
                      cu_seqlens_q.data_ptr() % 16 == 0))
     return (out, lse) if return_lse else out

@@ -1168,7 +1168,7 @@ def test_two_buffers_of_queries_reach_the_persistent_kernel_within_its_shared_me
     module.block_lists = lambda *a, **kw: tuple(torch.zeros((1, 1, 8) if i % 2 else (1, 1), dtype=torch.int32)
                                                 for i in range(4))
     module._compile_early = lambda *a: None
-    assert module.HOPPER_Q_BUFFERS == int(os.environ.get("PORT_HOPPER_Q_BUFFERS", "1").strip() == "2") + 1
+    assert module.HOPPER_Q_BUFFERS == int(os.environ.get("PORT_HOPPER_Q_BUFFERS", "").strip() or 1)
     sites = set()
     for D, want_buf in ((128, 2), (64, 3)):
         q = torch.zeros(1, 2, 1024, D, dtype=torch.bfloat16)
@@ -1182,6 +1182,23 @@ def test_two_buffers_of_queries_reach_the_persistent_kernel_within_its_shared_me
                 assert options["NUM_BUF"] == (want_buf if two else 3), (D, loop, q_buffers, options)
                 assert site not in sites
                 sites.add(site)
+
+
+def test_the_query_buffers_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp_path, monkeypatch):
+    # PORT_HOPPER_Q_BUFFERS: unset or empty 1, "1" or "2"; any other value stops the file's load with
+    # an error that names the variable and the values (never a silent 1)
+    path = port.build(make("causal"), 256, 256, out_dir=tmp_path)
+    for value, want in ((None, 1), ("", 1), ("1", 1), (" 2 ", 2)):
+        if value is None:
+            monkeypatch.delenv("PORT_HOPPER_Q_BUFFERS", raising=False)
+        else:
+            monkeypatch.setenv("PORT_HOPPER_Q_BUFFERS", value)
+        assert port.load(path).HOPPER_Q_BUFFERS == want, value
+    for value in ("3", "0", "two", "on"):
+        monkeypatch.setenv("PORT_HOPPER_Q_BUFFERS", value)
+        with pytest.raises(ValueError, match=rf"PORT_HOPPER_Q_BUFFERS='{value}' names no number.*set 1 \(the "
+                           r"default\) or 2"):
+            port.load(path)
 
 
 def test_auto_runs_the_persistent_loop_except_with_a_score_mod_at_d128(tmp_path):

@@ -54,7 +54,11 @@ HOPPER_RAGGED = os.environ.get("PORT_HOPPER_RAGGED", "1") != "0"
 # shared memory of 3). PORT_HOPPER_Q_BUFFERS=2 in the environment chooses 2. On an H100 (bf16, D 128,
 # 8K and 32K) it gave the same bits and no gain: the short masks' kernels moved by under 1 %, the
 # long ones lost up to 7 % to the shorter ring; so 1 stays.
-HOPPER_Q_BUFFERS = 2 if os.environ.get("PORT_HOPPER_Q_BUFFERS", "1").strip() == "2" else 1
+_Q_BUFFERS_SETTING = os.environ.get("PORT_HOPPER_Q_BUFFERS", "").strip() or "1"
+if _Q_BUFFERS_SETTING not in ("1", "2"):
+    raise ValueError(f"PORT_HOPPER_Q_BUFFERS={_Q_BUFFERS_SETTING!r} names no number of the persistent loop's buffers of "
+                     "queries: set 1 (the default) or 2, or unset it")
+HOPPER_Q_BUFFERS = int(_Q_BUFFERS_SETTING)
 # How the ping-pong and persistent loops' warpgroups hand work over (bits): 1, the turns on the tensor
 # cores through named barriers; 2, K / V buffers given back to the load warp through named barriers;
 # 0, both through mbarriers. Gluon's mbarrier.arrive is one thread's arrive after a bar.sync of its

@@ -203,6 +203,9 @@ def main(argv=None) -> int:
                    "(score_mod times log2 e), bias (biases added to the score in one fused multiply-add), all (and "
                    "integer distances converted per row and column)")
     args = p.parse_args(argv)
+    for loop in args.loops:  # (a suffix after '+' that names nothing would time the default silently)
+        if loop.split(" ")[0].partition("+")[2] not in ("", "q2"):
+            p.error(f"--loops {loop!r}: after '+' only q2 (two buffers of queries) is known, e.g. persistent+q2")
     if args.hopper:
         return hopper_bench(args)
     if args.fa4:

@@ -1111,6 +1111,20 @@ def test_the_early_compile_sees_arguments_that_specialize_as_the_launchs_do(tmp_
         assert len(early) == 1 and len(built) == 1, mask.name
 
 
+def _planned_on_cpu(tmp_path):
+    """(a causal port of 1,024 tokens and 2 heads whose Hopper launches can be planned on the CPU, the
+    CPU device): 132 SMs, stand-in block lists, no early compile; nothing launches."""
+    import torch
+
+    module = port.load(port.build(make("causal"), 1024, 1024, heads=2, out_dir=tmp_path))
+    cpu = torch.device("cpu")
+    module._SM_COUNTS[cpu] = 132
+    module.block_lists = lambda *a, **kw: tuple(torch.zeros((1, 1, 8) if i % 2 else (1, 1), dtype=torch.int32)
+                                                for i in range(4))
+    module._compile_early = lambda *a: None
+    return module, cpu
+
+
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
 def test_the_warpgroups_hand_offs_reach_the_kernel_as_the_switch_says(tmp_path):
     # HOPPER_NAMED chooses how the ping-pong and persistent loops' warpgroups take turns and give
@@ -1122,12 +1136,7 @@ def test_the_warpgroups_hand_offs_reach_the_kernel_as_the_switch_says(tmp_path):
     # paged prefill takes the named turns only.
     import torch
 
-    module = port.load(port.build(make("causal"), 1024, 1024, heads=2, out_dir=tmp_path))
-    cpu = torch.device("cpu")
-    module._SM_COUNTS[cpu] = 132
-    module.block_lists = lambda *a, **kw: tuple(torch.zeros((1, 1, 8) if i % 2 else (1, 1), dtype=torch.int32)
-                                                for i in range(4))
-    module._compile_early = lambda *a: None
+    module, cpu = _planned_on_cpu(tmp_path)
     q = torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16)
     tables = module._tables(cpu, 1024, 1024)
     assert module.HOPPER_NAMED == int(os.environ.get("PORT_HOPPER_NAMED", "").strip() or 0)
@@ -1162,12 +1171,7 @@ def test_two_buffers_of_queries_reach_the_persistent_kernel_within_its_shared_me
     # the ring keeps 3); a changed switch is a new kind of call. Compiled for sm_90a: tests/run_hopper_compile.py.
     import torch
 
-    module = port.load(port.build(make("causal"), 1024, 1024, heads=2, out_dir=tmp_path))
-    cpu = torch.device("cpu")
-    module._SM_COUNTS[cpu] = 132
-    module.block_lists = lambda *a, **kw: tuple(torch.zeros((1, 1, 8) if i % 2 else (1, 1), dtype=torch.int32)
-                                                for i in range(4))
-    module._compile_early = lambda *a: None
+    module, cpu = _planned_on_cpu(tmp_path)
     assert module.HOPPER_Q_BUFFERS == int(os.environ.get("PORT_HOPPER_Q_BUFFERS", "").strip() or 1)
     sites = set()
     for D, want_buf in ((128, 2), (64, 3)):

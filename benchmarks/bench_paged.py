@@ -19,6 +19,7 @@ kernels (torch.profiler over CUDA-graph replays) beside SDPA's.
     python benchmarks/bench_paged.py --prefill 8192 32768  # prefill rows only at these lengths
     python benchmarks/bench_paged.py --prefill --pieces auto fixed 32 33  # decode: cuts of split-KV
     python benchmarks/bench_paged.py --prefill --pdl on off  # decode: the fold as a dependent launch or not
+    python benchmarks/bench_paged.py --prefill --layouts nhd hnd  # decode: vLLM's cache and a head-major one
 """
 
 import argparse
@@ -35,7 +36,18 @@ from workbench import make, port  # noqa: E402
 
 from bench_port import _kernel_ms  # noqa: E402  (the kernels' GPU time per call, torch.profiler)
 
-PEAK_TBS = 4.8  # the H200's HBM bandwidth, TB/s
+# HBM bandwidth (TB/s) by the GPU's name: a row's share is its K and V bytes over the time against this
+PEAK_TBS = {"H200": 4.8, "H100 80GB HBM3": 3.35, "H100 NVL": 3.9, "H100 PCIe": 2.0}
+
+
+def peak_tbs() -> float | None:
+    """The HBM bandwidth of this process's GPU (TB/s), or None where it is not in PEAK_TBS."""
+    name = torch.cuda.get_device_name()
+    return next((tbs for key, tbs in PEAK_TBS.items() if key in name), None)
+
+
+def _share(tbs: float, peak: float | None) -> str:
+    return f"{tbs:.2f} ({tbs / peak:.0%})" if peak else f"{tbs:.2f}"
 DECODE_CASES = ((1, 131072), (8, 32768))
 # (tile or None for the file's own, split_keys or None for the file's own, invariant[, pieces]):
 # pieces None: the file's cut, "auto": even pieces, as many as fill the GPU (PAGED_BALANCE),
@@ -53,11 +65,19 @@ SWEEP_PREFILL = [(None, False, True), (None, False, False), ((128, 64, 8, 3), Fa
                  (None, True, False)]
 
 
-def decode_case(B, L, page, Hq=32, Hkv=8, D=128, seed=0):
+def decode_case(B, L, page, Hq=32, Hkv=8, D=128, seed=0, layout="nhd"):
+    """q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens of B requests decoding against L keys.
+    layout "nhd": the caches as vLLM allocates them, [pages, page, Hkv, D] contiguous (a page's
+    keys interleave the heads: one head's keys are 256-byte rows 2 KB apart at D 128); "hnd":
+    allocated [pages, Hkv, page, D] (each head's keys of a page in one run, as FlashInfer's HND
+    layout) and passed as the [pages, page, Hkv, D] view attention_paged takes (other strides)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     n_pages = B * L // page
-    kc = torch.randn(n_pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    vc = torch.randn(n_pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    shape = (n_pages, page, Hkv, D) if layout == "nhd" else (n_pages, Hkv, page, D)
+    kc = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    if layout == "hnd":
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
     # each request's pages in a shuffled order, as an engine's cache holds them after a while
     table = torch.randperm(n_pages, device="cuda", generator=g).to(torch.int32).view(B, L // page)
     q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -117,51 +137,82 @@ def _pieces_of(module, q, kc, table):
     return module._paged_shape(B, B, Hq, Hkv, D, table.shape[1] * page, q.element_size(), q.device, False)[7]
 
 
-def decode(module, variants, pages, defaults, pdl=(None,)):
+def _sdpa_kernels(fn) -> str:
+    """The names of the kernels one call of fn runs (torch.profiler), shortened: which SDPA backend ran,
+    and whether it copied its inputs first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return ", ".join(sorted({e.key[:40] for e in prof.key_averages() if e.device_time_total > 0}))
+
+
+def decode(module, variants, pages, defaults, pdl=(None,), layouts=("nhd",)):
+    peak = peak_tbs()
     print("\n### Decode (Lq = 1), bf16, 32 query / 8 kv heads, D 128, shuffled pages\n")
     print("Each call timed twice: as Python calls it (do_bench; host work included) and replayed from a CUDA graph "
-          "(the kernels alone, as an engine that captures decode runs them).\n")
-    print("| case | page | variant | pieces | attention_paged ms | TB/s (share) | SDPA ms | TB/s (share) | paged / SDPA | "
+          "(the kernels alone, as an engine that captures decode runs them). TB/s: the K and V bytes over the time"
+          + (f" (share of this GPU's {peak} TB/s)" if peak else "") + ". SDPA reads the same keys gathered into "
+          "[B, Hkv, L, D], contiguous; \"SDPA, cache order\": the same keys as [B, L, Hkv, D] (the order of a "
+          "vLLM cache whose pages are in order) passed as a [B, Hkv, L, D] view.\n")
+    print("| case | page | cache | variant | pieces | attention_paged ms | TB/s | SDPA ms | TB/s | paged / SDPA | "
           "graphs: paged ms | SDPA ms | paged / SDPA | kernels: paged µs | SDPA µs | paged / SDPA | "
-          "max abs diff vs SDPA |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "SDPA, cache order µs | max abs diff vs SDPA |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+          "---|---|")
+    notes = []
     for B, L in DECODE_CASES:
         for page in pages:
-            q, kc, vc, table, cu, lens = decode_case(B, L, page)
-            Hq, Hkv, D = q.shape[1], kc.shape[2], q.shape[2]
-            kv_bytes = 2 * B * L * Hkv * D * 2
-            k, v = _contiguous(kc, table, B, L, page), _contiguous(vc, table, B, L, page)
-            with torch.no_grad():
-                sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-                    q.view(B, Hq, 1, D), k, v, enable_gqa=True)
-                want = sdpa().view(B, Hq, D).float()
-                sd = do_bench(sdpa, warmup=10, rep=50)
-                sd_graph, sd_us = graph_ms(sdpa, kernels=True)
-                for (tile, keys, invariant, *pieces), dependent in [(v, d) for v in variants for d in pdl]:
-                    pieces = pieces[0] if pieces else None
-                    _set_variant(module, tile, keys, defaults, pieces)
-                    module.PAGED_PDL = defaults["pdl"] if dependent is None else dependent
-                    label = _label(tile, keys, invariant, module, pieces)
-                    if dependent is not None:
-                        label += ", fold as a dependent launch (PDL)" if dependent else ", fold after the kernel"
-                    n = "-" if invariant else _pieces_of(module, q, kc, table)
-                    call = lambda: module.attention_paged(q, kc, vc, table, cu, lens, invariant=invariant)  # noqa: E731
-                    try:
-                        diff = float((call().float() - want).abs().max())
-                        ms = do_bench(call, warmup=10, rep=50)
-                        ms_graph, us = graph_ms(call, kernels=True)
-                    except Exception as exc:  # a variant that does not compile is a row, not a stop
-                        print(f"| B {B}, {L:,} | {page} | {label} | {n} | failed: {type(exc).__name__}: "
-                              f"{str(exc)[:120]} |", flush=True)
-                        continue
-                    tbs, sd_tbs = kv_bytes / ms / 1e9, kv_bytes / sd / 1e9
-                    wrong = "" if diff < 2e-2 else " **WRONG**"
-                    g_tbs = kv_bytes / ms_graph / 1e9
-                    print(f"| B {B}, {L:,} | {page} | {label} | {n} | {ms:.3f} | {tbs:.2f} ({tbs / PEAK_TBS:.0%}) | "
-                          f"{sd:.3f} | {sd_tbs:.2f} ({sd_tbs / PEAK_TBS:.0%}) | {ms / sd:.2f}x | {ms_graph:.3f} "
-                          f"({g_tbs / PEAK_TBS:.0%}) | {sd_graph:.3f} | {ms_graph / sd_graph:.3f}x | {us:.1f} | "
-                          f"{sd_us:.1f} | {us / sd_us:.3f}x | {diff:.1e}{wrong} |", flush=True)
-            q = kc = vc = k = v = table = None  # free the cache before the next case
-            torch.cuda.empty_cache()
+            for layout in layouts:
+                q, kc, vc, table, cu, lens = decode_case(B, L, page, layout=layout)
+                Hq, Hkv, D = q.shape[1], kc.shape[2], q.shape[2]
+                kv_bytes = 2 * B * L * Hkv * D * 2
+                k, v = _contiguous(kc, table, B, L, page), _contiguous(vc, table, B, L, page)
+                # (the cache's own order: [B, L, Hkv, D] contiguous, seen as [B, Hkv, L, D])
+                k_nhd, v_nhd = k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2)
+                with torch.no_grad():
+                    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                        q.view(B, Hq, 1, D), k, v, enable_gqa=True)
+                    sdpa_nhd = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                        q.view(B, Hq, 1, D), k_nhd, v_nhd, enable_gqa=True)
+                    want = sdpa().view(B, Hq, D).float()
+                    sd = do_bench(sdpa, warmup=10, rep=50)
+                    sd_graph, sd_us = graph_ms(sdpa, kernels=True)
+                    nhd_us = 1e3 * _kernel_ms(sdpa_nhd, steps=30)
+                    nhd_diff = float((sdpa_nhd().view(B, Hq, D).float() - want).abs().max())
+                    if layout == layouts[0] and page == pages[0]:
+                        notes.append(f"B {B}, {L:,}: SDPA ran {_sdpa_kernels(sdpa)}; in the cache's order "
+                                     f"{_sdpa_kernels(sdpa_nhd)} (max abs diff {nhd_diff:.1e})")
+                    for (tile, keys, invariant, *pieces), dependent in [(v, d) for v in variants for d in pdl]:
+                        pieces = pieces[0] if pieces else None
+                        _set_variant(module, tile, keys, defaults, pieces)
+                        module.PAGED_PDL = defaults["pdl"] if dependent is None else dependent
+                        label = _label(tile, keys, invariant, module, pieces)
+                        if dependent is not None:
+                            label += ", fold as a dependent launch (PDL)" if dependent else ", fold after the kernel"
+                        n = "-" if invariant else _pieces_of(module, q, kc, table)
+                        call = lambda: module.attention_paged(q, kc, vc, table, cu, lens, invariant=invariant)  # noqa: E731,B023
+                        try:
+                            diff = float((call().float() - want).abs().max())
+                            ms = do_bench(call, warmup=10, rep=50)
+                            ms_graph, us = graph_ms(call, kernels=True)
+                        except Exception as exc:  # a variant that does not compile is a row, not a stop
+                            print(f"| B {B}, {L:,} | {page} | {layout} | {label} | {n} | failed: {type(exc).__name__}: "
+                                  f"{str(exc)[:120]} |", flush=True)
+                            continue
+                        tbs, sd_tbs = kv_bytes / ms / 1e9, kv_bytes / sd / 1e9
+                        wrong = "" if diff < 2e-2 else " **WRONG**"
+                        g_tbs = kv_bytes / ms_graph / 1e9
+                        print(f"| B {B}, {L:,} | {page} | {layout} | {label} | {n} | {ms:.3f} | {_share(tbs, peak)} | "
+                              f"{sd:.3f} | {_share(sd_tbs, peak)} | {ms / sd:.2f}x | {ms_graph:.3f} "
+                              f"({_share(g_tbs, peak)}) | {sd_graph:.3f} | {ms_graph / sd_graph:.3f}x | {us:.1f} | "
+                              f"{sd_us:.1f} | {us / sd_us:.3f}x | {nhd_us:.1f} | {diff:.1e}{wrong} |", flush=True)
+                q = kc = vc = k = v = k_nhd = v_nhd = table = None  # free the cache before the next case
+                torch.cuda.empty_cache()
+    for line in notes:
+        print(f"- {line}")
 
 
 def prefill(module, variants, lengths, pages, defaults):
@@ -230,6 +281,9 @@ def main(argv=None):
     ap.add_argument("--pdl", nargs="+", choices=["on", "off"], default=None,
                     help="decode rows with the fold launched as a programmatic dependent of the kernel (on) and "
                          "after it (off), side by side (PAGED_PDL; default: the file's setting)")
+    ap.add_argument("--layouts", nargs="+", choices=["nhd", "hnd"], default=["nhd"],
+                    help="decode rows over caches allocated [pages, page, Hkv, D] (nhd, vLLM's) and [pages, Hkv, "
+                         "page, D] (hnd, passed as a [pages, page, Hkv, D] view), side by side")
     ap.add_argument("--once", type=int, nargs=3, metavar=("B", "L", "PAGE"),
                     help="only three calls of the file's default decode at this shape (for a profiler)")
     a = ap.parse_args(argv)
@@ -248,7 +302,8 @@ def main(argv=None):
         variants = SWEEP_DECODE if a.sweep else DEFAULT_DECODE
         if a.pieces:
             variants = [(None, None, False, p) for p in a.pieces]
-        decode(module, variants, a.pages, defaults, pdl=[p == "on" for p in a.pdl] if a.pdl else (None,))
+        decode(module, variants, a.pages, defaults, pdl=[p == "on" for p in a.pdl] if a.pdl else (None,),
+               layouts=a.layouts)
     lengths = [8192, 32768] if a.prefill is None else a.prefill
     if lengths:
         prefill(module, SWEEP_PREFILL if a.sweep else DEFAULT_PREFILL, lengths, a.pages, defaults)

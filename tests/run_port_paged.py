@@ -97,6 +97,10 @@ def masks():
 # its own page and slot); the interpreter's own 16-key tiles meet only the first
 WIDE_KEY_TILE = (16, 32, 4, 1)
 WIDE_KEY_MASKS = ("causal", "users_head_window", "rswa+softcap")
+# cases whose caches are allocated [pages, Hkv, page, D] (each head's keys of a page in one run, as
+# FlashInfer's HND layout) and passed as the [pages, page, Hkv, D] view the call takes: the kernel
+# reads every cache through its strides
+HEAD_MAJOR_MASKS = ("causal", "users_head_window_gqa3")
 
 
 def cases():
@@ -106,6 +110,9 @@ def cases():
         if name in WIDE_KEY_MASKS:
             for page in (16, 48, 64):  # whole pages per tile; neither divides; one page per tile
                 yield f"{name}-float32-p{page}-n32", mask, heads, (kv[0] if kv else heads // 2), "float32", page
+        if name in HEAD_MAJOR_MASKS:  # caches allocated head-major, passed as [pages, page, Hkv, D] views
+            for page in (16, 64):
+                yield f"{name}-float32-p{page}-hnd", mask, heads, (kv[0] if kv else heads // 2), "float32", page
 
 
 def case_ids():
@@ -219,6 +226,9 @@ def check(case, mask, heads, kv_heads, dtype, page, device, folder, rng, batch=N
         module.PAGED_MIN_PIECE_KEYS = 48
         module.PAGED_PIECES = 3 if "bfloat16" in case else 5
         module.PAGED_BALANCE = "-p48" not in case
+    if case.endswith("-hnd"):  # (the same values, head-major in memory)
+        kc, vc = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (kc, vc))
+        assert kc.stride(2) == page * kc.shape[3], kc.stride()
     if case.endswith("-n32") and device == "cpu":
         module.PAGED_TILES = [(0, WIDE_KEY_TILE)]
     with torch.no_grad():

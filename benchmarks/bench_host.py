@@ -3,6 +3,7 @@
 
     python benchmarks/bench_host.py [--masks window docs perhead causal] [--seq 8192] [--head-dim 128]
     python benchmarks/bench_host.py --tree /path/to/another/checkout --label before
+    python benchmarks/bench_host.py --lean on off   # the file's lean launch against Triton's own, in turn
 
 For each mask: the step's do_bench median, its host time (steps issued back to back, timed until
 the last one was issued: three runs of 40, each printed, the smallest first), the GPU kernels'
@@ -98,6 +99,9 @@ def main(argv=None) -> int:
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() after each mask's warm-up: whether Python's collector passes over the "
                         "process's objects are part of the host time")
+    p.add_argument("--lean", nargs="+", choices=["on", "off"], default=None,
+                   help="host time per step with the generated file's lean launch on and off (LEAN_LAUNCH), "
+                        "in turn, in this process")
     p.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                    help="also run STEPS steps under cProfile and print the functions with the most time of their "
                         "own (torch's, autograd's and Triton's included), per step")
@@ -160,6 +164,16 @@ def main(argv=None) -> int:
         print(f"  wrapped host {wrapped:.3f} ms; µs per step inside: "
               + ", ".join(f"{n} {us:.0f} (x{n_calls})" for n, (us, n_calls) in inside.items()), flush=True)
         print(f"  bare autograd.Function step: host {min(host_ms(bare) for _ in range(3)):.3f} ms", flush=True)
+        if args.lean and hasattr(module, "LEAN_LAUNCH"):
+            default, runs = module.LEAN_LAUNCH, {}
+            for _ in range(3):  # (in turn, three times: the host's speed drifts)
+                for setting in args.lean:
+                    module.LEAN_LAUNCH = setting == "on"
+                    step()
+                    runs.setdefault(setting, []).append(min(host_ms(step) for _ in range(3)))
+            module.LEAN_LAUNCH = default
+            print("  lean launch: host ms per step " + "; ".join(
+                f"{s} {min(r):.3f} ({', '.join(f'{x:.3f}' for x in r)})" for s, r in runs.items()), flush=True)
         if args.cprofile:
             import cProfile
             import pstats

@@ -268,3 +268,101 @@ def test_one_port_called_at_several_lengths_matches_the_reference_every_call(cud
         bad += [f"{shape} {c.name}: max abs err {c.max_abs_err:.3g}, {c.bad_count} bad, {c.nan_count} NaN"
                 for c in checks if not c.passed or c.nan_count]
     assert not bad, "\n".join(bad)
+
+
+def test_the_lean_launch_gives_the_same_bits_is_taken_and_steps_aside_for_hooks(cuda, tmp_path):
+    """A launch site's later calls go through the file's lean launch (LEAN_LAUNCH: tensors passed as
+    addresses, descriptors expanded there, no hooks' metadata): on this Triton every site of a
+    training step (forward, prep, dk / dv, dq) and of a split decode (kernel and fold) gets one and
+    takes it; out, lse and the gradients are the same bits with it on and off; a CUDA graph captured
+    through it replays what a plain call gives; and while a launch hook is set (a profiler's) the
+    launches go through Triton's own path, where the hook sees every one."""
+    import triton
+
+    from workbench import make, port
+
+    if not triton.__version__.startswith(("3.6.",)):
+        pytest.skip(f"the lean launch knows Triton 3.6's launcher; this is {triton.__version__}")
+    module = port.load(port.build(make("causal_sliding_window", {"window": 700}), 3000, 3000, heads=4, batch=2,
+                                  out_dir=tmp_path))
+    assert module.LEAN_TRITON == ("3.6.",) and module.LEAN_LAUNCH
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(2, 4, 3000, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    grad = torch.randn(2, 4, 3000, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        out, lse = module.attention(q, k, v, return_lse=True)
+        out.backward(grad)
+        torch.cuda.synchronize()
+        return out.detach().clone(), lse.detach().clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()
+
+    module.LEAN_LAUNCH = False
+    plain = step()
+    plain_again = step()  # (through the sites, Triton's own launcher)
+    assert module._SITES and all(entry[2] is not None for entry in module._SITES.values()), \
+        [(key[0], entry[2]) for key, entry in module._SITES.items()]
+    taken = []
+    for key, (runner, extra, lean) in list(module._SITES.items()):
+        def counted(args, lean=lean, name=key[0]):
+            done = lean(args)
+            taken.append((name, done))
+            return done
+        module._SITES[key] = (runner, extra, counted)
+    module.LEAN_LAUNCH = True
+    lean = step()
+    assert len(taken) >= 3 and all(done for _, done in taken), taken
+    names = {name for name, _ in taken}
+    assert {"forward", "prep"} <= names and any(str(n).startswith("backward") for n in names), names
+    for a, b, c, what in zip(plain, plain_again, lean, ("out", "lse", "dq", "dk", "dv")):
+        assert torch.equal(a, b) and torch.equal(a, c), what
+        assert not torch.isnan(a).any(), what
+    # a hook set: Triton's own path, and the hook sees each launch
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"] if hasattr(metadata, "get") else metadata)  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        taken.clear()
+        hooked = step()
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert taken and not any(done for _, done in taken), taken
+    assert len(seen) >= len(taken), (seen, taken)
+    for a, c, what in zip(plain, hooked, ("out", "lse", "dq", "dk", "dv")):
+        assert torch.equal(a, c), what
+    # the numbers: the forward against float64 SDPA with the window's mask
+    idx = torch.arange(3000, device="cuda")
+    keep = (idx[None, :] <= idx[:, None]) & (idx[:, None] - idx[None, :] < 700)
+    want = torch.nn.functional.scaled_dot_product_attention(q.detach().double(), k.detach().double(),
+                                                            v.detach().double(), attn_mask=keep)
+    assert (plain[0].double() - want).abs().max() < 2e-2
+
+    # a split decode through the lean launch: kernel and fold, called and replayed from a graph
+    paged = port.load(port.build(make("causal"), 256, 256, heads=8, batch=2, out_dir=tmp_path / "paged"))
+    kc = torch.randn(700, 16, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(700, device="cuda", generator=g)[:2 * 350].view(2, 350).to(torch.int32)
+    qd = torch.randn(2, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([5587, 3001], dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        paged.LEAN_LAUNCH = False
+        first = paged.attention_paged(qd, kc, vc, table, cu, lens)
+        assert all(entry[2] is not None for entry in paged._SITES.values())
+        paged.LEAN_LAUNCH = True
+        second = paged.attention_paged(qd, kc, vc, table, cu, lens)
+        assert {key[0] for key in paged._SITES} >= {"paged", "fold"}, list(paged._SITES)
+        third = paged.attention_paged(qd, kc, vc, table, cu, lens)  # (both sites bound: the lean launches)
+        assert torch.equal(first, second) and torch.equal(first, third) and not torch.isnan(first).any()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = paged.attention_paged(qd, kc, vc, table, cu, lens)
+        qd.copy_(torch.randn_like(qd))
+        lens.sub_(7)
+        graph.replay()
+        torch.cuda.synchronize()
+        paged.LEAN_LAUNCH = False
+        again = paged.attention_paged(qd, kc, vc, table, cu, lens)
+    assert torch.equal(replayed, again) and not torch.isnan(again).any()

@@ -277,3 +277,42 @@ def test_float32_at_wide_head_dims_gets_tiles_that_fit_a_hopper_gpu(tmp_path):
     assert port.CONFIGS[port.pinned_config(torch.float32, 128)] == (128, 64, 8, 2)
     assert port.CONFIGS[port.pinned_config(torch.float32, 256)] == (64, 32, 4, 1)
     assert port.pinned_config(torch.bfloat16, 256) == 0 and port.pinned_config(torch.float32, 64) == 0
+
+
+def test_a_sites_launch_takes_the_lean_path_only_where_it_is_built_on_and_hook_free(tmp_path):
+    """_launch at a known site: the lean launch when the site has one and LEAN_LAUNCH is on; Triton's
+    own launcher (with the site's values after the arguments) when the lean one declines (a hook is
+    set), when there is none, or when LEAN_LAUNCH is off. _lean_launch builds none for a compiled
+    kernel it does not know, or for a Triton version outside LEAN_TRITON."""
+    path = port.build(make("causal"), 64, 64, heads=1, out_dir=tmp_path)
+    script = f"""
+import importlib.util, types
+spec = importlib.util.spec_from_file_location("p", {str(path)!r}); m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+calls = []
+runner = lambda *a: calls.append(("triton", a))
+def lean_with(answer):
+    def lean(args):
+        calls.append(("lean", tuple(args)))
+        return answer
+    return lean
+for name, lean, switch in (("taken", lean_with(True), True), ("declined", lean_with(False), True),
+                           ("none", None, True), ("off", lean_with(True), False)):
+    calls.clear()
+    m.LEAN_LAUNCH = switch
+    m._SITES["site"] = (runner, [7], lean)
+    m._launch(None, (1,), (1, 2), {{}}, "site")
+    print(name, calls)
+print("unknown", m._lean_launch(object(), (1, 1, 1), (1, 2), [7]))
+m.LEAN_TRITON = ("0.0.",)
+fake = types.SimpleNamespace(run=None)
+print("version", m._lean_launch(fake, (1, 1, 1), (1, 2), [7]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    out = done.stdout
+    assert "taken [('lean', (1, 2))]" in out, out + done.stderr[-2000:]
+    assert "declined [('lean', (1, 2)), ('triton', (1, 2, 7))]" in out, out
+    assert "none [('triton', (1, 2, 7))]" in out, out
+    assert "off [('triton', (1, 2, 7))]" in out, out
+    assert "unknown None" in out and "version None" in out, out

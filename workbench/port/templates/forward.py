@@ -735,7 +735,8 @@ def _launch(kernel, grid, args, options, site=None):
     if site is not None:
         hit = _SITES.get(site)
         if hit is not None:
-            hit[0](*args, *hit[1])
+            if hit[2] is None or not LEAN_LAUNCH or not hit[2](args):
+                hit[0](*args, *hit[1])
             return
     form = _PARAMS.get((kernel, len(args)))
     if form is None:
@@ -759,9 +760,85 @@ def _launch(kernel, grid, args, options, site=None):
     else:
         compiled[grid3](*args, *[options.get(name, default) for name, default in rest])
     if site is not None:
-        _SITES[site] = (compiled[grid3], [options.get(name, default) for name, default in rest])
+        extra = [options.get(name, default) for name, default in rest]
+        _SITES[site] = (compiled[grid3], extra, _lean_launch(compiled, grid3, args, extra))
         while len(_SITES) > 4 * _KEPT:
             _SITES.pop(next(iter(_SITES)))
+
+
+# A site's later launches can skip most of what Triton's launcher does in Python per call, none of
+# which changes what runs: asking torch for the current device and stream, building the launch's
+# metadata for hooks that are not there (Triton 3.6 builds it and calls the empty hook chains on
+# every launch), the generic pass over every argument that expands the TMA descriptors, and the
+# driver query that checks each tensor argument is GPU memory (the site's tensors are, _check
+# refused others). The lean launch passes each tensor as its address, expands the descriptors where
+# they are (the same tensor maps, filled by Triton's own function) and calls the compiled launcher.
+# It is built only for the Triton versions whose launcher it knows (LEAN_TRITON), and used only while
+# no launch hook is set (a profiler's hooks get Triton's own path); anything else launches as before.
+# PORT_LEAN_LAUNCH=0 in the environment (or LEAN_LAUNCH = False here) turns it off.
+LEAN_LAUNCH = os.environ.get("PORT_LEAN_LAUNCH", "1") != "0"
+LEAN_TRITON = ("3.6.",)
+
+
+def _lean_launch(compiled, grid3, args, extra):
+    """A function f(args) that launches `compiled` on grid3 for a site's later calls (args: a call's
+    positional arguments; `extra`: the values after them, fixed per site) and returns True, or
+    returns False (a launch hook is set: the caller launches through Triton); or None where this
+    Triton's launcher is not the one it knows."""
+    try:
+        if not triton.__version__.startswith(LEAN_TRITON):
+            return None
+        from triton import knobs
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        launcher, hooks = compiled.run, knobs.runtime
+        if launcher.global_scratch_size or launcher.profile_scratch_size or getattr(launcher, "num_ctas", 1) != 1:
+            return None  # (a kernel that needs scratch memory per launch)
+        if not (isinstance(getattr(hooks.launch_enter_hook, "calls", None), list)
+                and isinstance(getattr(hooks.launch_exit_hook, "calls", None), list)):
+            return None
+        signature = list(compiled.src.signature.values())
+        full = [*args, *extra]
+        if len(signature) != len(full):
+            return None
+        at = [i for i, kind in enumerate(signature) if isinstance(kind, str) and kind.startswith("tensordesc")]
+        raw = launcher.launch
+        if at:  # (Triton's launcher for descriptors is a Python function around the compiled one)
+            metas = list(getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(at))
+            cells = [c.cell_contents for c in (getattr(raw, "__closure__", None) or ())]
+            raw = next((c for c in cells if type(c).__name__ == "builtin_function_or_method"
+                        and c.__name__ == "launch"), None)
+            if raw is None or len(metas) != len(at):
+                return None
+        elif type(raw).__name__ != "builtin_function_or_method":
+            return None
+        tensors = [i for i, a in enumerate(full) if isinstance(a, torch.Tensor) and i not in at and i < len(args)]
+        descs = list(zip(at, metas)) if at else []
+        if any(i >= len(args) for i, _ in descs):
+            return None
+        stream = triton.runtime.driver.active.get_current_stream
+        device = torch.cuda.current_device()
+        head = (*grid3, None, compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                compiled.packed_metadata, None, None, None)
+        n_args, tail = len(args), list(extra)
+    except Exception:
+        return None
+
+    def lean(call_args):
+        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls or len(call_args) != n_args:
+            return False
+        a = list(call_args)
+        try:
+            for i in tensors:
+                a[i] = a[i].data_ptr()
+            for i, meta in reversed(descs):
+                a[i:i + 1] = make_tensordesc_arg(a[i], meta)
+        except AttributeError:  # (an argument not of the site's first call's kind: Triton's own path)
+            return False
+        raw(*head[:3], stream(device), *head[4:], *a, *tail)
+        return True
+
+    return lean
 
 
 def _next_pow2(n: int) -> int:

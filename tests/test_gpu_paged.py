@@ -325,3 +325,50 @@ def test_verify_judges_the_paged_port_on_cuda(cuda, name):
     print(verdict.line)
     assert verdict.passed and all(c.nan_count == 0 for c in verdict.checks), verdict.line
     assert seen and torch.isnan(seen[0].v_cache).any()
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window_700", "users_head_window"])
+def test_decode_with_the_keys_split_among_the_warps_matches_the_reference(cuda, tmp_path, name):
+    """PAGED_WARP_KEYS: decode steps whose 16-row tiles split each tile's keys among the warps (each
+    warp's own online softmax, folded after the key loop) take that kernel (WARP_KEYS in the launch)
+    and match float64 per request: bf16 D 128 and fp16 D 64, pages of 16, 64 and 128, GQA groups of
+    4 and 1, split-KV pieces, a request shorter than a tile, a user's per-head window table, NaN in
+    every unused cache slot. Its answers also stay within rounding of the file's other decode tile."""
+    import random
+
+    sys.path.insert(0, str(ROOT))
+    from run_port_paged import head_window
+
+    from workbench import Mask, make, port
+
+    mask = {"causal": lambda: make("causal"),
+            "sliding_window_700": lambda: make("causal_sliding_window", {"window": 700}),
+            "users_head_window": lambda: Mask("users_head_window", mask_mod=head_window)}[name]()
+    rng = random.Random(7)
+    wide = 4 if name.startswith("users") else 8  # (the user's table holds 4 heads' windows)
+    for heads, kv_heads, d, dtype in ((wide, wide // 4, 128, "bfloat16"), (4, 4, 64, "float16")):
+        module = port.load(port.build(mask, 256, 256, heads=heads, batch=4, out_dir=tmp_path / f"{heads}_{d}"))
+        module.PAGED_WARP_KEYS = True
+        flags = []
+        real = module._launch_paged
+        module._launch_paged = lambda grid, args, f, *rest, real=real: flags.append(f.get("WARP_KEYS")) or real(
+            grid, args, f, *rest)
+        for page in (16, 64, 128):
+            reqs = [(1, 5587), (1, 3001), (1, 17), (1, 1200)]
+            _serve_and_check(module, mask, reqs, page, heads, kv_heads, d, dtype, rng, page + d)
+        assert flags == [4] * 3, flags
+    # against the file's other decode tile (keys across the warps), one step
+    g = torch.Generator(device="cuda").manual_seed(5)
+    kc = torch.randn(800, 16, wide // 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(800, device="cuda", generator=g)[:2 * 400].view(2, 400).to(torch.int32)
+    q = torch.randn(2, wide, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([6400, 2222], dtype=torch.int32, device="cuda")
+    module = port.load(port.build(mask, 256, 256, heads=wide, batch=2, out_dir=tmp_path / "pair"))
+    with torch.no_grad():
+        module.PAGED_WARP_KEYS = True
+        split = module.attention_paged(q, kc, vc, table, cu, lens)
+        module.PAGED_WARP_KEYS = False
+        across = module.attention_paged(q, kc, vc, table, cu, lens)
+    assert not torch.isnan(split).any() and (split.float() - across.float()).abs().max() < 2e-2

@@ -20,7 +20,7 @@ kernels (torch.profiler over CUDA-graph replays) beside SDPA's.
     python benchmarks/bench_paged.py --prefill --pieces auto fixed 32 33  # decode: cuts of split-KV
     python benchmarks/bench_paged.py --prefill --pdl on off  # decode: the fold as a dependent launch or not
     python benchmarks/bench_paged.py --prefill --layouts nhd hnd  # decode: vLLM's cache and a head-major one
-    python benchmarks/bench_paged.py --prefill --tiles 16x64x4x3 16x128x4x2 --warp-keys on off
+    python benchmarks/bench_paged.py --prefill --tiles 16x64x4x3 16x128x4x2  # decode: these tiles
 """
 
 import argparse
@@ -151,7 +151,7 @@ def _sdpa_kernels(fn) -> str:
     return ", ".join(sorted({e.key[:40] for e in prof.key_averages() if e.device_time_total > 0}))
 
 
-def decode(module, variants, pages, defaults, pdl=(None,), layouts=("nhd",), warp_keys=(None,)):
+def decode(module, variants, pages, defaults, pdl=(None,), layouts=("nhd",)):
     peak = peak_tbs()
     print("\n### Decode (Lq = 1), bf16, 32 query / 8 kv heads, D 128, shuffled pages\n")
     print("Each call timed twice: as Python calls it (do_bench; host work included) and replayed from a CUDA graph "
@@ -186,18 +186,13 @@ def decode(module, variants, pages, defaults, pdl=(None,), layouts=("nhd",), war
                     if layout == layouts[0] and page == pages[0]:
                         notes.append(f"B {B}, {L:,}: SDPA ran {_sdpa_kernels(sdpa)}; in the cache's order "
                                      f"{_sdpa_kernels(sdpa_nhd)} (max abs diff {nhd_diff:.1e})")
-                    for (tile, keys, invariant, *pieces), dependent, split in [
-                            (v, d, w) for v in variants for d in pdl for w in warp_keys
-                            if not (v[2] and w)]:  # (invariant mode has no warp split)
+                    for (tile, keys, invariant, *pieces), dependent in [(v, d) for v in variants for d in pdl]:
                         pieces = pieces[0] if pieces else None
                         _set_variant(module, tile, keys, defaults, pieces)
                         module.PAGED_PDL = defaults["pdl"] if dependent is None else dependent
-                        module.PAGED_WARP_KEYS = defaults["warp_keys"] if split is None else split
                         label = _label(tile, keys, invariant, module, pieces)
                         if dependent is not None:
                             label += ", fold as a dependent launch (PDL)" if dependent else ", fold after the kernel"
-                        if split is not None and not invariant:
-                            label += ", keys split among the warps" if split else ", keys across the warps"
                         n = "-" if invariant else _pieces_of(module, q, kc, table)
                         call = lambda: module.attention_paged(q, kc, vc, table, cu, lens, invariant=invariant)  # noqa: E731,B023
                         try:
@@ -296,9 +291,6 @@ def main(argv=None):
     ap.add_argument("--pdl", nargs="+", choices=["on", "off"], default=None,
                     help="decode rows with the fold launched as a programmatic dependent of the kernel (on) and "
                          "after it (off), side by side (PAGED_PDL; default: the file's setting)")
-    ap.add_argument("--warp-keys", nargs="+", choices=["on", "off"], default=None,
-                    help="decode rows with each tile's keys split among the warps (on) and spread across them (off), "
-                         "side by side (PAGED_WARP_KEYS; default: the file's setting)")
     ap.add_argument("--tiles", nargs="+", type=_tile, default=None, metavar="MxNxWxS",
                     help="decode rows for these fast-mode tiles (BLOCK_M x BLOCK_N x warps x stages), e.g. 16x64x4x3")
     ap.add_argument("--layouts", nargs="+", choices=["nhd", "hnd"], default=["nhd"],
@@ -309,7 +301,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     module = port.load(port.build(make("causal"), 256, 256, out_dir=tempfile.mkdtemp()))
     defaults = {"tiles": list(module.PAGED_TILES), "split": module.FAST_SPLIT_KEYS, "balance": module.PAGED_BALANCE,
-                "pdl": module.PAGED_PDL, "warp_keys": module.PAGED_WARP_KEYS}
+                "pdl": module.PAGED_PDL}
     if a.once:
         args = decode_case(*a.once)
         with torch.no_grad():
@@ -325,7 +317,7 @@ def main(argv=None):
         if a.tiles:
             variants = [(t, None, False) for t in a.tiles]
         decode(module, variants, a.pages, defaults, pdl=[p == "on" for p in a.pdl] if a.pdl else (None,),
-               layouts=a.layouts, warp_keys=[w == "on" for w in a.warp_keys] if a.warp_keys else (None,))
+               layouts=a.layouts)
     lengths = [8192, 32768] if a.prefill is None else a.prefill
     if lengths:
         prefill(module, SWEEP_PREFILL if a.sweep else DEFAULT_PREFILL, lengths, a.pages, defaults)

@@ -101,11 +101,6 @@ WIDE_KEY_MASKS = ("causal", "users_head_window", "rswa+softcap")
 # FlashInfer's HND layout) and passed as the [pages, page, Hkv, D] view the call takes: the kernel
 # reads every cache through its strides
 HEAD_MAJOR_MASKS = ("causal", "users_head_window_gqa3")
-# cases whose 16-row tiles split each tile's 64 keys among 4 warps (PAGED_WARP_KEYS, the `-wk` ids):
-# every launch of the step must take that form (WARP_KEYS in its flags)
-WARP_KEY_MASKS = ("causal", "causal_sliding_window_50", "users_head_window", "users_head_window_gqa3",
-                  "dilated_window")
-WARP_KEY_TILE = (16, 64, 4, 1)
 
 
 def cases():
@@ -115,9 +110,6 @@ def cases():
         if name in WIDE_KEY_MASKS:
             for page in (16, 48, 64):  # whole pages per tile; neither divides; one page per tile
                 yield f"{name}-float32-p{page}-n32", mask, heads, (kv[0] if kv else heads // 2), "float32", page
-        if name in WARP_KEY_MASKS:  # decode tiles with their keys split among the warps (PAGED_WARP_KEYS)
-            for page in (16, 48):
-                yield f"{name}-float32-p{page}-wk", mask, heads, (kv[0] if kv else heads // 2), "float32", page
         if name in HEAD_MAJOR_MASKS:  # caches allocated head-major, passed as [pages, page, Hkv, D] views
             for page in (16, 64):
                 yield f"{name}-float32-p{page}-hnd", mask, heads, (kv[0] if kv else heads // 2), "float32", page
@@ -237,13 +229,6 @@ def check(case, mask, heads, kv_heads, dtype, page, device, folder, rng, batch=N
     if case.endswith("-hnd"):  # (the same values, head-major in memory)
         kc, vc = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (kc, vc))
         assert kc.stride(2) == page * kc.shape[3], kc.stride()
-    taken = []
-    if case.endswith("-wk"):
-        module.PAGED_WARP_KEYS = True
-        module.PAGED_TILES = [(0, WARP_KEY_TILE)]
-        launch = module._launch_paged
-        module._launch_paged = lambda grid, args, flags, *rest: taken.append(flags.get("WARP_KEYS")) or launch(
-            grid, args, flags, *rest)
     if case.endswith("-n32") and device == "cpu":
         module.PAGED_TILES = [(0, WIDE_KEY_TILE)]
     with torch.no_grad():
@@ -251,8 +236,6 @@ def check(case, mask, heads, kv_heads, dtype, page, device, folder, rng, batch=N
                                           check=True)
     out, lse = out.cpu(), lse.cpu()
     problems = []
-    if case.endswith("-wk") and taken != [WARP_KEY_TILE[2]]:
-        problems.append(f"the step did not split its tiles' keys among the warps (WARP_KEYS: {taken})")
     for r, (n_q, length) in enumerate(reqs):
         start = int(cu[r])
         shape = Shape(batch=1, q_heads=heads, kv_heads=kv_heads, q_len=n_q, kv_len=length, head_dim=16)

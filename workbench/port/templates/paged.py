@@ -44,12 +44,6 @@ FOLD_AT_ONCE = 64  # fast mode's _paged_fold sums up to this many pieces of a ro
 PAGED_BALANCE = True
 PAGED_MIN_PIECE_KEYS = 48 if _INTERPRET else 512
 PAGED_PIECES = None
-# fast mode's 16-row tiles (decode) with each tile's keys split among the warps (_paged_tile_w): a
-# warp keeps its own online softmax over BLOCK_N / warps keys of each tile and the warps' states
-# are folded once after the key loop, so no tile waits on shared memory between warps for its row
-# max, its row sum or P's layout. Mask-only files (no score_mod), head dims up to 128.
-# PORT_PAGED_WARP_KEYS=1 in the environment turns it on (or PAGED_WARP_KEYS = True here).
-PAGED_WARP_KEYS = os.environ.get("PORT_PAGED_WARP_KEYS", "0") != "0"
 # (under the interpreter every call has few programs: there only a forced split runs split-KV)
 SPLIT_WHEN_PROGRAMS_BELOW = 0 if _INTERPRET else 512  # only calls with fewer (row block, kv head) programs than this split
 # Programmatic dependent launch (sm_90 on): the fold of split-KV pieces (_paged_fold) is launched
@@ -260,115 +254,6 @@ def _paged_tile_body(acc, l_i, m_i, page_bad, pages, visit, masked, start, q, re
 
 
 @triton.jit
-def _dot3(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
-    # a [W, M, K] . b [W, K, N] in float32, one product per warp's slice (see _qk_dot)
-    if _ROWWISE_DOTS:
-        return tl.sum(a.to(tl.float32)[:, :, :, None] * b.to(tl.float32)[:, None, :, :], 2)
-    elif WIDEN:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _paged_tile_w(acc, l_i, m_i, page_bad, pages, start, q3, req, kv_h, group, q_lo, q_hi, q_pos, h, L, num_pages,
-                  K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok, qk_scale,
-                  @@MASK_PTR_PARAMS@@ @@RANGE_PTR_PARAMS@@
-                  HAS_MASK: tl.constexpr, BOUNDS: tl.constexpr, HEADS_DIFFER: tl.constexpr, IEEE: tl.constexpr,
-                  WIDEN: tl.constexpr, TAIL: tl.constexpr, EVEN_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, WARPS: tl.constexpr):
-    # fast mode's tile with its keys split among the warps (PAGED_WARP_KEYS): warp w takes keys
-    # start + w KW .. + KW (KW = BLOCK_N / WARPS) and keeps its own (acc, l, m) of the program's rows,
-    # [WARPS, BLOCK_M, ...], so a tile needs nothing from another warp: the row max, the row sum and
-    # P's layout for the second product stay inside the warp (the [BLOCK_M, BLOCK_N] tile of
-    # _paged_tile_body spreads the keys over the warps and meets them through shared memory, eight
-    # barriers a tile). The warps' states are folded once, after the key loop (_fold_warps).
-    # Everything else as _paged_tile: bounds, skipped tiles' loads predicated off, the mask only
-    # where the bounds leave the tile partial (and in the request's last tile).
-    KW: tl.constexpr = BLOCK_N // WARPS
-    visit = start >= 0
-    if HAS_MASK:  # (a tensor either way)
-        masked = start >= 0
-    else:
-        masked = start < 0
-    if BOUNDS:
-        all_kept, any_kept = _tile_bounds(req, kv_h, group, q_lo, q_hi, start, tl.minimum(start + BLOCK_N, L) - 1,
-                                          @@MASK_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HEADS_DIFFER=HEADS_DIFFER)
-        visit = any_kept
-        masked = all_kept.to(tl.int32) == 0
-    place = tl.arange(0, WARPS)[:, None] * KW + tl.arange(0, KW)[None, :]  # [W, KW]: each key's place in the tile
-    keys = start + place
-    if TAIL:  # keys past the end read the last one again (a valid page), then are dropped
-        keys_in = tl.minimum(keys, L - 1)
-    else:
-        keys_in = keys
-    if PAGE_SIZE % BLOCK_N == 0:  # (one page for the tile, its keys in a row)
-        page_w = pages + place * 0
-        slot = start % PAGE_SIZE + place
-    else:  # (each key's page, from _tile_pages, and its slot)
-        page_w = tl.reshape(pages, (WARPS, KW))
-        slot = keys_in % PAGE_SIZE
-    page_ok = (page_w >= 0) & (page_w < num_pages)
-    page_bad = page_bad | ((page_ok == 0) & visit).to(tl.int32)
-    page_w = tl.where(page_ok, page_w, 0).to(tl.int64)
-    k_at = page_w * s_kp + slot * s_ks + kv_h * s_kh  # [W, KW]
-    v_at = page_w * s_vp + slot * s_vs + kv_h * s_vh
-    load_ok = visit
-    if TAIL:
-        load_ok = (keys < L) & visit
-    if EVEN_D:
-        k_ok = load_ok
-        v_ok = load_ok
-        if TAIL:
-            k_ok = load_ok[:, None, :]
-            v_ok = load_ok[:, :, None]
-    else:
-        k_ok = d_ok[None, :, None] & load_ok
-        v_ok = d_ok[None, None, :] & load_ok
-        if TAIL:
-            k_ok = d_ok[None, :, None] & load_ok[:, None, :]
-            v_ok = d_ok[None, None, :] & load_ok[:, :, None]
-    k = tl.load(K_cache + k_at[:, None, :] + offs_d[None, :, None] * s_kd, mask=k_ok, other=0.0)  # [W, D, KW]
-    v = tl.load(V_cache + v_at[:, :, None] + offs_d[None, None, :] * s_vd, mask=v_ok, other=0.0)  # [W, KW, D]
-    s = _dot3(q3, k, IEEE=IEEE, WIDEN=WIDEN) * qk_scale  # [W, M, KW]
-    if TAIL | masked | (visit == 0):  # (the mask's rows and keys as _paged_tile_body's: [M, W KW], keys ascending)
-        rows = tl.reshape(tl.permute(s, (1, 0, 2)), (s.shape[1], BLOCK_N))
-        flat = tl.reshape(keys, (BLOCK_N, ))
-        flat_in = tl.reshape(keys_in, (BLOCK_N, ))
-        rows = _kept_scores(rows, req, h[:, None], q_pos[:, None], flat_in[None, :], flat, L, visit, masked,
-                            @@MASK_PTR_PARAMS@@HAS_MASK=HAS_MASK, TAIL=TAIL)
-        s = tl.permute(tl.reshape(rows, (s.shape[1], WARPS, KW)), (1, 0, 2))
-    m_new = tl.maximum(m_i, tl.max(s, 2))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(s - m_safe[:, :, None])
-    l_i = l_i * alpha + tl.sum(p, 2)
-    acc = acc * alpha[:, :, None]
-    pv = p if IEEE else p.to(v.dtype)
-    if _ROWWISE_DOTS:
-        acc = acc + tl.sum(pv.to(tl.float32)[:, :, :, None] * v.to(tl.float32)[:, None, :, :], 2)
-    elif WIDEN:
-        acc = tl.dot(pv.to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
-    elif IEEE:
-        acc = tl.dot(pv, v, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(pv, v, acc)
-    return acc, l_i, m_new, page_bad
-
-
-@triton.jit
-def _fold_warps(acc, l_i, m_i):
-    # the warps' states of PAGED_WARP_KEYS ([W, M, D], [W, M], [W, M]) folded into the program's
-    # (acc [M, D], l [M], m [M]): each warp's rescaled to the rows' overall max
-    m = tl.max(m_i, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    alpha = tl.math.exp2(m_i - m_safe[None, :])
-    return tl.sum(acc * alpha[:, :, None], 0), tl.sum(l_i * alpha, 0), m
-
-
-@triton.jit
 def _kept_scores(s, req, h_idx, q_idx, kv_idx, keys, L, visit, masked, @@MASK_PTR_PARAMS@@
                  HAS_MASK: tl.constexpr, TAIL: tl.constexpr):
     # s with the pairs the tile drops at -inf: all of a tile not visited, keys past the request's
@@ -395,7 +280,7 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
                   SPLIT: tl.constexpr, INVARIANT: tl.constexpr, PIPELINE: tl.constexpr, HEADS_DIFFER: tl.constexpr,
                   WHOLE_PIECE_TEST: tl.constexpr, BALANCED: tl.constexpr,
                   EVEN_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PDL: tl.constexpr = False, WARP_KEYS: tl.constexpr = 0):
+                  PDL: tl.constexpr = False):
     # one program = `tokens` query tokens of one request times the `group` query heads that share
     # kv head kv_h (grouped-query attention: row r is token r // group, head kv_h * group + r % group,
     # so each K/V tile is read once for the whole group), over one piece of the request's keys
@@ -450,12 +335,6 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     q_lo = L - n_q + first
     q_hi = L - n_q + tl.minimum(first + tokens, n_q) - 1
-    if WARP_KEYS:  # (fast mode's keys split among the warps: each warp's own state, see _paged_tile_w)
-        q3 = tl.broadcast_to(q[None, :, :], (WARP_KEYS, BLOCK_M, D_PAD))
-        acc3 = tl.zeros([WARP_KEYS, BLOCK_M, D_PAD], tl.float32)
-        l3 = tl.zeros([WARP_KEYS, BLOCK_M], tl.float32)
-        m3 = tl.full([WARP_KEYS, BLOCK_M], float("-inf"), tl.float32)
-        bad3 = tl.zeros([WARP_KEYS, BLOCK_N // WARP_KEYS], tl.int32)
     # 3. the request's keys in tiles of BLOCK_N, in ascending order, each read through the block
     # table. SPLIT: this program's piece of split_keys keys (folded by _paged_fold); else all of
     # them, and in invariant mode each piece is folded into the total as the next begins, with the
@@ -519,56 +398,30 @@ def _paged_kernel(Q, K_cache, V_cache, Out, Lse, Part_acc, Part_ml, block_table,
         for kv_start in range(start, stop_even, BLOCK_N):
             pages_next = _tile_pages(kv_start + BLOCK_N, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE,
                                      BLOCK_N=BLOCK_N)
-            if WARP_KEYS:
-                acc3, l3, m3, bad3 = _paged_tile_w(
-                    acc3, l3, m3, bad3, pages, kv_start, q3, req, kv_h, group, q_lo, q_hi, q_pos, h, L, num_pages, K_cache,
-                    V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok, qk_scale,
-                    @@MASK_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_MASK=HAS_MASK, BOUNDS=BOUNDS, HEADS_DIFFER=HEADS_DIFFER,
-                    IEEE=IEEE, WIDEN=WIDEN, TAIL=False, EVEN_D=EVEN_D, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
-                    WARPS=WARP_KEYS)
-            else:
-                acc, l_i, m_i, t_acc, t_l, t_m, piece = _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, kv_start,
-                                                                    split_keys, INVARIANT=fold)
-                acc, l_i, m_i, page_bad = _paged_tile(
-                    acc, l_i, m_i, page_bad, pages, kv_start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, num_pages,
-                    K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok, sm_scale, qk_scale,
-                    @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=BOUNDS,
-                    HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=False, TAIL=False, EVEN_D=EVEN_D,
-                    PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
+            acc, l_i, m_i, t_acc, t_l, t_m, piece = _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, kv_start,
+                                                                split_keys, INVARIANT=fold)
+            acc, l_i, m_i, page_bad = _paged_tile(
+                acc, l_i, m_i, page_bad, pages, kv_start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, num_pages,
+                K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok, sm_scale, qk_scale,
+                @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=BOUNDS,
+                HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=False, TAIL=False, EVEN_D=EVEN_D,
+                PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
             pages = pages_next
     else:
         kv_start = start
         while kv_start < stop_even:
             pages = _tile_pages(kv_start, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
-            if WARP_KEYS:
-                acc3, l3, m3, bad3 = _paged_tile_w(
-                    acc3, l3, m3, bad3, pages, kv_start, q3, req, kv_h, group, q_lo, q_hi, q_pos, h, L, num_pages, K_cache,
-                    V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok, qk_scale,
-                    @@MASK_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_MASK=HAS_MASK, BOUNDS=BOUNDS, HEADS_DIFFER=HEADS_DIFFER,
-                    IEEE=IEEE, WIDEN=WIDEN, TAIL=False, EVEN_D=EVEN_D, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
-                    WARPS=WARP_KEYS)
-            else:
-                acc, l_i, m_i, t_acc, t_l, t_m, piece = _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, kv_start,
-                                                                    split_keys, INVARIANT=fold)
-                acc, l_i, m_i, page_bad = _paged_tile(
-                    acc, l_i, m_i, page_bad, pages, kv_start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, num_pages,
-                    K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok, sm_scale, qk_scale,
-                    @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=BOUNDS,
-                    HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=True, TAIL=False, EVEN_D=EVEN_D,
-                    PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
+            acc, l_i, m_i, t_acc, t_l, t_m, piece = _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, kv_start,
+                                                                split_keys, INVARIANT=fold)
+            acc, l_i, m_i, page_bad = _paged_tile(
+                acc, l_i, m_i, page_bad, pages, kv_start, q, req, kv_h, group, q_lo, q_hi, q_pos, h, L, num_pages,
+                K_cache, V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok, sm_scale, qk_scale,
+                @@ALL_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_SCORE=HAS_SCORE, HAS_MASK=HAS_MASK, BOUNDS=BOUNDS,
+                HEADS_DIFFER=HEADS_DIFFER, IEEE=IEEE, WIDEN=WIDEN, SKIP=True, TAIL=False, EVEN_D=EVEN_D,
+                PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
             kv_start += BLOCK_N
         pages = _tile_pages(full_end, pages_end, req, block_table, s_bt, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
-    if WARP_KEYS:
-        if has_tail:  # (the loop left `pages` at this tile's)
-            acc3, l3, m3, bad3 = _paged_tile_w(
-                acc3, l3, m3, bad3, pages, full_end, q3, req, kv_h, group, q_lo, q_hi, q_pos, h, L, num_pages, K_cache,
-                V_cache, s_kp, s_ks, s_kh, s_kd, s_vp, s_vs, s_vh, s_vd, offs_d, d_ok, qk_scale,
-                @@MASK_PTR_PARAMS@@@@RANGE_PTR_PARAMS@@HAS_MASK=HAS_MASK, BOUNDS=BOUNDS, HEADS_DIFFER=HEADS_DIFFER,
-                IEEE=IEEE, WIDEN=WIDEN, TAIL=True, EVEN_D=EVEN_D, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
-                WARPS=WARP_KEYS)
-        acc, l_i, m_i = _fold_warps(acc3, l3, m3)
-        page_bad = tl.reshape(bad3, (BLOCK_N, ))
-    elif has_tail:  # (the loop left `pages` at this tile's)
+    if has_tail:  # (the loop left `pages` at this tile's)
         acc, l_i, m_i, t_acc, t_l, t_m, piece = _next_piece(acc, l_i, m_i, t_acc, t_l, t_m, piece, full_end,
                                                             split_keys, INVARIANT=fold)
         acc, l_i, m_i, page_bad = _paged_tile(
@@ -733,13 +586,6 @@ def _paged_shape(total_q: int, num_seqs: int, Hq: int, Hkv: int, D: int, capacit
         else:
             splits, split_keys = even, PAGED_MIN_PIECE_KEYS
     return block_m, block_n, warps, stages, tokens, row_blocks, D_PAD, splits, split_keys, balanced
-
-
-def _warp_keys(invariant: bool, block_m: int, block_n: int, warps: int, D_PAD: int) -> bool:
-    """Whether a fast call's tile splits its keys among the warps (PAGED_WARP_KEYS): 16-row tiles of a
-    mask-only file at D up to 128 whose key tile gives each warp at least 16 keys (a product's width)."""
-    return (PAGED_WARP_KEYS and not invariant and not HAS_SCORE and block_m <= 16 and D_PAD <= 128
-            and block_n % warps == 0 and (_INTERPRET or block_n // warps >= 16))
 
 
 _PER_SM: dict = {}
@@ -949,8 +795,6 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
     pdl = split and _paged_pdl(q.device)
     if pdl:
         flags["PDL"] = True
-    if _warp_keys(invariant, block_m, block_n, warps, D_PAD):
-        flags["WARP_KEYS"] = warps
     # the launch's kind beyond the flags and the grid: every int argument the kernel specializes on
     # (strides, heads, group, D, the pieces' keys), the tensors' dtypes and 16-byte alignment
     site = None if _INTERPRET else (

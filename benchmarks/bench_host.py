@@ -19,6 +19,7 @@ per step, the functions with the most time of their own over N steps under cProf
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import functools
 import sys
@@ -99,6 +100,9 @@ def main(argv=None) -> int:
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() after each mask's warm-up: whether Python's collector passes over the "
                         "process's objects are part of the host time")
+    p.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE",
+                   help="set these attributes of each generated file before its steps (a Python literal each), "
+                        "e.g. HOPPER_BWD_PER_HEAD_MIN_PAIRS=0")
     p.add_argument("--lean", nargs="+", choices=["on", "off"], default=None,
                    help="host time per step with the generated file's lean launch on and off (LEAN_LAUNCH), "
                         "in turn, in this process")
@@ -143,6 +147,11 @@ def main(argv=None) -> int:
 
     for name in args.masks:
         module = port.load(port.build(masks[name], seq, seq, heads=heads, batch=1, out_dir=Path(tempfile.mkdtemp())))
+        for setting in args.set:
+            attr, _, value = setting.partition("=")
+            if not hasattr(module, attr):
+                raise SystemExit(f"--set {setting}: the generated file has no {attr}")
+            setattr(module, attr, ast.literal_eval(value))
 
         def step(module=module):
             q.grad = k.grad = v.grad = None

@@ -318,8 +318,12 @@ def test_the_lean_launch_gives_the_same_bits_is_taken_and_steps_aside_for_hooks(
     names = {name for name, _ in taken}
     assert {"forward", "prep", backward} <= names, names
     for a, b, c, what in zip(plain, plain_again, lean, ("out", "lse", "dq", "dk", "dv")):
+        assert not torch.isnan(a).any() and not torch.isnan(c).any(), what
+        if what == "dq" and backward == "backward":  # (the Hopper backward sums dq with atomic adds: its last
+            # bits vary run to run either way, README)
+            assert (a.float() - c.float()).abs().max() < 1e-2 and (a.float() - b.float()).abs().max() < 1e-2, what
+            continue
         assert torch.equal(a, b) and torch.equal(a, c), what
-        assert not torch.isnan(a).any(), what
     # a hook set: Triton's own path, and the hook sees each launch
     seen = []
     hook = lambda metadata: seen.append(metadata.get()["name"] if hasattr(metadata, "get") else metadata)  # noqa: E731
@@ -332,7 +336,8 @@ def test_the_lean_launch_gives_the_same_bits_is_taken_and_steps_aside_for_hooks(
     assert taken and not any(done for _, done in taken), taken
     assert len(seen) >= len(taken), (seen, taken)
     for a, c, what in zip(plain, hooked, ("out", "lse", "dq", "dk", "dv")):
-        assert torch.equal(a, c), what
+        assert torch.equal(a, c) or (what == "dq" and backward == "backward"
+                                     and (a.float() - c.float()).abs().max() < 1e-2), what
     # the numbers: the forward against float64 SDPA with the window's mask
     idx = torch.arange(seq, device="cuda")
     keep = (idx[None, :] <= idx[:, None]) & (idx[:, None] - idx[None, :] < 700)

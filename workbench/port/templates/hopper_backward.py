@@ -36,11 +36,13 @@ HOPPER_BWD_HEAD_DIMS = (64, )
 # masks that read the head (per-head lists: per-head windows, users' w[h] tables) take the Hopper
 # backward on calls of at least HOPPER_BWD_PER_HEAD_MIN_PAIRS (batch x query heads x Lq x Lk) and
 # run the portable one below that: per-head windows (64 to 2,048 keys, B 1, H 16) took 1.17 ms
-# against 1.74 at 32K (D 128; D 64 0.80 against 1.11), but 0.52 against 0.44 at 8K (D 64 0.45
-# against 0.28), where the Hopper path's host time (its plan, descriptors and one more launch) is
-# more than its GPU time. False sends every such mask to the portable backward
+# against 1.74 at 32K (D 128; D 64 0.80 against 1.11). At 8K (2^30 pairs) the step's GPU kernels
+# take 0.472 ms on it against 0.583 on the portable one (compiled Flex's: 0.546; an H100, D 128,
+# with the lean launch), for about 0.1 ms more host time a step (its plan, descriptors and one more
+# launch): a step bound by a slow host runs 4% slower, one bound by the GPU 19% faster. Below 2^30
+# pairs the host's share grows. False sends every such mask to the portable backward
 HOPPER_BWD_PER_HEAD = True
-HOPPER_BWD_PER_HEAD_MIN_PAIRS = 1 << 32
+HOPPER_BWD_PER_HEAD_MIN_PAIRS = 1 << 30
 # HOPPER_BWD_SCORE (PORT_HOPPER_BWD_SCORE=0 turns it off): a score_mod takes the Hopper backward in
 # its keys-down form (the default at D 64 and 128, not deterministic, no learning table): each
 # tile's scores through score_mod_gluon and dS through its derivative, score_grad_gluon (generated

@@ -93,6 +93,22 @@ def _contiguous(cache, table, B, L, page):
     return cache[table.long()].reshape(B, L, Hkv, D).transpose(1, 2).contiguous()
 
 
+def kernel_split(step, steps: int = 30) -> str:
+    """Each kernel's GPU µs per call of `step` (torch.profiler), as "name µs, ...": how a call's time
+    divides between the attention kernel and the fold of its pieces (SDPA: cuDNN's kernel and its
+    reduction)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    found = [e for e in prof.key_averages() if e.device_time_total > 0]
+    return ", ".join(f"{e.key[:28]} {e.device_time_total / steps:.1f}" for e in found)
+
+
 def graph_ms(fn, kernels=False):
     """do_bench of `fn` captured in a CUDA graph and replayed: the kernels alone, as an engine that
     captures its decode steps runs them (no Python, no launch gaps). kernels: also the GPU time of
@@ -186,6 +202,8 @@ def decode(module, variants, pages, defaults, pdl=(None,), layouts=("nhd",)):
                     if layout == layouts[0] and page == pages[0]:
                         notes.append(f"B {B}, {L:,}: SDPA ran {_sdpa_kernels(sdpa)}; in the cache's order "
                                      f"{_sdpa_kernels(sdpa_nhd)} (max abs diff {nhd_diff:.1e})")
+                    if layout == layouts[0]:
+                        notes.append(f"B {B}, {L:,}, page {page}: SDPA's kernels (µs per call): {kernel_split(sdpa)}")
                     for (tile, keys, invariant, *pieces), dependent in [(v, d) for v in variants for d in pdl]:
                         pieces = pieces[0] if pieces else None
                         _set_variant(module, tile, keys, defaults, pieces)
@@ -203,6 +221,9 @@ def decode(module, variants, pages, defaults, pdl=(None,), layouts=("nhd",)):
                             print(f"| B {B}, {L:,} | {page} | {layout} | {label} | {n} | failed: {type(exc).__name__}: "
                                   f"{str(exc)[:120]} |", flush=True)
                             continue
+                        if layout == layouts[0]:
+                            notes.append(f"B {B}, {L:,}, page {page}, {label}: kernels (µs per call): "
+                                         f"{kernel_split(call)}")
                         tbs, sd_tbs = kv_bytes / ms / 1e9, kv_bytes / sd / 1e9
                         wrong = "" if diff < 2e-2 else " **WRONG**"
                         g_tbs = kv_bytes / ms_graph / 1e9

@@ -377,3 +377,57 @@ def test_a_new_kind_of_call_compiles_the_hopper_kernel_once_beside_its_block_lis
         with torch.no_grad():
             out2, lse2 = other.attention(q, k, v, return_lse=True)
         assert torch.equal(out, out2) and torch.equal(lse, lse2), "the compile's order changed the answer"
+
+
+@pytest.mark.gpu
+def test_the_persistent_kernels_tile_counter_is_left_at_zero_by_each_call(cuda, tmp_path):
+    """The persistent Hopper forward takes its tiles from a counter per stream that each call puts
+    back to 0 at its end (no zeroing launch per call): calls one after another, a call on a second
+    stream beside one on the first, and a CUDA graph replayed twice all give the same bits as the
+    first call and match float64 SDPA; the counters read 0 after each."""
+    from workbench import make, port
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90 only")
+    module = port.load(port.build(make("causal_sliding_window", {"window": 900}), 4096, 4096, heads=8, batch=2,
+                                  out_dir=tmp_path))
+    module.HOPPER_LOOP = "persistent"
+    g = torch.Generator(device="cuda").manual_seed(21)
+    q, k, v = (torch.randn(2, 8, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    q2 = torch.randn_like(q)
+
+    def counters_at_zero():
+        torch.cuda.synchronize()
+        return bool(module._TILE_COUNTERS) and all(int(c.item()) == 0 for c in module._TILE_COUNTERS.values())
+
+    with torch.no_grad():
+        first = module.attention(q, k, v)
+        assert module._hopper_ready(q, k, v, None, False, 128 ** -0.5) and counters_at_zero()
+        again = [module.attention(q, k, v) for _ in range(3)]
+        assert all(torch.equal(first, a) for a in again) and counters_at_zero()
+        side = torch.cuda.Stream()
+        other_first = module.attention(q2, k, v)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            beside = [module.attention(q2, k, v) for _ in range(2)]
+        main = [module.attention(q, k, v) for _ in range(2)]
+        torch.cuda.current_stream().wait_stream(side)
+        assert all(torch.equal(other_first, b) for b in beside) and all(torch.equal(first, m) for m in main)
+        assert len(module._TILE_COUNTERS) >= 2 and counters_at_zero()
+        capture = torch.cuda.Stream()
+        capture.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(capture):
+            module.attention(q, k, v)  # (warm the capture stream's counter outside the capture)
+        torch.cuda.current_stream().wait_stream(capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=capture):
+            replayed = module.attention(q, k, v)
+        for _ in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, first)
+        assert counters_at_zero()
+    idx = torch.arange(4096, device="cuda")
+    keep = (idx[None, :] <= idx[:, None]) & (idx[:, None] - idx[None, :] < 900)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=keep)
+    assert not torch.isnan(first).any() and (first.double() - want).abs().max() < 2e-2

@@ -632,6 +632,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 c += 1
             j += 1
             tile = gl.atomic_add(counter, 1)
+        # every program takes one number past the last tile, so the call's fetches are total +
+        # programs: the program whose fetch was the last one puts the counter back to 0 for the next
+        # call (no other program of this call touches it again; the next call on this stream starts
+        # after this one ends), so the host zeroes nothing per call
+        if tile == total + gl.num_programs(0) - 1:
+            gl.atomic_xchg(counter, 0)
         qs = j % QB
         mbarrier.wait(q_empty.index(qs), ((j // QB) & 1) ^ 1)
         tile_smem.index(qs).store(gl.full([32], total, gl.int32, layout=id_layout))
@@ -914,10 +920,28 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
     return grid, _hopper_args(q, k, v, out, lse, lists, scale, block_n, persistent, pointers), options, out, lse, site
 
 
+_TILE_COUNTERS: dict = {}  # (device, stream) -> the persistent kernel's tile counter there
+
+
+def _tile_counter(device):
+    """The persistent kernel's tile counter for calls on this device's current stream: an int32
+    zeroed once, which each call leaves at 0 when it ends (its last fetch puts it back), so a call
+    starts from tile 0 with no zeroing launch of its own. One per stream: calls on one stream run
+    one after another, calls on two streams may overlap."""
+    if device.type != "cuda":  # (a compile without a GPU: tests/run_hopper_compile.py)
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, triton.runtime.driver.active.get_current_stream(index))
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
 def _hopper_args(q, k, v, out, lse, lists, scale, block_n, persistent, pointers) -> tuple:
     """The Hopper kernel's arguments, in its order."""
-    # (persistent: the call's tile counter, zeroed here, so a program takes tile 0 first)
-    extra = (torch.zeros(1, dtype=torch.int32, device=q.device), q.shape[0] * q.shape[1]) if persistent else ()
+    # (persistent: the tile counter of this stream, at 0, so a program takes tile 0 first)
+    extra = (_tile_counter(q.device), q.shape[0] * q.shape[1]) if persistent else ()
     return (_hopper_descriptor(q, 128), _hopper_descriptor(k, block_n), _hopper_descriptor(v, block_n), out, lse,
             *lists, scale, *extra, *pointers)
 

@@ -385,6 +385,8 @@ def test_the_persistent_kernels_tile_counter_is_left_at_zero_by_each_call(cuda, 
     back to 0 at its end (no zeroing launch per call): calls one after another, a call on a second
     stream beside one on the first, and a CUDA graph replayed twice all give the same bits as the
     first call and match float64 SDPA; the counters read 0 after each."""
+    import torch
+
     from workbench import make, port
 
     if torch.cuda.get_device_capability() != (9, 0):

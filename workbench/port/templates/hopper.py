@@ -934,7 +934,11 @@ def _tile_counter(device):
     key = (index, triton.runtime.driver.active.get_current_stream(index))
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
+        # (made while its stream is current, so the allocator reuses its memory only after that
+        # stream's work: dropping the least recently made one is safe)
         counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        while len(_TILE_COUNTERS) > 4 * _KEPT:
+            _TILE_COUNTERS.pop(next(iter(_TILE_COUNTERS)))
     return counter
 
 

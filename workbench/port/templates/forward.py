@@ -108,11 +108,16 @@ _tables_on: dict = {}
 _KEPT = 32  # entries each per-call cache keeps (the least recently used goes first)
 
 
+_MISSING = object()
+
+
 def _remember(cache: dict, key, make):
-    """cache[key], made on first use; a bounded cache (an engine calls with new sizes every step)."""
-    if key in cache:
-        cache[key] = cache.pop(key)  # the most recently used last
-        return cache[key]
+    """cache[key], made on first use; a bounded cache (an engine calls with new sizes every step).
+    A hit hashes the key twice (a call's keys are tuples of a dozen fields, hashed anew each time)."""
+    value = cache.pop(key, _MISSING)
+    if value is not _MISSING:
+        cache[key] = value  # the most recently used last
+        return value
     value = make()
     cache[key] = value
     while len(cache) > _KEPT:

@@ -911,11 +911,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
             HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS, tuple(t.data_ptr() % 16 == 0 for t in pointers))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
-    plan = _HOPPER_PLANS.get(site)
-    if plan is None:
-        plan = _remember(_HOPPER_PLANS, site, lambda: _hopper_plan(q, k, v, scale, out, lse, pointers))
-    else:
-        _HOPPER_PLANS[site] = _HOPPER_PLANS.pop(site)  # (the most recently used last)
+    plan = _remember(_HOPPER_PLANS, site, lambda: _hopper_plan(q, k, v, scale, out, lse, pointers))
     grid, options, block_n, persistent, lists = plan
     return grid, _hopper_args(q, k, v, out, lse, lists, scale, block_n, persistent, pointers), options, out, lse, site
 

@@ -15,3 +15,23 @@ def test_bench_port_refuses_a_hopper_loop_suffix_it_does_not_know(capsys):
         bench_port.main(["--hopper", "--loops", "persistent", "persistent+q3"])
     assert stop.value.code == 2
     assert "--loops 'persistent+q3': after '+' only q2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tile", ["16x64x4", "16x64x4x0", "16xAx4x3"])
+def test_bench_paged_refuses_a_tile_that_is_not_four_whole_numbers(capsys, tile):
+    import bench_paged
+
+    with pytest.raises(SystemExit) as stop:
+        bench_paged.main(["--tiles", "16x64x4x3", tile])
+    assert stop.value.code == 2
+    assert f"{tile!r} is not a tile" in capsys.readouterr().err
+
+
+def test_bench_paged_reads_tiles_and_knows_its_gpus_bandwidth(monkeypatch):
+    import bench_paged
+
+    assert bench_paged._tile("16X32x4x4") == (16, 32, 4, 4)
+    for name, tbs in (("NVIDIA H200", 4.8), ("NVIDIA H100 80GB HBM3", 3.35), ("NVIDIA A100-SXM4-80GB", None)):
+        monkeypatch.setattr(bench_paged.torch.cuda, "get_device_name", lambda name=name: name)
+        assert bench_paged.peak_tbs() == tbs
+    assert bench_paged._share(2.9, 3.35) == "2.90 (87%)" and bench_paged._share(2.9, None) == "2.90"

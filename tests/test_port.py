@@ -316,3 +316,52 @@ print("version", m._lean_launch(fake, (1, 1, 1), (1, 2), [7]))
     assert "none [('triton', (1, 2, 7))]" in out, out
     assert "off [('triton', (1, 2, 7))]" in out, out
     assert "unknown None" in out and "version None" in out, out
+
+
+def test_the_lean_launch_passes_addresses_in_the_launchers_order_and_declines_while_a_hook_is_set(tmp_path):
+    """The lean launch itself, built over a stand-in compiled kernel (its launcher a builtin that
+    prints what it gets) and the compile tests' stand-in driver: grid, stream, function, the
+    launcher's flags and metadata, then each argument (a tensor as its address) and the site's values
+    after them; it returns False, launching nothing, while a launch hook is set (in Triton's hook
+    chain, or set in its place as a plain function) and when an argument is not of the site's kind."""
+    path = port.build(make("causal"), 64, 64, heads=1, out_dir=tmp_path)
+    script = f"""
+import importlib.util, sys, types, torch, triton
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from run_hopper_compile import _Target
+triton.runtime.driver.set_active(_Target())
+torch.cuda.current_device = lambda: 0
+spec = importlib.util.spec_from_file_location("p", {str(path)!r}); m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+m.LEAN_TRITON = (triton.__version__[:4],)
+launcher = types.SimpleNamespace(global_scratch_size=0, profile_scratch_size=0, num_ctas=1,
+                                 launch_cooperative_grid=False, launch_pdl=True, launch=print)
+fake = types.SimpleNamespace(run=launcher, src=types.SimpleNamespace(signature={{"X": "*fp32", "n": "i32",
+                             "FLAG": "constexpr"}}), metadata=types.SimpleNamespace(), function=1234,
+                             packed_metadata=(4, 1, 0))
+t = torch.zeros(4)
+lean = m._lean_launch(fake, (2, 1, 1), (t, 5), [True])
+print("ADDRESS", t.data_ptr())
+print("TAKEN", lean((t, 5)))
+hook = lambda metadata: None
+triton.knobs.runtime.launch_enter_hook.add(hook)
+print("HOOKED", lean((t, 5)))
+triton.knobs.runtime.launch_enter_hook.remove(hook)
+chain = triton.knobs.runtime.launch_exit_hook
+triton.knobs.runtime.launch_exit_hook = hook
+print("PLAIN", lean((t, 5)))
+triton.knobs.runtime.launch_exit_hook = chain
+print("KIND", lean((5, 5)))
+print("AGAIN", lean((t, 5)))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    lines = done.stdout.splitlines()
+    address = next((ln.split()[1] for ln in lines if ln.startswith("ADDRESS")), None)
+    assert address is not None, done.stdout + done.stderr[-3000:]
+    launches = [ln for ln in lines if ln.startswith("2 1 1 ")]
+    assert launches == [f"2 1 1 0 1234 False True None None (4, 1, 0) None None None {address} 5 True"] * 2, lines
+    assert lines.index("TAKEN True") > lines.index(launches[0])
+    for word in ("HOOKED", "PLAIN", "KIND"):
+        assert f"{word} False" in lines, lines
+    assert "AGAIN True" in lines, lines

@@ -830,7 +830,9 @@ def _lean_launch(compiled, grid3, args, extra):
         return None
 
     def lean(call_args):
-        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls or len(call_args) != n_args:
+        # (a hook chain with hooks in it, or a hook set in its place as a plain function: Triton's path)
+        if getattr(hooks.launch_enter_hook, "calls", True) or getattr(hooks.launch_exit_hook, "calls", True) or \
+                len(call_args) != n_args:
             return False
         a = list(call_args)
         try:

@@ -88,6 +88,18 @@ def split(module, step, calls: int = 60) -> tuple[float, dict]:
     return wrapped, {n: (1e6 * spent[n] / calls, count[n] // calls) for n in TIMED if count[n]}
 
 
+def _setting(text: str) -> tuple:
+    """One --set value: NAME=VALUE, VALUE a Python literal (a number, a string in quotes, a tuple...)."""
+    name, eq, value = text.partition("=")
+    if not eq or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE (e.g. HOPPER_BWD_PER_HEAD_MIN_PAIRS=0)")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"{text!r}: {value!r} is not a Python literal (a number, a quoted string, "
+                                         "True / False / None, a tuple)") from None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--masks", nargs="*", default=["window", "docs", "perhead"],
@@ -100,7 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() after each mask's warm-up: whether Python's collector passes over the "
                         "process's objects are part of the host time")
-    p.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE",
+    p.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE", type=_setting,
                    help="set these attributes of each generated file before its steps (a Python literal each), "
                         "e.g. HOPPER_BWD_PER_HEAD_MIN_PAIRS=0")
     p.add_argument("--lean", nargs="+", choices=["on", "off"], default=None,
@@ -147,11 +159,10 @@ def main(argv=None) -> int:
 
     for name in args.masks:
         module = port.load(port.build(masks[name], seq, seq, heads=heads, batch=1, out_dir=Path(tempfile.mkdtemp())))
-        for setting in args.set:
-            attr, _, value = setting.partition("=")
+        for attr, value in args.set:
             if not hasattr(module, attr):
-                raise SystemExit(f"--set {setting}: the generated file has no {attr}")
-            setattr(module, attr, ast.literal_eval(value))
+                raise SystemExit(f"--set {attr}=...: the generated file has no {attr}")
+            setattr(module, attr, value)
 
         def step(module=module):
             q.grad = k.grad = v.grad = None

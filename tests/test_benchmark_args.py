@@ -35,3 +35,15 @@ def test_bench_paged_reads_tiles_and_knows_its_gpus_bandwidth(monkeypatch):
         monkeypatch.setattr(bench_paged.torch.cuda, "get_device_name", lambda name=name: name)
         assert bench_paged.peak_tbs() == tbs
     assert bench_paged._share(2.9, 3.35) == "2.90 (87%)" and bench_paged._share(2.9, None) == "2.90"
+
+
+@pytest.mark.parametrize("setting, says", [("HOPPER_BWD", "is not NAME=VALUE"), ("A=b c", "is not a Python literal"),
+                                           ("1X=3", "is not NAME=VALUE")])
+def test_bench_host_refuses_a_setting_it_cannot_read(capsys, setting, says):
+    import bench_host
+
+    with pytest.raises(SystemExit) as stop:
+        bench_host.main(["--set", setting])
+    assert stop.value.code == 2
+    assert says in capsys.readouterr().err
+    assert bench_host._setting("HOPPER_BWD_PER_HEAD_MIN_PAIRS=0") == ("HOPPER_BWD_PER_HEAD_MIN_PAIRS", 0)

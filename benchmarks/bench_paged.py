@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench import make, port  # noqa: E402
 
+from bench_host import kernels as kernel_times  # noqa: E402  (each kernel's GPU time per call, torch.profiler)
 from bench_port import _kernel_ms  # noqa: E402  (the kernels' GPU time per call, torch.profiler)
 
 # HBM bandwidth (TB/s) by the GPU's name: a row's share is its K and V bytes over the time against this
@@ -97,16 +98,7 @@ def kernel_split(step, steps: int = 30) -> str:
     """Each kernel's GPU µs per call of `step` (torch.profiler), as "name µs, ...": how a call's time
     divides between the attention kernel and the fold of its pieces (SDPA: cuDNN's kernel and its
     reduction)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    found = [e for e in prof.key_averages() if e.device_time_total > 0]
-    return ", ".join(f"{e.key[:28]} {e.device_time_total / steps:.1f}" for e in found)
+    return ", ".join(f"{name[:28]} {us:.1f}" for name, us in kernel_times(step, steps)[1].items())
 
 
 def graph_ms(fn, kernels=False):
@@ -157,14 +149,7 @@ def _pieces_of(module, q, kc, table):
 def _sdpa_kernels(fn) -> str:
     """The names of the kernels one call of fn runs (torch.profiler), shortened: which SDPA backend ran,
     and whether it copied its inputs first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return ", ".join(sorted({e.key[:40] for e in prof.key_averages() if e.device_time_total > 0}))
+    return ", ".join(sorted(kernel_times(fn, steps=1)[1]))
 
 
 def decode(module, variants, pages, defaults, pdl=(None,), layouts=("nhd",)):

@@ -47,3 +47,18 @@ def test_bench_host_refuses_a_setting_it_cannot_read(capsys, setting, says):
     assert stop.value.code == 2
     assert says in capsys.readouterr().err
     assert bench_host._setting("HOPPER_BWD_PER_HEAD_MIN_PAIRS=0") == ("HOPPER_BWD_PER_HEAD_MIN_PAIRS", 0)
+
+
+def test_bench_paged_names_each_kernels_time_per_call(monkeypatch):
+    import bench_paged
+
+    seen = []
+
+    def kernel_times(step, steps=10):
+        seen.append(steps)
+        return 0.18, {"_paged_kernel_with_a_name_longer_than_28": 182.5, "_paged_fold": 2.7}
+
+    monkeypatch.setattr(bench_paged, "kernel_times", kernel_times)
+    assert bench_paged.kernel_split(None) == "_paged_kernel_with_a_name_lo 182.5, _paged_fold 2.7"
+    assert bench_paged._sdpa_kernels(None) == "_paged_fold, _paged_kernel_with_a_name_longer_than_28"
+    assert seen == [30, 1]

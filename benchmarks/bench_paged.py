@@ -21,6 +21,7 @@ kernels (torch.profiler over CUDA-graph replays) beside SDPA's.
     python benchmarks/bench_paged.py --prefill --pdl on off  # decode: the fold as a dependent launch or not
     python benchmarks/bench_paged.py --prefill --layouts nhd hnd  # decode: vLLM's cache and a head-major one
     python benchmarks/bench_paged.py --prefill --tiles 16x64x4x3 16x128x4x2  # decode: these tiles
+    python benchmarks/bench_paged.py --prefill --tiles 16x64x4x3 16x64x4x2@168  # the second under 168 registers
 """
 
 import argparse
@@ -121,7 +122,10 @@ def graph_ms(fn, kernels=False):
 
 
 def _set_variant(module, tile, split_keys, defaults, pieces=None):
-    module.PAGED_TILES = defaults["tiles"] if tile is None else [(0, tile)]
+    # (a tile of five numbers: the fifth is its register budget, PAGED_MAXNREG)
+    module.PAGED_TILES = defaults["tiles"] if tile is None else [(0, tuple(tile[:4]))]
+    module.PAGED_MAXNREG = ({tuple(tile[:4]): tile[4]} if tile is not None and len(tile) == 5
+                            else dict(defaults.get("maxnreg", {})))
     module.FAST_SPLIT_KEYS = defaults["split"] if split_keys is None else split_keys
     module.PAGED_STAGES = None
     module.PAGED_BALANCE = defaults["balance"] if pieces is None else pieces != "fixed"  # ("auto": balanced)
@@ -132,7 +136,8 @@ def _label(tile, split_keys, invariant, module, pieces=None):
     if invariant:
         m, n, w = module.INVARIANT_TILE
         return f"invariant {m}x{n} w{w} s{module.INVARIANT_PAGED_STAGES}, pieces {module.SPLIT_KEYS}"
-    t = "file's tiles" if tile is None else "{}x{} w{} s{}".format(*tile)
+    t = "file's tiles" if tile is None else "{}x{} w{} s{}".format(*tile) + (f" @{tile[4]} registers" if len(tile) == 5
+                                                                             else "")
     if module.PAGED_BALANCE:
         if pieces in (None, "auto"):
             return f"fast {t}, the file's cut (even pieces where fixed ones leave slots idle)"
@@ -275,12 +280,15 @@ def _cut(text: str):
 
 
 def _tile(text: str) -> tuple:
-    """One --tiles value: BLOCK_M x BLOCK_N x warps x stages, e.g. 16x64x4x3."""
-    parts = text.lower().split("x")
-    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    """One --tiles value: BLOCK_M x BLOCK_N x warps x stages, e.g. 16x64x4x3, and optionally @ a
+    register budget a thread (PAGED_MAXNREG), e.g. 16x64x4x2@168."""
+    shape, at, regs = text.lower().partition("@")
+    parts = shape.split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts) or (
+            at and not (regs.isdigit() and 24 <= int(regs) <= 255)):
         raise argparse.ArgumentTypeError(f"{text!r} is not a tile: give BLOCK_M x BLOCK_N x warps x stages, e.g. "
-                                         "16x64x4x3")
-    return tuple(int(p) for p in parts)
+                                         "16x64x4x3, optionally @ registers a thread (24-255), e.g. 16x64x4x2@168")
+    return tuple(int(p) for p in parts) + ((int(regs),) if regs else ())
 
 
 def main(argv=None):
@@ -298,7 +306,8 @@ def main(argv=None):
                     help="decode rows with the fold launched as a programmatic dependent of the kernel (on) and "
                          "after it (off), side by side (PAGED_PDL; default: the file's setting)")
     ap.add_argument("--tiles", nargs="+", type=_tile, default=None, metavar="MxNxWxS",
-                    help="decode rows for these fast-mode tiles (BLOCK_M x BLOCK_N x warps x stages), e.g. 16x64x4x3")
+                    help="decode rows for these fast-mode tiles (BLOCK_M x BLOCK_N x warps x stages), e.g. 16x64x4x3, "
+                         "optionally @ a register budget a thread (PAGED_MAXNREG), e.g. 16x64x4x2@168")
     ap.add_argument("--layouts", nargs="+", choices=["nhd", "hnd"], default=["nhd"],
                     help="decode rows over caches allocated [pages, page, Hkv, D] (nhd, vLLM's) and [pages, Hkv, "
                          "page, D] (hnd, passed as a [pages, page, Hkv, D] view), side by side")
@@ -307,7 +316,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     module = port.load(port.build(make("causal"), 256, 256, out_dir=tempfile.mkdtemp()))
     defaults = {"tiles": list(module.PAGED_TILES), "split": module.FAST_SPLIT_KEYS, "balance": module.PAGED_BALANCE,
-                "pdl": module.PAGED_PDL}
+                "pdl": module.PAGED_PDL, "maxnreg": dict(module.PAGED_MAXNREG)}
     if a.once:
         args = decode_case(*a.once)
         with torch.no_grad():

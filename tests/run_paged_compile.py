@@ -1,7 +1,7 @@
 """attention_paged's portable kernel compiled for sm_90a on a machine without a GPU (Triton's
 compiler against a stand-in driver, as tests/run_hopper_compile.py does; nothing launches): a
-decode step in bf16, which splits its keys (its pieces stored for _paged_fold), and a prefill
-step. Prints `CASE <name> OK|FAIL` per form, then a
+decode step in bf16, which splits its keys (its pieces stored for _paged_fold), a prefill
+step, and the decode step under a register budget (PAGED_MAXNREG: 168 a thread, no spills). Prints `CASE <name> OK|FAIL` per form, then a
 SUMMARY line; exits 1 on any failure."""
 
 import os
@@ -37,8 +37,10 @@ def main() -> int:
 
     module._check_paged = check
     failed = 0
-    for name, total_q, per_seq in (("decode", 4, 1), ("prefill", 512, 256)):
+    forms = (("decode", 4, 1, None), ("prefill", 512, 256, None), ("decode_168", 4, 1, 168))
+    for name, total_q, per_seq, budget in forms:
         launches.clear()
+        module.PAGED_MAXNREG = {(16, 64, 4, 3): budget} if budget else {}
         seqs = total_q // per_seq
         q = torch.zeros(total_q, 8, 128, dtype=torch.bfloat16)
         cache = torch.zeros(512, 16, 2, 128, dtype=torch.bfloat16)
@@ -55,7 +57,12 @@ def main() -> int:
             # (on a GPU of sm_90 and newer a split decode's kernel and fold take programmatic
             # dependent launch: PDL, griddepcontrol; a CPU tensor never does, so it is set here)
             kernel = module._paged_kernel.warmup(*args, grid=grid, **flags, num_stages=stages, PDL=flags["SPLIT"])
-            print(f"CASE {name} OK {ptxas(kernel)}", flush=True)
+            report = ptxas(kernel)
+            if budget:  # (the launch asked for the budget, and ptxas kept it without spilling)
+                assert flags.get("maxnreg") == budget, flags
+                used = int(report.split(" registers")[0].split()[-1])
+                assert used <= budget and "0 bytes spill stores" in report, report
+            print(f"CASE {name} OK {report}", flush=True)
             if flags["SPLIT"]:
                 out = torch.zeros(total_q, 8, 128, dtype=torch.bfloat16)
                 part = torch.zeros(2, total_q, 8, 128, dtype=torch.float32)
@@ -69,7 +76,7 @@ def main() -> int:
         except Exception as exc:
             failed += 1
             print(f"CASE {name} FAIL {type(exc).__name__}: {str(exc)[-400:]}", flush=True)
-    print(f"SUMMARY {2 - failed}/2 forms of the paged kernel compile for sm_90a")
+    print(f"SUMMARY {len(forms) - failed}/{len(forms)} forms of the paged kernel compile for sm_90a")
     return 1 if failed else 0
 
 

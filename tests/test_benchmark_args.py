@@ -17,7 +17,7 @@ def test_bench_port_refuses_a_hopper_loop_suffix_it_does_not_know(capsys):
     assert "--loops 'persistent+q3': after '+' only q2" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("tile", ["16x64x4", "16x64x4x0", "16xAx4x3"])
+@pytest.mark.parametrize("tile", ["16x64x4", "16x64x4x0", "16xAx4x3", "16x64x4x2@", "16x64x4x2@999", "16x64x4x2@x"])
 def test_bench_paged_refuses_a_tile_that_is_not_four_whole_numbers(capsys, tile):
     import bench_paged
 
@@ -31,6 +31,7 @@ def test_bench_paged_reads_tiles_and_knows_its_gpus_bandwidth(monkeypatch):
     import bench_paged
 
     assert bench_paged._tile("16X32x4x4") == (16, 32, 4, 4)
+    assert bench_paged._tile("16x64x4x2@168") == (16, 64, 4, 2, 168)
     for name, tbs in (("NVIDIA H200", 4.8), ("NVIDIA H100 80GB HBM3", 3.35), ("NVIDIA A100-SXM4-80GB", None)):
         monkeypatch.setattr(bench_paged.torch.cuda, "get_device_name", lambda name=name: name)
         assert bench_paged.peak_tbs() == tbs

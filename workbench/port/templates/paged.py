@@ -21,6 +21,11 @@ HAS_LENGTH_RULES_IN_PAGES = any(a + b != 0 for a, b, c, d in LENGTH_RULES.values
 # no room for falls back to fewer stages (_launch_paged)
 PAGED_TILES = ([(0, (16, 16, 4, 1))] if _INTERPRET else
                [(128, (128, 128, 8, 3)), (32, (64, 64, 4, 3)), (0, (16, 64, 4, 3))])
+# a register budget per thread for a fast-mode tile (ptxas's .maxnreg), so that more programs share
+# an SM: {(BLOCK_M, BLOCK_N, num_warps, num_stages): registers}. The decode tile compiles to 253
+# registers a thread for sm_90a (two programs an SM, by registers), and to 168 with no spills when
+# told to: three programs an SM then, whose shared memory (70 KB each) fits too
+PAGED_MAXNREG: dict = {}
 PAGED_PIPELINE = True  # the key loop as a `for` loop with predicated loads (pipelined); False: `while`
 # before the scan that narrows a piece to the tiles the mask's bounds may keep, one bounds test of
 # the whole piece (a piece kept whole, as a causal decode's, or not at all, skips the scan)
@@ -595,14 +600,17 @@ def _programs_per_sm(tile: tuple, D_PAD: int, itemsize: int, device) -> int:
     """How many programs of the decode tile (BLOCK_M, BLOCK_N, warps, stages) one SM holds at once:
     by shared memory (stages x BLOCK_N x D_PAD keys and values), by registers (the decode tile uses
     about 255 a thread: 254 compiled for sm_90a at D 128) and by warps (64 an SM), cached."""
-    key = (tile, D_PAD, itemsize, str(device))
+    per_thread = PAGED_MAXNREG.get(tuple(tile), 256)
+    key = (tile, D_PAD, itemsize, str(device), per_thread)
     if key not in _PER_SM:
         props = torch.cuda.get_device_properties(device)
         shared = getattr(props, "shared_memory_per_multiprocessor", 0) or 228 * 1024
         _, block_n, warps, stages = tile
-        need = max(1, stages) * block_n * D_PAD * itemsize * 2 + 1024  # (+ the compiler's own scratch)
+        # (Triton keeps stages - 1 tiles of keys and values in shared memory; + the compiler's own
+        # scratch and the 1 KB the GPU reserves per program: 70 KB for the decode tile at D 128)
+        need = max(1, stages - 1) * block_n * D_PAD * itemsize * 2 + 7 * 1024
         regs = getattr(props, "regs_per_multiprocessor", 0) or 65536
-        _PER_SM[key] = max(1, min(shared // need, regs // (max(1, warps) * 32 * 256), 64 // max(1, warps)))
+        _PER_SM[key] = max(1, min(shared // need, regs // (max(1, warps) * 32 * per_thread), 64 // max(1, warps)))
     return _PER_SM[key]
 
 
@@ -795,6 +803,9 @@ def attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
     pdl = split and _paged_pdl(q.device)
     if pdl:
         flags["PDL"] = True
+    regs = None if invariant or _INTERPRET else PAGED_MAXNREG.get((block_m, block_n, warps, PAGED_STAGES or stages))
+    if regs:
+        flags["maxnreg"] = regs
     # the launch's kind beyond the flags and the grid: every int argument the kernel specializes on
     # (strides, heads, group, D, the pieces' keys), the tensors' dtypes and 16-byte alignment
     site = None if _INTERPRET else (

@@ -1,7 +1,8 @@
 """attention_paged's portable kernel compiled for sm_90a on a machine without a GPU (Triton's
 compiler against a stand-in driver, as tests/run_hopper_compile.py does; nothing launches): a
 decode step in bf16, which splits its keys (its pieces stored for _paged_fold), a prefill
-step, and the decode step under a register budget (PAGED_MAXNREG: 168 a thread, no spills). Prints `CASE <name> OK|FAIL` per form, then a
+step (the decode tile under its register budget, PAGED_MAXNREG: kept without spills), and the
+decode step without the budget. Prints `CASE <name> OK|FAIL` per form, then a
 SUMMARY line; exits 1 on any failure."""
 
 import os
@@ -37,10 +38,11 @@ def main() -> int:
 
     module._check_paged = check
     failed = 0
-    forms = (("decode", 4, 1, None), ("prefill", 512, 256, None), ("decode_168", 4, 1, 168))
-    for name, total_q, per_seq, budget in forms:
+    budgets = dict(module.PAGED_MAXNREG)  # (the file's: the decode tile's register budget)
+    forms = (("decode", 4, 1, budgets), ("prefill", 512, 256, budgets), ("decode_no_budget", 4, 1, {}))
+    for name, total_q, per_seq, budget_of in forms:
         launches.clear()
-        module.PAGED_MAXNREG = {(16, 64, 4, 3): budget} if budget else {}
+        module.PAGED_MAXNREG = budget_of
         seqs = total_q // per_seq
         q = torch.zeros(total_q, 8, 128, dtype=torch.bfloat16)
         cache = torch.zeros(512, 16, 2, 128, dtype=torch.bfloat16)
@@ -58,6 +60,8 @@ def main() -> int:
             # dependent launch: PDL, griddepcontrol; a CPU tensor never does, so it is set here)
             kernel = module._paged_kernel.warmup(*args, grid=grid, **flags, num_stages=stages, PDL=flags["SPLIT"])
             report = ptxas(kernel)
+            budget = budget_of.get((flags["BLOCK_M"], flags["BLOCK_N"], flags["num_warps"], stages))
+            assert name != "decode" or budget, (flags, stages, budget_of)  # (the file's decode tile has one)
             if budget:  # (the launch asked for the budget, and ptxas kept it without spilling)
                 assert flags.get("maxnreg") == budget, flags
                 used = int(report.split(" registers")[0].split()[-1])

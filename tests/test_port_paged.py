@@ -400,9 +400,10 @@ def test_the_fold_is_a_dependent_launch_only_where_the_gpu_and_triton_have_one(t
 
 def test_fast_modes_pieces_fill_the_gpus_program_slots(tmp_path, monkeypatch):
     """_fast_pieces (PAGED_BALANCE) on a GPU of 132 SMs holding two decode programs each: where the
-    fixed cut's programs fill fewer than the 264 slots, as many even pieces per request as fill one
-    wave (never more than FOLD_AT_ONCE, nor pieces under PAGED_MIN_PIECE_KEYS keys); else None, the
-    fixed cut, which attention_paged then takes; PAGED_PIECES overrides."""
+    fixed cut's programs fill fewer than the 264 slots, or fill one wave and part of a second while
+    even pieces can be two at least, as many even pieces per request as fill one wave (never more
+    than FOLD_AT_ONCE, nor pieces under PAGED_MIN_PIECE_KEYS keys); else None, the fixed cut, which
+    attention_paged then takes; PAGED_PIECES overrides."""
     import torch
 
     from workbench import make, port
@@ -418,16 +419,20 @@ def test_fast_modes_pieces_fill_the_gpus_program_slots(tmp_path, monkeypatch):
         return module._fast_pieces(busy, capacity, (16, 64, 4, 3), 128, 2, cuda)
 
     assert pieces(8, 131072) == 33  # one request, 8 kv heads: 264 programs, where 4,096-key pieces give 256
-    assert pieces(64, 32768) is None  # 8 requests x 8 kv heads: 8 fixed pieces each, 512 programs, two waves
+    assert pieces(64, 32768) == 4  # 8 requests x 8 kv heads: 8 fixed pieces each would be 512 programs
+    assert pieces(100, 16384) == 2 and pieces(200, 16384) is None  # 400 (two even pieces instead); 800: the fixed cut
+    assert pieces(140, 32768) is None  # 1,120 programs of fixed pieces, and one even piece would not split
     assert pieces(64, 8192) == 4  # 2 fixed pieces each (128 programs): 4 fill one wave (256 of 264)
     assert pieces(1, 131072) == 64  # a lone kv head: FOLD_AT_ONCE pieces at most
     assert pieces(8, 1024) == 2  # pieces of at least 512 keys
     assert pieces(300, 131072) is None  # 9,600 programs of fixed pieces
     assert pieces(264, 8192) is None and pieces(263, 2048) == 1  # (one fixed piece each: no split)
-    # the launch follows: even pieces for one long request, the fixed cut for eight
+    # the launch follows: even pieces for one long request and for eight, the fixed cut for forty
     shape = module._paged_shape(1, 1, 32, 8, 128, 131072, 2, cuda, False)
     assert shape[-3:] == (33, module.PAGED_MIN_PIECE_KEYS, True), shape
     shape = module._paged_shape(8, 8, 32, 8, 128, 32768, 2, cuda, False)
+    assert shape[-3:] == (4, module.PAGED_MIN_PIECE_KEYS, True), shape
+    shape = module._paged_shape(40, 40, 32, 8, 128, 32768, 2, cuda, False)
     assert shape[-3:] == (8, 4096, False), shape
     monkeypatch.setattr(module, "PAGED_PIECES", 5)
     assert pieces(8, 131072) == 5
@@ -545,11 +550,12 @@ def test_the_cli_verifies_the_paged_port():
 
 
 def test_a_register_budget_lets_more_decode_programs_share_an_sm(tmp_path, monkeypatch):
-    """_programs_per_sm on an H100's SM (228 KB of shared memory, 65,536 registers): the decode tile
-    (16 x 64, 4 warps, 3 stages: 70 KB of shared memory compiled for sm_90a) fits two programs by
-    its 253 registers a thread, three under PAGED_MAXNREG's 168; the 16 x 32 tile of 4 stages fits
-    four under 128; and the launch asks ptxas for the budget (tests/run_paged_compile.py checks
-    that it keeps it without spilling)."""
+    """_programs_per_sm on an H100's SM (228 KB of shared memory, 65,536 registers): the file's
+    decode tile (16 x 64, 4 warps, 2 stages, 168 registers a thread) fits three programs; 16 x 64 of
+    3 stages (70 KB of shared memory compiled for sm_90a) fits two by its 253 registers a thread,
+    three under a budget of 168; the 16 x 32 tile of 4 stages fits four under 128; and the launch
+    asks ptxas for the budget (tests/run_paged_compile.py checks that it keeps it without
+    spilling)."""
     import types
 
     import torch
@@ -561,6 +567,7 @@ def test_a_register_budget_lets_more_decode_programs_share_an_sm(tmp_path, monke
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     cuda = torch.device("cuda", 0)
     decode, narrow = (16, 64, 4, 3), (16, 32, 4, 4)
+    assert module._programs_per_sm((16, 64, 4, 2), 128, 2, cuda) == 3  # the file's decode tile and budget
     assert module._programs_per_sm(decode, 128, 2, cuda) == 2
     assert module._programs_per_sm(narrow, 128, 2, cuda) == 2
     monkeypatch.setattr(module, "PAGED_MAXNREG", {decode: 168, narrow: 128})
@@ -621,7 +628,8 @@ def test_a_tile_the_chip_has_no_room_for_falls_back_to_fewer_stages(tmp_path):
 def test_the_paged_kernel_compiles_for_sm90_at_decode_and_prefill():
     # Triton's compiler (not the interpreter, which never type-checks a branch it does not take):
     # a decode step that splits its keys (its pieces stored for _paged_fold) and a prefill step,
-    # in bf16; the decode step again under a register budget (PAGED_MAXNREG), kept without spills
+    # in bf16 (the decode tile under its register budget, PAGED_MAXNREG, kept without spills); the
+    # decode step again without the budget
     done = subprocess.run([sys.executable, str(ROOT / "run_paged_compile.py")], capture_output=True, text=True,
                           timeout=900, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert done.returncode == 0 and "SUMMARY 3/3" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

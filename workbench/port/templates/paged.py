@@ -17,15 +17,19 @@ HAS_LENGTH_RULES_IN_PAGES = any(a + b != 0 for a, b, c, d in LENGTH_RULES.values
 # (queries per request at least, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of fast mode: a
 # program's rows are (token, head) pairs of one kv head's group (GQA packing); BLOCK_N keys per
 # tile, each read through the block table. These were checked against the reference on an H200
-# and chosen there by benchmarks/bench_paged.py --sweep (docs/benchmarks.md); a depth the chip has
-# no room for falls back to fewer stages (_launch_paged)
+# and chosen there by benchmarks/bench_paged.py --sweep (docs/benchmarks.md), the decode tile's
+# depth and register budget (below) on H100s by --tiles; a depth the chip has no room for falls
+# back to fewer stages (_launch_paged)
 PAGED_TILES = ([(0, (16, 16, 4, 1))] if _INTERPRET else
-               [(128, (128, 128, 8, 3)), (32, (64, 64, 4, 3)), (0, (16, 64, 4, 3))])
+               [(128, (128, 128, 8, 3)), (32, (64, 64, 4, 3)), (0, (16, 64, 4, 2))])
 # a register budget per thread for a fast-mode tile (ptxas's .maxnreg), so that more programs share
 # an SM: {(BLOCK_M, BLOCK_N, num_warps, num_stages): registers}. The decode tile compiles to 253
-# registers a thread for sm_90a (two programs an SM, by registers), and to 168 with no spills when
-# told to: three programs an SM then, whose shared memory (70 KB each) fits too
-PAGED_MAXNREG: dict = {}
+# registers a thread for sm_90a without one (two programs an SM, by registers), and to 168 with no
+# spills under it: three programs an SM, each with one tile of keys and values loading ahead of
+# the one it works on (40 KB of shared memory). On H100s that took 0.5-2 % off the decode kernels
+# at page 16 against 16 x 64 with 3 stages, two programs an SM (within 0.6 % either way at page
+# 128): docs/benchmarks.md, "the last 2 %"
+PAGED_MAXNREG: dict = {(16, 64, 4, 2): 168}
 PAGED_PIPELINE = True  # the key loop as a `for` loop with predicated loads (pipelined); False: `while`
 # before the scan that narrows a piece to the tiles the mask's bounds may keep, one bounds test of
 # the whole piece (a piece kept whole, as a causal decode's, or not at all, skips the scan)
@@ -528,12 +532,13 @@ def _paged_fold(Out, Lse, Part_acc, Part_ml, seq_lens, cu_seqlens_q, num_seqs, t
 
 def _fast_pieces(busy: int, capacity: int, tile: tuple, D_PAD: int, itemsize: int, device) -> int | None:
     """Fast mode's even pieces per request (PAGED_BALANCE), or None for the fixed cut: where busy x
-    (the fixed cut's pieces) programs fill at least one wave of the GPU's program slots, None; else
-    as many pieces as fill one wave most nearly, at most FOLD_AT_ONCE and none under
-    PAGED_MIN_PIECE_KEYS keys of the block table's capacity. From shapes and the GPU alone (a CUDA
-    graph replays it). One request against 131,072 keys, 8 kv heads, on an H200's 132 SMs x 2
-    programs: 33 pieces (264 programs for 264 slots), where fixed pieces of 4,096 keys give 32
-    (256 programs)."""
+    (the fixed cut's pieces) programs fill two waves of the GPU's program slots, or one and part of
+    a second where even pieces could not be two, None; else as many pieces as fill one wave most
+    nearly, at most FOLD_AT_ONCE and none under PAGED_MIN_PIECE_KEYS keys of the block table's
+    capacity. From shapes and the GPU alone (a CUDA graph replays it). One request against 131,072
+    keys, 8 kv heads, on 132 SMs x 3 decode programs: 49 pieces (392 programs for 396 slots), where
+    fixed pieces of 4,096 keys give 32 (256 programs); eight requests against 32,768: 6 pieces (384
+    programs) where the fixed cut's 512 would leave most of a second wave empty."""
     if PAGED_PIECES is not None:  # (past FOLD_AT_ONCE, _paged_fold folds them one after another)
         if isinstance(PAGED_PIECES, bool) or not isinstance(PAGED_PIECES, int) or PAGED_PIECES < 1:
             raise ValueError(f"PAGED_PIECES = {PAGED_PIECES!r} must be a whole number of pieces per request, at least "
@@ -544,7 +549,9 @@ def _fast_pieces(busy: int, capacity: int, tile: tuple, D_PAD: int, itemsize: in
     if _INTERPRET or device.type != "cuda":  # (the interpreter: the fixed cut's count, cut evenly)
         return min(most, fixed)
     slots = _sm_count(device) * _programs_per_sm(tile, D_PAD, itemsize, device)
-    if busy * fixed >= slots:
+    # (fixed pieces past one wave but short of two leave the second wave part-empty: even pieces,
+    # two at least, in one wave instead)
+    if busy * fixed >= 2 * slots or (busy * fixed >= slots and slots // max(busy, 1) < 2):
         return None
     return max(1, min(most, slots // max(busy, 1)))
 

@@ -97,6 +97,7 @@ def test_the_hopper_backward_matches_the_reference(cuda, tmp_path, dtype, head_d
         # both orders of the tile loop; D 128, and per-head masks at these short lengths too (by
         # default they run the portable backward below HOPPER_BWD_PER_HEAD_MIN_PAIRS, measured faster there)
         module.HOPPER_BWD_HEAD_DIMS, module.HOPPER_BWD_PER_HEAD_MIN_PAIRS = (64, 128), 0
+        module.HOPPER_BWD_MIN_BLOCKS = 0  # (these short calls keep few blocks: the Hopper backward anyway)
         module.HOPPER_BWD_TILES = {d: (*tile[:3], form == "overlap") for d, tile in module.HOPPER_BWD_TILES.items()}
         module.HOPPER_BWD_FUSED_DQ = {"fused_dq": 1, "fused_dq_summed": 2, "fused_dq_reduce": 3, "fused_dq_split": 2,
                                       "fused_dq_split_reduce": 3, "fused_dq_split_reduce_queries_down": 3}.get(form, 0)
@@ -151,6 +152,7 @@ def test_a_saturated_softcap_on_the_hopper_kernels_matches_the_reference(cuda, t
     mask = with_score(make("causal"), make("softcap", {"cap": 20.0}))
     shape = Shape(batch=2, q_heads=4, kv_heads=2, q_len=1024, kv_len=1024, head_dim=head_dim)
     module = port.load(port.build(mask, 1024, 1024, heads=4, batch=2, out_dir=tmp_path))
+    module.HOPPER_BWD_MIN_BLOCKS = 0  # (a short call: the Hopper backward even with few blocks)
     ran = {"forward": [], "backward": []}
     fwd, bwd = module._attention_hopper, module._hopper_bwd_launch
     module._attention_hopper = lambda *a: ran["forward"].append(1) or fwd(*a)
@@ -209,7 +211,7 @@ def test_the_fast_score_forms_on_the_hopper_kernels_match_the_reference(cuda, tm
     assert ("gl.fma(qk, sm_scale * 1.4426950408889634, " in text) == (forms != "off")
     assert ("_sub_as_float_gluon(" in text) == (forms == "all")
     module = port.load(path)
-    module.HOPPER_BWD_PER_HEAD_MIN_PAIRS = 0
+    module.HOPPER_BWD_PER_HEAD_MIN_PAIRS = module.HOPPER_BWD_MIN_BLOCKS = 0
     ran = {"forward": [], "backward": []}
     fwd, bwd = module._attention_hopper, module._hopper_bwd_launch
     module._attention_hopper = lambda *a: ran["forward"].append(1) or fwd(*a)
@@ -245,6 +247,7 @@ def test_one_port_called_at_several_lengths_matches_the_reference_every_call(cud
         pytest.skip("the Hopper kernels run on sm_90 only")
     mask = make("causal_sliding_window", {"window": 300})
     module = port.load(port.build(mask, 1024, 1024, heads=4, batch=2, out_dir=tmp_path))
+    module.HOPPER_BWD_MIN_BLOCKS = 0  # (short calls: the Hopper backward even with few blocks)
     ran = []
     real = module._hopper_bwd_launch
     module._hopper_bwd_launch = lambda *args: ran.append(1) or real(*args)
@@ -288,6 +291,7 @@ def test_the_lean_launch_gives_the_same_bits_is_taken_and_steps_aside_for_hooks(
     module = port.load(port.build(make("causal_sliding_window", {"window": 700}), seq, seq, heads=4, batch=2,
                                   out_dir=tmp_path))
     assert module.LEAN_TRITON == ("3.6.",) and module.LEAN_LAUNCH
+    module.HOPPER_BWD_MIN_BLOCKS = 0  # (3,072 tokens keep few blocks: the Hopper backward anyway)
     g = torch.Generator(device="cuda").manual_seed(11)
     q, k, v = (torch.randn(2, 4, seq, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
                for _ in range(3))
@@ -373,3 +377,32 @@ def test_the_lean_launch_gives_the_same_bits_is_taken_and_steps_aside_for_hooks(
         paged.LEAN_LAUNCH = False
         again = paged.attention_paged(qd, kc, vc, table, cu, lens)
     assert torch.equal(replayed, again) and not torch.isnan(again).any()
+
+
+def test_calls_of_few_kept_blocks_take_the_portable_backward(cuda, tmp_path):
+    """HOPPER_BWD_MIN_BLOCKS on the GPU: the causal mask at 2,048 x 2,048 with 2 heads keeps 16 x 17
+    / 2 x 2 = 272 blocks, counted from its block lists; with the threshold one above that the step
+    runs the portable backward, at 272 the Hopper one, and both give SDPA's gradients in float64."""
+    from workbench import port
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward runs on sm_90 only")
+    module = port.load(port.build(make("causal"), 2048, 2048, heads=2, out_dir=tmp_path))
+    ran = []
+    real = module._hopper_bwd_launch
+    module._hopper_bwd_launch = lambda *args: ran.append(1) or real(*args)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    grad = torch.randn(1, 2, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True).backward(grad.double())
+    assert module._kept_blocks(1, 2, 2048, 2048, q.device) == 272
+    for threshold, hopper in ((273, False), (272, True)):
+        module.HOPPER_BWD_MIN_BLOCKS = threshold
+        mine = [t.clone().requires_grad_() for t in (q, k, v)]
+        before = len(ran)
+        module.attention(*mine).backward(grad)
+        assert (len(ran) > before) == hopper and not module._HOPPER_BWD_FAILED, (threshold, ran)
+        for name, got, want in zip("qkv", mine, ref):
+            err = float((got.grad.double() - want.grad).abs().max() / want.grad.abs().max())
+            assert err < 2e-2, (threshold, f"d{name}", err)

@@ -585,6 +585,42 @@ def test_lengths_off_the_128_grid_take_the_hopper_kernel_unless_turned_off(tmp_p
     assert port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "off")).HOPPER_RAGGED is False
 
 
+def test_kept_blocks_are_counted_from_the_lists_once_and_never_while_a_graph_captures(tmp_path, monkeypatch):
+    """_kept_blocks: the partial and full blocks of the block lists, times the batch entries and
+    heads the lists stand for (one line for all where the mask reads neither), counted once per
+    shape; while a CUDA graph captures a shape not counted yet it returns None without reading
+    the lists (no sync), and counts at the next call outside the capture."""
+    import torch
+
+    causal = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "causal"))
+    built = []
+
+    def lists(batch, heads, q_len, kv_len, device):
+        built.append((batch, heads, q_len, kv_len))
+        partial = torch.tensor([[[1, 0, 2, 1]]], dtype=torch.int32)  # [1, 1, rows]: one line for every (b, h)
+        full = torch.tensor([[[0, 3, 1, 2]]], dtype=torch.int32)
+        return partial, None, full, None
+
+    monkeypatch.setattr(causal, "block_lists", lists)
+    cpu = torch.device("cpu")
+    assert causal._kept_blocks(2, 4, 512, 512, cpu) == 10 * 2 * 4
+    assert causal._kept_blocks(2, 4, 512, 512, cpu) == 80 and len(built) == 1  # (counted once)
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    cuda = torch.device("cuda", 0)
+    assert causal._kept_blocks(1, 8, 512, 512, cuda) is None and len(built) == 1
+    capturing[0] = False
+    assert causal._kept_blocks(1, 8, 512, 512, cuda) == 80 and len(built) == 2
+    capturing[0] = True  # (counted already: the count, with no sync)
+    assert causal._kept_blocks(1, 8, 512, 512, cuda) == 80 and len(built) == 2
+
+    def per_head_lists(batch, heads, q_len, kv_len, device):  # [1, heads, rows]: a line per head
+        return torch.ones(1, heads, 4, dtype=torch.int32), None, torch.zeros(1, heads, 4, dtype=torch.int32), None
+
+    monkeypatch.setattr(causal, "block_lists", per_head_lists)
+    assert causal._kept_blocks(3, 4, 512, 256, cpu) == 4 * 4 * 3
+
+
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
 def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, monkeypatch):
     # the backward's Hopper kernels take what they were written for (sm_90, bf16 / fp16, Lq and Lk
@@ -593,8 +629,11 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     # runs the portable backward, and PORT_HOPPER_BWD=0 turns them off. The call is judged as on sm_90.
     import torch
 
+    kept = [1 << 20]  # (the blocks the mask keeps, as _kept_blocks would count them from the lists)
+
     def ready(module, lq=1024, lk=2048, d=128, dtype=torch.bfloat16, learn=(), deterministic=False):
         _on_sm90(module, monkeypatch, hopper=False)
+        monkeypatch.setattr(module, "_kept_blocks", lambda *args: kept[0])
         q, kv = _Cuda(1, 4, lq, d, dtype=dtype), _Cuda(1, 2, lk, d, dtype=dtype)
         return module._hopper_bwd_ready(q, kv, kv, learn, deterministic)
 
@@ -613,6 +652,20 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     assert not ready(causal, dtype=torch.float32) and not ready(causal, learn=("bias",))
     off = _Cuda(1, 2, 2048, 128, ptr=(1 << 20) + 2)  # (off TMA's 16-byte alignment)
     assert not causal._hopper_bwd_ready(_Cuda(1, 4, 1024, 128), off, _Cuda(1, 2, 2048, 128), ())
+    # a call whose mask keeps fewer than HOPPER_BWD_MIN_BLOCKS blocks runs the portable backward (a
+    # step bound by the host); uncounted (a CUDA graph capturing a new shape), the Hopper one
+    assert causal.HOPPER_BWD_MIN_BLOCKS == 8192
+    kept[0] = 8191
+    assert not ready(causal, d=64) and not ready(causal, d=128)
+    kept[0] = None
+    assert ready(causal, d=64) and ready(causal, d=128)
+    kept[0] = 8192
+    assert ready(causal, d=128)
+    kept[0] = 1
+    monkeypatch.setattr(causal, "HOPPER_BWD_MIN_BLOCKS", 0)
+    assert ready(causal, d=128)
+    monkeypatch.setattr(causal, "HOPPER_BWD_MIN_BLOCKS", 8192)
+    kept[0] = 1 << 20
     w = torch.tensor([64, 128, 256, 512])
 
     def head_window(b, h, q_idx, kv_idx):

@@ -43,6 +43,16 @@ HOPPER_BWD_HEAD_DIMS = (64, )
 # pairs the host's share grows. False sends every such mask to the portable backward
 HOPPER_BWD_PER_HEAD = True
 HOPPER_BWD_PER_HEAD_MIN_PAIRS = 1 << 30
+# a call whose mask keeps fewer than HOPPER_BWD_MIN_BLOCKS blocks of 128 x 128 pairs (over its batch
+# entries and query heads; counted once per shape from the block lists) runs the portable backward:
+# there a step is bound by the host, and the Hopper backward's plan, TMA descriptors and extra
+# launches cost 0.1-0.15 ms of host time a step more. On H100s (bf16, B 1, H 16, D 128, forward +
+# backward at 8K, lean launch): 8 documents (4,608 blocks) took 0.538 ms a step on the portable
+# backward against 0.715 on the Hopper one (another host: 0.62 against 0.83), per-head windows
+# (about 6,100 blocks) 0.600 against 0.628 (0.59 against 0.78), while causal (33,280) ran 1.78 ms
+# on the Hopper backward against 2.32 and a window of 1,024 (8,640) 0.65 against 0.75 on one host
+# (0.785 against 0.750 on another). 0 lets every call of the Hopper backward's kind take it
+HOPPER_BWD_MIN_BLOCKS = 8192
 # HOPPER_BWD_SCORE (PORT_HOPPER_BWD_SCORE=0 turns it off): a score_mod takes the Hopper backward in
 # its keys-down form (the default at D 64 and 128, not deterministic, no learning table): each
 # tile's scores through score_mod_gluon and dS through its derivative, score_grad_gluon (generated
@@ -984,10 +994,34 @@ def _hopper_bwd_ready(q, k, v, learn, deterministic=False) -> bool:
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         return False
     fused = not deterministic and HOPPER_BWD_FUSED_DQ and D in HOPPER_BWD_FUSED_HEAD_DIMS
-    return (q.dtype in (torch.bfloat16, torch.float16) and (D in HOPPER_BWD_HEAD_DIMS or fused) and D in HOPPER_BWD_TILES
+    if not (q.dtype in (torch.bfloat16, torch.float16) and (D in HOPPER_BWD_HEAD_DIMS or fused) and D in HOPPER_BWD_TILES
             and Lq % 128 == 0 and Lk % 128 == 0
             and TABLE_M == 128 and TABLE_N == 128 and (q.dtype, D) not in _HOPPER_BWD_FAILED
-            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 and t.dtype == q.dtype for t in (q, k, v)))
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 and t.dtype == q.dtype for t in (q, k, v))):
+        return False
+    kept = _kept_blocks(B, Hq, Lq, Lk, q.device) if HOPPER_BWD_MIN_BLOCKS else None
+    return kept is None or kept >= HOPPER_BWD_MIN_BLOCKS
+
+
+_KEPT_BLOCKS: dict = {}
+
+
+def _kept_blocks(B: int, Hq: int, Lq: int, Lk: int, device) -> int | None:
+    """How many blocks of 128 x 128 pairs the mask keeps (partial or full) over B batch entries and
+    Hq query heads at Lq x Lk, from the block lists: counted once per shape (one device sync, the
+    first call's), None while a CUDA graph is being captured (no sync there: the caller then
+    decides without it)."""
+    key = (B, Hq, Lq, Lk, str(device))
+    if key not in _KEPT_BLOCKS and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+
+    def count():
+        partial_num, _, full_num, _ = block_lists(B, Hq, Lq, Lk, device)
+        # (lists of masks that do not read the batch entry / head hold one entry for all of them)
+        per = int((partial_num.sum(dtype=torch.int64) + full_num.sum(dtype=torch.int64)).item())
+        return per * (B // partial_num.shape[0]) * (Hq // partial_num.shape[1])
+
+    return _remember(_KEPT_BLOCKS, key, count)
 
 
 _HOPPER_BWD_PLANS: dict = {}

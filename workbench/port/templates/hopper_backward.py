@@ -49,7 +49,7 @@ HOPPER_BWD_PER_HEAD_MIN_PAIRS = 1 << 30
 # launches cost 0.1-0.15 ms of host time a step more. On H100s (bf16, B 1, H 16, D 128, forward +
 # backward at 8K, lean launch): 8 documents (4,608 blocks) took 0.538 ms a step on the portable
 # backward against 0.715 on the Hopper one (another host: 0.62 against 0.83), per-head windows
-# (about 6,100 blocks) 0.600 against 0.628 (0.59 against 0.78), while causal (33,280) ran 1.78 ms
+# (5,243 blocks) 0.600 against 0.628 (0.59 against 0.78), while causal (33,280) ran 1.78 ms
 # on the Hopper backward against 2.32 and a window of 1,024 (8,640) 0.65 against 0.75 on one host
 # (0.785 against 0.750 on another). 0 lets every call of the Hopper backward's kind take it
 HOPPER_BWD_MIN_BLOCKS = 8192

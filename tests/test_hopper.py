@@ -621,6 +621,40 @@ def test_kept_blocks_are_counted_from_the_lists_once_and_never_while_a_graph_cap
     assert causal._kept_blocks(3, 4, 512, 256, cpu) == 4 * 4 * 3
 
 
+USERS_W = None  # (a user's per-head windows and per-sample lengths, set by the test below)
+USERS_LENS = None
+
+
+def _users_head_window(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx + 256) & (q_idx + 256 - kv_idx < USERS_W[h])
+
+
+def _users_lengths(b, h, q_idx, kv_idx):
+    return kv_idx < USERS_LENS[b]
+
+
+def test_kept_blocks_of_users_mods_at_lq_not_lk_equal_a_dense_count(tmp_path):
+    """_kept_blocks on the lists of mods written as users write them (an undeclared per-head table
+    w[h], a per-sample table lens[b]) at Lq 384 != Lk 640, B 2, H 4, under Triton's interpreter:
+    the blocks of 128 x 128 pairs where the dense mask keeps any pair, counted with torch."""
+    import torch
+
+    global USERS_W, USERS_LENS
+    USERS_W, USERS_LENS = torch.tensor([1, 100, 300, 900]), torch.tensor([130, 640])
+    b, h = torch.arange(2)[:, None, None, None], torch.arange(4)[None, :, None, None]
+    q_idx, kv_idx = torch.arange(384)[None, None, :, None], torch.arange(640)[None, None, None, :]
+    for name, mod in (("head_window", _users_head_window), ("lengths", _users_lengths)):
+        dense = mod(b, h, q_idx, kv_idx).expand(2, 4, 384, 640)
+        want = int(dense.reshape(2, 4, 3, 128, 5, 128).any(5).any(3).sum())
+        path = port.write(port.generate(Mask(name, mask_mod=mod), 384, 640, heads=4, batch=2), tmp_path / name)
+        code = ("import sys, torch; sys.path.insert(0, sys.argv[2]); from workbench import port; "
+                "m = port.load(sys.argv[1]); print('KEPT', m._kept_blocks(2, 4, 384, 640, torch.device('cpu')))")
+        done = subprocess.run([sys.executable, "-c", code, str(path), str(ROOT)], capture_output=True, text=True,
+                              timeout=300, env=dict(os.environ, TRITON_INTERPRET="1"))
+        assert f"KEPT {want}" in done.stdout, (name, want, done.stdout[-500:] + done.stderr[-2000:])
+        assert 0 < want < 2 * 4 * 3 * 5, want  # (some blocks kept, some not: the count can tell)
+
+
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
 def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, monkeypatch):
     # the backward's Hopper kernels take what they were written for (sm_90, bf16 / fp16, Lq and Lk

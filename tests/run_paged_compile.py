@@ -1,8 +1,8 @@
 """attention_paged's portable kernel compiled for sm_90a on a machine without a GPU (Triton's
 compiler against a stand-in driver, as tests/run_hopper_compile.py does; nothing launches): a
-decode step in bf16, which splits its keys (its pieces stored for _paged_fold), a prefill
-step (the decode tile under its register budget, PAGED_MAXNREG: kept without spills), and the
-decode step without the budget. Prints `CASE <name> OK|FAIL` per form, then a
+decode step in bf16, which splits its keys (its pieces stored for _paged_fold; the decode tile
+under its register budget, PAGED_MAXNREG, kept without spills), a prefill step, and the decode
+step without the budget. Prints `CASE <name> OK|FAIL` per form, then a
 SUMMARY line; exits 1 on any failure."""
 
 import os

@@ -605,8 +605,9 @@ _PER_SM: dict = {}
 
 def _programs_per_sm(tile: tuple, D_PAD: int, itemsize: int, device) -> int:
     """How many programs of the decode tile (BLOCK_M, BLOCK_N, warps, stages) one SM holds at once:
-    by shared memory (stages x BLOCK_N x D_PAD keys and values), by registers (the decode tile uses
-    about 255 a thread: 254 compiled for sm_90a at D 128) and by warps (64 an SM), cached."""
+    by shared memory (stages - 1 tiles of BLOCK_N x D_PAD keys and values), by registers (the
+    tile's PAGED_MAXNREG budget, else 256 a thread: 253 compiled for sm_90a at D 128) and by warps
+    (64 an SM), cached."""
     per_thread = PAGED_MAXNREG.get(tuple(tile), 256)
     key = (tile, D_PAD, itemsize, str(device), per_thread)
     if key not in _PER_SM:

@@ -379,6 +379,76 @@ def test_the_lean_launch_gives_the_same_bits_is_taken_and_steps_aside_for_hooks(
     assert torch.equal(replayed, again) and not torch.isnan(again).any()
 
 
+
+def test_the_lean_launch_encodes_tensor_maps_once_and_follows_new_tensors(cuda, tmp_path, monkeypatch):
+    """Training steps through the lean launch (the Hopper forward and backward, TMA descriptors)
+    reuse each descriptor's tensor map while its tensor's address, shape and strides recur
+    (LEAN_TMA_CACHE): five steps over the same q, k, v encode fewer maps than five steps with the
+    maps encoded every launch, and give the same bits; steps over new tensors (other addresses) get
+    their own maps and the same out, lse, dk, dv bits as the maps encoded afresh (dq: the Hopper
+    backward's atomic sum, within 1e-2), and out matches float64 SDPA."""
+    import triton
+    import triton.backends.nvidia.driver as nvidia
+
+    from workbench import port
+
+    if not triton.__version__.startswith(("3.6.",)) or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the lean launch's descriptors: Triton 3.6 on sm_90")
+    encoded = []
+    real = nvidia.make_tensordesc_arg
+    monkeypatch.setattr(nvidia, "make_tensordesc_arg", lambda arg, meta: encoded.append(1) or real(arg, meta))
+    module = port.load(port.build(make("causal_sliding_window", {"window": 700}), 3072, 3072, heads=4, batch=2,
+                                  out_dir=tmp_path))
+    module.HOPPER_BWD_MIN_BLOCKS = 0  # (few blocks at 3,072 tokens: the Hopper backward anyway)
+
+    def inputs(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q, k, v = (torch.randn(2, 4, 3072, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+                   for _ in range(3))
+        return q, k, v, torch.randn(2, 4, 3072, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def step(q, k, v, grad):
+        q.grad = k.grad = v.grad = None
+        out, lse = module.attention(q, k, v, return_lse=True)
+        out.backward(grad)
+        torch.cuda.synchronize()
+        return out.detach().clone(), lse.detach().clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()
+
+    def same(x, y):
+        for a, b, what in zip(x, y, ("out", "lse", "dq", "dk", "dv")):
+            assert not torch.isnan(a).any(), what
+            assert torch.equal(a, b) or (what == "dq" and (a.float() - b.float()).abs().max() < 1e-2), what
+
+    first = inputs(1)
+    for _ in range(2):  # (the sites and their lean launches built)
+        step(*first)
+    encoded.clear()
+    runs = [step(*first) for _ in range(5)]
+    cached = len(encoded)
+    module.LEAN_TMA_CACHE = False
+    encoded.clear()
+    plain = [step(*first) for _ in range(5)]
+    fresh = len(encoded)
+    module.LEAN_TMA_CACHE = True
+    assert fresh >= 5 * 5 and cached < fresh, (cached, fresh)  # (the backward's five descriptors a step, and the forward's)
+    for run in runs + plain[1:]:
+        same(plain[0], run)
+    other = inputs(2)  # new tensors, other addresses
+    encoded.clear()
+    got = step(*other)
+    assert encoded, "new tensors' descriptors were not encoded"
+    module.LEAN_TMA_CACHE = False
+    want = step(*other)
+    module.LEAN_TMA_CACHE = True
+    same(want, got)
+    assert not torch.equal(got[0], runs[0][0])
+    q, k, v, _ = other
+    idx = torch.arange(3072, device="cuda")
+    keep = (idx[None, :] <= idx[:, None]) & (idx[:, None] - idx[None, :] < 700)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.detach().double(), k.detach().double(),
+                                                           v.detach().double(), attn_mask=keep)
+    assert (got[0].double() - ref).abs().max() < 2e-2
+
 def test_calls_of_few_kept_blocks_take_the_portable_backward(cuda, tmp_path):
     """HOPPER_BWD_MIN_BLOCKS on the GPU: the causal mask at 2,048 x 2,048 with 2 heads keeps 16 x 17
     / 2 x 2 = 272 blocks, counted from its block lists; with the threshold one above that the step

@@ -365,3 +365,41 @@ print("AGAIN", lean((t, 5)))
     for word in ("HOOKED", "PLAIN", "KIND"):
         assert f"{word} False" in lines, lines
     assert "AGAIN True" in lines, lines
+
+
+def test_the_lean_launch_encodes_a_descriptor_once_per_address_shape_and_strides(tmp_path):
+    """_tensor_map, what the lean launch passes for a descriptor argument: the tensor map encoded for
+    a tensor's address, shape and strides is reused while they recur (a training loop's allocator
+    hands the same addresses back), encoded again for any other address, shape or strides, never
+    more than _TMA_CACHE_SIZE kept per argument, and encoded on every launch with LEAN_TMA_CACHE off."""
+    from types import SimpleNamespace
+
+    module = port.load(port.build(make("causal"), 64, 64, heads=1, out_dir=tmp_path))
+    encoded = []
+
+    def encode(desc, meta):  # (Triton's make_tensordesc_arg: the map, then shape and strides)
+        encoded.append((desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), meta))
+        return [f"map{len(encoded)}", *desc.shape, *desc.strides]
+
+    a, b = torch.zeros(256, 64), torch.zeros(256, 64)
+    desc = lambda t, rows=256, cols=64: SimpleNamespace(base=t, shape=[rows, cols], strides=[cols, 1], padding="zero")
+    known = {}
+    first = module._tensor_map(known, desc(a), "meta", encode)
+    assert first == ["map1", 256, 64, 64, 1]
+    assert module._tensor_map(known, desc(a), "meta", encode) == first and len(encoded) == 1  # (the same tensor)
+    other = module._tensor_map(known, desc(b), "meta", encode)  # another address: its own map
+    assert other[0] == "map2" and encoded[-1][0] == b.data_ptr()
+    assert module._tensor_map(known, desc(a[:128], 128), "meta", encode)[0] == "map3"  # same address, other shape
+    assert module._tensor_map(known, desc(a, 128, 128), "meta", encode)[0] == "map4"  # other strides
+    assert module._tensor_map(known, desc(b), "meta", encode) == other and len(encoded) == 4
+    views = [torch.zeros(16, 64) for _ in range(2 * module._TMA_CACHE_SIZE)]
+    for t in views:
+        module._tensor_map(known, desc(t, 16), "meta", encode)
+    assert len(known) <= module._TMA_CACHE_SIZE and len(encoded) == 4 + len(views)
+    module.LEAN_TMA_CACHE = False
+    try:
+        module._tensor_map({}, desc(a), "meta", encode)
+        module._tensor_map({}, desc(a), "meta", encode)
+        assert len(encoded) == 6 + len(views)
+    finally:
+        module.LEAN_TMA_CACHE = True

@@ -783,6 +783,14 @@ def _launch(kernel, grid, args, options, site=None):
 # PORT_LEAN_LAUNCH=0 in the environment (or LEAN_LAUNCH = False here) turns it off.
 LEAN_LAUNCH = os.environ.get("PORT_LEAN_LAUNCH", "1") != "0"
 LEAN_TRITON = ("3.6.",)
+# The lean launch keeps each descriptor argument's tensor map (the 128 bytes the driver encodes from
+# the tensor's address, shape and strides and the kernel's tile and swizzle, what Triton's
+# make_tensordesc_arg fills on every launch) for the last few (address, shape, strides) it saw at
+# that argument of that site: a training loop's allocator hands the same addresses back step after
+# step, so a step's descriptors are encoded once, not per launch. The map holds nothing of the
+# memory's contents. PORT_LEAN_TMA_CACHE=0 (or LEAN_TMA_CACHE = False here) encodes every launch
+LEAN_TMA_CACHE = os.environ.get("PORT_LEAN_TMA_CACHE", "1") != "0"
+_TMA_CACHE_SIZE = 8  # tensor maps kept per descriptor argument of a site
 
 
 def _lean_launch(compiled, grid3, args, extra):
@@ -826,6 +834,7 @@ def _lean_launch(compiled, grid3, args, extra):
         head = (*grid3, None, compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
                 compiled.packed_metadata, None, None, None)
         n_args, tail = len(args), list(extra)
+        maps = {i: {} for i, _ in descs}  # (per descriptor argument: (address, shape, strides, padding) -> its args)
     except Exception:
         return None
 
@@ -839,13 +848,28 @@ def _lean_launch(compiled, grid3, args, extra):
             for i in tensors:
                 a[i] = a[i].data_ptr()
             for i, meta in reversed(descs):
-                a[i:i + 1] = make_tensordesc_arg(a[i], meta)
+                a[i:i + 1] = _tensor_map(maps[i], a[i], meta, make_tensordesc_arg)
         except AttributeError:  # (an argument not of the site's first call's kind: Triton's own path)
             return False
         raw(*head[:3], stream(device), *head[4:], *a, *tail)
         return True
 
     return lean
+
+
+def _tensor_map(known: dict, desc, meta, encode) -> list:
+    """The launcher's arguments for descriptor `desc` (encode(desc, meta): the tensor map and the
+    shape and strides after it), from `known` (this argument's maps by address, shape, strides and
+    padding; at most _TMA_CACHE_SIZE, then begun again) while LEAN_TMA_CACHE is on."""
+    if not LEAN_TMA_CACHE:
+        return encode(desc, meta)
+    key = (desc.base.data_ptr(), *desc.shape, *desc.strides, desc.padding)
+    found = known.get(key)
+    if found is None:
+        if len(known) >= _TMA_CACHE_SIZE:
+            known.clear()
+        found = known[key] = encode(desc, meta)
+    return found
 
 
 def _next_pow2(n: int) -> int:

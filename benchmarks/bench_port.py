@@ -17,7 +17,7 @@ export (`workbench.fa4`: the spec's `flash_attn_cute` file, checked against Flex
 its first call, block lists included, is in --json), and FA4's flash_attn_func with the mask's
 FlashAttention arguments (causal, window) where it has them; "cannot run" where one refuses the
 mask; with --fa4 the FA4 paths are timed in turn over --rounds rounds and their medians reported
-(clock and temperature drift reach each path alike). --decode adds Lq = 1 against each length. --segments times the port on document masks
+(clock and temperature drift reach each path alike), as --backward times its training steps. --decode adds Lq = 1 against each length. --segments times the port on document masks
 (8, 32 and 64 documents, uneven lengths) with its default tiling and with cu_seqlens (tiles from each
 document's start: packing-invariant), and checks that both give the same attention.
 --serving times attention_paged (bf16, 32 query / 8 kv heads, D 128, page size 16): a mixed engine
@@ -185,8 +185,8 @@ def main(argv=None) -> int:
     p.add_argument("--serving", action="store_true", help="only attention_paged: a mixed step and paged prefill")
     p.add_argument("--backward", action="store_true", help="only forward + backward (training), against Flex's "
                    "Triton and FLASH backends")
-    p.add_argument("--rounds", type=int, default=5, help="--fa4: rounds in which the FA4 paths are timed in turn "
-                   "(medians reported)")
+    p.add_argument("--rounds", type=int, default=5, help="--fa4: rounds in which the FA4 paths are timed in turn; "
+                   "--backward: the training steps of every path (medians reported)")
     p.add_argument("--fa4", action="store_true", help="only the FA4 columns: Flex FLASH, the FA4 export, FA4 "
                    "direct (and the port and Flex Triton where FLASH cannot run the mask), plus each path's host "
                    "cost per call")
@@ -503,8 +503,9 @@ def _t5_bias(seq: int, heads: int, device) -> Mask:
     return Mask("t5_learnable_bias", mask_mod=causal, score_mod=t5, data={"bias": bias}, q_len=seq, kv_len=seq)
 
 
-def _step_timer(step):
-    """do_bench median (ms) of a training step, and its peak memory (GiB) over one call."""
+def _step_timer(step, bench: bool = True):
+    """do_bench median (ms) of a training step (None with bench=False), and its peak memory (GiB)
+    over one call."""
     from triton.testing import do_bench
 
     step()
@@ -513,7 +514,19 @@ def _step_timer(step):
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30
-    return do_bench(step, warmup=5, rep=30), peak
+    return (do_bench(step, warmup=5, rep=30) if bench else None), peak
+
+
+def _steps_in_turn(steps: dict, rounds: int) -> dict:
+    """{path: median ms} of training steps (do_bench medians) over `rounds` rounds in which every path
+    is timed once, one after another (timed_in_turn's way, with a training step's do_bench)."""
+    from triton.testing import do_bench
+
+    times = {name: [] for name in steps}
+    for _ in range(max(1, rounds)):
+        for name, step in steps.items():
+            times[name].append(do_bench(step, warmup=5, rep=30))
+    return {name: sorted(ms)[len(ms) // 2] for name, ms in times.items()}
 
 
 def _host_ms(step, calls: int = 30) -> float:
@@ -550,8 +563,8 @@ def backward_bench(args) -> int:
     folder = Path(tempfile.mkdtemp(prefix="bench_backward_"))
     flex = compiled_flex_attention()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={args.batch} H={args.heads} "
-          f"D={args.head_dim}, forward + backward; do_bench medians (ms), TFLOP/s on kept pairs (3.5x the "
-          "forward's flops), peak GiB over one step\n", flush=True)
+          f"D={args.head_dim}, forward + backward; medians of {args.rounds} rounds of do_bench timed in turn (ms), "
+          "TFLOP/s on kept pairs (3.5x the forward's flops), peak GiB over one step\n", flush=True)
     print("| mask | tokens | port ms (TFLOP/s, GiB) | port deterministic ms | Flex Triton ms (TFLOP/s, GiB) | "
           "Flex FLASH ms (TFLOP/s) | port / Flex Triton | port / FLASH | host ms per step (port, Flex Triton) | "
           "GPU kernels ms per step (port, Flex Triton, FLASH) | kernels: port / Flex Triton | dq max abs diff vs Flex |")
@@ -604,26 +617,40 @@ def _backward_row(name, mask, seq, args, flex, folder, learn) -> str:
     except Exception as exc:
         raise RuntimeError(f"the port: {type(exc).__name__}: {exc}") from exc
     dq_port = q.grad.clone()
-    port_ms, port_gib = _step_timer(port_step)
-    det_ms, _ = _step_timer(lambda: port_step(True))  # (the same bits run to run: tables' and dq's sums)
+    # each path's first steps (compiles) and its peak memory, then every path that runs timed in turn
+    # over --rounds rounds (medians): short steps are bound by the host, whose speed drifts between
+    # one timing and the next, and timing in turn gives every path the same drift
+    paths = {"port": port_step, "deterministic": lambda: port_step(True)}  # (its sums the same bits run to run)
+    _, port_gib = _step_timer(port_step, bench=False)
+    _step_timer(paths["deterministic"], bench=False)
     try:  # Flex's own failures (its compile, its tiles) are a result too: the port's figures stand
         flex_step()
         diff = f"{float((dq_port.float() - q.grad.float()).abs().max()):.1e}"
-        flex_ms, flex_gib = _step_timer(flex_step)
+        _, flex_gib = _step_timer(flex_step, bench=False)
+        paths["flex"] = flex_step
         flex_host = f"{_host_ms(flex_step):.2f}"
     except Exception as exc:
-        det = f"{det_ms:.2f}"
-        return (f"| {name} | {seq:,} | {port_ms:.2f} ({flops / port_ms / 1e9:.0f}, {port_gib:.2f}) | {det} | "
-                f"cannot run ({type(exc).__name__}: {str(exc)[:100]}) | - | - | - | {_host_ms(port_step):.2f}, - | "
-                f"{_kernel_ms(port_step):.3f}, -, - | - | - |")
+        ms = _steps_in_turn(paths, args.rounds)
+        port_ms = ms["port"]
+        return (f"| {name} | {seq:,} | {port_ms:.2f} ({flops / port_ms / 1e9:.0f}, {port_gib:.2f}) | "
+                f"{ms['deterministic']:.2f} | cannot run ({type(exc).__name__}: {str(exc)[:100]}) | - | - | - | "
+                f"{_host_ms(port_step):.2f}, - | {_kernel_ms(port_step):.3f}, -, - | - | - |")
     port_gpu, flex_gpu, flash_gpu = _kernel_ms(port_step), _kernel_ms(flex_step), "-"
+    flash_step = lambda: flex_step(kernel_options={"BACKEND": "FLASH"})  # noqa: E731
+    flash_error = None
     try:
-        flash_ms, _ = _step_timer(lambda: flex_step(kernel_options={"BACKEND": "FLASH"}))
-        flash = f"{flash_ms:.2f} ({flops / flash_ms / 1e9:.0f})"
-        vs_flash = f"{flash_ms / port_ms:.2f}x"
-        flash_gpu = f"{_kernel_ms(lambda: flex_step(kernel_options={'BACKEND': 'FLASH'})):.3f}"
+        _step_timer(flash_step, bench=False)
+        paths["flash"] = flash_step
+        flash_gpu = f"{_kernel_ms(flash_step):.3f}"
     except Exception as exc:  # not installed, or it cannot run this mask
-        flash, vs_flash = f"n/a ({type(exc).__name__}: {str(exc)[:80]})", "-"
+        flash_error = f"n/a ({type(exc).__name__}: {str(exc)[:80]})"
+    ms = _steps_in_turn(paths, args.rounds)
+    port_ms, det_ms, flex_ms = ms["port"], ms["deterministic"], ms["flex"]
+    if flash_error is None:
+        flash = f"{ms['flash']:.2f} ({flops / ms['flash'] / 1e9:.0f})"
+        vs_flash = f"{ms['flash'] / port_ms:.2f}x"
+    else:
+        flash, vs_flash = flash_error, "-"
     det = f"{det_ms:.2f}"
     host = f"{_host_ms(port_step):.2f}, {flex_host}"
     return (f"| {name} | {seq:,} | {port_ms:.2f} ({flops / port_ms / 1e9:.0f}, {port_gib:.2f}) | {det} | "

@@ -63,3 +63,21 @@ def test_bench_paged_names_each_kernels_time_per_call(monkeypatch):
     assert bench_paged.kernel_split(None) == "_paged_kernel_with_a_name_lo 182.5, _paged_fold 2.7"
     assert bench_paged._sdpa_kernels(None) == "_paged_fold, _paged_kernel_with_a_name_longer_than_28"
     assert seen == [30, 1]
+
+
+def test_bench_port_times_training_steps_in_turn_and_reports_medians(monkeypatch):
+    """--backward's timing: every path timed once a round, one after another, for --rounds rounds,
+    and each path's median reported (a host that drifts between timings reaches every path alike)."""
+    import bench_port
+    import triton.testing
+
+    order, clock = [], iter([5.0, 9.0, 1.0, 6.0, 8.0, 2.0, 4.0, 7.0, 3.0])
+
+    def fake_bench(fn, warmup, rep):
+        order.append(fn())
+        return next(clock)
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    got = bench_port._steps_in_turn({"port": lambda: "port", "flex": lambda: "flex", "flash": lambda: "flash"}, 3)
+    assert order == ["port", "flex", "flash"] * 3
+    assert got == {"port": 5.0, "flex": 8.0, "flash": 2.0}

@@ -90,13 +90,21 @@ def timed(fn):
         return do_bench(fn, warmup=25, rep=100)
 
 
-def timed_in_turn(fns: dict, rounds: int) -> dict:
-    """{path: median ms} over `rounds` rounds in which every path is timed once, one after another:
-    a drift of the GPU's clocks or temperature reaches every path alike, so their ratio holds."""
+def step_ms(step):
+    """do_bench median (ms) of a training step (forward + backward, with grad)."""
+    from triton.testing import do_bench
+
+    return do_bench(step, warmup=5, rep=30)
+
+
+def timed_in_turn(fns: dict, rounds: int, timer=timed) -> dict:
+    """{path: median ms} over `rounds` rounds in which every path is timed once (by `timer`), one
+    after another: a drift of the GPU's clocks or temperature, or of the host's speed, reaches every
+    path alike, so their ratio holds."""
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(timed(fn))
+            times[name].append(timer(fn))
     return {name: sorted(ms)[len(ms) // 2] for name, ms in times.items()}
 
 
@@ -170,6 +178,18 @@ def _ms(row, key) -> str:
     return "-" if f"{key[:-3]}_error" not in row else "cannot run"
 
 
+def _rounds(text: str) -> int:
+    """--rounds: a whole number of rounds, at least 1 (a median needs one timing)."""
+    try:
+        rounds = int(text)
+    except ValueError:
+        rounds = 0
+    if rounds < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of rounds: give a whole number, at least 1 "
+                                         "(e.g. --rounds 5)")
+    return rounds
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
@@ -185,7 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--serving", action="store_true", help="only attention_paged: a mixed step and paged prefill")
     p.add_argument("--backward", action="store_true", help="only forward + backward (training), against Flex's "
                    "Triton and FLASH backends")
-    p.add_argument("--rounds", type=int, default=5, help="--fa4: rounds in which the FA4 paths are timed in turn; "
+    p.add_argument("--rounds", type=_rounds, default=5, help="--fa4: rounds in which the FA4 paths are timed in turn; "
                    "--backward: the training steps of every path (medians reported)")
     p.add_argument("--fa4", action="store_true", help="only the FA4 columns: Flex FLASH, the FA4 export, FA4 "
                    "direct (and the port and Flex Triton where FLASH cannot run the mask), plus each path's host "
@@ -503,30 +523,14 @@ def _t5_bias(seq: int, heads: int, device) -> Mask:
     return Mask("t5_learnable_bias", mask_mod=causal, score_mod=t5, data={"bias": bias}, q_len=seq, kv_len=seq)
 
 
-def _step_timer(step, bench: bool = True):
-    """do_bench median (ms) of a training step (None with bench=False), and its peak memory (GiB)
-    over one call."""
-    from triton.testing import do_bench
-
+def _step_peak(step) -> float:
+    """A training step's peak memory (GiB) over one call, after a first call (its compiles)."""
     step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    return (do_bench(step, warmup=5, rep=30) if bench else None), peak
-
-
-def _steps_in_turn(steps: dict, rounds: int) -> dict:
-    """{path: median ms} of training steps (do_bench medians) over `rounds` rounds in which every path
-    is timed once, one after another (timed_in_turn's way, with a training step's do_bench)."""
-    from triton.testing import do_bench
-
-    times = {name: [] for name in steps}
-    for _ in range(max(1, rounds)):
-        for name, step in steps.items():
-            times[name].append(do_bench(step, warmup=5, rep=30))
-    return {name: sorted(ms)[len(ms) // 2] for name, ms in times.items()}
+    return torch.cuda.max_memory_allocated() / 2**30
 
 
 def _host_ms(step, calls: int = 30) -> float:
@@ -621,16 +625,16 @@ def _backward_row(name, mask, seq, args, flex, folder, learn) -> str:
     # over --rounds rounds (medians): short steps are bound by the host, whose speed drifts between
     # one timing and the next, and timing in turn gives every path the same drift
     paths = {"port": port_step, "deterministic": lambda: port_step(True)}  # (its sums the same bits run to run)
-    _, port_gib = _step_timer(port_step, bench=False)
-    _step_timer(paths["deterministic"], bench=False)
+    port_gib = _step_peak(port_step)
+    _step_peak(paths["deterministic"])
     try:  # Flex's own failures (its compile, its tiles) are a result too: the port's figures stand
         flex_step()
         diff = f"{float((dq_port.float() - q.grad.float()).abs().max()):.1e}"
-        _, flex_gib = _step_timer(flex_step, bench=False)
+        flex_gib = _step_peak(flex_step)
         paths["flex"] = flex_step
         flex_host = f"{_host_ms(flex_step):.2f}"
     except Exception as exc:
-        ms = _steps_in_turn(paths, args.rounds)
+        ms = timed_in_turn(paths, args.rounds, timer=step_ms)
         port_ms = ms["port"]
         return (f"| {name} | {seq:,} | {port_ms:.2f} ({flops / port_ms / 1e9:.0f}, {port_gib:.2f}) | "
                 f"{ms['deterministic']:.2f} | cannot run ({type(exc).__name__}: {str(exc)[:100]}) | - | - | - | "
@@ -639,12 +643,12 @@ def _backward_row(name, mask, seq, args, flex, folder, learn) -> str:
     flash_step = lambda: flex_step(kernel_options={"BACKEND": "FLASH"})  # noqa: E731
     flash_error = None
     try:
-        _step_timer(flash_step, bench=False)
+        _step_peak(flash_step)
         paths["flash"] = flash_step
         flash_gpu = f"{_kernel_ms(flash_step):.3f}"
     except Exception as exc:  # not installed, or it cannot run this mask
         flash_error = f"n/a ({type(exc).__name__}: {str(exc)[:80]})"
-    ms = _steps_in_turn(paths, args.rounds)
+    ms = timed_in_turn(paths, args.rounds, timer=step_ms)
     port_ms, det_ms, flex_ms = ms["port"], ms["deterministic"], ms["flex"]
     if flash_error is None:
         flash = f"{ms['flash']:.2f} ({flops / ms['flash'] / 1e9:.0f})"

@@ -78,6 +78,17 @@ def test_bench_port_times_training_steps_in_turn_and_reports_medians(monkeypatch
         return next(clock)
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
-    got = bench_port._steps_in_turn({"port": lambda: "port", "flex": lambda: "flex", "flash": lambda: "flash"}, 3)
+    got = bench_port.timed_in_turn({"port": lambda: "port", "flex": lambda: "flex", "flash": lambda: "flash"}, 3,
+                                   timer=bench_port.step_ms)
     assert order == ["port", "flex", "flash"] * 3
     assert got == {"port": 5.0, "flex": 8.0, "flash": 2.0}
+
+
+@pytest.mark.parametrize("rounds", ["0", "-2", "x", "2.5"])
+def test_bench_port_refuses_rounds_that_are_not_a_whole_number_at_least_one(capsys, rounds):
+    import bench_port
+
+    with pytest.raises(SystemExit) as stop:
+        bench_port.main(["--backward", "--rounds", rounds])
+    assert stop.value.code == 2
+    assert f"{rounds!r} is not a number of rounds: give a whole number, at least 1" in capsys.readouterr().err

@@ -615,7 +615,7 @@ def _programs_per_sm(tile: tuple, D_PAD: int, itemsize: int, device) -> int:
         shared = getattr(props, "shared_memory_per_multiprocessor", 0) or 228 * 1024
         _, block_n, warps, stages = tile
         # (Triton keeps stages - 1 tiles of keys and values in shared memory; + the compiler's own
-        # scratch and the 1 KB the GPU reserves per program: 70 KB for the decode tile at D 128)
+        # scratch and the 1 KB the GPU reserves per program: 39 KB for the 2-stage decode tile at D 128)
         need = max(1, stages - 1) * block_n * D_PAD * itemsize * 2 + 7 * 1024
         regs = getattr(props, "regs_per_multiprocessor", 0) or 65536
         _PER_SM[key] = max(1, min(shared // need, regs // (max(1, warps) * 32 * per_thread), 64 // max(1, warps)))

@@ -1,5 +1,6 @@
-"""The port's serving entry point (attention_paged) against SDPA's flash kernel at decode and against
-the contiguous port at prefill, on one process's GPU, side by side.
+"""The port's serving entry point (attention_paged) against SDPA at decode (its default, cuDNN's kernel
+on Hopper, and its FLASH_ATTENTION backend, FlashAttention-2) and against the contiguous port at
+prefill, on one process's GPU, side by side.
 
 Decode: one request against 131,072 keys and 8 requests against 32,768 (bf16, 32 query / 8 kv heads,
 D 128, page sizes 16 and 128), with the share of the H200's memory bandwidth each reaches (the K and
@@ -151,6 +152,32 @@ def _pieces_of(module, q, kc, table):
     return module._paged_shape(B, B, Hq, Hkv, D, table.shape[1] * page, q.element_size(), q.device, False)[7]
 
 
+def _flash_us(fn, want) -> float | str:
+    """The GPU µs per call of `fn` under SDPA's FLASH_ATTENTION backend alone (FlashAttention-2;
+    SDPA's default on Hopper is cuDNN's kernel), replayed from a CUDA graph, after checking its
+    output against `want`; a string saying why where that backend refuses the call or differs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def forced():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return fn()
+    try:
+        diff = float((forced().reshape(want.shape).float() - want).abs().max())
+        if not diff < 2e-2:
+            return f"differs ({diff:.1e})"
+        return graph_ms(forced, kernels=True)[1]
+    except RuntimeError as exc:  # (the backend refuses these shapes on this build)
+        return f"cannot run ({str(exc).splitlines()[0][:60]})"
+
+
+def _us(value) -> str:
+    return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+def _ratio(us: float, other) -> str:
+    return f"{us / other:.3f}x" if isinstance(other, float) else "-"
+
+
 def _sdpa_kernels(fn) -> str:
     """The names of the kernels one call of fn runs (torch.profiler), shortened: which SDPA backend ran,
     and whether it copied its inputs first."""
@@ -167,8 +194,9 @@ def decode(module, variants, pages, defaults, pdl=(None,), layouts=("nhd",)):
           "vLLM cache whose pages are in order) passed as a [B, Hkv, L, D] view.\n")
     print("| case | page | cache | variant | pieces | attention_paged ms | TB/s | SDPA ms | TB/s | paged / SDPA | "
           "graphs: paged ms | SDPA ms | paged / SDPA | kernels: paged µs | SDPA µs | paged / SDPA | "
+          "SDPA's FLASH_ATTENTION (FA2) µs | paged / FA2 | "
           "SDPA, cache order µs | max abs diff vs SDPA |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-          "---|---|")
+          "---|---|---|---|")
     notes = []
     for B, L in DECODE_CASES:
         for page in pages:
@@ -187,6 +215,8 @@ def decode(module, variants, pages, defaults, pdl=(None,), layouts=("nhd",)):
                     want = sdpa().view(B, Hq, D).float()
                     sd = do_bench(sdpa, warmup=10, rep=50)
                     sd_graph, sd_us = graph_ms(sdpa, kernels=True)
+                    fa2_us = _flash_us(lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731,B023
+                        q.view(B, Hq, 1, D), k, v, enable_gqa=True), want)
                     nhd_us = 1e3 * _kernel_ms(sdpa_nhd, steps=30)
                     nhd_diff = float((sdpa_nhd().view(B, Hq, D).float() - want).abs().max())
                     if layout == layouts[0] and page == pages[0]:
@@ -220,7 +250,8 @@ def decode(module, variants, pages, defaults, pdl=(None,), layouts=("nhd",)):
                         print(f"| B {B}, {L:,} | {page} | {layout} | {label} | {n} | {ms:.3f} | {_share(tbs, peak)} | "
                               f"{sd:.3f} | {_share(sd_tbs, peak)} | {ms / sd:.2f}x | {ms_graph:.3f} "
                               f"({_share(g_tbs, peak)}) | {sd_graph:.3f} | {ms_graph / sd_graph:.3f}x | {us:.1f} | "
-                              f"{sd_us:.1f} | {us / sd_us:.3f}x | {nhd_us:.1f} | {diff:.1e}{wrong} |", flush=True)
+                              f"{sd_us:.1f} | {us / sd_us:.3f}x | {_us(fa2_us)} | {_ratio(us, fa2_us)} | {nhd_us:.1f} | "
+                              f"{diff:.1e}{wrong} |", flush=True)
                 q = kc = vc = k = v = k_nhd = v_nhd = table = None  # free the cache before the next case
                 torch.cuda.empty_cache()
     for line in notes:

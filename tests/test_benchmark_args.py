@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -92,3 +93,17 @@ def test_bench_port_refuses_rounds_that_are_not_a_whole_number_at_least_one(caps
         bench_port.main(["--backward", "--rounds", rounds])
     assert stop.value.code == 2
     assert f"{rounds!r} is not a number of rounds: give a whole number, at least 1" in capsys.readouterr().err
+
+
+def test_bench_paged_times_sdpas_flash_backend_only_where_it_agrees(monkeypatch):
+    import bench_paged
+    want = torch.ones(2, 3)
+    monkeypatch.setattr(bench_paged, "graph_ms", lambda fn, kernels=False: (fn(), 12.5))
+    assert bench_paged._flash_us(lambda: torch.ones(2, 3), want) == 12.5
+    assert bench_paged._flash_us(lambda: torch.full((2, 3), float("nan")), want).startswith("differs")
+    assert bench_paged._flash_us(lambda: torch.ones(2, 3) * 1.5, want).startswith("differs (5.0e-01)")
+
+    def refuses():
+        raise RuntimeError("No available kernel. Aborting execution.\nmore")
+    assert bench_paged._flash_us(refuses, want) == "cannot run (No available kernel. Aborting execution.)"
+    assert bench_paged._ratio(10.0, 12.5) == "0.800x" and bench_paged._ratio(10.0, "cannot run (x)") == "-"

@@ -384,14 +384,35 @@ def test_the_lean_launch_gives_the_same_bits_is_taken_and_steps_aside_for_hooks(
     assert torch.equal(replayed, again) and not torch.isnan(again).any()
 
 
+W4 = torch.tensor([64, 700, 2048, 300])  # a user's per-head windows, kept next to the mod
+LENS2 = torch.tensor([3072, 2000])  # and per-sample lengths
 
-def test_the_lean_launch_encodes_tensor_maps_once_and_follows_new_tensors(cuda, tmp_path, monkeypatch):
+
+def users_windows(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < W4[h]) & (kv_idx < LENS2[b])
+
+
+def _kept(name: str, n: int) -> torch.Tensor:
+    """[B, H, n, n] bool on the GPU: the pairs the test's mask keeps (B 2, H 4)."""
+    i = torch.arange(n, device="cuda")
+    causal = i[None, :] <= i[:, None]
+    if name == "window":
+        return (causal & (i[:, None] - i[None, :] < 700)).expand(2, 4, n, n)
+    w, lens = W4.cuda()[None, :, None, None], LENS2.cuda()[:, None, None, None]
+    return causal & (i[:, None] - i[None, :] < w) & (i[None, :] < lens)
+
+
+@pytest.mark.parametrize("mask", ["window", "users"])
+def test_the_lean_launch_encodes_tensor_maps_once_and_follows_new_tensors(cuda, tmp_path, monkeypatch, mask):
     """Training steps through the lean launch (the Hopper forward and backward, TMA descriptors)
     reuse each descriptor's tensor map while its tensor's address, shape and strides recur
     (LEAN_TMA_CACHE): five steps over the same q, k, v encode fewer maps than five steps with the
     maps encoded every launch, and give the same bits; steps over new tensors (other addresses) get
     their own maps and the same out, lse, dk, dv bits as the maps encoded afresh (dq: the Hopper
-    backward's atomic sum, within 1e-2), and out matches float64 SDPA."""
+    backward's atomic sum, within 1e-2), and out and the gradients match float64 SDPA. On the
+    library's sliding window and on a user's mod: an undeclared per-head window table `W4[h]` and
+    per-sample lengths `LENS2[b]`, whose second sample's rows past its length keep no key (out and
+    dq 0 there, never NaN)."""
     import triton
     import triton.backends.nvidia.driver as nvidia
 
@@ -402,8 +423,9 @@ def test_the_lean_launch_encodes_tensor_maps_once_and_follows_new_tensors(cuda, 
     encoded = []
     real = nvidia.make_tensordesc_arg
     monkeypatch.setattr(nvidia, "make_tensordesc_arg", lambda arg, meta: encoded.append(1) or real(arg, meta))
-    module = port.load(port.build(make("causal_sliding_window", {"window": 700}), 3072, 3072, heads=4, batch=2,
-                                  out_dir=tmp_path))
+    spec = (make("causal_sliding_window", {"window": 700}) if mask == "window"
+            else Mask("users_windows", mask_mod=users_windows))
+    module = port.load(port.build(spec, 3072, 3072, heads=4, batch=2, out_dir=tmp_path))
     module.HOPPER_BWD_MIN_BLOCKS = 0  # (few blocks at 3,072 tokens: the Hopper backward anyway)
 
     def inputs(seed):
@@ -447,12 +469,23 @@ def test_the_lean_launch_encodes_tensor_maps_once_and_follows_new_tensors(cuda, 
     module.LEAN_TMA_CACHE = True
     same(want, got)
     assert not torch.equal(got[0], runs[0][0])
-    q, k, v, _ = other
-    idx = torch.arange(3072, device="cuda")
-    keep = (idx[None, :] <= idx[:, None]) & (idx[:, None] - idx[None, :] < 700)
-    ref = torch.nn.functional.scaled_dot_product_attention(q.detach().double(), k.detach().double(),
-                                                           v.detach().double(), attn_mask=keep)
-    assert (got[0].double() - ref).abs().max() < 2e-2
+    q, k, v, grad = other
+    keep = _kept(mask, 3072)
+    rows = keep.any(-1)  # [B, H, L]: rows that keep some key
+    assert (mask == "users") == bool((~rows).any())
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    # (SDPA's rows that keep nothing are NaN, FlexAttention's 0: such rows attend to everything here,
+    # then are zeroed, so that no NaN reaches the reference's gradients)
+    ref = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, attn_mask=keep | ~rows[..., None])
+    ref = torch.where(rows[..., None], ref, 0.0)
+    ref.backward(grad.double())
+    assert not torch.isnan(ref).any() and (got[0].double() - ref).abs().max() < 2e-2
+    for mine, want, what in ((got[2], q64.grad, "dq"), (got[3], k64.grad, "dk"), (got[4], v64.grad, "dv")):
+        assert not torch.isnan(mine).any(), what
+        err = float((mine.double() - want).abs().max() / want.abs().max())
+        assert err < 2e-2, (what, err)
+    assert torch.equal(got[0][~rows], torch.zeros_like(got[0][~rows])) and not got[2][~rows].any()
+
 
 def test_calls_of_few_kept_blocks_take_the_portable_backward(cuda, tmp_path):
     """HOPPER_BWD_MIN_BLOCKS on the GPU: the causal mask at 2,048 x 2,048 with 2 heads keeps 16 x 17

@@ -427,6 +427,7 @@ def test_the_lean_launch_encodes_tensor_maps_once_and_follows_new_tensors(cuda, 
             else Mask("users_windows", mask_mod=users_windows))
     module = port.load(port.build(spec, 3072, 3072, heads=4, batch=2, out_dir=tmp_path))
     module.HOPPER_BWD_MIN_BLOCKS = 0  # (few blocks at 3,072 tokens: the Hopper backward anyway)
+    module.HOPPER_BWD_PER_HEAD_MIN_PAIRS = 0  # (and for the user's per-head windows, at few pairs)
 
     def inputs(seed):
         g = torch.Generator(device="cuda").manual_seed(seed)

@@ -9,23 +9,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
+def refused(main, argv, capsys) -> str:
+    """What `main(argv)` printed to stderr on refusing argv (argparse's exit status 2)."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
 def test_bench_port_refuses_a_hopper_loop_suffix_it_does_not_know(capsys):
     import bench_port
 
-    with pytest.raises(SystemExit) as stop:
-        bench_port.main(["--hopper", "--loops", "persistent", "persistent+q3"])
-    assert stop.value.code == 2
-    assert "--loops 'persistent+q3': after '+' only q2" in capsys.readouterr().err
+    err = refused(bench_port.main, ["--hopper", "--loops", "persistent", "persistent+q3"], capsys)
+    assert "--loops 'persistent+q3': after '+' only q2" in err
 
 
 @pytest.mark.parametrize("tile", ["16x64x4", "16x64x4x0", "16xAx4x3", "16x64x4x2@", "16x64x4x2@999", "16x64x4x2@x"])
 def test_bench_paged_refuses_a_tile_that_is_not_four_whole_numbers(capsys, tile):
     import bench_paged
 
-    with pytest.raises(SystemExit) as stop:
-        bench_paged.main(["--tiles", "16x64x4x3", tile])
-    assert stop.value.code == 2
-    assert f"{tile!r} is not a tile" in capsys.readouterr().err
+    assert f"{tile!r} is not a tile" in refused(bench_paged.main, ["--tiles", "16x64x4x3", tile], capsys)
 
 
 def test_bench_paged_reads_tiles_and_knows_its_gpus_bandwidth(monkeypatch):
@@ -44,10 +47,7 @@ def test_bench_paged_reads_tiles_and_knows_its_gpus_bandwidth(monkeypatch):
 def test_bench_host_refuses_a_setting_it_cannot_read(capsys, setting, says):
     import bench_host
 
-    with pytest.raises(SystemExit) as stop:
-        bench_host.main(["--set", setting])
-    assert stop.value.code == 2
-    assert says in capsys.readouterr().err
+    assert says in refused(bench_host.main, ["--set", setting], capsys)
     assert bench_host._setting("HOPPER_BWD_PER_HEAD_MIN_PAIRS=0") == ("HOPPER_BWD_PER_HEAD_MIN_PAIRS", 0)
 
 
@@ -89,10 +89,8 @@ def test_bench_port_times_training_steps_in_turn_and_reports_medians(monkeypatch
 def test_bench_port_refuses_rounds_that_are_not_a_whole_number_at_least_one(capsys, rounds):
     import bench_port
 
-    with pytest.raises(SystemExit) as stop:
-        bench_port.main(["--backward", "--rounds", rounds])
-    assert stop.value.code == 2
-    assert f"{rounds!r} is not a number of rounds: give a whole number, at least 1" in capsys.readouterr().err
+    err = refused(bench_port.main, ["--backward", "--rounds", rounds], capsys)
+    assert f"{rounds!r} is not a number of rounds: give a whole number, at least 1" in err
 
 
 def test_bench_paged_times_sdpas_flash_backend_only_where_it_agrees(monkeypatch):

@@ -22,7 +22,7 @@ BWD_SHARDS = 8  # test_the_backward_cases_match_the_reference_on_cuda's shards
 
 @pytest.mark.parametrize("shard", [f"{i}/{BWD_SHARDS}" for i in range(BWD_SHARDS)])
 def test_the_backward_cases_match_the_reference_on_cuda(cuda, shard):
-    # each case compiles its own kernels (up to about 35 s a case on an H200 host): the 76 cases run in
+    # each case compiles its own kernels (up to about 35 s a case on an H200 host): the cases (80) run in
     # BWD_SHARDS shards (BWD_SHARD=i/n: every n-th case), each its own process and its own test, so
     # that each reports on its own and none runs for many minutes (all of them in one process ran past
     # 450 s on an H100)

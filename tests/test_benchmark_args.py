@@ -105,3 +105,10 @@ def test_bench_paged_times_sdpas_flash_backend_only_where_it_agrees(monkeypatch)
         raise RuntimeError("No available kernel. Aborting execution.\nmore")
     assert bench_paged._flash_us(refuses, want) == "cannot run (No available kernel. Aborting execution.)"
     assert bench_paged._ratio(10.0, 12.5) == "0.800x" and bench_paged._ratio(10.0, "cannot run (x)") == "-"
+
+
+def test_bench_backward_tiles_refuses_a_mask_bench_port_does_not_have(capsys):
+    import bench_backward_tiles
+
+    err = refused(bench_backward_tiles.main, ["--pairs", "--masks", "per-head window", "per head window"], capsys)
+    assert "--masks 'per head window': not one of bench_port.py's masks" in err and "'per-head window'" in err

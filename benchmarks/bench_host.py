@@ -4,6 +4,7 @@
     python benchmarks/bench_host.py [--masks window docs perhead causal] [--seq 8192] [--head-dim 128]
     python benchmarks/bench_host.py --tree /path/to/another/checkout --label before
     python benchmarks/bench_host.py --lean on off   # the file's lean launch against Triton's own, in turn
+    python benchmarks/bench_host.py --masks causal prefix --timeline 3   # the GPU's idle gaps in a step
 
 For each mask: the step's do_bench median, its host time (steps issued back to back, timed until
 the last one was issued: three runs of 40, each printed, the smallest first), the GPU kernels'
@@ -14,7 +15,10 @@ the same tensors (no kernels: autograd's own share, which any custom attention p
 another checkout's workbench (e.g. an older commit's) in this process's place, so two trees can be
 timed in turn on one machine: the host's speed varies between machines by up to 2x. --gc-freeze
 moves the objects alive after warm-up out of Python's collector's reach first. --cprofile N prints,
-per step, the functions with the most time of their own over N steps under cProfile."""
+per step, the functions with the most time of their own over N steps under cProfile. --timeline N
+profiles N steps and prints the last one's kernels in the order the GPU ran them, each with the idle
+time before it (a step longer than its kernels' sum is idle somewhere), and the calls of the CUDA
+runtime in those steps that wait for the GPU (synchronizations, copies to the host)."""
 
 from __future__ import annotations
 
@@ -88,6 +92,28 @@ def split(module, step, calls: int = 60) -> tuple[float, dict]:
     return wrapped, {n: (1e6 * spent[n] / calls, count[n] // calls) for n in TIMED if count[n]}
 
 
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaFree",
+         "cudaMalloc", "cuMemAlloc", "cuMemFree")
+
+
+def timeline(kernels: list[tuple[str, float, float]], steps: int) -> tuple[list[tuple[str, float, float]], float, float]:
+    """The last of `steps` steps' kernels, from (name, start µs, end µs) of every kernel the steps ran
+    (each step runs the same kernels): ([(name, µs idle before it, its µs)], the step's span from its
+    first kernel's start to its last one's end, its kernels' sum). The first kernel's idle time is
+    from the step before's last kernel."""
+    if not kernels or len(kernels) % steps:
+        raise ValueError(f"{len(kernels)} kernels over {steps} steps: the steps did not run the same kernels")
+    ordered = sorted(kernels, key=lambda k: k[1])
+    per = len(ordered) // steps
+    last = ordered[-per:]
+    before = ordered[-per - 1][2] if steps > 1 else last[0][1]
+    rows = []
+    for name, start, end in last:
+        rows.append((name, max(0.0, start - before), end - start))
+        before = max(before, end)
+    return rows, last[-1][2] - last[0][1], sum(r[2] for r in rows)
+
+
 def _setting(text: str) -> tuple:
     """One --set value: NAME=VALUE, VALUE a Python literal (a number, a string in quotes, a tuple...)."""
     name, eq, value = text.partition("=")
@@ -103,7 +129,7 @@ def _setting(text: str) -> tuple:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--masks", nargs="*", default=["window", "docs", "perhead"],
-                   choices=["window", "docs", "perhead", "causal"])
+                   choices=["window", "docs", "perhead", "causal", "prefix"])
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]),
@@ -121,7 +147,12 @@ def main(argv=None) -> int:
     p.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                    help="also run STEPS steps under cProfile and print the functions with the most time of their "
                         "own (torch's, autograd's and Triton's included), per step")
+    p.add_argument("--timeline", type=int, default=0, metavar="STEPS",
+                   help="also profile STEPS steps (at least 2) and print the last one's kernels in order with the "
+                        "GPU's idle time before each, and the runtime calls in them that wait for the GPU")
     args = p.parse_args(argv)
+    if args.timeline == 1:
+        p.error("--timeline 1: give at least 2 steps (the first kernel's idle time is from the step before)")
     sys.path.insert(0, str(Path(args.tree).resolve()))
     import torch
     from triton.testing import do_bench
@@ -134,7 +165,8 @@ def main(argv=None) -> int:
              "docs": make("document", {"doc_lengths": [seq // 8] * 8}, q_len=seq, kv_len=seq, device="cuda"),
              "perhead": make("per_head_window", {"windows": [64 << (h % 6) for h in range(heads)]}, q_len=seq,
                              kv_len=seq, device="cuda"),
-             "causal": make("causal", q_len=seq, kv_len=seq, device="cuda")}
+             "causal": make("causal", q_len=seq, kv_len=seq, device="cuda"),
+             "prefix": make("prefix_lm", {"prefix_len": 2048}, q_len=seq, kv_len=seq, device="cuda")}
     inputs = make_inputs(Shape(batch=1, q_heads=heads, q_len=seq, head_dim=d), "bfloat16", "cuda", seed=0,
                          backward=True)
     q, k, v = (t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
@@ -211,7 +243,40 @@ def main(argv=None) -> int:
             for (file, line, fn), (_, calls, own, cum, _) in rows:
                 print(f"    {1e6 * own / args.cprofile:8.1f} ({calls / args.cprofile:5.1f})  {1e6 * cum / args.cprofile:8.1f}  "
                       f"{Path(file).name}:{line} {fn}", flush=True)
+        if args.timeline:
+            print_timeline(step, args.timeline)
     return 0
+
+
+def print_timeline(step, steps: int) -> None:
+    """--timeline: the last of `steps` profiled steps, kernel by kernel, and the waits among the runtime's calls."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    found, waits = [], collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            found.append((e.name, e.time_range.start, e.time_range.end))  # (kernels, memsets and copies)
+        elif e.name.startswith(WAITS):
+            waits[e.name] += 1
+    waits["cudaDeviceSynchronize"] -= 1  # (the closing torch.cuda.synchronize())
+    try:
+        rows, span, busy = timeline(found, steps)
+    except ValueError as exc:
+        print(f"  timeline: {exc}", flush=True)
+        return
+    print(f"  timeline of one step: {span:.1f} µs from its first kernel's start to its last one's end, kernels "
+          f"{busy:.1f} µs, idle {span - busy + rows[0][1]:.1f} µs (the first kernel's wait included)", flush=True)
+    for name, idle, us in rows:
+        print(f"    idle {idle:7.1f}  run {us:8.1f}  {name[:90]}", flush=True)
+    told = ", ".join(f"{n} x{c / steps:g}" for n, c in waits.items() if c > 0)
+    print(f"  runtime calls that wait, per step: {told or 'none (the closing synchronize aside)'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -112,3 +112,17 @@ def test_bench_backward_tiles_refuses_a_mask_bench_port_does_not_have(capsys):
 
     err = refused(bench_backward_tiles.main, ["--pairs", "--masks", "per-head window", "per head window"], capsys)
     assert "--masks 'per head window': not one of bench_port.py's masks" in err and "'per-head window'" in err
+
+
+def test_bench_host_timeline_finds_the_idle_time_in_a_step(capsys):
+    import bench_host
+
+    # two steps of three kernels (µs); the second step waits 5 µs after the first, and 7 inside
+    kernels = [("fwd", 0, 10), ("prep", 10, 12), ("bwd", 15, 40),
+               ("fwd", 45, 55), ("prep", 62, 64), ("bwd", 64, 90)]
+    rows, span, busy = bench_host.timeline(list(reversed(kernels)), 2)
+    assert rows == [("fwd", 5, 10), ("prep", 7, 2), ("bwd", 0, 26)]
+    assert (span, busy) == (45, 38)
+    with pytest.raises(ValueError, match="did not run the same kernels"):
+        bench_host.timeline(kernels[:5], 2)
+    assert "at least 2 steps" in refused(bench_host.main, ["--timeline", "1"], capsys)

@@ -27,6 +27,8 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_port import kept_pairs, masks_at  # noqa: E402
+
 from workbench import make, port  # noqa: E402
 
 DQ_TILES = [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (64, 64, 4, 1)]
@@ -47,7 +49,6 @@ def main(argv=None):
     ap.add_argument("--masks", nargs="+", metavar="NAME", help="bench_port.py's masks by name (instead of causal)")
     a = ap.parse_args(argv)
     if a.masks:  # (names checked before anything touches the GPU)
-        from bench_port import masks_at
         known = list(masks_at(256, a.heads, "cpu"))
         for name in a.masks:
             if name not in known:
@@ -73,9 +74,7 @@ def main(argv=None):
             with torch.no_grad():
                 out, lse = module.attention(q, k, v, return_lse=True)
             if a.masks:
-                from workbench.blocks import scan_blocks
-                scan = scan_blocks(mask, L, L, heads=a.heads, device="cuda", progress=False)
-                kept = scan.kept_pairs * (1 if scan.depends_on_head else a.heads)
+                kept = kept_pairs(mask, L, L, a.heads, "cuda")
             else:
                 kept = ((L * (L + 1) // 2) if name == "causal" else sum(min(i + 1, 1024) for i in range(L))) * a.heads
             flops = 2.5 * 4 * kept * d
@@ -113,11 +112,11 @@ def main(argv=None):
                     diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(got, want))
                     ms = do_bench(backward, warmup=10, rep=100)
                 except Exception as exc:  # a tile that does not fit is a row, not a stop
-                    module.HOPPER_BWD_MIN_BLOCKS = min_blocks
                     print(f"| {name} | {L:,} | {which} | {tile} | failed: {type(exc).__name__}: {str(exc)[:100]} |",
                           flush=True)
                     continue
-                module.HOPPER_BWD_MIN_BLOCKS = min_blocks
+                finally:
+                    module.HOPPER_BWD_MIN_BLOCKS = min_blocks
                 wrong = "" if diff < 6e-2 else " **differs**"
                 print(f"| {name} | {L:,} | {which} | {tile} | {ms:.3f} | {flops / ms / 1e9:.0f} | {diff:.1e}{wrong} |",
                       flush=True)

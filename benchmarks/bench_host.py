@@ -151,8 +151,9 @@ def main(argv=None) -> int:
                    help="also profile STEPS steps (at least 2) and print the last one's kernels in order with the "
                         "GPU's idle time before each, and the runtime calls in them that wait for the GPU")
     args = p.parse_args(argv)
-    if args.timeline == 1:
-        p.error("--timeline 1: give at least 2 steps (the first kernel's idle time is from the step before)")
+    if args.timeline == 1 or args.timeline < 0:
+        p.error(f"--timeline {args.timeline}: give at least 2 steps (the first kernel's idle time is from the step "
+                "before), or leave it out")
     sys.path.insert(0, str(Path(args.tree).resolve()))
     import torch
     from triton.testing import do_bench

@@ -83,6 +83,13 @@ def _t5_fixed(seq: int, heads: int, device) -> Mask:
     return Mask("t5_bias", mask_mod=t5.mask_mod, score_mod=t5.score_mod, data={"bias": t5.data["bias"].detach()})
 
 
+def kept_pairs(mask, q_len: int, kv_len: int, heads: int, device) -> int:
+    """The (query, key) pairs the mask keeps over `heads` heads of one batch entry (from its block
+    scan: a mask that does not read the head keeps the same pairs in every head)."""
+    scan = scan_blocks(mask, q_len, kv_len, heads=heads, device=device, progress=False)
+    return scan.kept_pairs * (1 if scan.depends_on_head else heads)
+
+
 def timed(fn):
     from triton.testing import do_bench
 
@@ -119,8 +126,7 @@ def one(name, mask, shape: Shape, folder: Path, with_sdpa: bool) -> dict:
     out_port = module.attention(q, k, v)
     torch.cuda.synchronize()
     row["port_first_call_s"] = time.perf_counter() - t0  # generate, block lists, autotune
-    scan = scan_blocks(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, device=device, progress=False)
-    kept = scan.kept_pairs * (1 if scan.depends_on_head else shape.q_heads)
+    kept = kept_pairs(mask, shape.q_len, shape.kv_len, shape.q_heads, device)
     flops = 4 * kept * shape.head_dim * shape.batch
     block_mask = build_block_mask(mask, shape.q_len, shape.kv_len, heads=shape.q_heads, device=device, shrink=True)
     flex = compiled_flex_attention()
@@ -339,8 +345,7 @@ def hopper_bench(args) -> int:
                         generator.FAST_SCORE_FORMS = fast_default
                 module = modules[forms[0]]
                 block_mask = build_block_mask(mask, seq, seq, heads=args.heads, device="cuda", shrink=True, progress=False)
-                scan = scan_blocks(mask, seq, seq, heads=args.heads, device="cuda", progress=False)
-                flops = 4 * scan.kept_pairs * (1 if scan.depends_on_head else args.heads) * args.head_dim * args.batch
+                flops = 4 * kept_pairs(mask, seq, seq, args.heads, "cuda") * args.head_dim * args.batch
                 module.HOPPER = True
                 if not module._hopper_ready(q, k, v, None, False):
                     raise RuntimeError(f"the Hopper kernel does not take this call ({module.HOPPER_MODS or 'shape'})")
@@ -443,8 +448,7 @@ def fa4_bench(args) -> int:
             row = {}
             try:
                 block_mask = build_block_mask(mask, seq, seq, heads=args.heads, device="cuda", shrink=True, progress=False)
-                scan = scan_blocks(mask, seq, seq, heads=args.heads, device="cuda", progress=False)
-                flops = 4 * scan.kept_pairs * (1 if scan.depends_on_head else args.heads) * args.head_dim * args.batch
+                flops = 4 * kept_pairs(mask, seq, seq, args.heads, "cuda") * args.head_dim * args.batch
                 flash = lambda: flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask,  # noqa: E731
                                      kernel_options={"BACKEND": "FLASH"})
                 try:
@@ -596,8 +600,7 @@ def _backward_row(name, mask, seq, args, flex, folder, learn) -> str:
     q, k, v = (t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
     grad_out = inputs.grad_out
     module = port.load(port.build(mask, seq, seq, heads=args.heads, batch=args.batch, out_dir=folder))
-    scan = scan_blocks(mask, seq, seq, heads=args.heads, device="cuda", progress=False)
-    kept = scan.kept_pairs * (1 if scan.depends_on_head else args.heads)
+    kept = kept_pairs(mask, seq, seq, args.heads, "cuda")
     flops = 3.5 * 4 * kept * args.head_dim * args.batch
     tables = {n: t for n, t in learn.items()}  # the port learns the mask's own tables through tables=
     leaves = [q, k, v, *tables.values()]

@@ -125,4 +125,14 @@ def test_bench_host_timeline_finds_the_idle_time_in_a_step(capsys):
     assert (span, busy) == (45, 38)
     with pytest.raises(ValueError, match="did not run the same kernels"):
         bench_host.timeline(kernels[:5], 2)
-    assert "at least 2 steps" in refused(bench_host.main, ["--timeline", "1"], capsys)
+    for steps in ("1", "-3"):
+        assert f"--timeline {steps}: give at least 2 steps" in refused(bench_host.main, ["--timeline", steps], capsys)
+
+
+def test_bench_port_counts_the_pairs_a_mask_keeps_over_its_heads():
+    import bench_port
+    from workbench import make
+
+    assert bench_port.kept_pairs(make("causal"), 300, 300, 4, "cpu") == 4 * 300 * 301 // 2
+    windows = make("per_head_window", {"windows": [16, 64]}, q_len=200, kv_len=200)
+    assert bench_port.kept_pairs(windows, 200, 200, 2, "cpu") == sum(min(i + 1, w) for w in (16, 64) for i in range(200))

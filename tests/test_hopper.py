@@ -748,6 +748,21 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     monkeypatch.setenv("PORT_HOPPER_BWD_FUSED_DQ", "yes")
     with pytest.raises(ValueError, match=r"PORT_HOPPER_BWD_FUSED_DQ='yes' names no form.*0 \(two kernels"):
         port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "bad"))
+    monkeypatch.delenv("PORT_HOPPER_BWD_FUSED_DQ")
+    monkeypatch.delenv("PORT_HOPPER_BWD")
+    # the thresholds from the environment: a call keeping 1,000 blocks takes the Hopper backward
+    # once PORT_HOPPER_BWD_MIN_BLOCKS is 1,000 or less; a value that is no whole number is refused
+    monkeypatch.setenv("PORT_HOPPER_BWD_MIN_BLOCKS", "1000")
+    monkeypatch.setenv("PORT_HOPPER_BWD_PER_HEAD_MIN_PAIRS", "0")
+    low = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "low"))
+    assert low.HOPPER_BWD_MIN_BLOCKS == 1000 and low.HOPPER_BWD_PER_HEAD_MIN_PAIRS == 0
+    kept[0] = 1000
+    assert ready(low, d=128) and not ready(causal, d=128)  # (causal: the default, 8,192)
+    kept[0] = 999
+    assert not ready(low, d=128)
+    monkeypatch.setenv("PORT_HOPPER_BWD_MIN_BLOCKS", "8k")
+    with pytest.raises(ValueError, match=r"PORT_HOPPER_BWD_MIN_BLOCKS='8k' is not a whole number.*default, 8192"):
+        port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "bad_blocks"))
 
 
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")

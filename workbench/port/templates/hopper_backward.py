@@ -42,7 +42,20 @@ HOPPER_BWD_HEAD_DIMS = (64, )
 # launch): a step bound by a slow host runs 4% slower, one bound by the GPU 19% faster. Below 2^30
 # pairs the host's share grows. False sends every such mask to the portable backward
 HOPPER_BWD_PER_HEAD = True
-HOPPER_BWD_PER_HEAD_MIN_PAIRS = 1 << 30
+
+
+def _count_setting(name: str, default: int) -> int:
+    """A whole-number setting from the environment (PORT_<name>), else `default`."""
+    text = os.environ.get(f"PORT_{name}", "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise ValueError(f"PORT_{name}={text!r} is not a whole number: set it to one (0 sends every call of the "
+                         f"Hopper backward's kind to it) or unset it (the default, {default})")
+    return int(text)
+
+
+HOPPER_BWD_PER_HEAD_MIN_PAIRS = _count_setting("HOPPER_BWD_PER_HEAD_MIN_PAIRS", 1 << 30)
 # a call whose mask keeps fewer than HOPPER_BWD_MIN_BLOCKS blocks of 128 x 128 pairs (over its batch
 # entries and query heads; counted once per shape from the block lists) runs the portable backward:
 # there a step is bound by the host, and the Hopper backward's plan, TMA descriptors and extra
@@ -52,7 +65,8 @@ HOPPER_BWD_PER_HEAD_MIN_PAIRS = 1 << 30
 # (5,243 blocks) 0.600 against 0.628 (0.59 against 0.78), while causal (33,280) ran 1.78 ms
 # on the Hopper backward against 2.32 and a window of 1,024 (8,640) 0.65 against 0.75 on one host
 # (0.785 against 0.750 on another). 0 lets every call of the Hopper backward's kind take it
-HOPPER_BWD_MIN_BLOCKS = 8192
+# (PORT_HOPPER_BWD_MIN_BLOCKS and PORT_HOPPER_BWD_PER_HEAD_MIN_PAIRS set both from the environment)
+HOPPER_BWD_MIN_BLOCKS = _count_setting("HOPPER_BWD_MIN_BLOCKS", 8192)
 # HOPPER_BWD_SCORE (PORT_HOPPER_BWD_SCORE=0 turns it off): a score_mod takes the Hopper backward in
 # its keys-down form (the default at D 64 and 128, not deterministic, no learning table): each
 # tile's scores through score_mod_gluon and dS through its derivative, score_grad_gluon (generated

@@ -688,17 +688,17 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     assert not causal._hopper_bwd_ready(_Cuda(1, 4, 1024, 128), off, _Cuda(1, 2, 2048, 128), ())
     # a call whose mask keeps fewer than HOPPER_BWD_MIN_BLOCKS blocks runs the portable backward (a
     # step bound by the host); uncounted (a CUDA graph capturing a new shape), the Hopper one
-    assert causal.HOPPER_BWD_MIN_BLOCKS == 8192
-    kept[0] = 8191
+    assert causal.HOPPER_BWD_MIN_BLOCKS == 4096
+    kept[0] = 4095
     assert not ready(causal, d=64) and not ready(causal, d=128)
     kept[0] = None
     assert ready(causal, d=64) and ready(causal, d=128)
-    kept[0] = 8192
+    kept[0] = 4096
     assert ready(causal, d=128)
     kept[0] = 1
     monkeypatch.setattr(causal, "HOPPER_BWD_MIN_BLOCKS", 0)
     assert ready(causal, d=128)
-    monkeypatch.setattr(causal, "HOPPER_BWD_MIN_BLOCKS", 8192)
+    monkeypatch.setattr(causal, "HOPPER_BWD_MIN_BLOCKS", 4096)
     kept[0] = 1 << 20
     w = torch.tensor([64, 128, 256, 512])
 
@@ -757,11 +757,11 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     low = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "low"))
     assert low.HOPPER_BWD_MIN_BLOCKS == 1000 and low.HOPPER_BWD_PER_HEAD_MIN_PAIRS == 0
     kept[0] = 1000
-    assert ready(low, d=128) and not ready(causal, d=128)  # (causal: the default, 8,192)
+    assert ready(low, d=128) and not ready(causal, d=128)  # (causal: the default, 4,096)
     kept[0] = 999
     assert not ready(low, d=128)
     monkeypatch.setenv("PORT_HOPPER_BWD_MIN_BLOCKS", "8k")
-    with pytest.raises(ValueError, match=r"PORT_HOPPER_BWD_MIN_BLOCKS='8k' is not a whole number.*default, 8192"):
+    with pytest.raises(ValueError, match=r"PORT_HOPPER_BWD_MIN_BLOCKS='8k' is not a whole number.*default, 4096"):
         port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "bad_blocks"))
 
 

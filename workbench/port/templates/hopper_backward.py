@@ -59,14 +59,16 @@ HOPPER_BWD_PER_HEAD_MIN_PAIRS = _count_setting("HOPPER_BWD_PER_HEAD_MIN_PAIRS", 
 # a call whose mask keeps fewer than HOPPER_BWD_MIN_BLOCKS blocks of 128 x 128 pairs (over its batch
 # entries and query heads; counted once per shape from the block lists) runs the portable backward:
 # there a step is bound by the host, and the Hopper backward's plan, TMA descriptors and extra
-# launches cost 0.1-0.15 ms of host time a step more. On H100s (bf16, B 1, H 16, D 128, forward +
-# backward at 8K, lean launch): 8 documents (4,608 blocks) took 0.538 ms a step on the portable
-# backward against 0.715 on the Hopper one (another host: 0.62 against 0.83), per-head windows
-# (5,243 blocks) 0.600 against 0.628 (0.59 against 0.78), while causal (33,280) ran 1.78 ms
-# on the Hopper backward against 2.32 and a window of 1,024 (8,640) 0.65 against 0.75 on one host
-# (0.785 against 0.750 on another). 0 lets every call of the Hopper backward's kind take it
+# launches cost about 0.1-0.14 ms of host time a step more (0.29-0.32 against 0.41-0.43 ms on one
+# H100 host), while its kernels save about 20 ns a kept block (0.34 against 0.45 ms on the per-head
+# window at 8K). On that host (bf16, B 1, H 16, D 128, forward + backward, tensor maps kept):
+# 8 documents at 8K (4,608 blocks) took 0.456 ms a step on the Hopper backward against 0.533 on
+# the portable one, per-head windows (5,243) 0.472 against 0.586; at 2K (a few hundred blocks) the
+# portable one won, 0.255 against 0.351 and 0.216 against 0.287. A slower host moves the crossing
+# up (before the tensor maps were kept, 8 documents at 8K took 0.715 ms on the Hopper backward
+# against 0.538). 0 lets every call of the Hopper backward's kind take it
 # (PORT_HOPPER_BWD_MIN_BLOCKS and PORT_HOPPER_BWD_PER_HEAD_MIN_PAIRS set both from the environment)
-HOPPER_BWD_MIN_BLOCKS = _count_setting("HOPPER_BWD_MIN_BLOCKS", 8192)
+HOPPER_BWD_MIN_BLOCKS = _count_setting("HOPPER_BWD_MIN_BLOCKS", 4096)
 # HOPPER_BWD_SCORE (PORT_HOPPER_BWD_SCORE=0 turns it off): a score_mod takes the Hopper backward in
 # its keys-down form (the default at D 64 and 128, not deterministic, no learning table): each
 # tile's scores through score_mod_gluon and dS through its derivative, score_grad_gluon (generated

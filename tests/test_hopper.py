@@ -760,9 +760,10 @@ def test_the_hopper_backward_takes_mask_only_calls_at_whole_blocks(tmp_path, mon
     assert ready(low, d=128) and not ready(causal, d=128)  # (causal: the default, 4,096)
     kept[0] = 999
     assert not ready(low, d=128)
-    monkeypatch.setenv("PORT_HOPPER_BWD_MIN_BLOCKS", "8k")
-    with pytest.raises(ValueError, match=r"PORT_HOPPER_BWD_MIN_BLOCKS='8k' is not a whole number.*default, 4096"):
-        port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / "bad_blocks"))
+    for bad in ("8k", "-1", "\u00b2"):  # (a superscript two is a digit to str.isdigit, not to int())
+        monkeypatch.setenv("PORT_HOPPER_BWD_MIN_BLOCKS", bad)
+        with pytest.raises(ValueError, match=rf"PORT_HOPPER_BWD_MIN_BLOCKS={bad!r} is not a whole number.*default, 4096"):
+            port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path / f"bad_blocks_{ord(bad[-1])}"))
 
 
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")

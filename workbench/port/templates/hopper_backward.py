@@ -49,7 +49,7 @@ def _count_setting(name: str, default: int) -> int:
     text = os.environ.get(f"PORT_{name}", "").strip()
     if not text:
         return default
-    if not text.isdigit():
+    if not text.isdecimal():  # (not isdigit: '²' is a digit int() cannot read)
         raise ValueError(f"PORT_{name}={text!r} is not a whole number: set it to one (0 sends every call of the "
                          f"Hopper backward's kind to it) or unset it (the default, {default})")
     return int(text)
@@ -59,8 +59,8 @@ HOPPER_BWD_PER_HEAD_MIN_PAIRS = _count_setting("HOPPER_BWD_PER_HEAD_MIN_PAIRS", 
 # a call whose mask keeps fewer than HOPPER_BWD_MIN_BLOCKS blocks of 128 x 128 pairs (over its batch
 # entries and query heads; counted once per shape from the block lists) runs the portable backward:
 # there a step is bound by the host, and the Hopper backward's plan, TMA descriptors and extra
-# launches cost about 0.1-0.14 ms of host time a step more (0.29-0.32 against 0.41-0.43 ms on one
-# H100 host), while its kernels save about 20 ns a kept block (0.34 against 0.45 ms on the per-head
+# launches cost more host time a step, by how much depends on the host (0.29-0.32 against
+# 0.41-0.43 ms on one H100 host, 0.319 against 0.328 on another), while its kernels save about 20 ns a kept block (0.34 against 0.45 ms on the per-head
 # window at 8K). On that host (bf16, B 1, H 16, D 128, forward + backward, tensor maps kept):
 # 8 documents at 8K (4,608 blocks) took 0.456 ms a step on the Hopper backward against 0.533 on
 # the portable one, per-head windows (5,243) 0.472 against 0.586; at 2K (a few hundred blocks) the

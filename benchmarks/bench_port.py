@@ -196,6 +196,11 @@ def _rounds(text: str) -> int:
     return rounds
 
 
+# --loops suffixes after '+': q2 (two buffers of queries, HOPPER_Q_BUFFERS), pv0 / pv1 (the softmax's
+# exponentials after / under the previous tile's P V, HOPPER_UNDER_PV)
+_LOOP_EXTRAS = ("q2", "pv0", "pv1")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
@@ -221,8 +226,9 @@ def main(argv=None) -> int:
     p.add_argument("--loops", nargs="+", default=["specialized", "pingpong"],
                    help="--hopper: the forms of its tile loop to time (HOPPER_LOOP), each optionally with its number "
                    "of K / V buffers and its warpgroups' hand-offs (HOPPER_NAMED: 0 mbarriers, 1 named turns, 3 named "
-                   "turns and releases, 5 or 7: 1 or 3 with the turn taken before the tile's waits) and `+q2`, two buffers of "
-                   "queries (HOPPER_Q_BUFFERS): pingpong:3, persistent@7, persistent+q2")
+                   "turns and releases, 5 or 7: 1 or 3 with the turn taken before the tile's waits), `+q2`, two buffers of "
+                   "queries (HOPPER_Q_BUFFERS), and `+pv0` / `+pv1`, the softmax's exponentials after / under the "
+                   "previous tile's P V (HOPPER_UNDER_PV): pingpong:3, persistent@7, persistent+q2, persistent+pv0")
     p.add_argument("--score-forms", nargs="+", choices=["off", "bias", "all"],
                    help="--hopper: the score functions' forms to time, each loop with each (PORT_FAST_SCORE's; default: "
                    "the generator's, bias unless PORT_FAST_SCORE says otherwise): off "
@@ -230,8 +236,10 @@ def main(argv=None) -> int:
                    "integer distances converted per row and column)")
     args = p.parse_args(argv)
     for loop in args.loops:  # (a suffix after '+' that names nothing would time the default silently)
-        if loop.split(" ")[0].partition("+")[2] not in ("", "q2"):
-            p.error(f"--loops {loop!r}: after '+' only q2 (two buffers of queries) is known, e.g. persistent+q2")
+        unknown = [x for x in loop.split(" ")[0].split("+")[1:] if x not in _LOOP_EXTRAS]
+        if unknown:
+            p.error(f"--loops {loop!r}: after '+' only {', '.join(_LOOP_EXTRAS)} are known (two buffers of queries; "
+                    f"the softmax after / under the previous tile's P V), e.g. persistent+q2 or persistent+pv0")
     if args.hopper:
         return hopper_bench(args)
     if args.fa4:
@@ -353,20 +361,23 @@ def hopper_bench(args) -> int:
                 def hopper(variant, modules=modules):
                     variant, _, form = variant.partition(" ")
                     module = modules[form or forms[0]]
-                    variant, _, extra = variant.partition("+")
+                    variant, *extras = variant.split("+")
                     variant, _, named = variant.partition("@")
                     loop, _, buffers = variant.partition(":")
                     block_n, default_buffers, warps = module.HOPPER_TILE
                     default_named, default_q = module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS
+                    default_pv = module.HOPPER_UNDER_PV
                     module.HOPPER, module.HOPPER_LOOP = True, loop
                     module.HOPPER_TILE = (block_n, int(buffers or default_buffers), warps)
                     module.HOPPER_NAMED = int(named) if named else default_named
-                    module.HOPPER_Q_BUFFERS = 2 if extra == "q2" else default_q
+                    module.HOPPER_Q_BUFFERS = 2 if "q2" in extras else default_q
+                    module.HOPPER_UNDER_PV = 0 if "pv0" in extras else 1 if "pv1" in extras else default_pv
                     try:
                         return module.attention(q, k, v)
                     finally:
                         module.HOPPER_TILE = (block_n, default_buffers, warps)
                         module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS = default_named, default_q
+                        module.HOPPER_UNDER_PV = default_pv
 
                 def portable(module=module):
                     module.HOPPER = False

@@ -65,6 +65,32 @@ def ptxas(kernel) -> str:
     return "; ".join(lines)
 
 
+def exponentials_before_waits(kernel) -> list[int]:
+    """For each full wait on the warpgroup MMAs (WARPGROUP.DEPBAR.LE gsb0, 0x0) in the kernel's SASS
+    (ptxas, then nvdisasm): how many exponentials (MUFU.EX2) run between the last MMA issued and
+    that wait. A loop whose softmax runs under the previous tile's P V has all of a tile's there."""
+    import re
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as folder:
+        ptx, cubin = Path(folder) / "k.ptx", Path(folder) / "k.cubin"
+        ptx.write_text(kernel.asm["ptx"])
+        subprocess.run([str(bin_dir / "ptxas"), "--gpu-name=sm_90a", str(ptx), "-o", str(cubin)], check=True,
+                       capture_output=True)
+        sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(cubin)], check=True, capture_output=True,
+                              text=True).stdout
+    counts, last_mma, exps = [], None, 0
+    for line in sass.splitlines():
+        line = re.sub(r"/\*.*?\*/", "", line)
+        if "HGMMA" in line:
+            last_mma, exps = line, 0
+        elif "MUFU.EX2" in line:
+            exps += 1
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and last_mma is not None:
+            counts.append(exps)
+    return counts
+
+
 def masks(device: str = "cpu") -> list[Mask]:
     """The compiled masks, their captured tensors on `device` (the GPU test runs them there)."""
     heads_w = torch.tensor([64, 128, 256, 1024], device=device)
@@ -143,6 +169,12 @@ def main(argv) -> int:
                 # back through named barriers, bar.arrive, in the ping-pong and persistent loops)
                 named = module._hopper_loop() != "specialized" and bool(module.HOPPER_NAMED)
                 assert ("bar.arrive" in kernel.asm["ptx"]) == named, (module._hopper_loop(), module.HOPPER_NAMED)
+                # (HOPPER_UNDER_PV) the steady loop's wait for the previous tile's P V comes after the
+                # tile's 64 exponentials a thread computes (its 64 rows x 128 keys over 128 threads), not
+                # before them, which is where ptxas puts it without the softmax's own block
+                if module.HOPPER_UNDER_PV:
+                    under = exponentials_before_waits(kernel)
+                    assert max(under) >= 64, f"{module._hopper_loop()}: exponentials before each P V wait: {under}"
                 details.append(f"{module._hopper_loop()}: {ptxas(kernel)}; shared {kernel.metadata.shared} bytes")
             if not quick:  # (HOPPER_Q_BUFFERS = 2: the persistent loop's two buffers of queries, a ring of 2)
                 module.HOPPER_LOOP, module.HOPPER_Q_BUFFERS = "persistent", 2

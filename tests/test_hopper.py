@@ -1308,6 +1308,55 @@ def test_the_query_buffers_setting_is_read_from_the_environment_and_a_typo_is_re
             port.load(path)
 
 
+@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
+def test_the_softmax_under_p_v_reaches_every_loop_and_the_paged_prefill_as_the_switch_says(tmp_path):
+    # HOPPER_UNDER_PV: every loop's kernel, and the paged prefill's, gets UNDER_PV = 1 when it is on
+    # and nothing when off; a changed switch is a new kind of call (never a plan made under the other
+    # setting). Where the compiled wait sits: tests/run_hopper_compile.py.
+    import torch
+
+    module, cpu = _planned_on_cpu(tmp_path)
+    assert module.HOPPER_UNDER_PV == int(os.environ.get("PORT_HOPPER_UNDER_PV", "").strip() or 1)
+    q = torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16)
+    tables = module._tables(cpu, 1024, 1024)
+    sites = set()
+    for loop in ("specialized", "pingpong", "persistent"):
+        for under in (1, 0):
+            module.HOPPER_LOOP, module.HOPPER_UNDER_PV = loop, under
+            _, _, options, _, _, site = module._hopper_launch(q, q, q, 0.125, False, tables)
+            assert options.get("UNDER_PV", 0) == under, (loop, under, options)
+            assert site not in sites, (loop, under)
+            sites.add(site)
+    module.HOPPER_LOOP = "auto"
+    plan = (torch.zeros(3, 8, dtype=torch.int32), torch.zeros(3, 3, dtype=torch.int32),
+            torch.zeros(3, 8, dtype=torch.int32), torch.zeros(3, 8, dtype=torch.int32))
+    qp = torch.zeros(300, 2, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(64, 16, 1, 128, dtype=torch.bfloat16)
+    table = torch.zeros(2, 32, dtype=torch.int32)
+    pointers = [tables[n] for n in module.ALL_POINTERS]
+    for under in (1, 0):
+        module.HOPPER_UNDER_PV = under
+        _, _, options = module._hopper_paged_launch(qp, cache, cache, table, 0.125, False, pointers, plan, qp, qp)
+        assert options.get("UNDER_PV", 0) == under, (under, options)
+
+
+def test_the_softmax_under_p_v_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp_path, monkeypatch):
+    # PORT_HOPPER_UNDER_PV: unset or empty 1, "0" or "1"; any other value stops the file's load with
+    # an error that names the variable and the values (never a silent default)
+    path = port.build(make("causal"), 256, 256, out_dir=tmp_path)
+    for value, want in ((None, 1), ("", 1), ("1", 1), (" 0 ", 0)):
+        if value is None:
+            monkeypatch.delenv("PORT_HOPPER_UNDER_PV", raising=False)
+        else:
+            monkeypatch.setenv("PORT_HOPPER_UNDER_PV", value)
+        assert port.load(path).HOPPER_UNDER_PV == want, value
+    for value in ("2", "on", "yes", "-1"):
+        monkeypatch.setenv("PORT_HOPPER_UNDER_PV", value)
+        with pytest.raises(ValueError, match=rf"PORT_HOPPER_UNDER_PV='{value}' is not a switch.*set 1 \(the softmax "
+                           r"under the previous tile's P V, the default\) or 0"):
+            port.load(path)
+
+
 def test_auto_runs_the_persistent_loop_except_with_a_score_mod_at_d128(tmp_path):
     # HOPPER_LOOP = "auto": the persistent loop, except the ping-pong one with a score_mod at D 128
     # (measured: with a score_mod persistent was slower at D 128, faster at D 64)

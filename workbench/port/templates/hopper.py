@@ -81,6 +81,18 @@ if _NAMED_SETTING not in ("0", "1", "3", "5", "7"):
                      "(mbarriers), 1 (named turns), 3 (named turns and K / V releases), 5 or 7 (1 or 3, the turn "
                      "taken before the tile's waits), or unset it")
 HOPPER_NAMED = int(_NAMED_SETTING)
+# The softmax under the previous tile's P V (FlashAttention-3's overlap within a warpgroup): in the
+# source, tile t's exponentials come before the wait for tile t-1's P V, but ptxas schedules the
+# wait (WARPGROUP.DEPBAR) as early as its block allows, so compiled for sm_90a every loop waited for
+# P V before its first exponential (tests/run_hopper_compile.py looks). 1: a branch that is never
+# taken (_softmax_done) ends the softmax's block, so the wait stays after the exponentials and only
+# the conversion of P to 16 bits, which overwrites the registers P V reads, comes after it. 0: the
+# loops as ptxas schedules them without it. PORT_HOPPER_UNDER_PV=0 / 1 in the environment chooses.
+_UNDER_PV_SETTING = os.environ.get("PORT_HOPPER_UNDER_PV", "").strip() or "1"
+if _UNDER_PV_SETTING not in ("0", "1"):
+    raise ValueError(f"PORT_HOPPER_UNDER_PV={_UNDER_PV_SETTING!r} is not a switch of the Hopper softmax's place: set 1 "
+                     "(the softmax under the previous tile's P V, the default) or 0, or unset it")
+HOPPER_UNDER_PV = int(_UNDER_PV_SETTING)
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 # Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved
@@ -224,6 +236,17 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 _bar_sync(_BAR_V_FREE + i % NUM_BUF, 288)
 
     @gluon.jit
+    def _softmax_done(n_f, UNDER_PV: gl.constexpr):
+        # (HOPPER_UNDER_PV) the end of the softmax's basic block, before the wait for the previous
+        # tile's P V: a branch on the row's full-block count (never negative, so never taken) around
+        # one side-effecting instruction, which neither LLVM nor ptxas can fold away; ptxas does not
+        # hoist the wait out of its own block, so the exponentials run while P V does
+        if UNDER_PV:
+            if n_f < 0:
+                gl.inline_asm_elementwise("nanosleep.u32 1;\n\tmov.u32 $0, 0;", "=r,r", [n_f], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+
+    @gluon.jit
     def _hopper_softmax(qk, m_i, l_i, b, h, q_idx, kv_idx, first, Lk, full, sm_scale, @@ALL_PTR_PARAMS@@
                         HAS_SCORE: gl.constexpr, dtype: gl.constexpr, p_layout: gl.constexpr,
                         EVEN_N: gl.constexpr, PAGED: gl.constexpr):
@@ -337,7 +360,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                          sm_scale, @@ALL_PTR_PARAMS@@
                          HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
                          TABLE_N: gl.constexpr, num_warps: gl.constexpr, EVEN_M: gl.constexpr,
-                         EVEN_N: gl.constexpr, PAGED: gl.constexpr):
+                         EVEN_N: gl.constexpr, PAGED: gl.constexpr, UNDER_PV: gl.constexpr = 0):
         # the math warps of the specialized kernel, over the program's BLOCK_M queries. Per tile t:
         # S = Q K^T (wgmma, Q and K from shared memory), then the score_mod, the mask and the online
         # softmax (_hopper_softmax), then O = O * alpha + P V (wgmma, P from registers). Overlapped
@@ -386,6 +409,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                      sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
                                                      PAGED)
+                _softmax_done(n_f, UNDER_PV)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -406,7 +430,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                    HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                    TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                    PINGPONG: gl.constexpr = False, EVEN_M: gl.constexpr = True,
-                                   EVEN_N: gl.constexpr = True, NAMED: gl.constexpr = 0):
+                                   EVEN_N: gl.constexpr = True, NAMED: gl.constexpr = 0, UNDER_PV: gl.constexpr = 0):
         # one program = BLOCK_M queries of one (batch entry, head) over the blocks its row of the
         # lists names (full ones without the mask, then partial ones with it). EVEN_M / EVEN_N:
         # Lq / Lk are multiples of BLOCK_M / TABLE_N. Otherwise (HOPPER_RAGGED) the last block of
@@ -470,11 +494,11 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                                              Out, Lse, b, h, row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f,
                                              n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
-                                             SUB, TABLE_N, 0, EVEN_M, EVEN_N, False, NAMED)),
+                                             SUB, TABLE_N, 0, EVEN_M, EVEN_N, False, NAMED, UNDER_PV)),
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                                              Out, Lse, b, h, row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f,
                                              n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
-                                             SUB, TABLE_N, 1, EVEN_M, EVEN_N, False, NAMED)),
+                                             SUB, TABLE_N, 1, EVEN_M, EVEN_N, False, NAMED, UNDER_PV)),
                 (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
                                     n_tiles, idx_f, idx_p, Lk, SUB, TABLE_N, EVEN_N, NAMED)),
             ], [4, 1], [240, 24])
@@ -483,7 +507,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 (_hopper_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, Out, Lse, b, h,
                                     row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale,
                                     @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, num_warps, EVEN_M, EVEN_N,
-                                    False)),
+                                    False, UNDER_PV)),
                 (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
                                     n_tiles, idx_f, idx_p, Lk, SUB, TABLE_N, EVEN_N)),
             ], [1], [24])
@@ -494,7 +518,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@
                                   HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
                                   TABLE_N: gl.constexpr, WG: gl.constexpr, EVEN_M: gl.constexpr,
-                                  EVEN_N: gl.constexpr, PAGED: gl.constexpr, NAMED: gl.constexpr = 0):
+                                  EVEN_N: gl.constexpr, PAGED: gl.constexpr, NAMED: gl.constexpr = 0,
+                                  UNDER_PV: gl.constexpr = 0):
         # one warpgroup (4 warps) of the ping-pong kernel: query rows WG * 64 .. WG * 64 + 64 of the
         # program's 128, the overlapped loop (tile t's S = Q K^T issued with tile t-1's P V, the
         # softmax under P V). The two warpgroups take turns to issue their matmuls (`turn`, one
@@ -549,6 +574,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                      sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
                                                      PAGED)
+                _softmax_done(n_f, UNDER_PV)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _release(v_empty, prev, _BAR_V_FREE, NAMED)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -650,7 +676,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                     partial_num, full_idx, partial_idx, sm_scale, @@ALL_PTR_PARAMS@@
                                     HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                     SUB: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
-                                    EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0):
+                                    EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0,
+                                    UNDER_PV: gl.constexpr = 0):
         # one warpgroup of the persistent kernel: _hopper_pingpong_consumer's loop (rows WG * 64 ..
         # + 64 of each tile's 128) over the tiles the load warp hands over, until it hands over
         # num_m * BH. The K / V slots and their phases follow `c`, and the turns `u`, counted over
@@ -728,6 +755,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                          sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout,
                                                          EVEN_N, False)
+                    _softmax_done(n_f, UNDER_PV)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     _release(v_empty, prev, _BAR_V_FREE, NAMED)
                     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -756,7 +784,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                   TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                   EVEN_M: gl.constexpr = True, EVEN_N: gl.constexpr = True,
-                                  NAMED: gl.constexpr = 0, Q_BUF: gl.constexpr = 1):
+                                  NAMED: gl.constexpr = 0, Q_BUF: gl.constexpr = 1, UNDER_PV: gl.constexpr = 0):
         # HOPPER_LOOP = "persistent": the ping-pong kernel's roles in one program per SM, each
         # taking (row block, head) tiles from the call's counter until none is left, heaviest first
         # (_hopper_tile_of). Q_BUF = 1 buffer of queries (so the ring keeps its three K / V
@@ -796,12 +824,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 0, EVEN_M,
-                                           EVEN_N, NAMED)),
+                                           EVEN_N, NAMED, UNDER_PV)),
             (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty, k_ready, v_ready,
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 1, EVEN_M,
-                                           EVEN_N, NAMED)),
+                                           EVEN_N, NAMED, UNDER_PV)),
             (_hopper_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, q_ready,
                                            q_empty, k_ready, v_ready, k_empty, v_empty, counter, num_m, BH, Hq, group,
                                            Lq, Lk, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
@@ -908,7 +936,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
                          f"one of {', '.join(map(repr, HOPPER_LOOPS))}")
     pointers = [tables[n] for n in ALL_POINTERS]
     site = ("forward", q.shape, k.shape, q.dtype, q.device, _current_device(q), return_lse, HOPPER_LOOP,
-            HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS, tuple(t.data_ptr() % 16 == 0 for t in pointers))
+            HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS, HOPPER_UNDER_PV, tuple(t.data_ptr() % 16 == 0 for t in pointers))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
     plan = _remember(_HOPPER_PLANS, site, lambda: _hopper_plan(q, k, v, scale, out, lse, pointers))
@@ -968,6 +996,8 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
         options["NAMED"] = HOPPER_NAMED if buffers <= 3 else HOPPER_NAMED & 5
     if persistent and HOPPER_Q_BUFFERS == 2:
         options["Q_BUF"] = 2
+    if HOPPER_UNDER_PV:
+        options["UNDER_PV"] = 1
     if Lq % 128:  # (HOPPER_RAGGED) the last block of queries runs past Lq
         options["EVEN_M"] = False
     if Lk % TABLE_N:  # (HOPPER_RAGGED) the last tile of keys runs past Lk

@@ -1316,7 +1316,7 @@ def test_the_softmax_under_p_v_reaches_every_loop_and_the_paged_prefill_as_the_s
     import torch
 
     module, cpu = _planned_on_cpu(tmp_path)
-    assert module.HOPPER_UNDER_PV == int(os.environ.get("PORT_HOPPER_UNDER_PV", "").strip() or 1)
+    assert module.HOPPER_UNDER_PV == int(os.environ.get("PORT_HOPPER_UNDER_PV", "").strip() or 0)
     q = torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16)
     tables = module._tables(cpu, 1024, 1024)
     sites = set()
@@ -1341,10 +1341,10 @@ def test_the_softmax_under_p_v_reaches_every_loop_and_the_paged_prefill_as_the_s
 
 
 def test_the_softmax_under_p_v_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp_path, monkeypatch):
-    # PORT_HOPPER_UNDER_PV: unset or empty 1, "0" or "1"; any other value stops the file's load with
+    # PORT_HOPPER_UNDER_PV: unset or empty 0, "0" or "1"; any other value stops the file's load with
     # an error that names the variable and the values (never a silent default)
     path = port.build(make("causal"), 256, 256, out_dir=tmp_path)
-    for value, want in ((None, 1), ("", 1), ("1", 1), (" 0 ", 0)):
+    for value, want in ((None, 0), ("", 0), (" 1 ", 1), ("0", 0)):
         if value is None:
             monkeypatch.delenv("PORT_HOPPER_UNDER_PV", raising=False)
         else:
@@ -1353,7 +1353,7 @@ def test_the_softmax_under_p_v_setting_is_read_from_the_environment_and_a_typo_i
     for value in ("2", "on", "yes", "-1"):
         monkeypatch.setenv("PORT_HOPPER_UNDER_PV", value)
         with pytest.raises(ValueError, match=rf"PORT_HOPPER_UNDER_PV='{value}' is not a switch.*set 1 \(the softmax "
-                           r"under the previous tile's P V, the default\) or 0"):
+                           r"under the previous tile's P V\) or 0 \(the default\)"):
             port.load(path)
 
 

@@ -24,7 +24,8 @@ HOPPER = os.environ.get("PORT_HOPPER", "1") != "0"
 HOPPER_TILE = (128, 0, 8)
 # the tile loop, both forms warp-specialized (one warp only issues the TMA loads) and both with
 # FlashAttention-3's order within a warpgroup (tile t's S = Q K^T issued with tile t-1's P V, and
-# t's softmax running while P V does): "specialized" (one group of math warps over the 128 rows) or
+# t's softmax before the wait for that P V; compiled, the wait comes first unless HOPPER_UNDER_PV,
+# below): "specialized" (one group of math warps over the 128 rows) or
 # "pingpong" (two warpgroups of 64 rows take turns on the tensor cores, so one's softmax runs
 # under the other's matmuls); the same arithmetic. "persistent": pingpong's roles in one program
 # per SM that takes (row block, head) tiles from a counter (an atomic add: programs that finish
@@ -368,7 +369,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # S = Q K^T (wgmma, Q and K from shared memory), then the score_mod, the mask and the online
         # softmax (_hopper_softmax), then O = O * alpha + P V (wgmma, P from registers). Overlapped
         # as in FlashAttention-3: tile t's S is issued together with tile t-1's P V, and t's
-        # softmax runs while P V does (O is rescaled after). Each buffer goes back to the load warp
+        # softmax comes before the wait for that P V (O is rescaled after; ptxas runs the softmax
+        # under P V only with HOPPER_UNDER_PV, see _softmax_done). Each buffer goes back to the load warp
         # (its `empty` barrier) as soon as the matmul reading it has finished. The rows' place:
         # q_pos0 = the mods' q_idx of the first row, n_valid = the rows that are queries of this
         # sequence, (o_off, o_stride, l_off, l_stride) where they are stored (_hopper_store)
@@ -525,7 +527,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   UNDER_PV: gl.constexpr = 0):
         # one warpgroup (4 warps) of the ping-pong kernel: query rows WG * 64 .. WG * 64 + 64 of the
         # program's 128, the overlapped loop (tile t's S = Q K^T issued with tile t-1's P V, the
-        # softmax under P V). The two warpgroups take turns to issue their matmuls (`turn`, one
+        # softmax before the wait for it: _softmax_done). The two warpgroups take turns to issue their matmuls (`turn`, one
         # barrier each: a warpgroup waits for its own, issues, then signals the other's), so one's
         # softmax runs while the other's matmuls hold the tensor cores. Warpgroup 0 goes first: its
         # first wait is for parity 1, which a fresh barrier counts as complete.

@@ -260,8 +260,9 @@ def test_the_warpgroups_hand_offs_give_the_same_bits_every_way(cuda, tmp_path, l
     # HOPPER_NAMED: the two warpgroups take turns on the tensor cores and give K / V buffers back to
     # the load warp through named barriers (3), named turns only (1) or mbarriers (0, the default);
     # 5 and 7 are 1 and 3 with the turn taken before the tile's waits; the persistent loop also with
-    # two buffers of queries (HOPPER_Q_BUFFERS = 2); both loops also with the wait for P V before the
-    # softmax (HOPPER_UNDER_PV = 0, where ptxas puts it on its own). The arithmetic is the same, so the bits must be; a barrier left half done or a buffer given
+    # two buffers of queries (HOPPER_Q_BUFFERS = 2); both loops also with the other place of the wait
+    # for P V (HOPPER_UNDER_PV flipped: the softmax under P V, or the wait first, where ptxas puts it).
+    # The arithmetic is the same, so the bits must be; a barrier left half done or a buffer given
     # back early would hang or mix tiles. Programs whose rows keep nothing (no turn at all), rows of
     # every length, more tiles than SMs, GQA, lengths off the 128 grid, a softcap in the ping-pong
     # loop; each setting called twice, and against float64.

@@ -1228,6 +1228,20 @@ def _planned_on_cpu(tmp_path):
     return module, cpu
 
 
+def _paged_prefill_options(module, tables) -> dict:
+    """The options the paged prefill's Hopper kernel would launch with: 300 query tokens of 2 heads,
+    bf16, D 128, pages of 16 (nothing launches)."""
+    import torch
+
+    plan = (torch.zeros(3, 8, dtype=torch.int32), torch.zeros(3, 3, dtype=torch.int32),
+            torch.zeros(3, 8, dtype=torch.int32), torch.zeros(3, 8, dtype=torch.int32))
+    qp = torch.zeros(300, 2, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(64, 16, 1, 128, dtype=torch.bfloat16)
+    table = torch.zeros(2, 32, dtype=torch.int32)
+    pointers = [tables[n] for n in module.ALL_POINTERS]
+    return module._hopper_paged_launch(qp, cache, cache, table, 0.125, False, pointers, plan, qp, qp)[2]
+
+
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
 def test_the_warpgroups_hand_offs_reach_the_kernel_as_the_switch_says(tmp_path):
     # HOPPER_NAMED chooses how the ping-pong and persistent loops' warpgroups take turns and give
@@ -1256,14 +1270,7 @@ def test_the_warpgroups_hand_offs_reach_the_kernel_as_the_switch_says(tmp_path):
     module.HOPPER_TILE = (128, 0, 8)
     for named, want in ((3, 1), (1, 1), (0, 0), (7, 5), (5, 5)):
         module.HOPPER_LOOP, module.HOPPER_NAMED = "auto", named
-        heads = 2
-        plan = (torch.zeros(3, 8, dtype=torch.int32), torch.zeros(3, 3, dtype=torch.int32),
-                torch.zeros(3, 8, dtype=torch.int32), torch.zeros(3, 8, dtype=torch.int32))
-        qp = torch.zeros(300, heads, 128, dtype=torch.bfloat16)
-        cache = torch.zeros(64, 16, 1, 128, dtype=torch.bfloat16)
-        table = torch.zeros(2, 32, dtype=torch.int32)
-        pointers = [tables[n] for n in module.ALL_POINTERS]
-        _, _, options = module._hopper_paged_launch(qp, cache, cache, table, 0.125, False, pointers, plan, qp, qp)
+        options = _paged_prefill_options(module, tables)
         assert options.get("NAMED", 0) == want, (named, options)
 
 
@@ -1291,20 +1298,28 @@ def test_two_buffers_of_queries_reach_the_persistent_kernel_within_its_shared_me
                 sites.add(site)
 
 
-def test_the_query_buffers_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp_path, monkeypatch):
-    # PORT_HOPPER_Q_BUFFERS: unset or empty 1, "1" or "2"; any other value stops the file's load with
-    # an error that names the variable and the values (never a silent 1)
+@pytest.mark.parametrize("name, attribute, read, refused, message", [
+    # unset or empty 1, "1" or "2"
+    ("PORT_HOPPER_Q_BUFFERS", "HOPPER_Q_BUFFERS", ((None, 1), ("", 1), ("1", 1), (" 2 ", 2)), ("3", "0", "two", "on"),
+     r"names no number.*set 1 \(the default\) or 2"),
+    # unset or empty 0, "0" or "1"
+    ("PORT_HOPPER_UNDER_PV", "HOPPER_UNDER_PV", ((None, 0), ("", 0), (" 1 ", 1), ("0", 0)), ("2", "on", "yes", "-1"),
+     r"is not a switch.*set 1 \(the softmax under the previous tile's P V\) or 0 \(the default\)"),
+])
+def test_a_hopper_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp_path, monkeypatch, name, attribute,
+                                                                             read, refused, message):
+    # PORT_HOPPER_Q_BUFFERS, PORT_HOPPER_UNDER_PV: any value not in the list stops the file's load
+    # with an error that names the variable and the values (never a silent default)
     path = port.build(make("causal"), 256, 256, out_dir=tmp_path)
-    for value, want in ((None, 1), ("", 1), ("1", 1), (" 2 ", 2)):
+    for value, want in read:
         if value is None:
-            monkeypatch.delenv("PORT_HOPPER_Q_BUFFERS", raising=False)
+            monkeypatch.delenv(name, raising=False)
         else:
-            monkeypatch.setenv("PORT_HOPPER_Q_BUFFERS", value)
-        assert port.load(path).HOPPER_Q_BUFFERS == want, value
-    for value in ("3", "0", "two", "on"):
-        monkeypatch.setenv("PORT_HOPPER_Q_BUFFERS", value)
-        with pytest.raises(ValueError, match=rf"PORT_HOPPER_Q_BUFFERS='{value}' names no number.*set 1 \(the "
-                           r"default\) or 2"):
+            monkeypatch.setenv(name, value)
+        assert getattr(port.load(path), attribute) == want, value
+    for value in refused:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=rf"{name}='{value}' " + message):
             port.load(path)
 
 
@@ -1328,33 +1343,10 @@ def test_the_softmax_under_p_v_reaches_every_loop_and_the_paged_prefill_as_the_s
             assert site not in sites, (loop, under)
             sites.add(site)
     module.HOPPER_LOOP = "auto"
-    plan = (torch.zeros(3, 8, dtype=torch.int32), torch.zeros(3, 3, dtype=torch.int32),
-            torch.zeros(3, 8, dtype=torch.int32), torch.zeros(3, 8, dtype=torch.int32))
-    qp = torch.zeros(300, 2, 128, dtype=torch.bfloat16)
-    cache = torch.zeros(64, 16, 1, 128, dtype=torch.bfloat16)
-    table = torch.zeros(2, 32, dtype=torch.int32)
-    pointers = [tables[n] for n in module.ALL_POINTERS]
     for under in (1, 0):
         module.HOPPER_UNDER_PV = under
-        _, _, options = module._hopper_paged_launch(qp, cache, cache, table, 0.125, False, pointers, plan, qp, qp)
+        options = _paged_prefill_options(module, tables)
         assert options.get("UNDER_PV", 0) == under, (under, options)
-
-
-def test_the_softmax_under_p_v_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp_path, monkeypatch):
-    # PORT_HOPPER_UNDER_PV: unset or empty 0, "0" or "1"; any other value stops the file's load with
-    # an error that names the variable and the values (never a silent default)
-    path = port.build(make("causal"), 256, 256, out_dir=tmp_path)
-    for value, want in ((None, 0), ("", 0), (" 1 ", 1), ("0", 0)):
-        if value is None:
-            monkeypatch.delenv("PORT_HOPPER_UNDER_PV", raising=False)
-        else:
-            monkeypatch.setenv("PORT_HOPPER_UNDER_PV", value)
-        assert port.load(path).HOPPER_UNDER_PV == want, value
-    for value in ("2", "on", "yes", "-1"):
-        monkeypatch.setenv("PORT_HOPPER_UNDER_PV", value)
-        with pytest.raises(ValueError, match=rf"PORT_HOPPER_UNDER_PV='{value}' is not a switch.*set 1 \(the softmax "
-                           r"under the previous tile's P V\) or 0 \(the default\)"):
-            port.load(path)
 
 
 def test_auto_runs_the_persistent_loop_except_with_a_score_mod_at_d128(tmp_path):

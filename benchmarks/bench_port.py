@@ -197,8 +197,9 @@ def _rounds(text: str) -> int:
 
 
 # --loops suffixes after '+': q2 (two buffers of queries, HOPPER_Q_BUFFERS), pv0 / pv1 (the softmax's
-# exponentials after / under the previous tile's P V, HOPPER_UNDER_PV)
-_LOOP_EXTRAS = ("q2", "pv0", "pv1")
+# exponentials after / under the previous tile's P V, HOPPER_UNDER_PV), ti0 / ti1 (the persistent
+# loop's tile counts loaded by the warpgroups / handed over by the load warp, HOPPER_TILE_INFO)
+_LOOP_EXTRAS = ("q2", "pv0", "pv1", "ti0", "ti1")
 
 
 def main(argv=None) -> int:
@@ -227,8 +228,10 @@ def main(argv=None) -> int:
                    help="--hopper: the forms of its tile loop to time (HOPPER_LOOP), each optionally with its number "
                    "of K / V buffers and its warpgroups' hand-offs (HOPPER_NAMED: 0 mbarriers, 1 named turns, 3 named "
                    "turns and releases, 5 or 7: 1 or 3 with the turn taken before the tile's waits), `+q2`, two buffers of "
-                   "queries (HOPPER_Q_BUFFERS), and `+pv0` / `+pv1`, the softmax's exponentials after / under the "
-                   "previous tile's P V (HOPPER_UNDER_PV): pingpong:3, persistent@7, persistent+q2, persistent+pv0")
+                   "queries (HOPPER_Q_BUFFERS), `+pv0` / `+pv1`, the softmax's exponentials after / under the "
+                   "previous tile's P V (HOPPER_UNDER_PV), and `+ti0` / `+ti1`, the persistent loop's tile counts "
+                   "loaded by the warpgroups / handed over by the load warp (HOPPER_TILE_INFO): pingpong:3, "
+                   "persistent@7, persistent+q2, persistent+pv0, persistent+ti0")
     p.add_argument("--score-forms", nargs="+", choices=["off", "bias", "all"],
                    help="--hopper: the score functions' forms to time, each loop with each (PORT_FAST_SCORE's; default: "
                    "the generator's, bias unless PORT_FAST_SCORE says otherwise): off "
@@ -239,7 +242,8 @@ def main(argv=None) -> int:
         unknown = [x for x in loop.split(" ")[0].split("+")[1:] if x not in _LOOP_EXTRAS]
         if unknown:
             p.error(f"--loops {loop!r}: after '+' only {', '.join(_LOOP_EXTRAS)} are known (two buffers of queries; "
-                    f"the softmax after / under the previous tile's P V), e.g. persistent+q2 or persistent+pv0")
+                    f"the softmax after / under the previous tile's P V; the tile counts loaded / handed over), "
+                    f"e.g. persistent+q2 or persistent+ti0")
     if args.hopper:
         return hopper_bench(args)
     if args.fa4:
@@ -366,18 +370,19 @@ def hopper_bench(args) -> int:
                     loop, _, buffers = variant.partition(":")
                     block_n, default_buffers, warps = module.HOPPER_TILE
                     default_named, default_q = module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS
-                    default_pv = module.HOPPER_UNDER_PV
+                    default_pv, default_ti = module.HOPPER_UNDER_PV, module.HOPPER_TILE_INFO
                     module.HOPPER, module.HOPPER_LOOP = True, loop
                     module.HOPPER_TILE = (block_n, int(buffers or default_buffers), warps)
                     module.HOPPER_NAMED = int(named) if named else default_named
                     module.HOPPER_Q_BUFFERS = 2 if "q2" in extras else default_q
                     module.HOPPER_UNDER_PV = 0 if "pv0" in extras else 1 if "pv1" in extras else default_pv
+                    module.HOPPER_TILE_INFO = 0 if "ti0" in extras else 1 if "ti1" in extras else default_ti
                     try:
                         return module.attention(q, k, v)
                     finally:
                         module.HOPPER_TILE = (block_n, default_buffers, warps)
                         module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS = default_named, default_q
-                        module.HOPPER_UNDER_PV = default_pv
+                        module.HOPPER_UNDER_PV, module.HOPPER_TILE_INFO = default_pv, default_ti
 
                 def portable(module=module):
                     module.HOPPER = False

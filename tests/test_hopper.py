@@ -1324,6 +1324,28 @@ def test_a_hopper_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp
 
 
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
+def test_the_tile_counts_from_the_load_warp_reach_only_the_persistent_kernel(tmp_path):
+    # HOPPER_TILE_INFO (on by default): the persistent loop's kernel gets INFO = 1, so its load warp
+    # writes each tile's counts beside its number; the other loops have no load warp of tiles and
+    # never get it; a changed switch is a new kind of call. (That the counts handed over give the
+    # same bits as the counts loaded: tests/test_gpu_port.py, on an H100 / H200.)
+    import torch
+
+    module, cpu = _planned_on_cpu(tmp_path)
+    assert module.HOPPER_TILE_INFO == 1
+    q = torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16)
+    tables = module._tables(cpu, 1024, 1024)
+    sites = set()
+    for loop in ("specialized", "pingpong", "persistent"):
+        for info in (1, 0):
+            module.HOPPER_LOOP, module.HOPPER_TILE_INFO = loop, info
+            _, _, options, _, _, site = module._hopper_launch(q, q, q, 0.125, False, tables)
+            assert options.get("INFO", 0) == (info if loop == "persistent" else 0), (loop, info, options)
+            assert site not in sites, (loop, info)
+            sites.add(site)
+
+
+@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
 def test_the_softmax_under_p_v_reaches_every_loop_and_the_paged_prefill_as_the_switch_says(tmp_path):
     # HOPPER_UNDER_PV: every loop's kernel, and the paged prefill's, gets UNDER_PV = 1 when it is on
     # and nothing when off; a changed switch is a new kind of call (never a plan made under the other

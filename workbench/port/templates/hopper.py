@@ -97,6 +97,11 @@ if _UNDER_PV_SETTING not in ("0", "1"):
     raise ValueError(f"PORT_HOPPER_UNDER_PV={_UNDER_PV_SETTING!r} is not a switch of the Hopper softmax's place: set 1 "
                      "(the softmax under the previous tile's P V) or 0 (the default), or unset it")
 HOPPER_UNDER_PV = int(_UNDER_PV_SETTING)
+# The persistent loop's tile counts from the load warp: it writes a tile's full-block and tile counts
+# beside its number in shared memory, so the warpgroups start the tile's first S without loading
+# them from global memory (a wait of one load's latency per tile of 128 queries). 0: the warpgroups
+# load them too.
+HOPPER_TILE_INFO = 1
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 # Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved
@@ -603,9 +608,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
 
     @gluon.jit
     def _hopper_tile_of(tile, num_m, BH, Hq, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
-                        TABLE_M: gl.constexpr, BLOCK_M: gl.constexpr, SUB: gl.constexpr):
+                        TABLE_M: gl.constexpr, BLOCK_M: gl.constexpr, SUB: gl.constexpr, n_f_known=0,
+                        n_tiles_known=0, KNOWN: gl.constexpr = False):
         # the persistent kernel's tile number -> (pid_m, bh, b, h, the row's full-block count, its
-        # tile count, its lists). Tiles are numbered head by head, each head's last row block first:
+        # tile count, its lists); KNOWN: the two counts as the load warp read them (_tile_info), so
+        # the warpgroups' first S of a tile does not wait for a load from global memory.
+        # Tiles are numbered head by head, each head's last row block first:
         # under a causal mask a head's heaviest rows are taken first, and the programs at work share
         # a few heads' keys and values in L2. (Numbered every head's last row first, the working set
         # is every head's: causal 32K ran 7.52 ms against the ping-pong kernel's 7.11 in one H200 run,
@@ -615,16 +623,35 @@ if _HAS_GLUON and HOPPER_MODS is None:
         b = bh // Hq
         h = bh % Hq
         row = b * s_tb + h * s_th + (pid_m * BLOCK_M) // TABLE_M
-        n_f = gl.load(full_num + row)
-        n_tiles = (n_f + gl.load(partial_num + row)) * SUB
+        if KNOWN:
+            n_f = n_f_known
+            n_tiles = n_tiles_known
+        else:
+            n_f = gl.load(full_num + row)
+            n_tiles = (n_f + gl.load(partial_num + row)) * SUB
         return pid_m, bh, b, h, n_f, n_tiles, full_idx + row * n_cols, partial_idx + row * n_cols
+
+    @gluon.jit
+    def _tile_info(buf, INFO: gl.constexpr):
+        # the warpgroups' read of the load warp's note on the next tile (buf: 32 int32 of shared
+        # memory, read after its q_ready phase): (tile number, full-block count, tile count) in lanes
+        # 0, 1, 2 (INFO), else the tile number in every lane (counts 0: _hopper_tile_of loads them)
+        if INFO:
+            layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])  # (every thread reads all 4)
+            v = buf.slice(0, 4).load(layout)
+            lane = gl.arange(0, 4, layout=layout)
+            return (gl.max(gl.where(lane == 0, v, -1), 0), gl.max(gl.where(lane == 1, v, -1), 0),
+                    gl.max(gl.where(lane == 2, v, -1), 0))
+        else:
+            layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            return gl.max(buf.load(layout), 0), 0, 0
 
     @gluon.jit
     def _hopper_persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty,
                                     k_ready, v_ready, k_empty, v_empty, counter, num_m, BH, Hq, group, Lq, Lk,
                                     s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
                                     TABLE_M: gl.constexpr, SUB: gl.constexpr, TABLE_N: gl.constexpr,
-                                    EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0):
+                                    EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0, INFO: gl.constexpr = 0):
         # the load warp of the persistent kernel. It takes the next tile from the call's counter
         # (an atomic add: programs that finish early take more), waits until both warpgroups are
         # done with the queries of the tile before, writes the tile's number into `tile_smem` and
@@ -649,7 +676,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
             kv_row0 = (b * (Hq // group) + h // group) * Lk
             qs = j % QB
             mbarrier.wait(q_empty.index(qs), ((j // QB) & 1) ^ 1)
-            tile_smem.index(qs).store(gl.full([32], tile, gl.int32, layout=id_layout))
+            if INFO:  # (lanes 1 and 2: the counts, so the warpgroups need not load them: _tile_info)
+                lane = gl.arange(0, 32, layout=id_layout)
+                tile_smem.index(qs).store(gl.where(lane == 1, n_f, gl.where(lane == 2, n_tiles, tile)))
+                gl.thread_barrier()  # (the warp's stores ordered before one thread's arrive below releases them)
+            else:
+                tile_smem.index(qs).store(gl.full([32], tile, gl.int32, layout=id_layout))
             mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [bh * Lq + pid_m * BLOCK_M, 0], q_ready.index(qs),
                                             q_smem.index(qs))
@@ -682,7 +714,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                     HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                     SUB: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
                                     EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0,
-                                    UNDER_PV: gl.constexpr = 0):
+                                    UNDER_PV: gl.constexpr = 0, INFO: gl.constexpr = 0):
         # one warpgroup of the persistent kernel: _hopper_pingpong_consumer's loop (rows WG * 64 ..
         # + 64 of each tile's 128) over the tiles the load warp hands over, until it hands over
         # num_m * BH. The K / V slots and their phases follow `c`, and the turns `u`, counted over
@@ -702,7 +734,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         mine = turn.index(WG)
         other = turn.index(1 - WG)
         zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
@@ -713,13 +744,13 @@ if _HAS_GLUON and HOPPER_MODS is None:
         j = 0
         _turn_start(WG, NAMED)
         mbarrier.wait(q_ready.index(0), 0)
-        tile = gl.max(tile_smem.index(0).load(id_layout), 0)
+        tile, n_f_in, n_tiles_in = _tile_info(tile_smem.index(0), INFO)
         while tile < total:
             qs = j % QB
             q_part = q_smem.index(qs).slice(WG * HALF, HALF)
             pid_m, bh, b, h, n_f, n_tiles, idx_f, idx_p = _hopper_tile_of(
                 tile, num_m, BH, Hq, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx, TABLE_M,
-                BLOCK_M, SUB)
+                BLOCK_M, SUB, n_f_in, n_tiles_in, INFO)
             row0 = pid_m * BLOCK_M
             n_valid = Lq - row0
             l_off = bh.to(gl.int64) * Lq + row0
@@ -780,7 +811,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                           n_valid - WG * HALF, 0, RETURN_LSE, o_layout, EVEN_M, False)
             j += 1
             mbarrier.wait(q_ready.index(j % QB), (j // QB) & 1)
-            tile = gl.max(tile_smem.index(j % QB).load(id_layout), 0)
+            tile, n_f_in, n_tiles_in = _tile_info(tile_smem.index(j % QB), INFO)
         _turn_end(WG, NAMED)
 
     @gluon.jit
@@ -789,7 +820,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                   TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                   EVEN_M: gl.constexpr = True, EVEN_N: gl.constexpr = True,
-                                  NAMED: gl.constexpr = 0, Q_BUF: gl.constexpr = 1, UNDER_PV: gl.constexpr = 0):
+                                  NAMED: gl.constexpr = 0, Q_BUF: gl.constexpr = 1, UNDER_PV: gl.constexpr = 0,
+                                  INFO: gl.constexpr = 0):
         # HOPPER_LOOP = "persistent": the ping-pong kernel's roles in one program per SM, each
         # taking (row block, head) tiles from the call's counter until none is left, heaviest first
         # (_hopper_tile_of). Q_BUF = 1 buffer of queries (so the ring keeps its three K / V
@@ -829,16 +861,16 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 0, EVEN_M,
-                                           EVEN_N, NAMED, UNDER_PV)),
+                                           EVEN_N, NAMED, UNDER_PV, INFO)),
             (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty, k_ready, v_ready,
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 1, EVEN_M,
-                                           EVEN_N, NAMED, UNDER_PV)),
+                                           EVEN_N, NAMED, UNDER_PV, INFO)),
             (_hopper_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, q_ready,
                                            q_empty, k_ready, v_ready, k_empty, v_empty, counter, num_m, BH, Hq, group,
                                            Lq, Lk, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
-                                           TABLE_M, SUB, TABLE_N, EVEN_N, NAMED)),
+                                           TABLE_M, SUB, TABLE_N, EVEN_N, NAMED, INFO)),
         ], [4, 1], [240, 24])  # (the load warp walks the tiles too)
 
 
@@ -941,7 +973,8 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
                          f"one of {', '.join(map(repr, HOPPER_LOOPS))}")
     pointers = [tables[n] for n in ALL_POINTERS]
     site = ("forward", q.shape, k.shape, q.dtype, q.device, _current_device(q), return_lse, HOPPER_LOOP,
-            HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS, HOPPER_UNDER_PV, tuple(t.data_ptr() % 16 == 0 for t in pointers))
+            HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS, HOPPER_UNDER_PV, HOPPER_TILE_INFO,
+            tuple(t.data_ptr() % 16 == 0 for t in pointers))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
     plan = _remember(_HOPPER_PLANS, site, lambda: _hopper_plan(q, k, v, scale, out, lse, pointers))
@@ -1003,6 +1036,8 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
         options["Q_BUF"] = 2
     if HOPPER_UNDER_PV:
         options["UNDER_PV"] = 1
+    if persistent and HOPPER_TILE_INFO:
+        options["INFO"] = 1
     if Lq % 128:  # (HOPPER_RAGGED) the last block of queries runs past Lq
         options["EVEN_M"] = False
     if Lk % TABLE_N:  # (HOPPER_RAGGED) the last tile of keys runs past Lk

@@ -198,8 +198,9 @@ def _rounds(text: str) -> int:
 
 # --loops suffixes after '+': q2 (two buffers of queries, HOPPER_Q_BUFFERS), pv0 / pv1 (the softmax's
 # exponentials after / under the previous tile's P V, HOPPER_UNDER_PV), ti0 / ti1 (the persistent
-# loop's tile counts loaded by the warpgroups / handed over by the load warp, HOPPER_TILE_INFO)
-_LOOP_EXTRAS = ("q2", "pv0", "pv1", "ti0", "ti1")
+# loop's tile counts loaded by the warpgroups / handed over by the load warp, HOPPER_TILE_INFO), fs0
+# (the persistent loop's store as before: a division per element, HOPPER_FAST_STORE off)
+_LOOP_EXTRAS = ("q2", "pv0", "pv1", "ti0", "ti1", "fs0")
 
 
 def main(argv=None) -> int:
@@ -377,12 +378,14 @@ def hopper_bench(args) -> int:
                     module.HOPPER_Q_BUFFERS = 2 if "q2" in extras else default_q
                     module.HOPPER_UNDER_PV = 0 if "pv0" in extras else 1 if "pv1" in extras else default_pv
                     module.HOPPER_TILE_INFO = 0 if "ti0" in extras else 1 if "ti1" in extras else default_ti
+                    module.HOPPER_FAST_STORE = "fs0" not in extras
                     try:
                         return module.attention(q, k, v)
                     finally:
                         module.HOPPER_TILE = (block_n, default_buffers, warps)
                         module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS = default_named, default_q
                         module.HOPPER_UNDER_PV, module.HOPPER_TILE_INFO = default_pv, default_ti
+                        module.HOPPER_FAST_STORE = True
 
                 def portable(module=module):
                     module.HOPPER = False

@@ -102,6 +102,10 @@ HOPPER_UNDER_PV = int(_UNDER_PV_SETTING)
 # them from global memory (a wait of one load's latency per tile of 128 queries). 0: the warpgroups
 # load them too.
 HOPPER_TILE_INFO = 1
+# The persistent loop's store of a tile's out rows: acc times a reciprocal per row, written through
+# 32-bit offsets from one pointer (_hopper_store's FAST). False: acc / l per element through a 64-bit
+# pointer per element, as before.
+HOPPER_FAST_STORE = True
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 # Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved
@@ -313,23 +317,33 @@ if _HAS_GLUON and HOPPER_MODS is None:
 
     @gluon.jit
     def _hopper_store(Out, Lse, acc, m_i, l_i, o_off, o_stride, l_off, l_stride, n_valid, poison,
-                      RETURN_LSE: gl.constexpr, o_layout: gl.constexpr, EVEN_M: gl.constexpr, PAGED: gl.constexpr):
+                      RETURN_LSE: gl.constexpr, o_layout: gl.constexpr, EVEN_M: gl.constexpr, PAGED: gl.constexpr,
+                      FAST: gl.constexpr = True):
         # out = acc / l (rows that kept nothing: 0, lse -inf) for the warpgroup's rows: row r at
         # element o_off + r * o_stride of Out and o_off's row of Lse (l_off + r * l_stride).
         # EVEN_M off: only the first n_valid rows are stored (the others, computed alongside, are
         # the next head's or request's queries). PAGED: poison != 0 makes the rows NaN (a request
-        # of attention_paged whose numbers do not hold together)
+        # of attention_paged whose numbers do not hold together). FAST: acc times 1 / l, a reciprocal
+        # per row (a division per element takes several instructions), and the elements' places as
+        # 32-bit offsets from one pointer, so the stores share a base register (64-bit pointers per
+        # element took three instructions a store)
         BLOCK_M: gl.constexpr = acc.shape[0]
         HEAD_D: gl.constexpr = acc.shape[1]
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-        out = acc / l_safe[:, None]
+        if FAST:
+            out = acc * (1.0 / l_safe)[:, None]
+        else:
+            out = acc / l_safe[:, None]
         if PAGED:
             if poison != 0:
                 out = out * float("nan")
         rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-        out_ptrs = Out + o_off + rows.to(gl.int64)[:, None] * o_stride + offs_d[None, :]
+        if FAST:
+            out_ptrs = (Out + o_off) + (rows[:, None] * o_stride + offs_d[None, :])
+        else:
+            out_ptrs = Out + o_off + rows.to(gl.int64)[:, None] * o_stride + offs_d[None, :]
         if EVEN_M:
             gl.store(out_ptrs, out.to(Out.dtype.element_ty))
         else:
@@ -714,7 +728,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                     HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                     SUB: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
                                     EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0,
-                                    UNDER_PV: gl.constexpr = 0, INFO: gl.constexpr = 0):
+                                    UNDER_PV: gl.constexpr = 0, INFO: gl.constexpr = 0,
+                                    FAST_STORE: gl.constexpr = True):
         # one warpgroup of the persistent kernel: _hopper_pingpong_consumer's loop (rows WG * 64 ..
         # + 64 of each tile's 128) over the tiles the load warp hands over, until it hands over
         # num_m * BH. The K / V slots and their phases follow `c`, and the turns `u`, counted over
@@ -808,7 +823,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
             else:
                 mbarrier.arrive(q_empty.index(qs))
             _hopper_store(Out, Lse, acc, m_i, l_i, (l_off + WG * HALF) * HEAD_D, HEAD_D, l_off + WG * HALF, 1,
-                          n_valid - WG * HALF, 0, RETURN_LSE, o_layout, EVEN_M, False)
+                          n_valid - WG * HALF, 0, RETURN_LSE, o_layout, EVEN_M, False, FAST_STORE)
             j += 1
             mbarrier.wait(q_ready.index(j % QB), (j // QB) & 1)
             tile, n_f_in, n_tiles_in = _tile_info(tile_smem.index(j % QB), INFO)
@@ -821,7 +836,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                   EVEN_M: gl.constexpr = True, EVEN_N: gl.constexpr = True,
                                   NAMED: gl.constexpr = 0, Q_BUF: gl.constexpr = 1, UNDER_PV: gl.constexpr = 0,
-                                  INFO: gl.constexpr = 0):
+                                  INFO: gl.constexpr = 0, FAST_STORE: gl.constexpr = True):
         # HOPPER_LOOP = "persistent": the ping-pong kernel's roles in one program per SM, each
         # taking (row block, head) tiles from the call's counter until none is left, heaviest first
         # (_hopper_tile_of). Q_BUF = 1 buffer of queries (so the ring keeps its three K / V
@@ -861,12 +876,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 0, EVEN_M,
-                                           EVEN_N, NAMED, UNDER_PV, INFO)),
+                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE)),
             (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty, k_ready, v_ready,
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 1, EVEN_M,
-                                           EVEN_N, NAMED, UNDER_PV, INFO)),
+                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE)),
             (_hopper_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, q_ready,
                                            q_empty, k_ready, v_ready, k_empty, v_empty, counter, num_m, BH, Hq, group,
                                            Lq, Lk, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
@@ -974,7 +989,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
     pointers = [tables[n] for n in ALL_POINTERS]
     site = ("forward", q.shape, k.shape, q.dtype, q.device, _current_device(q), return_lse, HOPPER_LOOP,
             HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS, HOPPER_UNDER_PV, HOPPER_TILE_INFO,
-            tuple(t.data_ptr() % 16 == 0 for t in pointers))
+            HOPPER_FAST_STORE, tuple(t.data_ptr() % 16 == 0 for t in pointers))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
     plan = _remember(_HOPPER_PLANS, site, lambda: _hopper_plan(q, k, v, scale, out, lse, pointers))
@@ -1038,6 +1053,8 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
         options["UNDER_PV"] = 1
     if persistent and HOPPER_TILE_INFO:
         options["INFO"] = 1
+    if persistent and not HOPPER_FAST_STORE:
+        options["FAST_STORE"] = False
     if Lq % 128:  # (HOPPER_RAGGED) the last block of queries runs past Lq
         options["EVEN_M"] = False
     if Lk % TABLE_N:  # (HOPPER_RAGGED) the last tile of keys runs past Lk

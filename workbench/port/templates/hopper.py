@@ -324,9 +324,9 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # EVEN_M off: only the first n_valid rows are stored (the others, computed alongside, are
         # the next head's or request's queries). PAGED: poison != 0 makes the rows NaN (a request
         # of attention_paged whose numbers do not hold together). FAST: acc times 1 / l, a reciprocal
-        # per row (a division per element takes several instructions), and the elements' places as
-        # 32-bit offsets from one pointer, so the stores share a base register (64-bit pointers per
-        # element took three instructions a store)
+        # per row (a division per element takes several instructions), and at whole blocks the
+        # elements' places as 32-bit offsets from one pointer (two instructions a store, not three
+        # or four)
         BLOCK_M: gl.constexpr = acc.shape[0]
         HEAD_D: gl.constexpr = acc.shape[1]
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -340,9 +340,9 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 out = out * float("nan")
         rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-        if FAST:
+        if FAST and EVEN_M:
             out_ptrs = (Out + o_off) + (rows[:, None] * o_stride + offs_d[None, :])
-        else:
+        else:  # (off the 128 grid the 32-bit form made ptxas spill more where a mask is heavy)
             out_ptrs = Out + o_off + rows.to(gl.int64)[:, None] * o_stride + offs_d[None, :]
         if EVEN_M:
             gl.store(out_ptrs, out.to(Out.dtype.element_ty))

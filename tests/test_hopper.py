@@ -1305,10 +1305,15 @@ def test_two_buffers_of_queries_reach_the_persistent_kernel_within_its_shared_me
     # unset or empty 0, "0" or "1"
     ("PORT_HOPPER_UNDER_PV", "HOPPER_UNDER_PV", ((None, 0), ("", 0), (" 1 ", 1), ("0", 0)), ("2", "on", "yes", "-1"),
      r"is not a switch.*set 1 \(the softmax under the previous tile's P V\) or 0 \(the default\)"),
+    ("PORT_HOPPER_TILE_INFO", "HOPPER_TILE_INFO", ((None, 0), ("", 0), (" 1 ", 1), ("0", 0)), ("2", "on", "true"),
+     r"is not a switch of the persistent loop's tile counts: set 1 .* or 0 \(the default"),
+    ("PORT_HOPPER_FAST_STORE", "HOPPER_FAST_STORE", ((None, 0), ("", 0), ("1", 1), (" 0 ", 0)), ("yes", "-1", "1.0"),
+     r"is not a switch of the persistent loop's store: set 1 .* or 0 \(the default"),
 ])
 def test_a_hopper_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp_path, monkeypatch, name, attribute,
                                                                              read, refused, message):
-    # PORT_HOPPER_Q_BUFFERS, PORT_HOPPER_UNDER_PV: any value not in the list stops the file's load
+    # PORT_HOPPER_Q_BUFFERS, PORT_HOPPER_UNDER_PV, PORT_HOPPER_TILE_INFO, PORT_HOPPER_FAST_STORE: any value not
+    # in the list stops the file's load
     # with an error that names the variable and the values (never a silent default)
     path = port.build(make("causal"), 256, 256, out_dir=tmp_path)
     for value, want in read:
@@ -1324,24 +1329,27 @@ def test_a_hopper_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp
 
 
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
-def test_the_tile_counts_from_the_load_warp_reach_only_the_persistent_kernel(tmp_path):
-    # HOPPER_TILE_INFO (on by default): the persistent loop's kernel gets INFO = 1, so its load warp
-    # writes each tile's counts beside its number; the other loops have no load warp of tiles and
-    # never get it; a changed switch is a new kind of call. (That the counts handed over give the
-    # same bits as the counts loaded: tests/test_gpu_port.py, on an H100 / H200.)
+def test_the_tile_counts_and_the_store_switches_reach_only_the_persistent_kernel(tmp_path):
+    # HOPPER_TILE_INFO / HOPPER_FAST_STORE (off unless set): the persistent loop's kernel gets INFO =
+    # 1 (its load warp writes each tile's counts beside its number) / FAST_STORE (a reciprocal per
+    # row); the other loops never get them; a changed switch is a new kind of call. (That both give
+    # the bits and the float64 agreement they should: tests/test_gpu_port.py, on an H100 / H200.)
     import torch
 
     module, cpu = _planned_on_cpu(tmp_path)
-    assert module.HOPPER_TILE_INFO == 1
+    assert module.HOPPER_TILE_INFO == int(os.environ.get("PORT_HOPPER_TILE_INFO", "").strip() or 0)
+    assert module.HOPPER_FAST_STORE == int(os.environ.get("PORT_HOPPER_FAST_STORE", "").strip() or 0)
     q = torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16)
     tables = module._tables(cpu, 1024, 1024)
     sites = set()
     for loop in ("specialized", "pingpong", "persistent"):
-        for info in (1, 0):
-            module.HOPPER_LOOP, module.HOPPER_TILE_INFO = loop, info
+        for info, fast in ((1, 0), (0, 0), (0, 1), (1, 1)):
+            module.HOPPER_LOOP, module.HOPPER_TILE_INFO, module.HOPPER_FAST_STORE = loop, info, fast
             _, _, options, _, _, site = module._hopper_launch(q, q, q, 0.125, False, tables)
-            assert options.get("INFO", 0) == (info if loop == "persistent" else 0), (loop, info, options)
-            assert site not in sites, (loop, info)
+            persistent = loop == "persistent"
+            assert options.get("INFO", 0) == (info if persistent else 0), (loop, info, options)
+            assert options.get("FAST_STORE", False) == bool(fast and persistent), (loop, fast, options)
+            assert site not in sites, (loop, info, fast)
             sites.add(site)
 
 

@@ -97,15 +97,25 @@ if _UNDER_PV_SETTING not in ("0", "1"):
     raise ValueError(f"PORT_HOPPER_UNDER_PV={_UNDER_PV_SETTING!r} is not a switch of the Hopper softmax's place: set 1 "
                      "(the softmax under the previous tile's P V) or 0 (the default), or unset it")
 HOPPER_UNDER_PV = int(_UNDER_PV_SETTING)
-# The persistent loop's tile counts from the load warp: it writes a tile's full-block and tile counts
-# beside its number in shared memory, so the warpgroups start the tile's first S without loading
-# them from global memory (a wait of one load's latency per tile of 128 queries). 0: the warpgroups
-# load them too.
-HOPPER_TILE_INFO = 1
-# The persistent loop's store of a tile's out rows: acc times a reciprocal per row, written through
-# 32-bit offsets from one pointer (_hopper_store's FAST). False: acc / l per element through a 64-bit
-# pointer per element, as before.
-HOPPER_FAST_STORE = True
+# The persistent loop's tile counts from the load warp (1): it writes a tile's full-block and tile
+# counts beside its number in shared memory, so the warpgroups start the tile's first S without
+# loading them from global memory (one load's latency per tile of 128 queries); 0 (the default): the
+# warpgroups load them too. PORT_HOPPER_TILE_INFO=1 in the environment chooses 1.
+_TILE_INFO_SETTING = os.environ.get("PORT_HOPPER_TILE_INFO", "").strip() or "0"
+if _TILE_INFO_SETTING not in ("0", "1"):
+    raise ValueError(f"PORT_HOPPER_TILE_INFO={_TILE_INFO_SETTING!r} is not a switch of the persistent loop's tile "
+                     "counts: set 1 (handed over by the load warp) or 0 (the default, loaded by the warpgroups), or "
+                     "unset it")
+HOPPER_TILE_INFO = int(_TILE_INFO_SETTING)
+# The persistent loop's store of a tile's out rows (1): acc times a reciprocal per row, and at whole
+# blocks the elements' places as 32-bit offsets from one pointer (_hopper_store's FAST: about 300
+# instructions a warpgroup's tile, not 500); 0 (the default): acc / l per element through a 64-bit
+# pointer per element. PORT_HOPPER_FAST_STORE=1 in the environment chooses 1.
+_FAST_STORE_SETTING = os.environ.get("PORT_HOPPER_FAST_STORE", "").strip() or "0"
+if _FAST_STORE_SETTING not in ("0", "1"):
+    raise ValueError(f"PORT_HOPPER_FAST_STORE={_FAST_STORE_SETTING!r} is not a switch of the persistent loop's store: "
+                     "set 1 (a reciprocal per row) or 0 (the default, a division per element), or unset it")
+HOPPER_FAST_STORE = int(_FAST_STORE_SETTING)
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 # Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved
@@ -318,7 +328,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
     @gluon.jit
     def _hopper_store(Out, Lse, acc, m_i, l_i, o_off, o_stride, l_off, l_stride, n_valid, poison,
                       RETURN_LSE: gl.constexpr, o_layout: gl.constexpr, EVEN_M: gl.constexpr, PAGED: gl.constexpr,
-                      FAST: gl.constexpr = True):
+                      FAST: gl.constexpr = False):
         # out = acc / l (rows that kept nothing: 0, lse -inf) for the warpgroup's rows: row r at
         # element o_off + r * o_stride of Out and o_off's row of Lse (l_off + r * l_stride).
         # EVEN_M off: only the first n_valid rows are stored (the others, computed alongside, are
@@ -729,7 +739,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                     SUB: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
                                     EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0,
                                     UNDER_PV: gl.constexpr = 0, INFO: gl.constexpr = 0,
-                                    FAST_STORE: gl.constexpr = True):
+                                    FAST_STORE: gl.constexpr = False):
         # one warpgroup of the persistent kernel: _hopper_pingpong_consumer's loop (rows WG * 64 ..
         # + 64 of each tile's 128) over the tiles the load warp hands over, until it hands over
         # num_m * BH. The K / V slots and their phases follow `c`, and the turns `u`, counted over
@@ -836,7 +846,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                   EVEN_M: gl.constexpr = True, EVEN_N: gl.constexpr = True,
                                   NAMED: gl.constexpr = 0, Q_BUF: gl.constexpr = 1, UNDER_PV: gl.constexpr = 0,
-                                  INFO: gl.constexpr = 0, FAST_STORE: gl.constexpr = True):
+                                  INFO: gl.constexpr = 0, FAST_STORE: gl.constexpr = False):
         # HOPPER_LOOP = "persistent": the ping-pong kernel's roles in one program per SM, each
         # taking (row block, head) tiles from the call's counter until none is left, heaviest first
         # (_hopper_tile_of). Q_BUF = 1 buffer of queries (so the ring keeps its three K / V
@@ -1053,8 +1063,8 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
         options["UNDER_PV"] = 1
     if persistent and HOPPER_TILE_INFO:
         options["INFO"] = 1
-    if persistent and not HOPPER_FAST_STORE:
-        options["FAST_STORE"] = False
+    if persistent and HOPPER_FAST_STORE:
+        options["FAST_STORE"] = True
     if Lq % 128:  # (HOPPER_RAGGED) the last block of queries runs past Lq
         options["EVEN_M"] = False
     if Lk % TABLE_N:  # (HOPPER_RAGGED) the last tile of keys runs past Lk

@@ -14,6 +14,17 @@ import torch
 # off. Checked against the float64 reference by tests/test_gpu_port.py, timed by
 # benchmarks/bench_port.py --hopper (docs/benchmarks.md).
 HOPPER = os.environ.get("PORT_HOPPER", "1") != "0"
+
+
+def _hopper_setting(name: str, default: str, allowed: tuple, refusal: str) -> int:
+    """A Hopper switch read from the environment: unset or empty gives `default`; any value not in
+    `allowed` stops the file's load with an error naming the variable, the value and the choices."""
+    value = os.environ.get(name, "").strip() or default
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} {refusal}")
+    return int(value)
+
+
 # (BLOCK_N, K / V buffers, warps): 128 query rows per program, BLOCK_N keys per tile; buffers 0 =
 # the loop's own choice (3 for "pingpong", whose two warpgroups release a buffer half a tile apart;
 # 2 for "specialized"); warps: the math warps of "specialized" ("pingpong" has two warpgroups of 4).
@@ -55,11 +66,9 @@ HOPPER_RAGGED = os.environ.get("PORT_HOPPER_RAGGED", "1") != "0"
 # shared memory of 3). PORT_HOPPER_Q_BUFFERS=2 in the environment chooses 2. On an H100 (bf16, D 128,
 # 8K and 32K) it gave the same bits and no gain: the short masks' kernels moved by under 1 %, the
 # long ones lost up to 7 % to the shorter ring; so 1 stays.
-_Q_BUFFERS_SETTING = os.environ.get("PORT_HOPPER_Q_BUFFERS", "").strip() or "1"
-if _Q_BUFFERS_SETTING not in ("1", "2"):
-    raise ValueError(f"PORT_HOPPER_Q_BUFFERS={_Q_BUFFERS_SETTING!r} names no number of the persistent loop's buffers of "
-                     "queries: set 1 (the default) or 2, or unset it")
-HOPPER_Q_BUFFERS = int(_Q_BUFFERS_SETTING)
+HOPPER_Q_BUFFERS = _hopper_setting(
+    "PORT_HOPPER_Q_BUFFERS", "1", ("1", "2"),
+    "names no number of the persistent loop's buffers of queries: set 1 (the default) or 2, or unset it")
 # How the ping-pong and persistent loops' warpgroups hand work over (bits): 1, the turns on the tensor
 # cores through named barriers; 2, K / V buffers given back to the load warp through named barriers;
 # 0, both through mbarriers. Gluon's mbarrier.arrive is one thread's arrive after a bar.sync of its
@@ -76,12 +85,10 @@ HOPPER_Q_BUFFERS = int(_Q_BUFFERS_SETTING)
 # named turn's sync of both warpgroups that barrier finds its four warps already together. On an
 # H100 (32K, bf16, D 128) 7 gave the same bits, the window's and documents' kernels 1-6 % faster and
 # causal's 1-5 % slower, so it stays a setting.
-_NAMED_SETTING = os.environ.get("PORT_HOPPER_NAMED", "").strip() or "0"
-if _NAMED_SETTING not in ("0", "1", "3", "5", "7"):
-    raise ValueError(f"PORT_HOPPER_NAMED={_NAMED_SETTING!r} names no hand-off of the Hopper kernel's warpgroups: set 0 "
-                     "(mbarriers), 1 (named turns), 3 (named turns and K / V releases), 5 or 7 (1 or 3, the turn "
-                     "taken before the tile's waits), or unset it")
-HOPPER_NAMED = int(_NAMED_SETTING)
+HOPPER_NAMED = _hopper_setting(
+    "PORT_HOPPER_NAMED", "0", ("0", "1", "3", "5", "7"),
+    "names no hand-off of the Hopper kernel's warpgroups: set 0 (mbarriers), 1 (named turns), 3 (named "
+    "turns and K / V releases), 5 or 7 (1 or 3, the turn taken before the tile's waits), or unset it")
 # The softmax under the previous tile's P V (FlashAttention-3's overlap within a warpgroup): in the
 # source, tile t's exponentials come before the wait for tile t-1's P V, but ptxas schedules the
 # wait (WARPGROUP.DEPBAR) as early as its block allows, so compiled for sm_90a every loop waits for
@@ -92,31 +99,27 @@ HOPPER_NAMED = int(_NAMED_SETTING)
 # and 32K, the calls were 0-3 % slower (the ping-pong between warpgroups already runs one's softmax
 # under the other's matmuls), so 0, ptxas's own order, stays the default. PORT_HOPPER_UNDER_PV=1 in
 # the environment chooses the overlap.
-_UNDER_PV_SETTING = os.environ.get("PORT_HOPPER_UNDER_PV", "").strip() or "0"
-if _UNDER_PV_SETTING not in ("0", "1"):
-    raise ValueError(f"PORT_HOPPER_UNDER_PV={_UNDER_PV_SETTING!r} is not a switch of the Hopper softmax's place: set 1 "
-                     "(the softmax under the previous tile's P V) or 0 (the default), or unset it")
-HOPPER_UNDER_PV = int(_UNDER_PV_SETTING)
+HOPPER_UNDER_PV = _hopper_setting(
+    "PORT_HOPPER_UNDER_PV", "0", ("0", "1"),
+    "is not a switch of the Hopper softmax's place: set 1 (the softmax under the previous tile's P V) or "
+    "0 (the default), or unset it")
 # The persistent loop's tile counts from the load warp (1): it writes a tile's full-block and tile
 # counts beside its number in shared memory, so the warpgroups start the tile's first S without
 # loading them from global memory (one load's latency per tile of 128 queries); 0 (the default): the
 # warpgroups load them too. PORT_HOPPER_TILE_INFO=1 in the environment chooses 1.
-_TILE_INFO_SETTING = os.environ.get("PORT_HOPPER_TILE_INFO", "").strip() or "0"
-if _TILE_INFO_SETTING not in ("0", "1"):
-    raise ValueError(f"PORT_HOPPER_TILE_INFO={_TILE_INFO_SETTING!r} is not a switch of the persistent loop's tile "
-                     "counts: set 1 (handed over by the load warp) or 0 (the default, loaded by the warpgroups), or "
-                     "unset it")
-HOPPER_TILE_INFO = int(_TILE_INFO_SETTING)
+HOPPER_TILE_INFO = _hopper_setting(
+    "PORT_HOPPER_TILE_INFO", "0", ("0", "1"),
+    "is not a switch of the persistent loop's tile counts: set 1 (handed over by the load warp) or 0 (the "
+    "default, loaded by the warpgroups), or unset it")
 # The persistent loop's store of a tile's out rows (1): acc times a reciprocal per row, and at whole
 # blocks the elements' places as 32-bit offsets from one pointer (_hopper_store's FAST: compiled for
 # sm_90a, 180 fewer instructions in each warpgroup's store of a causal tile); 0 (the default): acc / l
 # per element through a 64-bit pointer per element. PORT_HOPPER_FAST_STORE=1 in the environment
 # chooses 1. Neither switch has run on a GPU yet.
-_FAST_STORE_SETTING = os.environ.get("PORT_HOPPER_FAST_STORE", "").strip() or "0"
-if _FAST_STORE_SETTING not in ("0", "1"):
-    raise ValueError(f"PORT_HOPPER_FAST_STORE={_FAST_STORE_SETTING!r} is not a switch of the persistent loop's store: "
-                     "set 1 (a reciprocal per row) or 0 (the default, a division per element), or unset it")
-HOPPER_FAST_STORE = int(_FAST_STORE_SETTING)
+HOPPER_FAST_STORE = _hopper_setting(
+    "PORT_HOPPER_FAST_STORE", "0", ("0", "1"),
+    "is not a switch of the persistent loop's store: set 1 (a reciprocal per row) or 0 (the default, a "
+    "division per element), or unset it")
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 # Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved

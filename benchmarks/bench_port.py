@@ -230,7 +230,7 @@ def main(argv=None) -> int:
                    "of K / V buffers and its warpgroups' hand-offs (HOPPER_NAMED: 0 mbarriers, 1 named turns, 3 named "
                    "turns and releases, 5 or 7: 1 or 3 with the turn taken before the tile's waits), `+q2`, two buffers of "
                    "queries (HOPPER_Q_BUFFERS), `+pv0` / `+pv1`, the softmax's exponentials after / under the "
-                   "previous tile's P V (HOPPER_UNDER_PV), and `+ti0` / `+ti1`, the persistent loop's tile counts "
+                   "previous tile's P V (HOPPER_UNDER_PV), `+ti0` / `+ti1`, the persistent loop's tile counts "
                    "loaded by the warpgroups / handed over by the load warp (HOPPER_TILE_INFO), and `+fs0` / `+fs1`, "
                    "its store by a division per element / a reciprocal per row (HOPPER_FAST_STORE): pingpong:3, "
                    "persistent@7, persistent+q2, persistent+pv0, persistent+ti1+fs1")
@@ -244,7 +244,8 @@ def main(argv=None) -> int:
         unknown = [x for x in loop.split(" ")[0].split("+")[1:] if x not in _LOOP_EXTRAS]
         if unknown:
             p.error(f"--loops {loop!r}: after '+' only {', '.join(_LOOP_EXTRAS)} are known (two buffers of queries; "
-                    f"the softmax after / under the previous tile's P V; the tile counts loaded / handed over), "
+                    f"the softmax after / under the previous tile's P V; the tile counts loaded / handed over; the "
+                    f"store by a division / a reciprocal), "
                     f"e.g. persistent+q2 or persistent+ti0")
     if args.hopper:
         return hopper_bench(args)

@@ -179,7 +179,7 @@ def main(argv) -> int:
                     module.HOPPER_UNDER_PV = default_under
                     assert max(under) >= 64, f"{module._hopper_loop()}: exponentials before each P V wait: {under}"
                 details.append(f"{module._hopper_loop()}: {ptxas(kernel)}; shared {kernel.metadata.shared} bytes")
-            # (HOPPER_TILE_INFO, HOPPER_FAST_STORE: off by default, so compiled here) the persistent loop
+            # (HOPPER_TILE_INFO, HOPPER_FAST_STORE: on by default; both settings compiled here) the persistent loop
             # with the tile counts handed over by the load warp loads fewer words from global memory, and
             # its store divides once per row, not per element
             if not quick or mask.name == "users_image_spans":  # (--quick: the users' .any() spans)
@@ -189,7 +189,7 @@ def main(argv) -> int:
                     module.HOPPER_TILE_INFO, module.HOPPER_FAST_STORE = switches
                     grid, args, options, _, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
                     kernels.append(module._hopper_kernel().warmup(*args, grid=grid, **options))
-                module.HOPPER_TILE_INFO = module.HOPPER_FAST_STORE = 0
+                module.HOPPER_TILE_INFO = module.HOPPER_FAST_STORE = 1
                 (plain, switched) = (kernel.asm["ptx"] for kernel in kernels)
                 assert switched.count("ld.global") < plain.count("ld.global"), "the tile counts are still loaded"
                 assert switched.count("div.") < plain.count("div.") // 4, (switched.count("div."), plain.count("div."))

@@ -45,6 +45,7 @@ import math
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -247,6 +248,10 @@ def main(argv=None) -> int:
                     f"the softmax after / under the previous tile's P V; the tile counts loaded / handed over; the "
                     f"store by a division / a reciprocal), "
                     f"e.g. persistent+q2 or persistent+ti0")
+    # (other libraries' notes that repeat on every row and push the table off a short log: torch's
+    # profiler on each measured cycle, the CuTe DSL on FA4's aux_data argument at each compile)
+    warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
+    warnings.filterwarnings("ignore", message="Argument aux_data .* cannot be converted to a JitArgument")
     if args.hopper:
         return hopper_bench(args)
     if args.fa4:

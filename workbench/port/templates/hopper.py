@@ -312,9 +312,10 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # O * alpha[:, None] (alpha in O's row layout). SKIP (HOPPER_SKIP_RESCALE): a warp whose
         # alphas are all exactly 1 (no row of its 16 raised its max this tile) branches around the
         # multiplies, which would leave every bit as it is. A thread's two rows vote across the warp
-        # (one flag, equal in all of the thread's elements), then each 16 of the thread's elements of
-        # O are copied and, unless the flag says all are 1, multiplied. The asm is PTX, so ptxas
-        # allocates the copies onto O's own registers and schedules the blocks with the code around.
+        # (one flag, equal in all of the thread's elements), then all of the thread's elements of O
+        # (D / 2) are copied and, unless the flag says a row's max rose, multiplied, in one asm block
+        # (compiled for sm_90a: one VOTE and one branch a tile; ptxas allocates the copies onto O's
+        # own registers, since the asm is PTX it compiles with the code around it).
         if SKIP:
             flag = gl.inline_asm_elementwise(_RESCALE_VOTE, "=r,=r,f,f", [alpha], dtype=gl.int32, is_pure=True,
                                              pack=2)

@@ -125,7 +125,7 @@ HOPPER_FAST_STORE = _hopper_setting(
     "is not a switch of the persistent loop's store: set 1 (the default, a reciprocal per row) or 0 (a "
     "division per element), or unset it")
 # The persistent loop's rescale of O (1): where every row of a warp kept its max over a tile, its
-# alpha is exactly 1 and O * alpha is O, so the warp branches around the 64 multiplies a thread
+# alpha is exactly 1 and O * alpha is O, so the warp branches around the D / 2 multiplies a thread
 # would do (_rescale: a vote over the warp; the same bits by construction). Long rows (causal,
 # prefix-LM) rarely raise their max late in the row, and the multiplies sit between the wait for
 # the previous tile's P V and the issue of this one's. 0 (the default): every tile multiplies.

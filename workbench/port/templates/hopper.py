@@ -207,10 +207,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
     _BAR_K_FREE = gl.constexpr(10)
     _BAR_V_FREE = gl.constexpr(13)
     _RESCALE_VOTE = gl.constexpr(_RESCALE_VOTE_TEXT)
-    _RESCALE_ASM_32 = gl.constexpr(_rescale_asm(32)[0])  # (D 64)
-    _RESCALE_CONSTRAINTS_32 = gl.constexpr(_rescale_asm(32)[1])
-    _RESCALE_ASM_64 = gl.constexpr(_rescale_asm(64)[0])  # (D 128)
-    _RESCALE_CONSTRAINTS_64 = gl.constexpr(_rescale_asm(64)[1])
+    _RESCALE_ASM_32, _RESCALE_CONSTRAINTS_32 = (gl.constexpr(text) for text in _rescale_asm(32))  # (D 64)
+    _RESCALE_ASM_64, _RESCALE_CONSTRAINTS_64 = (gl.constexpr(text) for text in _rescale_asm(64))  # (D 128)
 
     @gluon.jit
     def _bar_sync(bar_id, threads: gl.constexpr):

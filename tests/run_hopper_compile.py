@@ -184,21 +184,13 @@ def main(argv) -> int:
             # its store divides once per row, not per element
             if not quick or mask.name == "users_image_spans":  # (--quick: the users' .any() spans)
                 module.HOPPER_LOOP = "persistent"
-                kept = module.HOPPER_TILE_INFO, module.HOPPER_FAST_STORE, module.HOPPER_SKIP_RESCALE
+                kept = module.HOPPER_TILE_INFO, module.HOPPER_FAST_STORE
                 kernels = []
                 for switches in ((0, 0), (1, 1)):
                     module.HOPPER_TILE_INFO, module.HOPPER_FAST_STORE = switches
                     grid, args, options, _, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
                     kernels.append(module._hopper_kernel().warmup(*args, grid=grid, **options))
-                # (HOPPER_SKIP_RESCALE, off by default) O's rescale behind the warp's vote: one branch
-                # around the multiplies in each warpgroup's loop, and no more spilled than without it
-                module.HOPPER_SKIP_RESCALE = 1
-                grid, args, options, _, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
-                skipping = module._hopper_kernel().warmup(*args, grid=grid, **options)
-                module.HOPPER_TILE_INFO, module.HOPPER_FAST_STORE, module.HOPPER_SKIP_RESCALE = kept
-                assert skipping.asm["ptx"].count("vote.sync.any.pred") == 2, "no vote before O's rescale"
-                assert _spill_bytes(ptxas(skipping)) <= max(192, _spill_bytes(ptxas(kernels[1]))), ptxas(skipping)
-                details.append(f"persistent, O's rescale skipped where no max rose: {ptxas(skipping)}")
+                module.HOPPER_TILE_INFO, module.HOPPER_FAST_STORE = kept
                 (plain, switched) = (kernel.asm["ptx"] for kernel in kernels)
                 assert switched.count("ld.global") < plain.count("ld.global"), "the tile counts are still loaded"
                 assert switched.count("div.") < plain.count("div.") // 4, (switched.count("div."), plain.count("div."))

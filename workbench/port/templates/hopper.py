@@ -124,31 +124,6 @@ HOPPER_FAST_STORE = _hopper_setting(
     "PORT_HOPPER_FAST_STORE", "1", ("0", "1"),
     "is not a switch of the persistent loop's store: set 1 (the default, a reciprocal per row) or 0 (a "
     "division per element), or unset it")
-# The persistent loop's rescale of O (1): where every row of a warp kept its max over a tile, its
-# alpha is exactly 1 and O * alpha is O, so the warp branches around the D / 2 multiplies a thread
-# would do (_rescale: a vote over the warp; the same bits by construction). Long rows (causal,
-# prefix-LM) rarely raise their max late in the row, and the multiplies sit between the wait for
-# the previous tile's P V and the issue of this one's. 0 (the default): every tile multiplies.
-# PORT_HOPPER_SKIP_RESCALE=1 in the environment chooses 1; it has not yet run on a GPU.
-HOPPER_SKIP_RESCALE = _hopper_setting(
-    "PORT_HOPPER_SKIP_RESCALE", "0", ("0", "1"),
-    "is not a switch of the persistent loop's rescale of O: set 1 (a warp whose rows kept their max skips it) "
-    "or 0 (the default, every tile rescales), or unset it")
-# (_rescale's PTX: the warp's vote on a thread's two alphas; then, over all n elements of O a thread
-# holds (D / 2: 64 rows x D over 128 threads), n copies and a branch around n multiplies)
-_RESCALE_VOTE_TEXT = ("{\n\t.reg .pred p;\n\tsetp.neu.f32 p, $2, 0f3F800000;\n\tsetp.neu.or.f32 p, $3, 0f3F800000, p;"
-                      "\n\tvote.sync.any.pred p, p, -1;\n\tselp.u32 $0, 1, 0, p;\n\tmov.u32 $1, $0;\n\t}")
-
-
-def _rescale_asm(n: int) -> tuple:
-    """(asm, constraints) of _rescale's branch for n elements: outputs $0..n-1, O's elements $n..2n-1,
-    their alphas $2n..3n-1, the warp's flag $3n..4n-1 (one value in all)."""
-    asm = ("{\n\t.reg .pred p;\n\t" + f"setp.ne.u32 p, ${3 * n}, 0;\n\t"
-           + "".join(f"mov.b32 ${i}, ${n + i};\n\t" for i in range(n)) + "@!p bra RESCALE_DONE;\n\t"
-           + "".join(f"mul.f32 ${i}, ${n + i}, ${2 * n + i};\n\t" for i in range(n)) + "RESCALE_DONE:\n\t}")
-    return asm, ",".join(["=f"] * n + ["f"] * (2 * n) + ["r"] * n)
-
-
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 # Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved
@@ -206,9 +181,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
     _BAR_TURN = gl.constexpr(8)
     _BAR_K_FREE = gl.constexpr(10)
     _BAR_V_FREE = gl.constexpr(13)
-    _RESCALE_VOTE = gl.constexpr(_RESCALE_VOTE_TEXT)
-    _RESCALE_ASM_32, _RESCALE_CONSTRAINTS_32 = (gl.constexpr(text) for text in _rescale_asm(32))  # (D 64)
-    _RESCALE_ASM_64, _RESCALE_CONSTRAINTS_64 = (gl.constexpr(text) for text in _rescale_asm(64))  # (D 128)
 
     @gluon.jit
     def _bar_sync(bar_id, threads: gl.constexpr):
@@ -304,30 +276,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
             if n_f < 0:
                 gl.inline_asm_elementwise("nanosleep.u32 1;\n\tmov.u32 $0, 0;", "=r,r", [n_f], dtype=gl.int32,
                                           is_pure=False, pack=1)
-
-    @gluon.jit
-    def _rescale(acc, alpha, SKIP: gl.constexpr):
-        # O * alpha[:, None] (alpha in O's row layout). SKIP (HOPPER_SKIP_RESCALE): a warp whose
-        # alphas are all exactly 1 (no row of its 16 raised its max this tile) branches around the
-        # multiplies, which would leave every bit as it is. A thread's two rows vote across the warp
-        # (one flag, equal in all of the thread's elements), then all of the thread's elements of O
-        # (D / 2) are copied and, unless the flag says a row's max rose, multiplied, in one asm block
-        # (compiled for sm_90a: one VOTE and one branch a tile; ptxas allocates the copies onto O's
-        # own registers, since the asm is PTX it compiles with the code around it).
-        if SKIP:
-            flag = gl.inline_asm_elementwise(_RESCALE_VOTE, "=r,=r,f,f", [alpha], dtype=gl.int32, is_pure=True,
-                                             pack=2)
-            if acc.type.shape[1] == 64:
-                return gl.inline_asm_elementwise(_RESCALE_ASM_32, _RESCALE_CONSTRAINTS_32,
-                                                 [acc, alpha[:, None], flag[:, None]], dtype=gl.float32,
-                                                 is_pure=True, pack=32)
-            else:
-                gl.static_assert(acc.type.shape[1] == 128, "the Hopper kernel's D is 64 or 128")
-                return gl.inline_asm_elementwise(_RESCALE_ASM_64, _RESCALE_CONSTRAINTS_64,
-                                                 [acc, alpha[:, None], flag[:, None]], dtype=gl.float32,
-                                                 is_pure=True, pack=64)
-        else:
-            return acc * alpha[:, None]
 
     @gluon.jit
     def _hopper_softmax(qk, m_i, l_i, b, h, q_idx, kv_idx, first, Lk, full, sm_scale, @@ALL_PTR_PARAMS@@
@@ -799,7 +747,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                     SUB: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
                                     EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0,
                                     UNDER_PV: gl.constexpr = 0, INFO: gl.constexpr = 0,
-                                    FAST_STORE: gl.constexpr = False, SKIP_RESCALE: gl.constexpr = False):
+                                    FAST_STORE: gl.constexpr = False):
         # one warpgroup of the persistent kernel: _hopper_pingpong_consumer's loop (rows WG * 64 ..
         # + 64 of each tile's 128) over the tiles the load warp hands over, until it hands over
         # num_m * BH. The K / V slots and their phases follow `c`, and the turns `u`, counted over
@@ -879,7 +827,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     _softmax_done(n_f, UNDER_PV)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     _release(v_empty, prev, _BAR_V_FREE, NAMED)
-                    acc = _rescale(acc, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), SKIP_RESCALE)
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 mbarrier.arrive(q_empty.index(qs))  # (this warpgroup's last S is done: the next queries may load)
                 final = c % NUM_BUF
                 _tile_waits(k_ready, 0, 0, v_ready, final, (c // NUM_BUF) & 1, mine, (u & 1) ^ (1 - WG), WG, NAMED,
@@ -906,8 +854,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                   EVEN_M: gl.constexpr = True, EVEN_N: gl.constexpr = True,
                                   NAMED: gl.constexpr = 0, Q_BUF: gl.constexpr = 1, UNDER_PV: gl.constexpr = 0,
-                                  INFO: gl.constexpr = 0, FAST_STORE: gl.constexpr = False,
-                                  SKIP_RESCALE: gl.constexpr = False):
+                                  INFO: gl.constexpr = 0, FAST_STORE: gl.constexpr = False):
         # HOPPER_LOOP = "persistent": the ping-pong kernel's roles in one program per SM, each
         # taking (row block, head) tiles from the call's counter until none is left, heaviest first
         # (_hopper_tile_of). Q_BUF = 1 buffer of queries (so the ring keeps its three K / V
@@ -947,12 +894,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 0, EVEN_M,
-                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE, SKIP_RESCALE)),
+                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE)),
             (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty, k_ready, v_ready,
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 1, EVEN_M,
-                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE, SKIP_RESCALE)),
+                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE)),
             (_hopper_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, q_ready,
                                            q_empty, k_ready, v_ready, k_empty, v_empty, counter, num_m, BH, Hq, group,
                                            Lq, Lk, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
@@ -1060,7 +1007,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
     pointers = [tables[n] for n in ALL_POINTERS]
     site = ("forward", q.shape, k.shape, q.dtype, q.device, _current_device(q), return_lse, HOPPER_LOOP,
             HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS, HOPPER_UNDER_PV, HOPPER_TILE_INFO,
-            HOPPER_FAST_STORE, HOPPER_SKIP_RESCALE, tuple(t.data_ptr() % 16 == 0 for t in pointers))
+            HOPPER_FAST_STORE, tuple(t.data_ptr() % 16 == 0 for t in pointers))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
     plan = _remember(_HOPPER_PLANS, site, lambda: _hopper_plan(q, k, v, scale, out, lse, pointers))
@@ -1126,8 +1073,6 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
         options["INFO"] = 1
     if persistent and HOPPER_FAST_STORE:
         options["FAST_STORE"] = True
-    if persistent and HOPPER_SKIP_RESCALE:
-        options["SKIP_RESCALE"] = True
     if Lq % 128:  # (HOPPER_RAGGED) the last block of queries runs past Lq
         options["EVEN_M"] = False
     if Lk % TABLE_N:  # (HOPPER_RAGGED) the last tile of keys runs past Lk

@@ -124,10 +124,10 @@ HOPPER_FAST_STORE = _hopper_setting(
     "PORT_HOPPER_FAST_STORE", "1", ("0", "1"),
     "is not a switch of the persistent loop's store: set 1 (the default, a reciprocal per row) or 0 (a "
     "division per element), or unset it")
-# Where the persistent loop rescales O by a tile's alpha (FlashAttention-3's place, 1): after the next
-# tile's S = Q K^T is issued and before its P V, so the multiplies (64 a thread at D 128) run while
-# the tensor cores compute S; 0 (the default): right after the wait for the tile's P V, before the
-# warpgroup's next turn. The same multiplies in the same order on every element: the same bits.
+# Where the persistent loop rescales O by a tile's alpha. 1: after the next tile's S = Q K^T is
+# issued and before its P V, so the multiplies (64 a thread at D 128) run while the tensor cores
+# compute S (the place FlashAttention-3 and -4 take above D 128); 0 (the default): right after the
+# wait for the tile's P V, before the warpgroup's next turn (their place at D 128 and below). The same multiplies in the same order on every element: the same bits.
 # PORT_HOPPER_EARLY_RESCALE=1 in the environment chooses 1.
 HOPPER_EARLY_RESCALE = _hopper_setting(
     "PORT_HOPPER_EARLY_RESCALE", "0", ("0", "1"),

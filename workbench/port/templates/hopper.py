@@ -127,8 +127,9 @@ HOPPER_FAST_STORE = _hopper_setting(
 # Where the persistent loop rescales O by a tile's alpha. 1: after the next tile's S = Q K^T is
 # issued and before its P V, so the multiplies (64 a thread at D 128) run while the tensor cores
 # compute S (the place FlashAttention-3 and -4 take above D 128); 0 (the default): right after the
-# wait for the tile's P V, before the warpgroup's next turn (their place at D 128 and below). The same multiplies in the same order on every element: the same bits.
-# PORT_HOPPER_EARLY_RESCALE=1 in the environment chooses 1.
+# wait for the tile's P V, before the warpgroup's next turn (their place at D 128 and below). The
+# same multiplies in the same order on every element: the same bits. PORT_HOPPER_EARLY_RESCALE=1 in
+# the environment chooses 1.
 HOPPER_EARLY_RESCALE = _hopper_setting(
     "PORT_HOPPER_EARLY_RESCALE", "0", ("0", "1"),
     "is not a switch of the persistent loop's rescale of O: set 1 (under the next tile's S) or 0 (the "

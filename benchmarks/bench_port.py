@@ -200,10 +200,8 @@ def _rounds(text: str) -> int:
 # --loops suffixes after '+': q2 (two buffers of queries, HOPPER_Q_BUFFERS), pv0 / pv1 (the softmax's
 # exponentials after / under the previous tile's P V, HOPPER_UNDER_PV), ti0 / ti1 (the persistent
 # loop's tile counts loaded by the warpgroups / handed over by the load warp, HOPPER_TILE_INFO), fs0 /
-# fs1 (the persistent loop's store: a division per element / a reciprocal per row, HOPPER_FAST_STORE),
-# er0 / er1 (the persistent loop's rescale of O after the tile's P V / under the next tile's S,
-# HOPPER_EARLY_RESCALE)
-_LOOP_EXTRAS = ("q2", "pv0", "pv1", "ti0", "ti1", "fs0", "fs1", "er0", "er1")
+# fs1 (the persistent loop's store: a division per element / a reciprocal per row, HOPPER_FAST_STORE)
+_LOOP_EXTRAS = ("q2", "pv0", "pv1", "ti0", "ti1", "fs0", "fs1")
 
 
 def main(argv=None) -> int:
@@ -234,10 +232,9 @@ def main(argv=None) -> int:
                    "turns and releases, 5 or 7: 1 or 3 with the turn taken before the tile's waits), `+q2`, two buffers of "
                    "queries (HOPPER_Q_BUFFERS), `+pv0` / `+pv1`, the softmax's exponentials after / under the "
                    "previous tile's P V (HOPPER_UNDER_PV), `+ti0` / `+ti1`, the persistent loop's tile counts "
-                   "loaded by the warpgroups / handed over by the load warp (HOPPER_TILE_INFO), `+fs0` / `+fs1`, "
-                   "its store by a division per element / a reciprocal per row (HOPPER_FAST_STORE), and `+er0` / "
-                   "`+er1`, its rescale of O after the tile's P V / under the next tile's S (HOPPER_EARLY_RESCALE): "
-                   "pingpong:3, persistent@7, persistent+q2, persistent+pv0, persistent+ti1+fs1, persistent+er1")
+                   "loaded by the warpgroups / handed over by the load warp (HOPPER_TILE_INFO), and `+fs0` / `+fs1`, "
+                   "its store by a division per element / a reciprocal per row (HOPPER_FAST_STORE): pingpong:3, "
+                   "persistent@7, persistent+q2, persistent+pv0, persistent+ti1+fs1")
     p.add_argument("--score-forms", nargs="+", choices=["off", "bias", "all"],
                    help="--hopper: the score functions' forms to time, each loop with each (PORT_FAST_SCORE's; default: "
                    "the generator's, bias unless PORT_FAST_SCORE says otherwise): off "
@@ -249,7 +246,7 @@ def main(argv=None) -> int:
         if unknown:
             p.error(f"--loops {loop!r}: after '+' only {', '.join(_LOOP_EXTRAS)} are known (two buffers of queries; "
                     f"the softmax after / under the previous tile's P V; the tile counts loaded / handed over; the "
-                    f"store by a division / a reciprocal; the rescale after P V / under the next S), "
+                    f"store by a division / a reciprocal), "
                     f"e.g. persistent+q2 or persistent+ti0")
     # (other libraries' notes that repeat on every row and push the table off a short log: torch's
     # profiler on each measured cycle, the CuTe DSL on FA4's aux_data argument at each compile)
@@ -382,7 +379,7 @@ def hopper_bench(args) -> int:
                     block_n, default_buffers, warps = module.HOPPER_TILE
                     default_named, default_q = module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS
                     default_pv, default_ti = module.HOPPER_UNDER_PV, module.HOPPER_TILE_INFO
-                    default_fs, default_er = module.HOPPER_FAST_STORE, module.HOPPER_EARLY_RESCALE
+                    default_fs = module.HOPPER_FAST_STORE
                     module.HOPPER, module.HOPPER_LOOP = True, loop
                     module.HOPPER_TILE = (block_n, int(buffers or default_buffers), warps)
                     module.HOPPER_NAMED = int(named) if named else default_named
@@ -390,14 +387,13 @@ def hopper_bench(args) -> int:
                     module.HOPPER_UNDER_PV = 0 if "pv0" in extras else 1 if "pv1" in extras else default_pv
                     module.HOPPER_TILE_INFO = 0 if "ti0" in extras else 1 if "ti1" in extras else default_ti
                     module.HOPPER_FAST_STORE = 0 if "fs0" in extras else 1 if "fs1" in extras else default_fs
-                    module.HOPPER_EARLY_RESCALE = 0 if "er0" in extras else 1 if "er1" in extras else default_er
                     try:
                         return module.attention(q, k, v)
                     finally:
                         module.HOPPER_TILE = (block_n, default_buffers, warps)
                         module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS = default_named, default_q
                         module.HOPPER_UNDER_PV, module.HOPPER_TILE_INFO = default_pv, default_ti
-                        module.HOPPER_FAST_STORE, module.HOPPER_EARLY_RESCALE = default_fs, default_er
+                        module.HOPPER_FAST_STORE = default_fs
 
                 def portable(module=module):
                     module.HOPPER = False

@@ -65,8 +65,10 @@ def ptxas(kernel) -> str:
     return "; ".join(lines)
 
 
-def _sass(kernel) -> list[str]:
-    """The kernel's SASS lines (ptxas, then nvdisasm, both Triton's own), comments dropped."""
+def exponentials_before_waits(kernel) -> list[int]:
+    """For each full wait on the warpgroup MMAs (WARPGROUP.DEPBAR.LE gsb0, 0x0) in the kernel's SASS
+    (ptxas, then nvdisasm): how many exponentials (MUFU.EX2) run between the last MMA issued and
+    that wait. A loop whose softmax runs under the previous tile's P V has all of a tile's there."""
     import re
 
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -77,38 +79,15 @@ def _sass(kernel) -> list[str]:
                        capture_output=True)
         sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(cubin)], check=True, capture_output=True,
                               text=True).stdout
-    return [re.sub(r"/\*.*?\*/", "", line) for line in sass.splitlines()]
-
-
-def exponentials_before_waits(kernel) -> list[int]:
-    """For each full wait on the warpgroup MMAs (WARPGROUP.DEPBAR.LE gsb0, 0x0) in the kernel's SASS:
-    how many exponentials (MUFU.EX2) run between the last MMA issued and that wait. A loop whose
-    softmax runs under the previous tile's P V has all of a tile's there."""
     counts, last_mma, exps = [], None, 0
-    for line in _sass(kernel):
+    for line in sass.splitlines():
+        line = re.sub(r"/\*.*?\*/", "", line)
         if "HGMMA" in line:
             last_mma, exps = line, 0
         elif "MUFU.EX2" in line:
             exps += 1
         elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and last_mma is not None:
             counts.append(exps)
-    return counts
-
-
-def multiplies_between_s_and_pv(kernel) -> list[int]:
-    """For each S = Q K^T issued (its first MMA starts from zero: `RZ, !UPT`) and followed by a P V
-    (an MMA that reads V transposed, `tnspB`): how many multiplies (FMUL) run from the fence before
-    that S (WARPGROUP.ARRIVE) to the P V's first MMA. A loop that rescales O under the next tile's S
-    has all of a thread's share of O there (64 at D 128)."""
-    lines = _sass(kernel)
-    counts, s_start = [], None
-    for i, line in enumerate(lines):
-        if "HGMMA" in line and "!UPT" in line:
-            s_start = i
-        elif "HGMMA" in line and "tnspB" in line and s_start is not None:
-            fence = max((j for j in range(s_start) if "WARPGROUP.ARRIVE" in lines[j]), default=s_start)
-            counts.append(sum("FMUL" in lines[j] for j in range(fence, i)))
-            s_start = None
     return counts
 
 
@@ -212,17 +191,6 @@ def main(argv) -> int:
                     grid, args, options, _, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
                     kernels.append(module._hopper_kernel().warmup(*args, grid=grid, **options))
                 module.HOPPER_TILE_INFO, module.HOPPER_FAST_STORE = kept
-                # (HOPPER_EARLY_RESCALE = 1) the steady loop rescales a thread's share of O (D / 2
-                # multiplies) between the fence before the next tile's S and that tile's P V; off, it
-                # does so after the P V's wait, so none are there
-                rescale = []
-                for early in (0, 1):
-                    module.HOPPER_EARLY_RESCALE = early
-                    grid, args, options, _, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
-                    rescale.append(max(multiplies_between_s_and_pv(
-                        module._hopper_kernel().warmup(*args, grid=grid, **options)), default=0))
-                module.HOPPER_EARLY_RESCALE = 0
-                assert rescale[0] < D // 2 <= rescale[1], f"multiplies between S and P V, off / on: {rescale}"
                 (plain, switched) = (kernel.asm["ptx"] for kernel in kernels)
                 assert switched.count("ld.global") < plain.count("ld.global"), "the tile counts are still loaded"
                 assert switched.count("div.") < plain.count("div.") // 4, (switched.count("div."), plain.count("div."))

@@ -260,9 +260,8 @@ def test_the_warpgroups_hand_offs_give_the_same_bits_every_way(cuda, tmp_path, l
     # HOPPER_NAMED: the two warpgroups take turns on the tensor cores and give K / V buffers back to
     # the load warp through named barriers (3), named turns only (1) or mbarriers (0, the default);
     # 5 and 7 are 1 and 3 with the turn taken before the tile's waits; the persistent loop also with
-    # two buffers of queries (HOPPER_Q_BUFFERS = 2), with the tile counts handed over by the load
-    # warp or loaded (HOPPER_TILE_INFO flipped) and with O's rescale moved (HOPPER_EARLY_RESCALE
-    # flipped); both loops also with the other place of the wait
+    # two buffers of queries (HOPPER_Q_BUFFERS = 2) and with the tile counts handed over by the load
+    # warp or loaded (HOPPER_TILE_INFO flipped); both loops also with the other place of the wait
     # for P V (HOPPER_UNDER_PV flipped: the softmax under P V, or the wait first, where ptxas puts it).
     # The arithmetic is the same, so the bits must be; a barrier left half done or a buffer given
     # back early would hang or mix tiles. Programs whose rows keep nothing (no turn at all), rows of
@@ -313,17 +312,12 @@ def test_the_warpgroups_hand_offs_give_the_same_bits_every_way(cuda, tmp_path, l
                 module.HOPPER_TILE_INFO = 1 - info
                 got["ti"] = module.attention(q, k, v, return_lse=True)
                 module.HOPPER_TILE_INFO = info
-                # (O's rescale under the next tile's S, HOPPER_EARLY_RESCALE, against after its P V)
-                early = module.HOPPER_EARLY_RESCALE
-                module.HOPPER_EARLY_RESCALE = 1 - early
-                got["er"] = module.attention(q, k, v, return_lse=True)
-                module.HOPPER_EARLY_RESCALE = early
             under = module.HOPPER_UNDER_PV  # (the softmax's place against the wait: the same arithmetic)
             module.HOPPER_NAMED, module.HOPPER_UNDER_PV = 0, 1 - under
             got["pv"] = module.attention(q, k, v, return_lse=True)
             module.HOPPER_UNDER_PV = under
-        assert len(calls) == 7 + 3 * (loop == "persistent"), "attention() did not run the Hopper kernel"
-        for named in (1, 0, 7, 5, "pv") + (("q2", "ti", "er") if loop == "persistent" else ()):
+        assert len(calls) == 7 + 2 * (loop == "persistent"), "attention() did not run the Hopper kernel"
+        for named in (1, 0, 7, 5, "pv") + (("q2", "ti") if loop == "persistent" else ()):
             assert torch.equal(got[named][0], got[3][0]) and torch.equal(got[named][1], got[3][1]), \
                 f"{loop}, {Lq} x {Lk}: HOPPER_NAMED = {named} gave other bits than 3"
         out, lse = got[3]

@@ -1310,14 +1310,11 @@ def test_two_buffers_of_queries_reach_the_persistent_kernel_within_its_shared_me
      r"is not a switch of the persistent loop's tile counts: set 1 \(the default, .*\) or 0 \("),
     ("PORT_HOPPER_FAST_STORE", "HOPPER_FAST_STORE", ((None, 1), ("", 1), ("0", 0), (" 1 ", 1)), ("yes", "-1", "1.0"),
      r"is not a switch of the persistent loop's store: set 1 \(the default, .*\) or 0 \("),
-    # unset or empty 0, "0" or "1"
-    ("PORT_HOPPER_EARLY_RESCALE", "HOPPER_EARLY_RESCALE", ((None, 0), ("", 0), (" 1 ", 1), ("0", 0)), ("2", "on"),
-     r"is not a switch of the persistent loop's rescale of O: set 1 \(under the next tile's S\) or 0 \(the default"),
 ])
 def test_a_hopper_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp_path, monkeypatch, name, attribute,
                                                                              read, refused, message):
-    # PORT_HOPPER_Q_BUFFERS, PORT_HOPPER_UNDER_PV, PORT_HOPPER_TILE_INFO, PORT_HOPPER_FAST_STORE,
-    # PORT_HOPPER_EARLY_RESCALE: any value not in the list stops the file's load
+    # PORT_HOPPER_Q_BUFFERS, PORT_HOPPER_UNDER_PV, PORT_HOPPER_TILE_INFO, PORT_HOPPER_FAST_STORE: any value not
+    # in the list stops the file's load
     # with an error that names the variable and the values (never a silent default)
     path = port.build(make("causal"), 256, 256, out_dir=tmp_path)
     for value, want in read:
@@ -1333,32 +1330,27 @@ def test_a_hopper_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp
 
 
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
-def test_the_persistent_loops_switches_reach_only_the_persistent_kernel(tmp_path):
+def test_the_tile_counts_and_the_store_switches_reach_only_the_persistent_kernel(tmp_path):
     # HOPPER_TILE_INFO / HOPPER_FAST_STORE (on unless set to 0): the persistent loop's kernel gets INFO =
     # 1 (its load warp writes each tile's counts beside its number) / FAST_STORE (a reciprocal per
-    # row); HOPPER_EARLY_RESCALE (off unless set to 1): EARLY_RESCALE (O's rescale under the next
-    # tile's S). The other loops never get them; a changed switch is a new kind of call. (That they
-    # give the bits and the float64 agreement they should: tests/test_gpu_port.py, on an H100 / H200;
-    # where the rescale's compiled multiplies sit: tests/run_hopper_compile.py.)
+    # row); the other loops never get them; a changed switch is a new kind of call. (That both give
+    # the bits and the float64 agreement they should: tests/test_gpu_port.py, on an H100 / H200.)
     import torch
 
     module, cpu = _planned_on_cpu(tmp_path)
     assert module.HOPPER_TILE_INFO == int(os.environ.get("PORT_HOPPER_TILE_INFO", "").strip() or 1)
     assert module.HOPPER_FAST_STORE == int(os.environ.get("PORT_HOPPER_FAST_STORE", "").strip() or 1)
-    assert module.HOPPER_EARLY_RESCALE == int(os.environ.get("PORT_HOPPER_EARLY_RESCALE", "").strip() or 0)
     q = torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16)
     tables = module._tables(cpu, 1024, 1024)
     sites = set()
     for loop in ("specialized", "pingpong", "persistent"):
-        for info, fast, early in ((1, 0, 0), (0, 0, 0), (0, 1, 0), (1, 1, 0), (1, 1, 1), (0, 0, 1)):
+        for info, fast in ((1, 0), (0, 0), (0, 1), (1, 1)):
             module.HOPPER_LOOP, module.HOPPER_TILE_INFO, module.HOPPER_FAST_STORE = loop, info, fast
-            module.HOPPER_EARLY_RESCALE = early
             _, _, options, _, _, site = module._hopper_launch(q, q, q, 0.125, False, tables)
             persistent = loop == "persistent"
             assert options.get("INFO", 0) == (info if persistent else 0), (loop, info, options)
             assert options.get("FAST_STORE", False) == bool(fast and persistent), (loop, fast, options)
-            assert options.get("EARLY_RESCALE", False) == bool(early and persistent), (loop, early, options)
-            assert site not in sites, (loop, info, fast, early)
+            assert site not in sites, (loop, info, fast)
             sites.add(site)
 
 

@@ -124,16 +124,6 @@ HOPPER_FAST_STORE = _hopper_setting(
     "PORT_HOPPER_FAST_STORE", "1", ("0", "1"),
     "is not a switch of the persistent loop's store: set 1 (the default, a reciprocal per row) or 0 (a "
     "division per element), or unset it")
-# Where the persistent loop rescales O by a tile's alpha. 1: after the next tile's S = Q K^T is
-# issued and before its P V, so the multiplies (64 a thread at D 128) run while the tensor cores
-# compute S (the place FlashAttention-3 and -4 take above D 128); 0 (the default): right after the
-# wait for the tile's P V, before the warpgroup's next turn (their place at D 128 and below). The
-# same multiplies in the same order on every element: the same bits. PORT_HOPPER_EARLY_RESCALE=1 in
-# the environment chooses 1.
-HOPPER_EARLY_RESCALE = _hopper_setting(
-    "PORT_HOPPER_EARLY_RESCALE", "0", ("0", "1"),
-    "is not a switch of the persistent loop's rescale of O: set 1 (under the next tile's S) or 0 (the "
-    "default, after the tile's P V), or unset it")
 HOPPER_MODS = @@HOPPER_MODS@@  # None: the mods have a Gluon copy below; else why not
 
 # Gluon and its Hopper module: this kernel is written against Triton 3.6's (Gluon's API moved
@@ -286,12 +276,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
             if n_f < 0:
                 gl.inline_asm_elementwise("nanosleep.u32 1;\n\tmov.u32 $0, 0;", "=r,r", [n_f], dtype=gl.int32,
                                           is_pure=False, pack=1)
-
-    @gluon.jit
-    def _held_here(x):
-        # x, through a move the compilers may not hoist above the side effects before it (an asm with
-        # side effects): what is computed from it stays after them
-        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
 
     @gluon.jit
     def _hopper_softmax(qk, m_i, l_i, b, h, q_idx, kv_idx, first, Lk, full, sm_scale, @@ALL_PTR_PARAMS@@
@@ -763,7 +747,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                     SUB: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
                                     EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0,
                                     UNDER_PV: gl.constexpr = 0, INFO: gl.constexpr = 0,
-                                    FAST_STORE: gl.constexpr = False, EARLY_RESCALE: gl.constexpr = False):
+                                    FAST_STORE: gl.constexpr = False):
         # one warpgroup of the persistent kernel: _hopper_pingpong_consumer's loop (rows WG * 64 ..
         # + 64 of each tile's 128) over the tiles the load warp hands over, until it hands over
         # num_m * BH. The K / V slots and their phases follow `c`, and the turns `u`, counted over
@@ -832,8 +816,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                 (u & 1) ^ (1 - WG), WG, NAMED)
                     qk = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
                                        is_async=True)
-                    if EARLY_RESCALE:  # (O's rescale by the previous tile's alpha while this tile's S runs)
-                        acc = acc * _held_here(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)))[:, None]
                     acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
                     _turn_pass(other, WG, NAMED)
                     u += 1
@@ -845,12 +827,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     _softmax_done(n_f, UNDER_PV)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     _release(v_empty, prev, _BAR_V_FREE, NAMED)
-                    if not EARLY_RESCALE:
-                        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                    # (O's rescale here, after its P V, as FlashAttention-3 and -4 do at D <= 128; held
+                    # under the next tile's S instead, where they put it above D 128, it gave no gain on
+                    # an H100: docs/benchmarks.md)
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 mbarrier.arrive(q_empty.index(qs))  # (this warpgroup's last S is done: the next queries may load)
                 final = c % NUM_BUF
-                if EARLY_RESCALE:
-                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 _tile_waits(k_ready, 0, 0, v_ready, final, (c // NUM_BUF) & 1, mine, (u & 1) ^ (1 - WG), WG, NAMED,
                             HAS_K=False)
                 acc = warpgroup_mma(p, v_smem.index(final), acc, is_async=True)
@@ -875,8 +857,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                   EVEN_M: gl.constexpr = True, EVEN_N: gl.constexpr = True,
                                   NAMED: gl.constexpr = 0, Q_BUF: gl.constexpr = 1, UNDER_PV: gl.constexpr = 0,
-                                  INFO: gl.constexpr = 0, FAST_STORE: gl.constexpr = False,
-                                  EARLY_RESCALE: gl.constexpr = False):
+                                  INFO: gl.constexpr = 0, FAST_STORE: gl.constexpr = False):
         # HOPPER_LOOP = "persistent": the ping-pong kernel's roles in one program per SM, each
         # taking (row block, head) tiles from the call's counter until none is left, heaviest first
         # (_hopper_tile_of). Q_BUF = 1 buffer of queries (so the ring keeps its three K / V
@@ -916,12 +897,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 0, EVEN_M,
-                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE, EARLY_RESCALE)),
+                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE)),
             (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty, k_ready, v_ready,
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 1, EVEN_M,
-                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE, EARLY_RESCALE)),
+                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE)),
             (_hopper_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, q_ready,
                                            q_empty, k_ready, v_ready, k_empty, v_empty, counter, num_m, BH, Hq, group,
                                            Lq, Lk, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
@@ -1029,7 +1010,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
     pointers = [tables[n] for n in ALL_POINTERS]
     site = ("forward", q.shape, k.shape, q.dtype, q.device, _current_device(q), return_lse, HOPPER_LOOP,
             HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS, HOPPER_UNDER_PV, HOPPER_TILE_INFO,
-            HOPPER_FAST_STORE, HOPPER_EARLY_RESCALE, tuple(t.data_ptr() % 16 == 0 for t in pointers))
+            HOPPER_FAST_STORE, tuple(t.data_ptr() % 16 == 0 for t in pointers))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
     plan = _remember(_HOPPER_PLANS, site, lambda: _hopper_plan(q, k, v, scale, out, lse, pointers))
@@ -1095,8 +1076,6 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
         options["INFO"] = 1
     if persistent and HOPPER_FAST_STORE:
         options["FAST_STORE"] = True
-    if persistent and HOPPER_EARLY_RESCALE:
-        options["EARLY_RESCALE"] = True
     if Lq % 128:  # (HOPPER_RAGGED) the last block of queries runs past Lq
         options["EVEN_M"] = False
     if Lk % TABLE_N:  # (HOPPER_RAGGED) the last tile of keys runs past Lk

@@ -60,12 +60,16 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner chooses from on a GPU. BLOCK_M 16 serves
-# calls with at most 16 queries (decode). The last WIDE_ROW_CONFIGS are tried only for float32 at
-# D > 64: compiled for sm_90, the others need 256-352 KB of shared memory there at D = 128 (an H200
-# has 227 KB; bf16 needs at most 192 KB at D = 256), and these 64-224 KB (128-144 KB at D = 256).
+# calls with at most 16 queries (decode). The last WIDE_ROW_CONFIGS are the only ones float32 at
+# D > 64 runs, one for long rows and one for decode, so such a call compiles one kernel and
+# autotunes nothing: compiled for sm_90 at D = 128 the others need 256-352 KB of shared memory (an
+# H200 has 227 KB; bf16 needs at most 192 KB at D = 256) and each took 50-260 s in ptxas on a
+# 2-core CPU (IEEE float32 products unrolled on the FMA units, spilling), against 64 / 72 KB for
+# these two (128 / 144 KB at D = 256), which fit every GPU with 144 KB. (128, 64, 8, 2), 224 KB at
+# D = 128, was one of them: it fits only a Hopper GPU and took another 50 s to compile.
 CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2),
-           (128, 64, 8, 2), (64, 32, 4, 1), (16, 64, 4, 1)]
-WIDE_ROW_CONFIGS = 3
+           (64, 32, 4, 1), (16, 64, 4, 1)]
+WIDE_ROW_CONFIGS = 2
 
 
 # Packed launches (cu_seqlens) use one fixed configuration, so a request's bits do not depend on
@@ -490,8 +494,8 @@ def check_supported(head_dim: int | None = None, dtype: str | None = None, name:
 
 def pinned_config(dtype: torch.dtype, head_dim: int) -> int:
     """The index of CONFIGS that callers pinning one configuration for every call (the invariance
-    check) use: CONFIGS[0] (128 x 64), or for float32 at D > 64 a smaller one that fits a Hopper
-    GPU's shared memory."""
+    check) use: CONFIGS[0] (128 x 64), or for float32 at D > 64 the one long-row tile such calls
+    run (WIDE_ROW_CONFIGS), which fits the GPU's shared memory."""
     if dtype == torch.float32 and head_dim > 64:
-        return CONFIGS.index((128, 64, 8, 2) if head_dim <= 128 else (64, 32, 4, 1))
+        return CONFIGS.index((64, 32, 4, 1))
     return 0

@@ -393,7 +393,7 @@ def _invariant_block(acc, l_i, m_i, t_acc, t_l, t_m, piece, i, j, n_p, n_f, p_ro
 
 
 CONFIGS = @@CONFIGS@@  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-WIDE_ROW_CONFIGS = @@WIDE_ROW_CONFIGS@@  # the last ones: small tiles, tried only for float32 rows of D > 64
+WIDE_ROW_CONFIGS = @@WIDE_ROW_CONFIGS@@  # the last ones: small tiles, the only ones float32 runs at D > 64
 
 
 # read once, when the file is loaded: Triton's CPU interpreter runs one small configuration, and
@@ -517,12 +517,13 @@ def _prune(configs, named_args, **kwargs):
     if len(configs) == 1:
         return configs
     short = named_args["Lq_bucket"] <= 16  # the longest sequence (of a packed call: segment)
-    # float32 at D > 64 overflows the larger tiles' shared memory on Hopper (those fail and are
-    # skipped); only there are the small ones worth their autotuning time
+    # float32 at D > 64 runs only the small tiles: the larger ones overflow a GPU's shared memory
+    # there and take a minute or more each to compile before the launch fails. One is left, so the
+    # call compiles one kernel and autotunes nothing; elsewhere the small ones are never tried
     wide = named_args["Q"].dtype == torch.float32 and named_args["D"] > 64
     small = set(CONFIGS[len(CONFIGS) - WIDE_ROW_CONFIGS:])
     kept = [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == short
-            and (wide or (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) not in small)]
+            and ((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in small) == wide]
     return kept or configs
 
 

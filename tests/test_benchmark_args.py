@@ -138,3 +138,15 @@ def test_bench_port_counts_the_pairs_a_mask_keeps_over_its_heads():
     assert bench_port.kept_pairs(make("causal"), 300, 300, 4, "cpu") == 4 * 300 * 301 // 2
     windows = make("per_head_window", {"windows": [16, 64]}, q_len=200, kv_len=200)
     assert bench_port.kept_pairs(windows, 200, 200, 2, "cpu") == sum(min(i + 1, w) for w in (16, 64) for i in range(200))
+
+
+def test_bench_clocks_refuses_what_names_nothing_and_a_machine_without_a_gpu(capsys, monkeypatch):
+    import bench_clocks
+
+    assert "invalid choice: 'causal 1024'" in refused(bench_clocks.main, ["--masks", "causal 1024"], capsys)
+    assert "'0' is not a positive int" in refused(bench_clocks.main, ["--rounds", "0"], capsys)
+    assert "'-1' is not a positive float" in refused(bench_clocks.main, ["--seconds", "-1"], capsys)
+    assert "'x' is not a positive int" in refused(bench_clocks.main, ["--lengths", "x"], capsys)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = refused(bench_clocks.main, ["--masks", "causal"], capsys)
+    assert "needs a CUDA GPU and nvidia-smi on the PATH" in err and "run it on the GPU machine" in err

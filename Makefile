@@ -52,6 +52,8 @@ bench-gpu:
 	$(PYTHON) benchmarks/bench_paged.py > $(BENCH)/paged.md
 	$(PYTHON) benchmarks/bench_port.py --backward --lengths 8192 32768 > $(BENCH)/backward.md
 	$(PYTHON) benchmarks/bench_port.py --fa4 --lengths 8192 32768 > $(BENCH)/fa4.md
+	$(PYTHON) benchmarks/bench_port.py --hopper --loops auto --lengths 8192 32768 --rounds 3 > $(BENCH)/hopper.md
+	$(PYTHON) benchmarks/bench_clocks.py --masks causal "sliding window 1024" "document (8 docs)" > $(BENCH)/clocks.md
 	$(PYTHON) benchmarks/bench_verify.py --lengths 262144 1048576 > $(BENCH)/verify.md
 
 ## JupyterLab on notebooks/

@@ -254,7 +254,7 @@ print("after another length", len(runs), len(m._tuned_for))
 
 def test_float32_at_wide_head_dims_runs_one_small_tile_without_autotuning(tmp_path):
     # compiled for sm_90, float32 at D = 128 needs 256-352 KB of shared memory in every larger tile
-    # (an H200 has 227 KB) and each took minutes to compile: such a call keeps exactly one tile (so
+    # (an H200 has 227 KB) and each took 50-260 s to compile: such a call keeps exactly one tile (so
     # the autotuner compiles one kernel and times none), a small one that fits, and only there
     import triton
 

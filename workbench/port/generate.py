@@ -62,9 +62,9 @@ DTYPES = ("bfloat16", "float16", "float32")
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner chooses from on a GPU. BLOCK_M 16 serves
 # calls with at most 16 queries (decode). The last WIDE_ROW_CONFIGS are the only ones float32 at
 # D > 64 runs, one for long rows and one for decode, so such a call compiles one kernel and
-# autotunes nothing: compiled for sm_90 at D = 128 the others need 256-352 KB of shared memory (an
-# H200 has 227 KB; bf16 needs at most 192 KB at D = 256) and each took 50-260 s in ptxas on a
-# 2-core CPU (IEEE float32 products unrolled on the FMA units, spilling), against 64 / 72 KB for
+# autotunes nothing: compiled for sm_90 at D = 128 the other long-row tiles need 256-352 KB of
+# shared memory (an H200 has 227 KB; bf16 needs at most 192 KB at D = 256) and each took 50-260 s in
+# ptxas on a 2-core CPU (IEEE float32 products unrolled on the FMA units, spilling), against 64 / 72 KB for
 # these two (128 / 144 KB at D = 256), which fit every GPU with 144 KB. (128, 64, 8, 2), 224 KB at
 # D = 128, was one of them: it fits only a Hopper GPU and took another 50 s to compile.
 CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2),

@@ -518,7 +518,7 @@ def _prune(configs, named_args, **kwargs):
         return configs
     short = named_args["Lq_bucket"] <= 16  # the longest sequence (of a packed call: segment)
     # float32 at D > 64 runs only the small tiles: the larger ones overflow a GPU's shared memory
-    # there and take a minute or more each to compile before the launch fails. One is left, so the
+    # there and take 50-260 s each to compile (sm_90, a 2-core CPU) before the launch fails. One is left, so the
     # call compiles one kernel and autotunes nothing; elsewhere the small ones are never tried
     wide = named_args["Q"].dtype == torch.float32 and named_args["D"] > 64
     small = set(CONFIGS[len(CONFIGS) - WIDE_ROW_CONFIGS:])

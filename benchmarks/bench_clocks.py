@@ -8,7 +8,7 @@ can run the mask). Every output is compared with Flex Triton's first. Each round
 turn four ways (ms per call):
   - do_bench: triton.testing.do_bench's median, an L2 flush before each call;
   - back to back: 20 calls between two CUDA events, no flush;
-  - graph: 10 calls captured in a CUDA graph, the replay's do_bench median / 10 (no host in it);
+  - graph: the call captured in a CUDA graph, the replay's do_bench median (no host in it);
   - sustained: calls back to back for --seconds, the state a training run lives in, while
     nvidia-smi samples the SM clock, power, temperature and its clock-event reasons every 20 ms.
 The last columns are the sustained run's mean clock, power, peak temperature, the reasons seen
@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_paged import graph_ms  # noqa: E402
 from bench_port import masks_at  # noqa: E402
 from workbench import port  # noqa: E402
 from workbench.blocks import build_block_mask  # noqa: E402
@@ -101,22 +102,11 @@ def _back_to_back(fn, calls: int = 20) -> float:
     return start.elapsed_time(end) / calls
 
 
-def _graph(fn, calls: int = 10) -> float | None:
-    """ms per call replayed from a CUDA graph of `calls` calls; None where the path cannot be captured."""
-    from triton.testing import do_bench
-
+def _graph(fn) -> float | None:
+    """bench_paged's graph_ms (the call captured in a CUDA graph, its replay's do_bench median: no
+    host in it); None where the path cannot be captured."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        return do_bench(graph.replay, warmup=3, rep=60) / calls
+        return graph_ms(fn)
     except Exception:  # (a path whose host work syncs or allocates by content cannot be captured)
         torch.cuda.synchronize()
         return None

@@ -142,7 +142,9 @@ def test_bench_port_counts_the_pairs_a_mask_keeps_over_its_heads():
 
 def test_bench_clocks_refuses_what_names_nothing_and_a_machine_without_a_gpu(capsys, monkeypatch):
     import bench_clocks
+    import bench_port
 
+    assert bench_clocks.MASKS == list(bench_port.masks_at(256, 4, "cpu"))  # (its choices: the masks bench_port builds)
     assert "invalid choice: 'causal 1024'" in refused(bench_clocks.main, ["--masks", "causal 1024"], capsys)
     assert "'0' is not a positive int" in refused(bench_clocks.main, ["--rounds", "0"], capsys)
     assert "'-1' is not a positive float" in refused(bench_clocks.main, ["--seconds", "-1"], capsys)

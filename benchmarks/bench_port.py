@@ -200,8 +200,9 @@ def _rounds(text: str) -> int:
 # --loops suffixes after '+': q2 (two buffers of queries, HOPPER_Q_BUFFERS), pv0 / pv1 (the softmax's
 # exponentials after / under the previous tile's P V, HOPPER_UNDER_PV), ti0 / ti1 (the persistent
 # loop's tile counts loaded by the warpgroups / handed over by the load warp, HOPPER_TILE_INFO), fs0 /
-# fs1 (the persistent loop's store: a division per element / a reciprocal per row, HOPPER_FAST_STORE)
-_LOOP_EXTRAS = ("q2", "pv0", "pv1", "ti0", "ti1", "fs0", "fs1")
+# fs1 (the persistent loop's store: a division per element / a reciprocal per row, HOPPER_FAST_STORE), ls0 /
+# ls1 (the softmax's row sums: the whole row's every tile / each thread's share, HOPPER_LANE_SUMS)
+_LOOP_EXTRAS = ("q2", "pv0", "pv1", "ti0", "ti1", "fs0", "fs1", "ls0", "ls1")
 
 
 def main(argv=None) -> int:
@@ -233,8 +234,9 @@ def main(argv=None) -> int:
                    "queries (HOPPER_Q_BUFFERS), `+pv0` / `+pv1`, the softmax's exponentials after / under the "
                    "previous tile's P V (HOPPER_UNDER_PV), `+ti0` / `+ti1`, the persistent loop's tile counts "
                    "loaded by the warpgroups / handed over by the load warp (HOPPER_TILE_INFO), and `+fs0` / `+fs1`, "
-                   "its store by a division per element / a reciprocal per row (HOPPER_FAST_STORE): pingpong:3, "
-                   "persistent@7, persistent+q2, persistent+pv0, persistent+ti1+fs1")
+                   "its store by a division per element / a reciprocal per row (HOPPER_FAST_STORE), `+ls0` / `+ls1`, "
+                   "the softmax's row sums whole every tile / each thread's share (HOPPER_LANE_SUMS): pingpong:3, "
+                   "persistent@7, persistent+q2, persistent+pv0, persistent+ti1+fs1, persistent+ls1")
     p.add_argument("--score-forms", nargs="+", choices=["off", "bias", "all"],
                    help="--hopper: the score functions' forms to time, each loop with each (PORT_FAST_SCORE's; default: "
                    "the generator's, bias unless PORT_FAST_SCORE says otherwise): off "
@@ -246,7 +248,7 @@ def main(argv=None) -> int:
         if unknown:
             p.error(f"--loops {loop!r}: after '+' only {', '.join(_LOOP_EXTRAS)} are known (two buffers of queries; "
                     f"the softmax after / under the previous tile's P V; the tile counts loaded / handed over; the "
-                    f"store by a division / a reciprocal), "
+                    f"store by a division / a reciprocal; the row sums whole / by thread), "
                     f"e.g. persistent+q2 or persistent+ti0")
     # (other libraries' notes that repeat on every row and push the table off a short log: torch's
     # profiler on each measured cycle, the CuTe DSL on FA4's aux_data argument at each compile)
@@ -379,7 +381,7 @@ def hopper_bench(args) -> int:
                     block_n, default_buffers, warps = module.HOPPER_TILE
                     default_named, default_q = module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS
                     default_pv, default_ti = module.HOPPER_UNDER_PV, module.HOPPER_TILE_INFO
-                    default_fs = module.HOPPER_FAST_STORE
+                    default_fs, default_ls = module.HOPPER_FAST_STORE, module.HOPPER_LANE_SUMS
                     module.HOPPER, module.HOPPER_LOOP = True, loop
                     module.HOPPER_TILE = (block_n, int(buffers or default_buffers), warps)
                     module.HOPPER_NAMED = int(named) if named else default_named
@@ -387,13 +389,14 @@ def hopper_bench(args) -> int:
                     module.HOPPER_UNDER_PV = 0 if "pv0" in extras else 1 if "pv1" in extras else default_pv
                     module.HOPPER_TILE_INFO = 0 if "ti0" in extras else 1 if "ti1" in extras else default_ti
                     module.HOPPER_FAST_STORE = 0 if "fs0" in extras else 1 if "fs1" in extras else default_fs
+                    module.HOPPER_LANE_SUMS = 0 if "ls0" in extras else 1 if "ls1" in extras else default_ls
                     try:
                         return module.attention(q, k, v)
                     finally:
                         module.HOPPER_TILE = (block_n, default_buffers, warps)
                         module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS = default_named, default_q
                         module.HOPPER_UNDER_PV, module.HOPPER_TILE_INFO = default_pv, default_ti
-                        module.HOPPER_FAST_STORE = default_fs
+                        module.HOPPER_FAST_STORE, module.HOPPER_LANE_SUMS = default_fs, default_ls
 
                 def portable(module=module):
                     module.HOPPER = False

@@ -21,9 +21,9 @@ def test_bench_port_refuses_a_hopper_loop_suffix_it_does_not_know(capsys):
     import bench_port
 
     err = refused(bench_port.main, ["--hopper", "--loops", "persistent", "persistent+q3"], capsys)
-    assert "--loops 'persistent+q3': after '+' only q2, pv0, pv1, ti0, ti1, fs0, fs1 are known" in err
+    assert "--loops 'persistent+q3': after '+' only q2, pv0, pv1, ti0, ti1, fs0, fs1, ls0, ls1 are known" in err
     err = refused(bench_port.main, ["--hopper", "--loops", "persistent+q2+pv0", "pingpong+pv2"], capsys)
-    assert "--loops 'pingpong+pv2': after '+' only q2, pv0, pv1, ti0, ti1, fs0, fs1 are known" in err
+    assert "--loops 'pingpong+pv2': after '+' only q2, pv0, pv1, ti0, ti1, fs0, fs1, ls0, ls1 are known" in err
 
 
 @pytest.mark.parametrize("tile", ["16x64x4", "16x64x4x0", "16xAx4x3", "16x64x4x2@", "16x64x4x2@999", "16x64x4x2@x"])

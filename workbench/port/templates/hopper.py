@@ -103,10 +103,20 @@ HOPPER_UNDER_PV = _hopper_setting(
     "PORT_HOPPER_UNDER_PV", "0", ("0", "1"),
     "is not a switch of the Hopper softmax's place: set 1 (the softmax under the previous tile's P V) or "
     "0 (the default), or unset it")
+# The softmax's row sums l (1): each thread keeps the sum of its own share of a row's scores (a
+# row's 128 keys of a tile lie with four threads of a warp, 32 each), and the four shares are added
+# once, at the store, as FlashAttention-2 and -3 do; 0: the row's whole sum every tile, gathered
+# across its four threads (two shuffles and two adds a row, four rows' worth a thread a tile). The
+# same online softmax; the sum is added in another order, so the bits of out and lse may differ in
+# the last place between the two. PORT_HOPPER_LANE_SUMS=1 in the environment chooses 1.
 # The persistent loop's tile counts from the load warp (1, the default): it writes a tile's
 # full-block and tile counts beside its number in shared memory, so the warpgroups start the tile's
 # first S without loading them from global memory (one load's latency per tile of 128 queries);
 # 0: the warpgroups load them too. PORT_HOPPER_TILE_INFO=0 in the environment chooses 0.
+HOPPER_LANE_SUMS = _hopper_setting(
+    "PORT_HOPPER_LANE_SUMS", "0", ("0", "1"),
+    "is not a switch of the softmax's row sums: set 1 (each thread's share, added across a row's threads at "
+    "the store) or 0 (the default, the whole row's sum every tile), or unset it")
 HOPPER_TILE_INFO = _hopper_setting(
     "PORT_HOPPER_TILE_INFO", "1", ("0", "1"),
     "is not a switch of the persistent loop's tile counts: set 1 (the default, handed over by the load "
@@ -278,6 +288,25 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                           is_pure=False, pack=1)
 
     @gluon.jit
+    def _row_sums(x, LANE: gl.constexpr):
+        # the rows' sums of a tile x [rows, BLOCK_N] in the NVMMA layout: LANE, each thread's own
+        # share, [rows, 4] (a row's column c lies with thread c // 2 % 4 of its quad, so the split
+        # [BLOCK_N // 8, 4, 2] puts the quad's threads on the middle axis and the sums over the other
+        # two stay within a thread); else the whole rows', [rows]
+        if LANE:
+            return gl.sum(gl.sum(gl.reshape(x, [x.shape[0], x.shape[1] // 8, 4, 2]), 3), 1)
+        else:
+            return gl.sum(x, 1)
+
+    @gluon.jit
+    def _row_total(l_i):
+        # the rows' sums l from _row_sums's form: [rows, 4] shares added across a row's threads
+        if len(l_i.shape) == 2:
+            return gl.sum(l_i, 1)
+        else:
+            return l_i
+
+    @gluon.jit
     def _hopper_softmax(qk, m_i, l_i, b, h, q_idx, kv_idx, first, Lk, full, sm_scale, @@ALL_PTR_PARAMS@@
                         HAS_SCORE: gl.constexpr, dtype: gl.constexpr, p_layout: gl.constexpr,
                         EVEN_N: gl.constexpr, PAGED: gl.constexpr):
@@ -310,7 +339,10 @@ if _HAS_GLUON and HOPPER_MODS is None:
             p = gl.exp2(s - m_safe[:, None])
         else:
             p = gl.exp2(gl.fma(s, c, -m_safe[:, None]))
-        l_i = l_i * alpha + gl.sum(p, 1)
+        if len(l_i.shape) == 2:  # (each thread's share of its rows' sums, see _row_sums)
+            l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + _row_sums(p, True)
+        else:
+            l_i = l_i * alpha + gl.sum(p, 1)
         return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
 
     @gluon.jit
@@ -347,6 +379,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # or four)
         BLOCK_M: gl.constexpr = acc.shape[0]
         HEAD_D: gl.constexpr = acc.shape[1]
+        l_i = _row_total(l_i)
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         l_safe = gl.where(l_o == 0.0, 1.0, l_o)
         if FAST:
@@ -401,7 +434,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
                          sm_scale, @@ALL_PTR_PARAMS@@
                          HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
                          TABLE_N: gl.constexpr, num_warps: gl.constexpr, EVEN_M: gl.constexpr,
-                         EVEN_N: gl.constexpr, PAGED: gl.constexpr, UNDER_PV: gl.constexpr = 0):
+                         EVEN_N: gl.constexpr, PAGED: gl.constexpr, UNDER_PV: gl.constexpr = 0,
+                         LANE: gl.constexpr = 0):
         # the math warps of the specialized kernel, over the program's BLOCK_M queries. Per tile t:
         # S = Q K^T (wgmma, Q and K from shared memory), then the score_mod, the mask and the online
         # softmax (_hopper_softmax), then O = O * alpha + P V (wgmma, P from registers). Overlapped
@@ -422,7 +456,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                                            instr_shape=[16, HEAD_D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = _row_sums(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), LANE)
         acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         q_idx = (q_pos0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))[:, None]
@@ -472,7 +506,8 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                    HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, TABLE_M: gl.constexpr,
                                    TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                    PINGPONG: gl.constexpr = False, EVEN_M: gl.constexpr = True,
-                                   EVEN_N: gl.constexpr = True, NAMED: gl.constexpr = 0, UNDER_PV: gl.constexpr = 0):
+                                   EVEN_N: gl.constexpr = True, NAMED: gl.constexpr = 0, UNDER_PV: gl.constexpr = 0,
+                                   LANE: gl.constexpr = 0):
         # one program = BLOCK_M queries of one (batch entry, head) over the blocks its row of the
         # lists names (full ones without the mask, then partial ones with it). EVEN_M / EVEN_N:
         # Lq / Lk are multiples of BLOCK_M / TABLE_N. Otherwise (HOPPER_RAGGED) the last block of
@@ -536,11 +571,13 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                                              Out, Lse, b, h, row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f,
                                              n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
-                                             SUB, TABLE_N, 0, EVEN_M, EVEN_N, False, NAMED, UNDER_PV)),
+                                             SUB, TABLE_N, 0, EVEN_M, EVEN_N, False, NAMED, UNDER_PV,
+                                             LANE)),
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                                              Out, Lse, b, h, row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f,
                                              n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
-                                             SUB, TABLE_N, 1, EVEN_M, EVEN_N, False, NAMED, UNDER_PV)),
+                                             SUB, TABLE_N, 1, EVEN_M, EVEN_N, False, NAMED, UNDER_PV,
+                                             LANE)),
                 (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
                                     n_tiles, idx_f, idx_p, Lk, SUB, TABLE_N, EVEN_N, NAMED)),
             ], [4, 1], [240, 24])
@@ -549,7 +586,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 (_hopper_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, Out, Lse, b, h,
                                     row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale,
                                     @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, num_warps, EVEN_M, EVEN_N,
-                                    False, UNDER_PV)),
+                                    False, UNDER_PV, LANE)),
                 (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
                                     n_tiles, idx_f, idx_p, Lk, SUB, TABLE_N, EVEN_N)),
             ], [1], [24])
@@ -561,7 +598,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
                                   TABLE_N: gl.constexpr, WG: gl.constexpr, EVEN_M: gl.constexpr,
                                   EVEN_N: gl.constexpr, PAGED: gl.constexpr, NAMED: gl.constexpr = 0,
-                                  UNDER_PV: gl.constexpr = 0):
+                                  UNDER_PV: gl.constexpr = 0, LANE: gl.constexpr = 0):
         # one warpgroup (4 warps) of the ping-pong kernel: query rows WG * 64 .. WG * 64 + 64 of the
         # program's 128, the overlapped loop (tile t's S = Q K^T issued with tile t-1's P V, the
         # softmax before the wait for it: _softmax_done). The two warpgroups take turns to issue their matmuls (`turn`, one
@@ -583,7 +620,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         other = turn.index(1 - WG)
         row0 = q_pos0 + WG * HALF  # (the place of the program's rows: see _hopper_consumer)
         m_i = gl.full([HALF], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([HALF], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = _row_sums(gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout), LANE)
         acc = gl.zeros([HALF, HEAD_D], gl.float32, layout=o_layout)
         zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
         q_idx = (row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)))[:, None]
@@ -747,7 +784,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                     SUB: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
                                     EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0,
                                     UNDER_PV: gl.constexpr = 0, INFO: gl.constexpr = 0,
-                                    FAST_STORE: gl.constexpr = False):
+                                    FAST_STORE: gl.constexpr = False, LANE: gl.constexpr = 0):
         # one warpgroup of the persistent kernel: _hopper_pingpong_consumer's loop (rows WG * 64 ..
         # + 64 of each tile's 128) over the tiles the load warp hands over, until it hands over
         # num_m * BH. The K / V slots and their phases follow `c`, and the turns `u`, counted over
@@ -788,7 +825,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
             n_valid = Lq - row0
             l_off = bh.to(gl.int64) * Lq + row0
             m_i = gl.full([HALF], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([HALF], gl.float32, layout=gl.SliceLayout(1, s_layout))
+            l_i = _row_sums(zero_s, LANE)
             acc = gl.zeros([HALF, HEAD_D], gl.float32, layout=o_layout)
             q_idx = (row0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)))[:, None]
             if not EVEN_M:  # rows past the sequence's queries are computed, never stored: the mods see its last one
@@ -857,7 +894,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                   EVEN_M: gl.constexpr = True, EVEN_N: gl.constexpr = True,
                                   NAMED: gl.constexpr = 0, Q_BUF: gl.constexpr = 1, UNDER_PV: gl.constexpr = 0,
-                                  INFO: gl.constexpr = 0, FAST_STORE: gl.constexpr = False):
+                                  INFO: gl.constexpr = 0, FAST_STORE: gl.constexpr = False, LANE: gl.constexpr = 0):
         # HOPPER_LOOP = "persistent": the ping-pong kernel's roles in one program per SM, each
         # taking (row block, head) tiles from the call's counter until none is left, heaviest first
         # (_hopper_tile_of). Q_BUF = 1 buffer of queries (so the ring keeps its three K / V
@@ -897,12 +934,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 0, EVEN_M,
-                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE)),
+                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE, LANE)),
             (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty, k_ready, v_ready,
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 1, EVEN_M,
-                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE)),
+                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE, LANE)),
             (_hopper_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, q_ready,
                                            q_empty, k_ready, v_ready, k_empty, v_empty, counter, num_m, BH, Hq, group,
                                            Lq, Lk, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
@@ -1009,7 +1046,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
                          f"one of {', '.join(map(repr, HOPPER_LOOPS))}")
     pointers = [tables[n] for n in ALL_POINTERS]
     site = ("forward", q.shape, k.shape, q.dtype, q.device, _current_device(q), return_lse, HOPPER_LOOP,
-            HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS, HOPPER_UNDER_PV, HOPPER_TILE_INFO,
+            HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS, HOPPER_UNDER_PV, HOPPER_LANE_SUMS, HOPPER_TILE_INFO,
             HOPPER_FAST_STORE, tuple(t.data_ptr() % 16 == 0 for t in pointers))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
@@ -1072,6 +1109,8 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
         options["Q_BUF"] = 2
     if HOPPER_UNDER_PV:
         options["UNDER_PV"] = 1
+    if HOPPER_LANE_SUMS:
+        options["LANE"] = 1
     if persistent and HOPPER_TILE_INFO:
         options["INFO"] = 1
     if persistent and HOPPER_FAST_STORE:

@@ -1310,6 +1310,8 @@ def test_two_buffers_of_queries_reach_the_persistent_kernel_within_its_shared_me
      r"is not a switch of the persistent loop's tile counts: set 1 \(the default, .*\) or 0 \("),
     ("PORT_HOPPER_FAST_STORE", "HOPPER_FAST_STORE", ((None, 1), ("", 1), ("0", 0), (" 1 ", 1)), ("yes", "-1", "1.0"),
      r"is not a switch of the persistent loop's store: set 1 \(the default, .*\) or 0 \("),
+    ("PORT_HOPPER_LANE_SUMS", "HOPPER_LANE_SUMS", ((None, 0), ("", 0), (" 1 ", 1), ("0", 0)), ("2", "on", "-1"),
+     r"is not a switch of the softmax's row sums: set 1 \(each thread's share, .*\) or 0 \(the default, "),
 ])
 def test_a_hopper_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp_path, monkeypatch, name, attribute,
                                                                              read, refused, message):
@@ -1355,29 +1357,34 @@ def test_the_tile_counts_and_the_store_switches_reach_only_the_persistent_kernel
 
 
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
-def test_the_softmax_under_p_v_reaches_every_loop_and_the_paged_prefill_as_the_switch_says(tmp_path):
-    # HOPPER_UNDER_PV: every loop's kernel, and the paged prefill's, gets UNDER_PV = 1 when it is on
+@pytest.mark.parametrize("attribute, option", [("HOPPER_UNDER_PV", "UNDER_PV"), ("HOPPER_LANE_SUMS", "LANE")])
+def test_the_softmax_switches_reach_every_loop_and_the_paged_prefill_as_they_say(tmp_path, attribute, option):
+    # HOPPER_UNDER_PV (the softmax under the previous tile's P V) / HOPPER_LANE_SUMS (the row sums
+    # by thread): every loop's kernel, and the paged prefill's, gets UNDER_PV / LANE = 1 when it is on
     # and nothing when off; a changed switch is a new kind of call (never a plan made under the other
-    # setting). Where the compiled wait sits: tests/run_hopper_compile.py.
+    # setting). Where the compiled wait sits: tests/run_hopper_compile.py; the lane sums' float64
+    # agreement: tests/test_gpu_port.py on an H100 / H200.
     import torch
 
     module, cpu = _planned_on_cpu(tmp_path)
-    assert module.HOPPER_UNDER_PV == int(os.environ.get("PORT_HOPPER_UNDER_PV", "").strip() or 0)
+    variable = "PORT_" + attribute
+    assert getattr(module, attribute) == int(os.environ.get(variable, "").strip() or 0)
     q = torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16)
     tables = module._tables(cpu, 1024, 1024)
     sites = set()
     for loop in ("specialized", "pingpong", "persistent"):
-        for under in (1, 0):
-            module.HOPPER_LOOP, module.HOPPER_UNDER_PV = loop, under
+        for on in (1, 0):
+            module.HOPPER_LOOP = loop
+            setattr(module, attribute, on)
             _, _, options, _, _, site = module._hopper_launch(q, q, q, 0.125, False, tables)
-            assert options.get("UNDER_PV", 0) == under, (loop, under, options)
-            assert site not in sites, (loop, under)
+            assert options.get(option, 0) == on, (loop, on, options)
+            assert site not in sites, (loop, on)
             sites.add(site)
     module.HOPPER_LOOP = "auto"
-    for under in (1, 0):
-        module.HOPPER_UNDER_PV = under
+    for on in (1, 0):
+        setattr(module, attribute, on)
         options = _paged_prefill_options(module, tables)
-        assert options.get("UNDER_PV", 0) == under, (under, options)
+        assert options.get(option, 0) == on, (on, options)
 
 
 def test_auto_runs_the_persistent_loop_except_with_a_score_mod_at_d128(tmp_path):

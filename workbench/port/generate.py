@@ -59,17 +59,23 @@ _SCORE_FORMS = ("off", "bias", "all")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
+# Float32 at D > 64 runs one small tile, chosen by the head dim: (long rows, rows of at most 16
+# queries) for D up to each bound. Such a call compiles one kernel and is never autotuned, and its
+# packed launches take the long-row tile too. Compiled for sm_90 (IEEE float32 products unrolled on
+# the FMA units, spilling; ptxas on a 2-core CPU): at D = 128 the other long-row tiles need 256-352 KB
+# of shared memory (an H200 has 227 KB; bf16 needs at most 192 KB at D = 256) and each took 50-260 s,
+# against 43 s and 64 KB for (64, 32, 4, 1) and 7 s and 72 KB for (16, 64, 4, 1). At D = 256
+# (64, 32, 4, 1) took 210 s (342 KB of spill stores; on an H200 host its compile ran past 200 s),
+# (32, 32, 4, 1) and (64, 32, 8, 1) 53-55 s, (16, 64, 4, 1) 22 s and (16, 32, 4, 1) 16 s with 80 KB of
+# shared memory and 8 KB of spill stores. ((128, 64, 8, 2), 224 KB at D = 128, fits only a Hopper GPU
+# and took another 50 s: no longer tried.)
+WIDE_TILES = ((128, ((64, 32, 4, 1), (16, 64, 4, 1))), (256, ((16, 32, 4, 1), (16, 32, 4, 1))))
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner chooses from on a GPU. BLOCK_M 16 serves
-# calls with at most 16 queries (decode). The last WIDE_ROW_CONFIGS are the only ones float32 at
-# D > 64 runs, one for long rows and one for decode, so such a call compiles one kernel and
-# autotunes nothing: compiled for sm_90 at D = 128 the other long-row tiles need 256-352 KB of
-# shared memory (an H200 has 227 KB; bf16 needs at most 192 KB at D = 256) and each took 50-260 s in
-# ptxas on a 2-core CPU (IEEE float32 products unrolled on the FMA units, spilling), against 64 / 72 KB for
-# these two (128 / 144 KB at D = 256), which fit every GPU with 144 KB. (128, 64, 8, 2), 224 KB at
-# D = 128, was one of them: it fits only a Hopper GPU and took another 50 s to compile.
+# calls with at most 16 queries (decode). The last WIDE_ROW_CONFIGS are WIDE_TILES's, which only
+# float32 at D > 64 runs (and nothing else runs).
 CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2),
-           (64, 32, 4, 1), (16, 64, 4, 1)]
-WIDE_ROW_CONFIGS = 2
+           (64, 32, 4, 1), (16, 64, 4, 1), (16, 32, 4, 1)]
+WIDE_ROW_CONFIGS = 3
 
 
 # Packed launches (cu_seqlens) use one fixed configuration, so a request's bits do not depend on
@@ -278,6 +284,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@CONFIGS@@": repr(CONFIGS),
         "@@SEGMENT_CONFIGS@@": repr(SEGMENT_CONFIGS),
         "@@WIDE_ROW_CONFIGS@@": repr(WIDE_ROW_CONFIGS),
+        "@@WIDE_TILES@@": repr(WIDE_TILES),
         "@@HAS_BOUNDS@@": repr(has_bounds),
         "@@RANGE_PTR_PARAMS@@": params(range_ptrs), "@@RANGE_PTR_ARGS@@": args(range_ptrs),
         "@@HOPPER_MODS@@": repr(no_gluon), "@@GLUON_MODS@@": gluon_mods, "@@HOPPER_GRAD@@": repr(no_gluon_grad),
@@ -495,7 +502,10 @@ def check_supported(head_dim: int | None = None, dtype: str | None = None, name:
 def pinned_config(dtype: torch.dtype, head_dim: int) -> int:
     """The index of CONFIGS that callers pinning one configuration for every call (the invariance
     check) use: CONFIGS[0] (128 x 64), or for float32 at D > 64 the one long-row tile such calls
-    run (WIDE_ROW_CONFIGS), which fits the GPU's shared memory."""
+    run (WIDE_TILES), which fits the GPU's shared memory."""
     if dtype == torch.float32 and head_dim > 64:
-        return CONFIGS.index((64, 32, 4, 1))
+        for bound, (long_rows, _) in WIDE_TILES:
+            if head_dim <= bound:
+                return CONFIGS.index(long_rows)
+        return CONFIGS.index(WIDE_TILES[-1][1][0])
     return 0

@@ -394,6 +394,20 @@ def _invariant_block(acc, l_i, m_i, t_acc, t_l, t_m, piece, i, j, n_p, n_f, p_ro
 
 CONFIGS = @@CONFIGS@@  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 WIDE_ROW_CONFIGS = @@WIDE_ROW_CONFIGS@@  # the last ones: small tiles, the only ones float32 runs at D > 64
+# float32 at D > 64: (head dim bound, (the long rows' tile, the tile of rows of at most 16 queries))
+WIDE_TILES = @@WIDE_TILES@@
+_WIDE_SET = set(CONFIGS[len(CONFIGS) - WIDE_ROW_CONFIGS:])
+
+
+def _wide_tile(dtype, head_dim: int, short: bool):
+    """The one tile a float32 call at D > 64 runs (`short`: rows of at most 16 queries), else None:
+    every larger tile overflows a GPU's shared memory there, and each took minutes to compile."""
+    if dtype != torch.float32 or head_dim <= 64:
+        return None
+    for bound, (long_rows, decode) in WIDE_TILES:
+        if head_dim <= bound:
+            return decode if short else long_rows
+    return WIDE_TILES[-1][1][1 if short else 0]
 
 
 # read once, when the file is loaded: Triton's CPU interpreter runs one small configuration, and
@@ -445,6 +459,9 @@ def _launch_segmented(grid, args, kwargs, key):
     """Run the packed launch with its fixed configuration: the first of _SEGMENT_CANDIDATES the
     chip has room for (found once per head dim / dtype / device, then kept)."""
     candidates = [_segment_config_for[key]] if key in _segment_config_for else _SEGMENT_CANDIDATES
+    wide = _wide_tile(key[1], key[0], False)
+    if wide is not None and _ONLY_CONFIG is None:  # (float32 at D > 64: the long rows' one small tile)
+        candidates = [wide]
 
     def launch(config):
         m, n, w, s = config
@@ -465,16 +482,24 @@ def _launch_segmented(grid, args, kwargs, key):
 # buckets, head dim, score flag, precision and every tensor argument's dtype) and the kernel is
 # launched with them directly.
 _tuned_for: dict = {}
-_BUCKET_AT: list = []  # where Lq_bucket and Lk_bucket sit among the kernel's arguments
+_BUCKET_AT: list = []  # where Lq_bucket, Lk_bucket and D sit among the kernel's arguments
 
 
 def _launch_tuned(grid, args, kwargs):
     """_attention_kernel[grid](*args, **kwargs), its autotuner consulted once per key."""
     if not _BUCKET_AT:
-        _BUCKET_AT.extend(_attention_kernel.arg_names.index(n) for n in ("Lq_bucket", "Lk_bucket"))
+        _BUCKET_AT.extend(_attention_kernel.arg_names.index(n) for n in ("Lq_bucket", "Lk_bucket", "D"))
     key = (args[_BUCKET_AT[0]], args[_BUCKET_AT[1]], kwargs["D_PAD"], kwargs["HAS_SCORE"], kwargs["IEEE"],
            args[0].device, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
     chosen = _tuned_for.get(key)
+    if chosen is None and _ONLY_CONFIG is None:
+        # float32 at D > 64 runs one tile (_wide_tile): launched straight, as the autotuner would
+        # still time a single configuration it is left with
+        wide = _wide_tile(args[0].dtype, args[_BUCKET_AT[2]], args[_BUCKET_AT[0]] <= 16)
+        if wide is not None:
+            m, n, w, s = wide
+            config = triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            chosen = _tuned_for[key] = (config, config.all_kwargs())
     if chosen is None:
         _attention_kernel[grid](*args, **kwargs)  # autotunes (or reads Triton's cache on disk) once
         config = getattr(_attention_kernel, "best_config", None)
@@ -517,13 +542,15 @@ def _prune(configs, named_args, **kwargs):
     if len(configs) == 1:
         return configs
     short = named_args["Lq_bucket"] <= 16  # the longest sequence (of a packed call: segment)
-    # float32 at D > 64 runs only the small tiles: the larger ones overflow a GPU's shared memory
-    # there and take 50-260 s each to compile (sm_90, a 2-core CPU) before the launch fails. One is left, so the
-    # call compiles one kernel and autotunes nothing; elsewhere the small ones are never tried
-    wide = named_args["Q"].dtype == torch.float32 and named_args["D"] > 64
-    small = set(CONFIGS[len(CONFIGS) - WIDE_ROW_CONFIGS:])
-    kept = [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == short
-            and ((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in small) == wide]
+    # float32 at D > 64 runs its one small tile (_wide_tile; _launch_tuned launches it without the
+    # autotuner): the larger ones overflow a GPU's shared memory there and take 50-260 s each to
+    # compile (sm_90, a 2-core CPU) before the launch fails; elsewhere the small ones are never tried
+    wide = _wide_tile(named_args["Q"].dtype, named_args["D"], short)
+    tiles = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in configs]
+    if wide is not None:
+        kept = [c for c, tile in zip(configs, tiles) if tile == wide]
+    else:
+        kept = [c for c, tile in zip(configs, tiles) if (tile[0] == 16) == short and tile not in _WIDE_SET]
     return kept or configs
 
 

@@ -290,6 +290,44 @@ def test_float32_at_wide_head_dims_runs_one_small_tile_without_autotuning(tmp_pa
     assert port.pinned_config(torch.bfloat16, 256) == 0 and port.pinned_config(torch.float32, 64) == 0
 
 
+def test_float32_at_wide_head_dims_launches_its_tile_without_the_autotuner(tmp_path):
+    # Triton's autotuner times even the single configuration a prune leaves it; float32 at D > 64
+    # skips it: the file launches its one tile straight (and remembers it per key), while bf16 and
+    # float32 at D 64 still go through the autotuner
+    module = port.load(port.build(make("causal", q_len=64, kv_len=64), 64, 64, heads=1, out_dir=tmp_path))
+    module._ONLY_CONFIG = None  # (as on a GPU: the CPU interpreter pins one small tile)
+    launched = []
+
+    class Kernel:
+        arg_names = module._attention_kernel.arg_names
+
+        class fn:  # the plain kernel: what a launch with fixed tiles calls
+            def __class_getitem__(cls, grid):
+                return lambda *a, **kw: launched.append(("fixed", kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"],
+                                                         kw["num_stages"]))
+
+        def __getitem__(self, grid):  # the autotuner
+            return lambda *a, **kw: launched.append(("autotuned",))
+
+    module._attention_kernel = Kernel()
+    names = Kernel.arg_names
+
+    def call(dtype, head_dim, q_len):
+        args = [None] * len(names)
+        args[0] = torch.empty(1, dtype=dtype)
+        args[names.index("Lq_bucket")], args[names.index("Lk_bucket")] = q_len, 4096
+        args[names.index("D")] = head_dim
+        module._launch_tuned((1,), args, {"D_PAD": max(16, 1 << (head_dim - 1).bit_length()), "HAS_SCORE": False,
+                                          "IEEE": dtype == torch.float32})
+        return launched.pop()
+
+    assert call(torch.float32, 128, 4096) == ("fixed", 64, 32, 4, 1)
+    assert call(torch.float32, 128, 1) == ("fixed", 16, 64, 4, 1)
+    assert call(torch.float32, 256, 4096) == call(torch.float32, 256, 4096) == ("fixed", 16, 32, 4, 1)
+    assert call(torch.float32, 64, 4096) == ("autotuned",)
+    assert call(torch.bfloat16, 256, 4096) == ("autotuned",)
+
+
 def test_a_sites_launch_takes_the_lean_path_only_where_it_is_built_on_and_hook_free(tmp_path):
     """_launch at a known site: the lean launch when the site has one and LEAN_LAUNCH is on; Triton's
     own launcher (with the site's values after the arguments) when the lean one declines (a hook is

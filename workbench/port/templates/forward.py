@@ -401,7 +401,7 @@ _WIDE_SET = set(CONFIGS[len(CONFIGS) - WIDE_ROW_CONFIGS:])
 
 def _wide_tile(dtype, head_dim: int, short: bool):
     """The one tile a float32 call at D > 64 runs (`short`: rows of at most 16 queries), else None:
-    every larger tile overflows a GPU's shared memory there, and each took minutes to compile."""
+    every larger tile overflows a GPU's shared memory there, and each took 50-260 s to compile."""
     if dtype != torch.float32 or head_dim <= 64:
         return None
     for bound, (long_rows, decode) in WIDE_TILES:

@@ -113,14 +113,14 @@ HOPPER_UNDER_PV = _hopper_setting(
 # reference on every loop form; calls were 0.8-1.2 % faster (causal, 1,024 window) but the causal
 # kernel 7.9 % slower by the profiler, so 0 stays the default until a run with the SM clock
 # settles it. PORT_HOPPER_LANE_SUMS=1 in the environment chooses 1.
-# The persistent loop's tile counts from the load warp (1, the default): it writes a tile's
-# full-block and tile counts beside its number in shared memory, so the warpgroups start the tile's
-# first S without loading them from global memory (one load's latency per tile of 128 queries);
-# 0: the warpgroups load them too. PORT_HOPPER_TILE_INFO=0 in the environment chooses 0.
 HOPPER_LANE_SUMS = _hopper_setting(
     "PORT_HOPPER_LANE_SUMS", "0", ("0", "1"),
     "is not a switch of the softmax's row sums: set 1 (each thread's share, added across a row's threads at "
     "the store) or 0 (the default, the whole row's sum every tile), or unset it")
+# The persistent loop's tile counts from the load warp (1, the default): it writes a tile's
+# full-block and tile counts beside its number in shared memory, so the warpgroups start the tile's
+# first S without loading them from global memory (one load's latency per tile of 128 queries);
+# 0: the warpgroups load them too. PORT_HOPPER_TILE_INFO=0 in the environment chooses 0.
 HOPPER_TILE_INFO = _hopper_setting(
     "PORT_HOPPER_TILE_INFO", "1", ("0", "1"),
     "is not a switch of the persistent loop's tile counts: set 1 (the default, handed over by the load "

@@ -267,6 +267,7 @@ def test_float32_at_wide_head_dims_runs_one_small_tile_without_autotuning(tmp_pa
                 for c in module._prune(configs, args)]
 
     wide = port.CONFIGS[len(port.CONFIGS) - port.WIDE_ROW_CONFIGS:]
+    assert set(wide) == module._WIDE_SET  # (CONFIGS's tail is WIDE_TILES's tiles)
     assert tried(torch.bfloat16, 128, 4096) == port.CONFIGS[:4]
     assert tried(torch.bfloat16, 256, 4096) == port.CONFIGS[:4]
     assert tried(torch.float32, 64, 4096) == port.CONFIGS[:4]

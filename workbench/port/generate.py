@@ -71,8 +71,9 @@ DTYPES = ("bfloat16", "float16", "float32")
 # and took another 50 s: no longer tried.)
 WIDE_TILES = ((128, ((64, 32, 4, 1), (16, 64, 4, 1))), (256, ((16, 32, 4, 1), (16, 32, 4, 1))))
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner chooses from on a GPU. BLOCK_M 16 serves
-# calls with at most 16 queries (decode). The last WIDE_ROW_CONFIGS are WIDE_TILES's, which only
-# float32 at D > 64 runs (and nothing else runs).
+# calls with at most 16 queries (decode). The last WIDE_ROW_CONFIGS are WIDE_TILES's: the only
+# tiles float32 at D > 64 runs, and never autotuned for other calls (a packed launch may still fall
+# back to (64, 32, 4, 1), the last of SEGMENT_CONFIGS, and PORT_CONFIG may pin any of them).
 CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2),
            (64, 32, 4, 1), (16, 64, 4, 1), (16, 32, 4, 1)]
 WIDE_ROW_CONFIGS = 3

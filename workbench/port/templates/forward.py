@@ -396,7 +396,7 @@ CONFIGS = @@CONFIGS@@  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 WIDE_ROW_CONFIGS = @@WIDE_ROW_CONFIGS@@  # the last ones: small tiles, the only ones float32 runs at D > 64
 # float32 at D > 64: (head dim bound, (the long rows' tile, the tile of rows of at most 16 queries))
 WIDE_TILES = @@WIDE_TILES@@
-_WIDE_SET = set(CONFIGS[len(CONFIGS) - WIDE_ROW_CONFIGS:])
+_WIDE_SET = {tile for _, tiles in WIDE_TILES for tile in tiles}
 
 
 def _wide_tile(dtype, head_dim: int, short: bool):
@@ -458,10 +458,9 @@ def _first_that_fits(candidates, launch, chosen: dict, key):
 def _launch_segmented(grid, args, kwargs, key):
     """Run the packed launch with its fixed configuration: the first of _SEGMENT_CANDIDATES the
     chip has room for (found once per head dim / dtype / device, then kept)."""
-    candidates = [_segment_config_for[key]] if key in _segment_config_for else _SEGMENT_CANDIDATES
-    wide = _wide_tile(key[1], key[0], False)
-    if wide is not None and _ONLY_CONFIG is None:  # (float32 at D > 64: the long rows' one small tile)
-        candidates = [wide]
+    wide = _wide_tile(key[1], key[0], False) if _ONLY_CONFIG is None else None  # (float32 at D > 64)
+    candidates = ([_segment_config_for[key]] if key in _segment_config_for
+                  else [wide] if wide is not None else _SEGMENT_CANDIDATES)
 
     def launch(config):
         m, n, w, s = config

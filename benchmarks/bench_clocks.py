@@ -2,9 +2,12 @@
 clock and power while it runs, in one process on one GPU.
     python benchmarks/bench_clocks.py [--lengths 32768] [--masks causal "sliding window 1024" ...]
         [--rounds 2] [--seconds 1.5] [--heads 16] [--head-dim 128] [--dtype bfloat16]
+        [--port-variants default persistent+ls1 persistent@3 ...] [--untimed-flex-triton]
 For each mask and length (B 1): the port's file as generated (the Hopper kernel on an H100 / H200),
-compiled Flex (Triton backend) and Flex's FLASH backend (FlashAttention-4, where it is installed and
-can run the mask). Every output is compared with Flex Triton's first. Each round times each path in
+or each form of its Hopper loop --port-variants names (as bench_port.py's --loops: "default" is the
+file as generated), compiled Flex (Triton backend; --untimed-flex-triton keeps it only as the
+outputs' reference) and Flex's FLASH backend (FlashAttention-4, where it is installed and can run
+the mask). Every output is compared with Flex Triton's first. Each round times each path in
 turn four ways (ms per call):
   - do_bench: triton.testing.do_bench's median, an L2 flush before each call;
   - back to back: 20 calls between two CUDA events, no flush;
@@ -33,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_paged import graph_ms  # noqa: E402
-from bench_port import masks_at  # noqa: E402
+from bench_port import check_variants, hopper_variant, masks_at  # noqa: E402
 from workbench import port  # noqa: E402
 from workbench.blocks import build_block_mask  # noqa: E402
 from workbench.run import Shape, compiled_flex_attention, make_inputs  # noqa: E402
@@ -112,6 +115,11 @@ def _graph(fn) -> float | None:
         return None
 
 
+def _in_variant(module, variant: str, q, k, v):
+    with hopper_variant(module, variant):
+        return module.attention(q, k, v)
+
+
 def _median(xs):
     xs = sorted(x for x in xs if x is not None)
     return xs[len(xs) // 2] if xs else None
@@ -126,7 +134,15 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=_positive(int), default=16)
     p.add_argument("--head-dim", type=int, choices=[64, 128], default=128)
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--port-variants", nargs="+", default=["default"],
+                   help="forms of the port's Hopper loop to time side by side, as bench_port.py's --loops names "
+                   "them (e.g. persistent+ls1, persistent@3, persistent+pv1); default: the file as generated")
+    p.add_argument("--untimed-flex-triton", action="store_true",
+                   help="run Flex Triton once, as the outputs' reference, and leave it out of the timings")
     args = p.parse_args(argv)
+    why = check_variants(args.port_variants, "--port-variants")
+    if why:
+        p.error(why)
     if not torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
         p.error("needs a CUDA GPU and nvidia-smi on the PATH (it reads the clock while each path runs): run it on "
                 "the GPU machine")
@@ -148,8 +164,11 @@ def main(argv=None) -> int:
             q, k, v = inputs.q, inputs.k, inputs.v
             module = port.load(port.build(mask, seq, seq, heads=args.heads, out_dir=folder / f"{seq}_{len(name)}_{name[:6]}"))
             block_mask = build_block_mask(mask, seq, seq, heads=args.heads, device="cuda", shrink=True, progress=False)
-            paths = {"port": lambda: module.attention(q, k, v),
-                     "Flex Triton": lambda: flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask)}
+            paths = {}
+            for variant in args.port_variants:
+                label = "port" if args.port_variants == ["default"] else f"port {variant}"
+                paths[label] = lambda variant=variant: _in_variant(module, variant, q, k, v)
+            paths["Flex Triton"] = lambda: flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask)
             try:
                 with torch.no_grad():
                     flex(q, k, v, score_mod=mask.score_mod, block_mask=block_mask, kernel_options={"BACKEND": "FLASH"})
@@ -160,6 +179,8 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 want = paths["Flex Triton"]().float()
                 diffs = {n: float((fn().float() - want).abs().max()) for n, fn in paths.items()}
+                if args.untimed_flex_triton:
+                    del paths["Flex Triton"]
                 got = {n: {"do_bench": [], "b2b": [], "graph": [], "sustained": [], "state": []} for n in paths}
                 for _ in range(args.rounds):
                     for n, fn in paths.items():

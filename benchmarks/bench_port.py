@@ -40,6 +40,7 @@ step (torch.profiler), what the step costs where the host runs ahead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -205,6 +206,51 @@ def _rounds(text: str) -> int:
 _LOOP_EXTRAS = ("q2", "pv0", "pv1", "ti0", "ti1", "fs0", "fs1", "ls0", "ls1")
 
 
+def check_variants(variants, option: str = "--loops") -> str | None:
+    """Why one of `variants` (HOPPER_LOOP forms as --loops takes them) names a suffix after '+' that
+    no setting has, or None: such a suffix would otherwise time the default silently."""
+    for loop in variants:
+        unknown = [x for x in loop.split(" ")[0].split("+")[1:] if x not in _LOOP_EXTRAS]
+        if unknown:
+            return (f"{option} {loop!r}: after '+' only {', '.join(_LOOP_EXTRAS)} are known (two buffers of queries; "
+                    f"the softmax after / under the previous tile's P V; the tile counts loaded / handed over; the "
+                    f"store by a division / a reciprocal; the row sums whole / by thread), "
+                    f"e.g. persistent+q2 or persistent+ti0")
+    return None
+
+
+@contextlib.contextmanager
+def hopper_variant(module, variant: str):
+    """The port's file `module` set, for the block's calls, to one form of its Hopper loop as
+    --loops names it: LOOP[:BUFFERS][@NAMED][+EXTRA...], e.g. "persistent@3+ls1" (HOPPER_LOOP, the
+    K / V buffers, HOPPER_NAMED, and the switches of _LOOP_EXTRAS); "default" leaves the file as
+    generated. Every setting is put back on leaving."""
+    saved = {name: getattr(module, name) for name in ("HOPPER", "HOPPER_LOOP", "HOPPER_TILE", "HOPPER_NAMED",
+                                                       "HOPPER_Q_BUFFERS", "HOPPER_UNDER_PV", "HOPPER_TILE_INFO",
+                                                       "HOPPER_FAST_STORE", "HOPPER_LANE_SUMS")}
+    try:
+        if variant != "default":
+            variant, *extras = variant.split("+")
+            variant, _, named = variant.partition("@")
+            loop, _, buffers = variant.partition(":")
+            block_n, default_buffers, warps = module.HOPPER_TILE
+            module.HOPPER, module.HOPPER_LOOP = True, loop or module.HOPPER_LOOP
+            module.HOPPER_TILE = (block_n, int(buffers or default_buffers), warps)
+            if named:
+                module.HOPPER_NAMED = int(named)
+            for on, off, name in (("q2", None, "HOPPER_Q_BUFFERS"), ("pv1", "pv0", "HOPPER_UNDER_PV"),
+                                  ("ti1", "ti0", "HOPPER_TILE_INFO"), ("fs1", "fs0", "HOPPER_FAST_STORE"),
+                                  ("ls1", "ls0", "HOPPER_LANE_SUMS")):
+                if on in extras:
+                    setattr(module, name, 2 if on == "q2" else 1)
+                elif off in extras:
+                    setattr(module, name, 0)
+        yield module
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
@@ -243,13 +289,9 @@ def main(argv=None) -> int:
                    "(score_mod times log2 e), bias (biases added to the score in one fused multiply-add), all (and "
                    "integer distances converted per row and column)")
     args = p.parse_args(argv)
-    for loop in args.loops:  # (a suffix after '+' that names nothing would time the default silently)
-        unknown = [x for x in loop.split(" ")[0].split("+")[1:] if x not in _LOOP_EXTRAS]
-        if unknown:
-            p.error(f"--loops {loop!r}: after '+' only {', '.join(_LOOP_EXTRAS)} are known (two buffers of queries; "
-                    f"the softmax after / under the previous tile's P V; the tile counts loaded / handed over; the "
-                    f"store by a division / a reciprocal; the row sums whole / by thread), "
-                    f"e.g. persistent+q2 or persistent+ti0")
+    why = check_variants(args.loops)  # (a suffix after '+' that names nothing would time the default silently)
+    if why:
+        p.error(why)
     # (other libraries' notes that repeat on every row and push the table off a short log: torch's
     # profiler on each measured cycle, the CuTe DSL on FA4's aux_data argument at each compile)
     warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
@@ -375,28 +417,8 @@ def hopper_bench(args) -> int:
                 def hopper(variant, modules=modules):
                     variant, _, form = variant.partition(" ")
                     module = modules[form or forms[0]]
-                    variant, *extras = variant.split("+")
-                    variant, _, named = variant.partition("@")
-                    loop, _, buffers = variant.partition(":")
-                    block_n, default_buffers, warps = module.HOPPER_TILE
-                    default_named, default_q = module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS
-                    default_pv, default_ti = module.HOPPER_UNDER_PV, module.HOPPER_TILE_INFO
-                    default_fs, default_ls = module.HOPPER_FAST_STORE, module.HOPPER_LANE_SUMS
-                    module.HOPPER, module.HOPPER_LOOP = True, loop
-                    module.HOPPER_TILE = (block_n, int(buffers or default_buffers), warps)
-                    module.HOPPER_NAMED = int(named) if named else default_named
-                    module.HOPPER_Q_BUFFERS = 2 if "q2" in extras else default_q
-                    module.HOPPER_UNDER_PV = 0 if "pv0" in extras else 1 if "pv1" in extras else default_pv
-                    module.HOPPER_TILE_INFO = 0 if "ti0" in extras else 1 if "ti1" in extras else default_ti
-                    module.HOPPER_FAST_STORE = 0 if "fs0" in extras else 1 if "fs1" in extras else default_fs
-                    module.HOPPER_LANE_SUMS = 0 if "ls0" in extras else 1 if "ls1" in extras else default_ls
-                    try:
+                    with hopper_variant(module, variant):
                         return module.attention(q, k, v)
-                    finally:
-                        module.HOPPER_TILE = (block_n, default_buffers, warps)
-                        module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS = default_named, default_q
-                        module.HOPPER_UNDER_PV, module.HOPPER_TILE_INFO = default_pv, default_ti
-                        module.HOPPER_FAST_STORE, module.HOPPER_LANE_SUMS = default_fs, default_ls
 
                 def portable(module=module):
                     module.HOPPER = False

@@ -149,6 +149,52 @@ def test_bench_clocks_refuses_what_names_nothing_and_a_machine_without_a_gpu(cap
     assert "'0' is not a positive int" in refused(bench_clocks.main, ["--rounds", "0"], capsys)
     assert "'-1' is not a positive float" in refused(bench_clocks.main, ["--seconds", "-1"], capsys)
     assert "'x' is not a positive int" in refused(bench_clocks.main, ["--lengths", "x"], capsys)
+    err = refused(bench_clocks.main, ["--port-variants", "default", "persistent+ls2"], capsys)
+    assert "--port-variants 'persistent+ls2': after '+' only q2, pv0, pv1, ti0, ti1, fs0, fs1, ls0, ls1 are known" in err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     err = refused(bench_clocks.main, ["--masks", "causal"], capsys)
     assert "needs a CUDA GPU and nvidia-smi on the PATH" in err and "run it on the GPU machine" in err
+
+
+class _File:
+    """A generated file's Hopper settings, as the module carries them."""
+    HOPPER, HOPPER_LOOP, HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS = True, "auto", (128, 0, 8), 0, 1
+    HOPPER_UNDER_PV, HOPPER_TILE_INFO, HOPPER_FAST_STORE, HOPPER_LANE_SUMS = 0, 1, 1, 0
+
+
+def _settings(module):
+    return (module.HOPPER_LOOP, module.HOPPER_TILE, module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS,
+            module.HOPPER_UNDER_PV, module.HOPPER_TILE_INFO, module.HOPPER_FAST_STORE, module.HOPPER_LANE_SUMS)
+
+
+@pytest.mark.parametrize("variant, inside", [
+    ("default", ("auto", (128, 0, 8), 0, 1, 0, 1, 1, 0)),
+    ("persistent+ls1", ("persistent", (128, 0, 8), 0, 1, 0, 1, 1, 1)),
+    ("pingpong:3@7+pv1", ("pingpong", (128, 3, 8), 7, 1, 1, 1, 1, 0)),
+    ("persistent@3+q2+ti0+fs0", ("persistent", (128, 0, 8), 3, 2, 0, 0, 0, 0)),
+    ("+ls1", ("auto", (128, 0, 8), 0, 1, 0, 1, 1, 1)),
+])
+def test_a_hopper_variant_sets_what_it_names_and_puts_every_setting_back(variant, inside):
+    import bench_port
+
+    module = _File()
+    before = _settings(module)
+    with bench_port.hopper_variant(module, variant):
+        assert _settings(module) == inside
+    assert _settings(module) == before
+    with pytest.raises(RuntimeError), bench_port.hopper_variant(module, variant):  # (put back after a failed call too)
+        raise RuntimeError("the call failed")
+    assert _settings(module) == before
+
+
+def test_a_hopper_variant_reads_the_settings_a_generated_file_has(tmp_path):
+    import bench_port
+
+    from workbench import make, port
+
+    module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
+    before = _settings(module)
+    with bench_port.hopper_variant(module, "persistent@3+ls1+pv1"):
+        assert (module.HOPPER_LOOP, module.HOPPER_NAMED, module.HOPPER_LANE_SUMS, module.HOPPER_UNDER_PV) == (
+            "persistent", 3, 1, 1)
+    assert _settings(module) == before

@@ -1305,18 +1305,18 @@ def test_two_buffers_of_queries_reach_the_persistent_kernel_within_its_shared_me
     # unset or empty 0, "0" or "1"
     ("PORT_HOPPER_UNDER_PV", "HOPPER_UNDER_PV", ((None, 0), ("", 0), (" 1 ", 1), ("0", 0)), ("2", "on", "yes", "-1"),
      r"is not a switch.*set 1 \(the softmax under the previous tile's P V\) or 0 \(the default\)"),
-    # unset or empty 1, "0" or "1"
+    # unset or empty 1, "0" or "1" (the tile counts, the store, the row sums)
     ("PORT_HOPPER_TILE_INFO", "HOPPER_TILE_INFO", ((None, 1), ("", 1), (" 0 ", 0), ("1", 1)), ("2", "on", "true"),
      r"is not a switch of the persistent loop's tile counts: set 1 \(the default, .*\) or 0 \("),
     ("PORT_HOPPER_FAST_STORE", "HOPPER_FAST_STORE", ((None, 1), ("", 1), ("0", 0), (" 1 ", 1)), ("yes", "-1", "1.0"),
      r"is not a switch of the persistent loop's store: set 1 \(the default, .*\) or 0 \("),
-    ("PORT_HOPPER_LANE_SUMS", "HOPPER_LANE_SUMS", ((None, 0), ("", 0), (" 1 ", 1), ("0", 0)), ("2", "on", "-1"),
-     r"is not a switch of the softmax's row sums: set 1 \(each thread's share, .*\) or 0 \(the default, "),
+    ("PORT_HOPPER_LANE_SUMS", "HOPPER_LANE_SUMS", ((None, 1), ("", 1), (" 0 ", 0), ("1", 1)), ("2", "on", "-1"),
+     r"is not a switch of the softmax's row sums: set 1 \(the default, each thread's share, .*\) or 0 \(the whole "),
 ])
 def test_a_hopper_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp_path, monkeypatch, name, attribute,
                                                                              read, refused, message):
-    # PORT_HOPPER_Q_BUFFERS, PORT_HOPPER_UNDER_PV, PORT_HOPPER_TILE_INFO, PORT_HOPPER_FAST_STORE: any value not
-    # in the list stops the file's load
+    # PORT_HOPPER_Q_BUFFERS, PORT_HOPPER_UNDER_PV, PORT_HOPPER_TILE_INFO, PORT_HOPPER_FAST_STORE,
+    # PORT_HOPPER_LANE_SUMS: any value not in the list stops the file's load
     # with an error that names the variable and the values (never a silent default)
     path = port.build(make("causal"), 256, 256, out_dir=tmp_path)
     for value, want in read:
@@ -1367,8 +1367,8 @@ def test_the_softmax_switches_reach_every_loop_and_the_paged_prefill_as_they_say
     import torch
 
     module, cpu = _planned_on_cpu(tmp_path)
-    variable = "PORT_" + attribute
-    assert getattr(module, attribute) == int(os.environ.get(variable, "").strip() or 0)
+    variable, default = "PORT_" + attribute, {"HOPPER_UNDER_PV": "0", "HOPPER_LANE_SUMS": "1"}[attribute]
+    assert getattr(module, attribute) == int(os.environ.get(variable, "").strip() or default)
     q = torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16)
     tables = module._tables(cpu, 1024, 1024)
     sites = set()

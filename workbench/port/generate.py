@@ -62,21 +62,22 @@ DTYPES = ("bfloat16", "float16", "float32")
 # Float32 at D > 64 runs one small tile, chosen by the head dim: (long rows, rows of at most 16
 # queries) for D up to each bound. Such a call compiles one kernel and is never autotuned, and its
 # packed launches take the long-row tile too. Compiled for sm_90 (IEEE float32 products unrolled on
-# the FMA units, spilling; ptxas on a 2-core CPU): at D = 128 the other long-row tiles need 256-352 KB
-# of shared memory (an H200 has 227 KB; bf16 needs at most 192 KB at D = 256) and each took 50-260 s,
-# against 43 s and 64 KB for (64, 32, 4, 1) and 7 s and 72 KB for (16, 64, 4, 1). At D = 256
-# (64, 32, 4, 1) took 210 s (342 KB of spill stores; on an H200 host its compile ran past 200 s),
-# (32, 32, 4, 1) and (64, 32, 8, 1) 53-55 s, (16, 64, 4, 1) 22 s and (16, 32, 4, 1) 16 s with 80 KB of
-# shared memory and 8 KB of spill stores. ((128, 64, 8, 2), 224 KB at D = 128, fits only a Hopper GPU
-# and took another 50 s: no longer tried.)
-WIDE_TILES = ((128, ((64, 32, 4, 1), (16, 64, 4, 1))), (256, ((16, 32, 4, 1), (16, 32, 4, 1))))
+# the FMA units, spilling; ptxas on a 2-core CPU): at D = 128 the long-row tiles of bf16 need
+# 256-352 KB of shared memory (an H200 has 227 KB) and each took 50-260 s; (64, 32, 4, 1) took 43 s,
+# (16, 64, 4, 1) 7.3 s and (16, 32, 4, 1) 6.6 s. At D = 256 (64, 32, 4, 1) took 210 s (342 KB of spill
+# stores), (32, 32, 4, 1) and (64, 32, 8, 1) 53-55 s, (16, 64, 4, 1) 22 s and (16, 32, 4, 1) 16 s with
+# 80 KB of shared memory and 8 KB of spill stores. On an H100 (float32, D 128, causal, B 1, H 8, 4,096
+# tokens; docs/benchmarks.md) (16, 32, 4, 1) also ran fastest: 6.3 ms and a first call of 5.9 s,
+# against 27.5 ms and 10.0 s for (16, 64, 4, 1) and 39.4 ms and 35.0 s for (64, 32, 4, 1), whose spills
+# cost more than their larger tiles save.
+WIDE_TILES = ((256, ((16, 32, 4, 1), (16, 32, 4, 1))), )
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner chooses from on a GPU. BLOCK_M 16 serves
 # calls with at most 16 queries (decode). The last WIDE_ROW_CONFIGS are WIDE_TILES's: the only
 # tiles float32 at D > 64 runs, and never autotuned for other calls (a packed launch may still fall
 # back to (64, 32, 4, 1), the last of SEGMENT_CONFIGS, and PORT_CONFIG may pin any of them).
 CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2),
-           (64, 32, 4, 1), (16, 64, 4, 1), (16, 32, 4, 1)]
-WIDE_ROW_CONFIGS = 3
+           (16, 32, 4, 1)]
+WIDE_ROW_CONFIGS = 1
 
 
 # Packed launches (cu_seqlens) use one fixed configuration, so a request's bits do not depend on

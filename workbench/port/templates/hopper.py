@@ -103,20 +103,21 @@ HOPPER_UNDER_PV = _hopper_setting(
     "PORT_HOPPER_UNDER_PV", "0", ("0", "1"),
     "is not a switch of the Hopper softmax's place: set 1 (the softmax under the previous tile's P V) or "
     "0 (the default), or unset it")
-# The softmax's row sums l (1): each thread keeps the sum of its own share of a row's scores (a
-# row's 128 keys of a tile lie with four threads of a warp, 32 each), and the four shares are added
-# once, at the store, as FlashAttention-2 and -3 do; 0: the row's whole sum every tile, gathered
-# across its four threads (two shuffles and two adds a row, four rows' worth a thread a tile). The
-# same online softmax; the sum is added in another order, so the bits of out and lse may differ in
-# the last place between the two. Compiled for sm_90a: 480 instructions a thread in a full tile's loop
-# instead of 488, registers unchanged. On an H200 (bf16 D 128, 32K) it matched the float64
-# reference on every loop form; calls were 0.8-1.2 % faster (causal, 1,024 window) but the causal
-# kernel 7.9 % slower by the profiler, so 0 stays the default until a run with the SM clock
-# settles it. PORT_HOPPER_LANE_SUMS=1 in the environment chooses 1.
+# The softmax's row sums l (1, the default): each thread keeps the sum of its own share of a row's
+# scores (a row's 128 keys of a tile lie with four threads of a warp, 32 each), and the four shares
+# are added once, at the store, as FlashAttention-2 and -3 do; 0: the row's whole sum every tile,
+# gathered across its four threads (two shuffles and two adds a row, four rows' worth a thread a
+# tile). The same online softmax; the sum is added in another order, so the bits of out and lse may
+# differ in the last place between the two. Compiled for sm_90a: 480 instructions a thread in a full
+# tile's loop instead of 488, registers unchanged. On an H100 (bf16 D 128, 32K; benchmarks/
+# bench_clocks.py, two runs, both at the power cap) it took 1.0-2.2 % fewer cycles a call on causal
+# and prefix-LM and 1.6 % fewer on a 1,024 window, and do_bench's medians were 0.6-1.4 % lower on all
+# three; an H200's profiler once had causal's kernel 7.9 % slower, which no later timing repeated.
+# PORT_HOPPER_LANE_SUMS=0 in the environment chooses 0.
 HOPPER_LANE_SUMS = _hopper_setting(
-    "PORT_HOPPER_LANE_SUMS", "0", ("0", "1"),
-    "is not a switch of the softmax's row sums: set 1 (each thread's share, added across a row's threads at "
-    "the store) or 0 (the default, the whole row's sum every tile), or unset it")
+    "PORT_HOPPER_LANE_SUMS", "1", ("0", "1"),
+    "is not a switch of the softmax's row sums: set 1 (the default, each thread's share, added across a row's "
+    "threads at the store) or 0 (the whole row's sum every tile), or unset it")
 # The persistent loop's tile counts from the load warp (1, the default): it writes a tile's
 # full-block and tile counts beside its number in shared memory, so the warpgroups start the tile's
 # first S without loading them from global memory (one load's latency per tile of 128 queries);

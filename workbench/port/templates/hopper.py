@@ -111,9 +111,9 @@ HOPPER_UNDER_PV = _hopper_setting(
 # differ in the last place between the two. Compiled for sm_90a: 480 instructions a thread in a full
 # tile's loop instead of 488, registers unchanged. On an H100 (bf16 D 128, 32K; benchmarks/
 # bench_clocks.py, two runs, both at the power cap) it took 1.0-2.2 % fewer cycles a call on causal
-# and prefix-LM and 1.6 % fewer on a 1,024 window, and do_bench's medians were 0.6-1.4 % lower on all
-# three; an H200's profiler once had causal's kernel 7.9 % slower, which no later timing repeated.
-# PORT_HOPPER_LANE_SUMS=0 in the environment chooses 0.
+# and prefix-LM and 1.6 % fewer on a 1,024 window, and do_bench's medians were 0.6-4.4 % lower in
+# all five comparisons; an H200's profiler once had causal's kernel 7.9 % slower, which no later
+# timing repeated. PORT_HOPPER_LANE_SUMS=0 in the environment chooses 0.
 HOPPER_LANE_SUMS = _hopper_setting(
     "PORT_HOPPER_LANE_SUMS", "1", ("0", "1"),
     "is not a switch of the softmax's row sums: set 1 (the default, each thread's share, added across a row's "

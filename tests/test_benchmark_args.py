@@ -198,3 +198,15 @@ def test_a_hopper_variant_reads_the_settings_a_generated_file_has(tmp_path):
         assert (module.HOPPER_LOOP, module.HOPPER_NAMED, module.HOPPER_LANE_SUMS, module.HOPPER_UNDER_PV) == (
             "persistent", 3, 1, 1)
     assert _settings(module) == before
+
+
+def test_sass_loops_refuses_a_setting_or_a_cubin_that_names_nothing(capsys, tmp_path):
+    import sass_loops
+
+    err = refused(sass_loops.main, ["--port", "causal", "--set", "LANE_SUMS=0"], capsys)
+    assert "'LANE_SUMS=0' is not NAME=INTEGER with a HOPPER_ name (e.g. HOPPER_LANE_SUMS=0)" in err
+    err = refused(sass_loops.main, ["--port", "--set", "HOPPER_NAMED=x"], capsys)
+    assert "'HOPPER_NAMED=x' is not NAME=INTEGER" in err
+    err = refused(sass_loops.main, ["--cubin", str(tmp_path / "missing.cubin")], capsys)
+    assert "--cubin " in err and "missing.cubin: no such file" in err
+    assert "one of the arguments --port --cubin is required" in refused(sass_loops.main, [], capsys)

@@ -1415,3 +1415,51 @@ def test_the_hand_off_setting_is_read_from_the_environment_and_a_typo_is_refused
         with pytest.raises(ValueError, match=rf"PORT_HOPPER_NAMED='{value}' names no hand-off.*set 0 \(mbarriers\), "
                            r"1 \(named turns\), 3"):
             port.load(path)
+
+
+def test_sass_loops_reads_a_loop_its_straight_path_and_its_order():
+    # benchmarks/sass_loops.py on a listing in nvdisasm's form: the loop from its label to the branch
+    # back, its straight path without the longest forward branch (the masked work), innermost only
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import sass_loops
+
+    listing = textwrap.dedent("""\
+        .L_x_1:
+                /*0000*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+                /*0010*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+                /*0020*/              @!P1 BRA `(.L_x_2) ;
+                /*0030*/                   ISETP.GE.AND P0, PT, R1, R2, PT ;
+                /*0040*/                   FSEL R3, R3, -INF , P0 ;
+        .L_x_2:
+                /*0050*/                   MUFU.EX2 R4, R3 ;
+                /*0060*/                   MUFU.EX2 R5, R3 ;
+                /*0070*/                   FMUL R6, R6, R7 ;
+                /*0080*/               @P2 BRA `(.L_x_1) ;
+                /*0090*/                   EXIT ;
+        """)
+    (loop, ) = sass_loops.loops(listing)
+    assert loop.ops["HGMMA"] == 1 and loop.ops["FSEL"] == 1 and loop.size == 9
+    assert loop.path["FSEL"] == 0 and loop.path["ISETP"] == 0 and loop.path_size == 7
+    assert [kind for kind, _ in loop.order][3:] == ["MUFU.EX2", "FMUL", "@P2 BRA `(.L_x_1)"]
+    assert loop.order[3] == ("MUFU.EX2", 2)
+    assert sass_loops.loops(listing.replace("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT", "NOP")) == []
+
+
+@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
+def test_the_row_sums_by_thread_take_four_shuffles_and_four_adds_fewer_a_tile():
+    # HOPPER_LANE_SUMS compiled for sm_90a (no GPU): each warpgroup's tile loop keeps its 16 warpgroup
+    # MMAs and 66 exponentials (64 scores and 2 rows' alpha a thread), and gathers no row sum across
+    # a quad: the row max's 4 shuffles remain, the sums' 4 shuffles and 4 adds go
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import sass_loops
+
+    def tile_loops(lane):
+        found = sass_loops.loops(sass_loops.port_sass("causal", "persistent", {"HOPPER_LANE_SUMS": lane}))
+        return [x.path for x in found if x.path["HGMMA"] == 16 and x.path["MUFU"] == 66]
+
+    by_thread, whole = tile_loops(1), tile_loops(0)
+    assert len(by_thread) == len(whole) == 2  # (the two warpgroups' copies of the loop)
+    for a, b in zip(by_thread, whole):
+        assert (a["SHFL"], b["SHFL"]) == (4, 8)
+        assert b["FADD"] - a["FADD"] == 4
+        assert sum(b.values()) - sum(a.values()) == 8

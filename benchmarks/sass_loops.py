@@ -3,15 +3,15 @@ port's forward compiled for sm_90a on any machine (no GPU needed: Triton's compi
 stand-in driver, then ptxas and nvdisasm from Triton's own bundle), or any cubin compiled elsewhere
 (FlashAttention-4's CuTe DSL keeps its kernels' with CUTE_DSL_KEEP=cubin CUTE_DSL_DUMP_DIR=...).
 
-    python benchmarks/sass_loops.py --port [MASK] [--loop persistent] [--set HOPPER_LANE_SUMS=0 ...] [--order]
-    python benchmarks/sass_loops.py --cubin FILE [--order]
+    python benchmarks/sass_loops.py --port [MASK] [--loop persistent] [--set HOPPER_LANE_SUMS=0 ...] [--order LINE]
+    python benchmarks/sass_loops.py --cubin FILE [--order LINE]
 
 A loop is the code between a label and a branch back to it. For every innermost loop that issues
 warpgroup MMAs (HGMMA) it prints the lines it spans, its instructions, and the instructions of its straight
 path (the loop less its longest forward branch: in the port's loop, the mask's work on a partial
-block), with the count of each kind that a tile's softmax and matmuls are made of. --order prints
-the straight path of the shortest such loop as a sequence (runs of one kind counted), where the
-place of the waits, the exponentials and O's rescale can be read.
+block), with the count of each kind that a tile's softmax and matmuls are made of. --order LINE
+prints the straight path of the loop that starts at LINE (as the table gives it) as a sequence (runs
+of one kind counted), where the place of the waits, the exponentials and O's rescale can be read.
 """
 from __future__ import annotations
 
@@ -182,7 +182,8 @@ def main(argv=None) -> int:
     p.add_argument("--loop", default="persistent", help="--port: HOPPER_LOOP (default persistent)")
     p.add_argument("--set", type=_setting, nargs="*", default=[], metavar="HOPPER_NAME=VALUE",
                    help="--port: the file's Hopper settings, e.g. HOPPER_LANE_SUMS=0 HOPPER_NAMED=3")
-    p.add_argument("--order", action="store_true", help="the shortest loop's straight path as a sequence")
+    p.add_argument("--order", type=int, metavar="LINE", help="the straight path, as a sequence, of the loop the "
+                   "table lists as starting at LINE")
     args = p.parse_args(argv)
     if args.cubin is not None and not args.cubin.is_file():
         p.error(f"--cubin {args.cubin}: no such file")
@@ -196,9 +197,14 @@ def main(argv=None) -> int:
     for loop in found:
         print(f"| {loop.start}-{loop.end} | {loop.size} | {loop.path_size} | "
               + " | ".join(str(loop.path[k]) for k in KINDS) + " |")
-    if args.order:
-        print(f"\nthe straight path of lines {found[0].start}-{found[0].end}:")
-        for name, count in found[0].order:
+    if args.order is not None:
+        chosen = [loop for loop in found if loop.start == args.order]
+        if not chosen:
+            print(f"no loop of the table starts at line {args.order}: give one of "
+                  f"{', '.join(str(loop.start) for loop in found)}", file=sys.stderr)
+            return 2
+        print(f"\nthe straight path of lines {chosen[0].start}-{chosen[0].end}:")
+        for name, count in chosen[0].order:
             print(f"{count:4d} {name}")
     return 0
 

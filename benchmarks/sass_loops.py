@@ -187,7 +187,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cubin is not None and not args.cubin.is_file():
         p.error(f"--cubin {args.cubin}: no such file")
-    sass = sass_of_cubin(args.cubin) if args.cubin else port_sass(args.port, args.loop, dict(args.set))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from workbench import WorkbenchError
+
+    try:
+        sass = sass_of_cubin(args.cubin) if args.cubin else port_sass(args.port, args.loop, dict(args.set))
+    except (WorkbenchError, ValueError, RuntimeError) as exc:  # (no such mask or setting; not a cubin)
+        p.error(str(exc))
     found = loops(sass)
     if not found:
         print("no loop that issues warpgroup MMAs (HGMMA) in this kernel")
@@ -200,9 +206,8 @@ def main(argv=None) -> int:
     if args.order is not None:
         chosen = [loop for loop in found if loop.start == args.order]
         if not chosen:
-            print(f"no loop of the table starts at line {args.order}: give one of "
-                  f"{', '.join(str(loop.start) for loop in found)}", file=sys.stderr)
-            return 2
+            p.error(f"--order {args.order}: no loop of the table starts at that line: give one of "
+                    f"{', '.join(str(loop.start) for loop in found)}")
         print(f"\nthe straight path of lines {chosen[0].start}-{chosen[0].end}:")
         for name, count in chosen[0].order:
             print(f"{count:4d} {name}")

@@ -210,3 +210,7 @@ def test_sass_loops_refuses_a_setting_or_a_cubin_that_names_nothing(capsys, tmp_
     err = refused(sass_loops.main, ["--cubin", str(tmp_path / "missing.cubin")], capsys)
     assert "--cubin " in err and "missing.cubin: no such file" in err
     assert "one of the arguments --port --cubin is required" in refused(sass_loops.main, [], capsys)
+    (tmp_path / "text.cubin").write_text("not a cubin")
+    assert "nvdisasm could not read" in refused(sass_loops.main, ["--cubin", str(tmp_path / "text.cubin")], capsys)
+    err = refused(sass_loops.main, ["--port", "no_such_mask"], capsys)
+    assert "no library mask named 'no_such_mask'" in err and "python -m workbench list" in err

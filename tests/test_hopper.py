@@ -1463,3 +1463,20 @@ def test_the_row_sums_by_thread_take_four_shuffles_and_four_adds_fewer_a_tile():
         assert (a["SHFL"], b["SHFL"]) == (4, 8)
         assert b["FADD"] - a["FADD"] == 4
         assert sum(b.values()) - sum(a.values()) == 8
+
+
+@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
+def test_sass_loops_refuses_a_setting_the_file_lacks_and_a_loop_the_table_does_not_list(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import sass_loops
+
+    def refused(argv):  # (argparse's exit status 2, and what it printed)
+        with pytest.raises(SystemExit) as stop:
+            sass_loops.main(argv)
+        assert stop.value.code == 2
+        return capsys.readouterr().err
+
+    err = refused(["--port", "causal", "--set", "HOPPER_NO_SUCH=1"])
+    assert "the port's file has no setting HOPPER_NO_SUCH: give one of its HOPPER_ names" in err
+    err = refused(["--port", "causal", "--order", "5"])
+    assert "--order 5: no loop of the table starts at that line: give one of " in err

@@ -133,7 +133,7 @@ def test_packed_requests_are_exact_and_their_bits_do_not_depend_on_their_partner
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_float32_at_wide_head_dims(cuda, head_dim):
     # every larger tile overflows Hopper's shared memory in float32 at D >= 128 and took 50-260 s to
-    # compile ((64, 32, 4, 1) 210 s at D 256): such a call compiles its one small tile (WIDE_TILES)
+    # compile ((64, 32, 4, 1) 210 s at D 256): such a call compiles its one small tile (WIDE_TILE)
     # and launches it without the autotuner, and the invariance check pins that tile
     from workbench import invariance
 

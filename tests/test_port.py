@@ -268,7 +268,7 @@ def test_float32_at_wide_head_dims_runs_one_small_tile_without_autotuning(tmp_pa
                 for c in module._prune(configs, args)]
 
     wide = port.CONFIGS[len(port.CONFIGS) - port.WIDE_ROW_CONFIGS:]
-    assert set(wide) == module._WIDE_SET  # (CONFIGS's tail is WIDE_TILES's tiles)
+    assert wide == [module.WIDE_TILE]  # (CONFIGS's tail is WIDE_TILE)
     assert tried(torch.bfloat16, 128, 4096) == port.CONFIGS[:4]
     assert tried(torch.bfloat16, 256, 4096) == port.CONFIGS[:4]
     assert tried(torch.float32, 64, 4096) == port.CONFIGS[:4]
@@ -277,12 +277,11 @@ def test_float32_at_wide_head_dims_runs_one_small_tile_without_autotuning(tmp_pa
     assert tried(torch.bfloat16, 128, 1) == [(16, 64, 4, 3), (16, 128, 4, 2)]
     assert not set(wide) & set(tried(torch.float16, 128, 4096) + tried(torch.float16, 128, 1)
                                + tried(torch.bfloat16, 256, 1) + tried(torch.float32, 64, 1))
-    # the file launches that tile without the autotuner (which would time even a single one), and a
-    # packed launch takes the long rows' tile, not the first of SEGMENT_CONFIGS
-    for head_dim, short, want in ((128, False, (16, 32, 4, 1)), (128, True, (16, 32, 4, 1)),
-                                  (256, False, (16, 32, 4, 1)), (64, False, None)):
-        assert module._wide_tile(torch.float32, head_dim, short) == want
-        assert module._wide_tile(torch.bfloat16, head_dim, short) is None
+    # the file launches that tile without the autotuner (which would time even a single one), for
+    # long rows, decode and packed launches alike (not the first of SEGMENT_CONFIGS)
+    for head_dim, want in ((128, (16, 32, 4, 1)), (256, (16, 32, 4, 1)), (64, None)):
+        assert module._wide_tile(torch.float32, head_dim) == want
+        assert module._wide_tile(torch.bfloat16, head_dim) is None
     # the invariance check pins one configuration: the one such calls run
     assert port.CONFIGS[port.pinned_config(torch.float32, 128)] == (16, 32, 4, 1)
     assert port.CONFIGS[port.pinned_config(torch.float32, 256)] == (16, 32, 4, 1)

@@ -59,9 +59,8 @@ _SCORE_FORMS = ("off", "bias", "all")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-# Float32 at D > 64 runs one small tile, chosen by the head dim: (long rows, rows of at most 16
-# queries) for D up to each bound. Such a call compiles one kernel and is never autotuned, and its
-# packed launches take the long-row tile too. Compiled for sm_90 (IEEE float32 products unrolled on
+# Float32 at D > 64 runs one small tile, for long rows, decode and packed launches alike. Such a call
+# compiles one kernel and is never autotuned. Compiled for sm_90 (IEEE float32 products unrolled on
 # the FMA units, spilling; ptxas on a 2-core CPU): at D = 128 the long-row tiles of bf16 need
 # 256-352 KB of shared memory (an H200 has 227 KB) and each took 50-260 s; (64, 32, 4, 1) took 43 s,
 # (16, 64, 4, 1) 7.3 s and (16, 32, 4, 1) 6.6 s. At D = 256 (64, 32, 4, 1) took 210 s (342 KB of spill
@@ -70,10 +69,10 @@ DTYPES = ("bfloat16", "float16", "float32")
 # tokens; docs/benchmarks.md) (16, 32, 4, 1) also ran fastest: 6.3 ms and a first call of 5.9 s,
 # against 27.5 ms and 10.0 s for (16, 64, 4, 1) and 39.4 ms and 35.0 s for (64, 32, 4, 1), whose spills
 # cost more than their larger tiles save.
-WIDE_TILES = ((256, ((16, 32, 4, 1), (16, 32, 4, 1))), )
+WIDE_TILE = (16, 32, 4, 1)
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner chooses from on a GPU. BLOCK_M 16 serves
-# calls with at most 16 queries (decode). The last WIDE_ROW_CONFIGS are WIDE_TILES's: the only
-# tiles float32 at D > 64 runs, and never autotuned for other calls (a packed launch may still fall
+# calls with at most 16 queries (decode). The last WIDE_ROW_CONFIGS is WIDE_TILE: the only
+# tile float32 at D > 64 runs, and never autotuned for other calls (a packed launch may still fall
 # back to (64, 32, 4, 1), the last of SEGMENT_CONFIGS, and PORT_CONFIG may pin any of them).
 CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2),
            (16, 32, 4, 1)]
@@ -286,7 +285,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@CONFIGS@@": repr(CONFIGS),
         "@@SEGMENT_CONFIGS@@": repr(SEGMENT_CONFIGS),
         "@@WIDE_ROW_CONFIGS@@": repr(WIDE_ROW_CONFIGS),
-        "@@WIDE_TILES@@": repr(WIDE_TILES),
+        "@@WIDE_TILE@@": repr(WIDE_TILE),
         "@@HAS_BOUNDS@@": repr(has_bounds),
         "@@RANGE_PTR_PARAMS@@": params(range_ptrs), "@@RANGE_PTR_ARGS@@": args(range_ptrs),
         "@@HOPPER_MODS@@": repr(no_gluon), "@@GLUON_MODS@@": gluon_mods, "@@HOPPER_GRAD@@": repr(no_gluon_grad),
@@ -504,10 +503,5 @@ def check_supported(head_dim: int | None = None, dtype: str | None = None, name:
 def pinned_config(dtype: torch.dtype, head_dim: int) -> int:
     """The index of CONFIGS that callers pinning one configuration for every call (the invariance
     check) use: CONFIGS[0] (128 x 64), or for float32 at D > 64 the one long-row tile such calls
-    run (WIDE_TILES), which fits the GPU's shared memory."""
-    if dtype == torch.float32 and head_dim > 64:
-        for bound, (long_rows, _) in WIDE_TILES:
-            if head_dim <= bound:
-                return CONFIGS.index(long_rows)
-        return CONFIGS.index(WIDE_TILES[-1][1][0])
-    return 0
+    run (WIDE_TILE), which fits the GPU's shared memory."""
+    return CONFIGS.index(WIDE_TILE) if dtype == torch.float32 and head_dim > 64 else 0

@@ -394,20 +394,13 @@ def _invariant_block(acc, l_i, m_i, t_acc, t_l, t_m, piece, i, j, n_p, n_f, p_ro
 
 CONFIGS = @@CONFIGS@@  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 WIDE_ROW_CONFIGS = @@WIDE_ROW_CONFIGS@@  # the last ones: small tiles, the only ones float32 runs at D > 64
-# float32 at D > 64: (head dim bound, (the long rows' tile, the tile of rows of at most 16 queries))
-WIDE_TILES = @@WIDE_TILES@@
-_WIDE_SET = {tile for _, tiles in WIDE_TILES for tile in tiles}
+WIDE_TILE = @@WIDE_TILE@@  # float32 at D > 64: long rows, decode and packed calls
 
 
-def _wide_tile(dtype, head_dim: int, short: bool):
-    """The one tile a float32 call at D > 64 runs (`short`: rows of at most 16 queries), else None:
-    every larger tile overflows a GPU's shared memory there, and each took 50-260 s to compile."""
-    if dtype != torch.float32 or head_dim <= 64:
-        return None
-    for bound, (long_rows, decode) in WIDE_TILES:
-        if head_dim <= bound:
-            return decode if short else long_rows
-    return WIDE_TILES[-1][1][1 if short else 0]
+def _wide_tile(dtype, head_dim: int):
+    """The one tile a float32 call at D > 64 runs, else None: every larger tile overflows a GPU's
+    shared memory there, and each took 50-260 s to compile."""
+    return WIDE_TILE if dtype == torch.float32 and head_dim > 64 else None
 
 
 # read once, when the file is loaded: Triton's CPU interpreter runs one small configuration, and
@@ -458,7 +451,7 @@ def _first_that_fits(candidates, launch, chosen: dict, key):
 def _launch_segmented(grid, args, kwargs, key):
     """Run the packed launch with its fixed configuration: the first of _SEGMENT_CANDIDATES the
     chip has room for (found once per head dim / dtype / device, then kept)."""
-    wide = _wide_tile(key[1], key[0], False) if _ONLY_CONFIG is None else None  # (float32 at D > 64)
+    wide = _wide_tile(key[1], key[0]) if _ONLY_CONFIG is None else None  # (float32 at D > 64)
     candidates = ([_segment_config_for[key]] if key in _segment_config_for
                   else [wide] if wide is not None else _SEGMENT_CANDIDATES)
 
@@ -494,7 +487,7 @@ def _launch_tuned(grid, args, kwargs):
     if chosen is None and _ONLY_CONFIG is None:
         # float32 at D > 64 runs one tile (_wide_tile): launched straight, as the autotuner would
         # still time a single configuration it is left with
-        wide = _wide_tile(args[0].dtype, args[_BUCKET_AT[2]], args[_BUCKET_AT[0]] <= 16)
+        wide = _wide_tile(args[0].dtype, args[_BUCKET_AT[2]])
         if wide is not None:
             m, n, w, s = wide
             config = triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
@@ -544,12 +537,12 @@ def _prune(configs, named_args, **kwargs):
     # float32 at D > 64 runs its one small tile (_wide_tile; _launch_tuned launches it without the
     # autotuner): the larger ones overflow a GPU's shared memory there and take 50-260 s each to
     # compile (sm_90, a 2-core CPU) before the launch fails; elsewhere the small ones are never tried
-    wide = _wide_tile(named_args["Q"].dtype, named_args["D"], short)
+    wide = _wide_tile(named_args["Q"].dtype, named_args["D"])
     tiles = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in configs]
     if wide is not None:
         kept = [c for c, tile in zip(configs, tiles) if tile == wide]
     else:
-        kept = [c for c, tile in zip(configs, tiles) if (tile[0] == 16) == short and tile not in _WIDE_SET]
+        kept = [c for c, tile in zip(configs, tiles) if (tile[0] == 16) == short and tile != WIDE_TILE]
     return kept or configs
 
 

@@ -121,7 +121,6 @@ def port_sass(mask_name: str = "causal", loop: str = "persistent", settings: dic
     and the file's other Hopper settings as `settings` gives them (e.g. {"HOPPER_LANE_SUMS": 0})."""
     import os
 
-    import torch
     from triton.runtime import driver
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -139,15 +138,7 @@ def port_sass(mask_name: str = "causal", loop: str = "persistent", settings: dic
         module = port.load(port.build(make(mask_name), 1024, 1024, heads=4, batch=2, out_dir=folder / "m"))
         if module.HOPPER_MODS is not None:
             raise ValueError(f"{mask_name!r} has no Gluon copy of its mods: {module.HOPPER_MODS}")
-        B, H, L = 2, 4, 1024
-        q, k, v = (torch.zeros(B, H if i == 0 else 2, L, head_dim, dtype=torch.bfloat16) for i in range(3))
-        tables = module._tables(q.device, L, L)
-        rows = cols = L // 128  # (the block lists a scan kernel would make: int32 lists of their shapes)
-        module.block_lists = lambda *a, **kw: (torch.zeros(rows, dtype=torch.int32),
-                                               torch.zeros(rows, cols, dtype=torch.int32),
-                                               torch.zeros(rows, dtype=torch.int32),
-                                               torch.zeros(rows, cols, dtype=torch.int32))
-        module._SM_COUNTS[q.device] = 132
+        q, k, v, tables = run_hopper_compile.stand_in(module, D=head_dim)
         module.HOPPER_LOOP = loop
         for name, value in (settings or {}).items():
             if not hasattr(module, name):
@@ -159,11 +150,7 @@ def port_sass(mask_name: str = "causal", loop: str = "persistent", settings: dic
         driver.set_active(previous)
         if interpret is not None:
             os.environ["TRITON_INTERPRET"] = interpret
-    ptx, cubin = folder / "k.ptx", folder / "k.cubin"
-    ptx.write_text(kernel.asm["ptx"])
-    subprocess.run([_tool("ptxas"), "--gpu-name=sm_90a", str(ptx), "-o", str(cubin)], check=True,
-                   capture_output=True)
-    return sass_of_cubin(cubin)
+    return run_hopper_compile.sass_of(kernel)
 
 
 def _setting(text: str) -> tuple[str, int]:

@@ -65,20 +65,40 @@ def ptxas(kernel) -> str:
     return "; ".join(lines)
 
 
-def exponentials_before_waits(kernel) -> list[int]:
-    """For each full wait on the warpgroup MMAs (WARPGROUP.DEPBAR.LE gsb0, 0x0) in the kernel's SASS
-    (ptxas, then nvdisasm): how many exponentials (MUFU.EX2) run between the last MMA issued and
-    that wait. A loop whose softmax runs under the previous tile's P V has all of a tile's there."""
-    import re
-
+def sass_of(kernel) -> str:
+    """A compiled kernel's SASS for sm_90a: ptxas on its PTX, then nvdisasm (both from Triton's own
+    bundle)."""
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as folder:
         ptx, cubin = Path(folder) / "k.ptx", Path(folder) / "k.cubin"
         ptx.write_text(kernel.asm["ptx"])
         subprocess.run([str(bin_dir / "ptxas"), "--gpu-name=sm_90a", str(ptx), "-o", str(cubin)], check=True,
                        capture_output=True)
-        sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(cubin)], check=True, capture_output=True,
+        return subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(cubin)], check=True, capture_output=True,
                               text=True).stdout
+
+
+def stand_in(module, B: int = 2, H: int = 4, L: int = 1024, D: int = 128):
+    """(q, k, v, tables) of zeros for compiling `module`'s Hopper kernel without a GPU: bf16, H query
+    and 2 kv heads, L tokens. The block lists come from a scan kernel that would launch, so the
+    module gets int32 lists of their shapes, and the persistent form an H100's / H200's 132 SMs."""
+    q, k, v = (torch.zeros(B, H if i == 0 else 2, L, D, dtype=torch.bfloat16) for i in range(3))
+    rows = cols = L // 128
+    module._SM_COUNTS[q.device] = 132
+    module.block_lists = lambda *a, **kw: (torch.zeros(rows, dtype=torch.int32),
+                                           torch.zeros(rows, cols, dtype=torch.int32),
+                                           torch.zeros(rows, dtype=torch.int32),
+                                           torch.zeros(rows, cols, dtype=torch.int32))
+    return q, k, v, module._tables(q.device, L, L)
+
+
+def exponentials_before_waits(kernel) -> list[int]:
+    """For each full wait on the warpgroup MMAs (WARPGROUP.DEPBAR.LE gsb0, 0x0) in the kernel's SASS
+    (ptxas, then nvdisasm): how many exponentials (MUFU.EX2) run between the last MMA issued and
+    that wait. A loop whose softmax runs under the previous tile's P V has all of a tile's there."""
+    import re
+
+    sass = sass_of(kernel)
     counts, last_mma, exps = [], None, 0
     for line in sass.splitlines():
         line = re.sub(r"/\*.*?\*/", "", line)
@@ -151,15 +171,7 @@ def main(argv) -> int:
             if module.HOPPER_MODS is not None:
                 raise RuntimeError(f"no Gluon copy of the mods: {module.HOPPER_MODS}")
             B, H, L, D = 2, 4, 1024, 128
-            q, k, v = (torch.zeros(B, H if i == 0 else 2, L, D, dtype=torch.bfloat16) for i in range(3))
-            tables = module._tables(q.device, L, L)
-            # (the block lists come from a scan kernel that would launch: int32 lists of their shapes)
-            rows, cols = L // 128, L // 128
-            module._SM_COUNTS[q.device] = 132  # (the persistent form's programs: an H100's / H200's SMs)
-            module.block_lists = lambda *a, **kw: (torch.zeros(rows, dtype=torch.int32),
-                                                   torch.zeros(rows, cols, dtype=torch.int32),
-                                                   torch.zeros(rows, dtype=torch.int32),
-                                                   torch.zeros(rows, cols, dtype=torch.int32))
+            q, k, v, tables = stand_in(module, B, H, L, D)
             details = []
             for loop in ("auto", ) if quick else ("specialized", "pingpong", "persistent"):  # (HOPPER_LOOP)
                 module.HOPPER_LOOP = loop

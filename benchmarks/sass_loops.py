@@ -9,7 +9,9 @@ stand-in driver, then ptxas and nvdisasm from Triton's own bundle), or any cubin
 A loop is the code between a label and a branch back to it. For every innermost loop that issues
 warpgroup MMAs (HGMMA) it prints the lines it spans, its instructions, and the instructions of its straight
 path (the loop less its longest forward branch: in the port's loop, the mask's work on a partial
-block), with the count of each kind that a tile's softmax and matmuls are made of. --order LINE
+block), the instructions after the straight path's last exponential (and how many of them are
+FMUL: O's rescale left for after the MUFU unit is done), with the count of each kind that a tile's
+softmax and matmuls are made of. --order LINE
 prints the straight path of the loop that starts at LINE (as the table gives it) as a sequence (runs
 of one kind counted), where the place of the waits, the exponentials and O's rescale can be read.
 """
@@ -46,6 +48,18 @@ class Loop:
     @property
     def path_size(self) -> int:
         return sum(self.path.values())
+
+    @property
+    def tail(self) -> tuple[int, int]:
+        """(instructions, of them FMUL) on the straight path after its last exponential (MUFU.EX2):
+        what a tile issues one after another once the MUFU unit has nothing left to do; O's rescale
+        among the exponentials leaves few, after them 64 more (D 128). (0, 0) without exponentials."""
+        names = [name for name, count in self.order for _ in range(count)]
+        last = max((i for i, name in enumerate(names) if name.startswith("MUFU.EX2")), default=None)
+        if last is None:
+            return 0, 0
+        rest = names[last + 1:]
+        return len(rest), sum(name == "FMUL" or name.startswith("FMUL.") for name in rest)
 
 
 def _kinds(lines) -> collections.Counter:
@@ -185,10 +199,10 @@ def main(argv=None) -> int:
     if not found:
         print("no loop that issues warpgroup MMAs (HGMMA) in this kernel")
         return 1
-    print("| lines | instructions | straight path | " + " | ".join(KINDS) + " |")
-    print("|---" * (3 + len(KINDS)) + "|")
+    print("| lines | instructions | straight path | after the last EX2 (FMUL) | " + " | ".join(KINDS) + " |")
+    print("|---" * (4 + len(KINDS)) + "|")
     for loop in found:
-        print(f"| {loop.start}-{loop.end} | {loop.size} | {loop.path_size} | "
+        print(f"| {loop.start}-{loop.end} | {loop.size} | {loop.path_size} | {loop.tail[0]} ({loop.tail[1]}) | "
               + " | ".join(str(loop.path[k]) for k in KINDS) + " |")
     if args.order is not None:
         chosen = [loop for loop in found if loop.start == args.order]

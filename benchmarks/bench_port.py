@@ -202,9 +202,8 @@ def _rounds(text: str) -> int:
 # exponentials after / under the previous tile's P V, HOPPER_UNDER_PV), ti0 / ti1 (the persistent
 # loop's tile counts loaded by the warpgroups / handed over by the load warp, HOPPER_TILE_INFO), fs0 /
 # fs1 (the persistent loop's store: a division per element / a reciprocal per row, HOPPER_FAST_STORE), ls0 /
-# ls1 (the softmax's row sums: the whole row's every tile / each thread's share, HOPPER_LANE_SUMS), af0 /
-# af1 (O's rescale where ptxas puts it, after the exponentials / among them, HOPPER_ALPHA_FIRST)
-_LOOP_EXTRAS = ("q2", "pv0", "pv1", "ti0", "ti1", "fs0", "fs1", "ls0", "ls1", "af0", "af1")
+# ls1 (the softmax's row sums: the whole row's every tile / each thread's share, HOPPER_LANE_SUMS)
+_LOOP_EXTRAS = ("q2", "pv0", "pv1", "ti0", "ti1", "fs0", "fs1", "ls0", "ls1")
 
 
 def check_variants(variants, option: str = "--loops") -> str | None:
@@ -215,8 +214,7 @@ def check_variants(variants, option: str = "--loops") -> str | None:
         if unknown:
             return (f"{option} {loop!r}: after '+' only {', '.join(_LOOP_EXTRAS)} are known (two buffers of queries; "
                     f"the softmax after / under the previous tile's P V; the tile counts loaded / handed over; the "
-                    f"store by a division / a reciprocal; the row sums whole / by thread; O's rescale after / "
-                    f"among the exponentials), "
+                    f"store by a division / a reciprocal; the row sums whole / by thread), "
                     f"e.g. persistent+q2 or persistent+ti0")
     return None
 
@@ -229,8 +227,7 @@ def hopper_variant(module, variant: str):
     generated. Every setting is put back on leaving."""
     saved = {name: getattr(module, name) for name in ("HOPPER", "HOPPER_LOOP", "HOPPER_TILE", "HOPPER_NAMED",
                                                        "HOPPER_Q_BUFFERS", "HOPPER_UNDER_PV", "HOPPER_TILE_INFO",
-                                                       "HOPPER_FAST_STORE", "HOPPER_LANE_SUMS",
-                                                       "HOPPER_ALPHA_FIRST")}
+                                                       "HOPPER_FAST_STORE", "HOPPER_LANE_SUMS")}
     try:
         if variant != "default":
             variant, *extras = variant.split("+")
@@ -243,7 +240,7 @@ def hopper_variant(module, variant: str):
                 module.HOPPER_NAMED = int(named)
             for on, off, name in (("q2", None, "HOPPER_Q_BUFFERS"), ("pv1", "pv0", "HOPPER_UNDER_PV"),
                                   ("ti1", "ti0", "HOPPER_TILE_INFO"), ("fs1", "fs0", "HOPPER_FAST_STORE"),
-                                  ("ls1", "ls0", "HOPPER_LANE_SUMS"), ("af1", "af0", "HOPPER_ALPHA_FIRST")):
+                                  ("ls1", "ls0", "HOPPER_LANE_SUMS")):
                 if on in extras:
                     setattr(module, name, 2 if on == "q2" else 1)
                 elif off in extras:
@@ -284,9 +281,8 @@ def main(argv=None) -> int:
                    "previous tile's P V (HOPPER_UNDER_PV), `+ti0` / `+ti1`, the persistent loop's tile counts "
                    "loaded by the warpgroups / handed over by the load warp (HOPPER_TILE_INFO), and `+fs0` / `+fs1`, "
                    "its store by a division per element / a reciprocal per row (HOPPER_FAST_STORE), `+ls0` / `+ls1`, "
-                   "the softmax's row sums whole every tile / each thread's share (HOPPER_LANE_SUMS), `+af0` / "
-                   "`+af1`, O's rescale after / among the exponentials (HOPPER_ALPHA_FIRST): pingpong:3, "
-                   "persistent@7, persistent+q2, persistent+pv0, persistent+ti1+fs1, persistent+ls1, persistent+af0")
+                   "the softmax's row sums whole every tile / each thread's share (HOPPER_LANE_SUMS): pingpong:3, "
+                   "persistent@7, persistent+q2, persistent+pv0, persistent+ti1+fs1, persistent+ls1")
     p.add_argument("--score-forms", nargs="+", choices=["off", "bias", "all"],
                    help="--hopper: the score functions' forms to time, each loop with each (PORT_FAST_SCORE's; default: "
                    "the generator's, bias unless PORT_FAST_SCORE says otherwise): off "

@@ -52,8 +52,9 @@ class Loop:
     @property
     def tail(self) -> tuple[int, int]:
         """(instructions, of them FMUL) on the straight path after its last exponential (MUFU.EX2):
-        what a tile issues one after another once the MUFU unit has nothing left to do; O's rescale
-        among the exponentials leaves few, after them 64 more (D 128). (0, 0) without exponentials."""
+        what a tile issues after the MUFU unit's last work (bf16 D 128: FlashAttention-4's Hopper loop,
+        whose O's rescale runs among the exponentials, 6; the port's, whose rescale follows them, 71, 64
+        of them FMUL). (0, 0) without exponentials."""
         names = [name for name, count in self.order for _ in range(count)]
         last = max((i for i, name in enumerate(names) if name.startswith("MUFU.EX2")), default=None)
         if last is None:

@@ -21,9 +21,9 @@ def test_bench_port_refuses_a_hopper_loop_suffix_it_does_not_know(capsys):
     import bench_port
 
     err = refused(bench_port.main, ["--hopper", "--loops", "persistent", "persistent+q3"], capsys)
-    assert "--loops 'persistent+q3': after '+' only q2, pv0, pv1, ti0, ti1, fs0, fs1, ls0, ls1, af0, af1 are known" in err
+    assert "--loops 'persistent+q3': after '+' only q2, pv0, pv1, ti0, ti1, fs0, fs1, ls0, ls1 are known" in err
     err = refused(bench_port.main, ["--hopper", "--loops", "persistent+q2+pv0", "pingpong+pv2"], capsys)
-    assert "--loops 'pingpong+pv2': after '+' only q2, pv0, pv1, ti0, ti1, fs0, fs1, ls0, ls1, af0, af1 are known" in err
+    assert "--loops 'pingpong+pv2': after '+' only q2, pv0, pv1, ti0, ti1, fs0, fs1, ls0, ls1 are known" in err
 
 
 @pytest.mark.parametrize("tile", ["16x64x4", "16x64x4x0", "16xAx4x3", "16x64x4x2@", "16x64x4x2@999", "16x64x4x2@x"])
@@ -150,8 +150,7 @@ def test_bench_clocks_refuses_what_names_nothing_and_a_machine_without_a_gpu(cap
     assert "'-1' is not a positive float" in refused(bench_clocks.main, ["--seconds", "-1"], capsys)
     assert "'x' is not a positive int" in refused(bench_clocks.main, ["--lengths", "x"], capsys)
     err = refused(bench_clocks.main, ["--port-variants", "default", "persistent+ls2"], capsys)
-    assert ("--port-variants 'persistent+ls2': after '+' only q2, pv0, pv1, ti0, ti1, fs0, fs1, ls0, ls1, af0, af1 "
-            "are known") in err
+    assert "--port-variants 'persistent+ls2': after '+' only q2, pv0, pv1, ti0, ti1, fs0, fs1, ls0, ls1 are known" in err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     err = refused(bench_clocks.main, ["--masks", "causal"], capsys)
     assert "needs a CUDA GPU and nvidia-smi on the PATH" in err and "run it on the GPU machine" in err
@@ -160,22 +159,20 @@ def test_bench_clocks_refuses_what_names_nothing_and_a_machine_without_a_gpu(cap
 class _File:
     """A generated file's Hopper settings, as the module carries them."""
     HOPPER, HOPPER_LOOP, HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS = True, "auto", (128, 0, 8), 0, 1
-    HOPPER_UNDER_PV, HOPPER_TILE_INFO, HOPPER_FAST_STORE, HOPPER_LANE_SUMS, HOPPER_ALPHA_FIRST = 0, 1, 1, 0, 1
+    HOPPER_UNDER_PV, HOPPER_TILE_INFO, HOPPER_FAST_STORE, HOPPER_LANE_SUMS = 0, 1, 1, 0
 
 
 def _settings(module):
     return (module.HOPPER_LOOP, module.HOPPER_TILE, module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS,
-            module.HOPPER_UNDER_PV, module.HOPPER_TILE_INFO, module.HOPPER_FAST_STORE, module.HOPPER_LANE_SUMS,
-            module.HOPPER_ALPHA_FIRST)
+            module.HOPPER_UNDER_PV, module.HOPPER_TILE_INFO, module.HOPPER_FAST_STORE, module.HOPPER_LANE_SUMS)
 
 
 @pytest.mark.parametrize("variant, inside", [
-    ("default", ("auto", (128, 0, 8), 0, 1, 0, 1, 1, 0, 1)),
-    ("persistent+ls1", ("persistent", (128, 0, 8), 0, 1, 0, 1, 1, 1, 1)),
-    ("pingpong:3@7+pv1", ("pingpong", (128, 3, 8), 7, 1, 1, 1, 1, 0, 1)),
-    ("persistent@3+q2+ti0+fs0", ("persistent", (128, 0, 8), 3, 2, 0, 0, 0, 0, 1)),
-    ("+ls1", ("auto", (128, 0, 8), 0, 1, 0, 1, 1, 1, 1)),
-    ("persistent+af0+ls1", ("persistent", (128, 0, 8), 0, 1, 0, 1, 1, 1, 0)),
+    ("default", ("auto", (128, 0, 8), 0, 1, 0, 1, 1, 0)),
+    ("persistent+ls1", ("persistent", (128, 0, 8), 0, 1, 0, 1, 1, 1)),
+    ("pingpong:3@7+pv1", ("pingpong", (128, 3, 8), 7, 1, 1, 1, 1, 0)),
+    ("persistent@3+q2+ti0+fs0", ("persistent", (128, 0, 8), 3, 2, 0, 0, 0, 0)),
+    ("+ls1", ("auto", (128, 0, 8), 0, 1, 0, 1, 1, 1)),
 ])
 def test_a_hopper_variant_sets_what_it_names_and_puts_every_setting_back(variant, inside):
     import bench_port
@@ -197,9 +194,9 @@ def test_a_hopper_variant_reads_the_settings_a_generated_file_has(tmp_path):
 
     module = port.load(port.build(make("causal"), 128, 128, out_dir=tmp_path))
     before = _settings(module)
-    with bench_port.hopper_variant(module, "persistent@3+ls1+pv1+af0"):
-        assert (module.HOPPER_LOOP, module.HOPPER_NAMED, module.HOPPER_LANE_SUMS, module.HOPPER_UNDER_PV,
-                module.HOPPER_ALPHA_FIRST) == ("persistent", 3, 1, 1, 0)
+    with bench_port.hopper_variant(module, "persistent@3+ls1+pv1"):
+        assert (module.HOPPER_LOOP, module.HOPPER_NAMED, module.HOPPER_LANE_SUMS, module.HOPPER_UNDER_PV) == (
+            "persistent", 3, 1, 1)
     assert _settings(module) == before
 
 

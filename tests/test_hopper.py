@@ -1312,13 +1312,11 @@ def test_two_buffers_of_queries_reach_the_persistent_kernel_within_its_shared_me
      r"is not a switch of the persistent loop's store: set 1 \(the default, .*\) or 0 \("),
     ("PORT_HOPPER_LANE_SUMS", "HOPPER_LANE_SUMS", ((None, 1), ("", 1), (" 0 ", 0), ("1", 1)), ("2", "on", "-1"),
      r"is not a switch of the softmax's row sums: set 1 \(the default, each thread's share, .*\) or 0 \(the whole "),
-    ("PORT_HOPPER_ALPHA_FIRST", "HOPPER_ALPHA_FIRST", ((None, 1), ("", 1), ("0", 0), (" 1 ", 1)), ("2", "off", "0.5"),
-     r"is not a switch of the rows' rescale's place: set 1 \(the default, alpha ahead of the exponentials, .*\) or 0 "),
 ])
 def test_a_hopper_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp_path, monkeypatch, name, attribute,
                                                                              read, refused, message):
     # PORT_HOPPER_Q_BUFFERS, PORT_HOPPER_UNDER_PV, PORT_HOPPER_TILE_INFO, PORT_HOPPER_FAST_STORE,
-    # PORT_HOPPER_LANE_SUMS, PORT_HOPPER_ALPHA_FIRST: any value not in the list stops the file's load
+    # PORT_HOPPER_LANE_SUMS: any value not in the list stops the file's load
     # with an error that names the variable and the values (never a silent default)
     path = port.build(make("causal"), 256, 256, out_dir=tmp_path)
     for value, want in read:
@@ -1359,20 +1357,17 @@ def test_the_tile_counts_and_the_store_switches_reach_only_the_persistent_kernel
 
 
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
-@pytest.mark.parametrize("attribute, option", [("HOPPER_UNDER_PV", "UNDER_PV"), ("HOPPER_LANE_SUMS", "LANE"),
-                                               ("HOPPER_ALPHA_FIRST", "ALPHA")])
+@pytest.mark.parametrize("attribute, option", [("HOPPER_UNDER_PV", "UNDER_PV"), ("HOPPER_LANE_SUMS", "LANE")])
 def test_the_softmax_switches_reach_every_loop_and_the_paged_prefill_as_they_say(tmp_path, attribute, option):
     # HOPPER_UNDER_PV (the softmax under the previous tile's P V) / HOPPER_LANE_SUMS (the row sums
-    # by thread) / HOPPER_ALPHA_FIRST (the rows' rescale ahead of the exponentials): every loop's
-    # kernel, and the paged prefill's, gets UNDER_PV / LANE / ALPHA = 1 when it is on
+    # by thread): every loop's kernel, and the paged prefill's, gets UNDER_PV / LANE = 1 when it is on
     # and nothing when off; a changed switch is a new kind of call (never a plan made under the other
     # setting). Where the compiled wait sits: tests/run_hopper_compile.py; the lane sums' float64
     # agreement: tests/test_gpu_port.py on an H100 / H200.
     import torch
 
     module, cpu = _planned_on_cpu(tmp_path)
-    variable, default = "PORT_" + attribute, {"HOPPER_UNDER_PV": "0", "HOPPER_LANE_SUMS": "1",
-                                              "HOPPER_ALPHA_FIRST": "1"}[attribute]
+    variable, default = "PORT_" + attribute, {"HOPPER_UNDER_PV": "0", "HOPPER_LANE_SUMS": "1"}[attribute]
     assert getattr(module, attribute) == int(os.environ.get(variable, "").strip() or default)
     q = torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16)
     tables = module._tables(cpu, 1024, 1024)
@@ -1471,31 +1466,6 @@ def test_the_row_sums_by_thread_take_four_shuffles_and_four_adds_fewer_a_tile():
         assert (a["SHFL"], b["SHFL"]) == (4, 8)
         assert b["FADD"] - a["FADD"] == 4
         assert sum(b.values()) - sum(a.values()) == 8
-
-
-@pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")
-@pytest.mark.parametrize("head_dim", [128, 64])
-def test_alpha_first_issues_os_rescale_among_the_exponentials(head_dim):
-    # HOPPER_ALPHA_FIRST compiled for sm_90a (no GPU), the persistent loop: with it, no multiply of
-    # O's rescale is left after a tile's last exponential (they issue while the MUFU unit works, as in
-    # FlashAttention-4's loop) for two fused multiply-adds more a tile; without it ptxas leaves all
-    # D / 2 of them after the last exponential. The exponentials and matmuls are the same.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import sass_loops
-
-    def tile_loops(first):
-        found = sass_loops.loops(sass_loops.port_sass("causal", "persistent", {"HOPPER_ALPHA_FIRST": first},
-                                                      head_dim=head_dim))
-        # (a tile's S: D / 16 MMAs of 16 deep; its P V: 128 keys, 8)
-        return [x for x in found if x.path["MUFU"] == 66 and x.path["HGMMA"] == head_dim // 16 + 8]
-
-    among, after = tile_loops(1), tile_loops(0)
-    assert len(among) == len(after) == 2  # (the two warpgroups' copies of the loop)
-    for a, b in zip(among, after):
-        assert a.path["FMUL"] == b.path["FMUL"] >= head_dim // 2
-        assert (a.tail[1], b.tail[1]) == (0, head_dim // 2), (a.tail, b.tail)
-        assert a.tail[0] <= 16 and b.tail[0] >= head_dim // 2
-        assert a.path["FFMA"] - b.path["FFMA"] == 2 and a.path_size - b.path_size == 2
 
 
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")

@@ -118,18 +118,6 @@ HOPPER_LANE_SUMS = _hopper_setting(
     "PORT_HOPPER_LANE_SUMS", "1", ("0", "1"),
     "is not a switch of the softmax's row sums: set 1 (the default, each thread's share, added across a row's "
     "threads at the store) or 0 (the whole row's sum every tile), or unset it")
-# The rows' rescale alpha ahead of the tile's exponentials (1, the default): the exponentials'
-# shift is written as fma(alpha, 0, m), which is m itself (alpha is finite wherever the row is), so
-# every exponential of the tile waits for alpha's. Without it (0) ptxas computes alpha last, since
-# only O's rescale and the row sums need it, and compiled for sm_90a O's 64 (D 128) multiplies a
-# thread then follow the tile's last exponential (about 70 instructions issued one after another
-# before the next P V); with it they issue in the gaps while the MUFU unit works through the
-# exponentials, as in FlashAttention-4's Hopper loop, for two more instructions a tile. The same
-# bits. PORT_HOPPER_ALPHA_FIRST=0 in the environment chooses 0.
-HOPPER_ALPHA_FIRST = _hopper_setting(
-    "PORT_HOPPER_ALPHA_FIRST", "1", ("0", "1"),
-    "is not a switch of the rows' rescale's place: set 1 (the default, alpha ahead of the exponentials, so O's "
-    "rescale issues among them) or 0 (ptxas's own order), or unset it")
 # The persistent loop's tile counts from the load warp (1, the default): it writes a tile's
 # full-block and tile counts beside its number in shared memory, so the warpgroups start the tile's
 # first S without loading them from global memory (one load's latency per tile of 128 queries);
@@ -326,7 +314,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
     @gluon.jit
     def _hopper_softmax(qk, m_i, l_i, b, h, q_idx, kv_idx, first, Lk, full, sm_scale, @@ALL_PTR_PARAMS@@
                         HAS_SCORE: gl.constexpr, dtype: gl.constexpr, p_layout: gl.constexpr,
-                        EVEN_N: gl.constexpr, PAGED: gl.constexpr, ALPHA: gl.constexpr = 0):
+                        EVEN_N: gl.constexpr, PAGED: gl.constexpr):
         # one tile's scores (score_mod, then the mask unless the block is full) into the online
         # softmax, base 2, the steps of _online_softmax_step: (P as the P V matmul's register
         # operand, the rows' rescale alpha, the new max, the new sum). Without a score_mod the
@@ -352,8 +340,6 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # rows with nothing kept yet stay at -inf; shift them by 0 so exp2 gives 0, not NaN
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
-        if ALPHA:  # (HOPPER_ALPHA_FIRST) the same shift, after alpha: O's rescale issues among the exponentials
-            m_safe = gl.fma(alpha, 0.0, m_safe)
         if HAS_SCORE:
             p = gl.exp2(s - m_safe[:, None])
         else:
@@ -454,7 +440,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                          HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
                          TABLE_N: gl.constexpr, num_warps: gl.constexpr, EVEN_M: gl.constexpr,
                          EVEN_N: gl.constexpr, PAGED: gl.constexpr, UNDER_PV: gl.constexpr = 0,
-                         LANE: gl.constexpr = 0, ALPHA: gl.constexpr = 0):
+                         LANE: gl.constexpr = 0):
         # the math warps of the specialized kernel, over the program's BLOCK_M queries. Per tile t:
         # S = Q K^T (wgmma, Q and K from shared memory), then the score_mod, the mask and the online
         # softmax (_hopper_softmax), then O = O * alpha + P V (wgmma, P from registers). Overlapped
@@ -490,7 +476,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
             mbarrier.arrive(k_empty.index(0), count=1)
             p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full, sm_scale,
-                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N, PAGED, ALPHA)
+                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N, PAGED)
             for t in range(1, n_tiles):
                 slot = t % NUM_BUF
                 prev = (t - 1) % NUM_BUF
@@ -503,7 +489,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 mbarrier.arrive(k_empty.index(slot), count=1)
                 p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                      sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
-                                                     PAGED, ALPHA)
+                                                     PAGED)
                 _softmax_done(n_f, UNDER_PV)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(prev), count=1)
@@ -526,7 +512,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                    TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                    PINGPONG: gl.constexpr = False, EVEN_M: gl.constexpr = True,
                                    EVEN_N: gl.constexpr = True, NAMED: gl.constexpr = 0, UNDER_PV: gl.constexpr = 0,
-                                   LANE: gl.constexpr = 0, ALPHA: gl.constexpr = 0):
+                                   LANE: gl.constexpr = 0):
         # one program = BLOCK_M queries of one (batch entry, head) over the blocks its row of the
         # lists names (full ones without the mask, then partial ones with it). EVEN_M / EVEN_N:
         # Lq / Lk are multiples of BLOCK_M / TABLE_N. Otherwise (HOPPER_RAGGED) the last block of
@@ -591,12 +577,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                              Out, Lse, b, h, row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f,
                                              n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
                                              SUB, TABLE_N, 0, EVEN_M, EVEN_N, False, NAMED, UNDER_PV,
-                                             LANE, ALPHA)),
+                                             LANE)),
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                                              Out, Lse, b, h, row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f,
                                              n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE,
                                              SUB, TABLE_N, 1, EVEN_M, EVEN_N, False, NAMED, UNDER_PV,
-                                             LANE, ALPHA)),
+                                             LANE)),
                 (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
                                     n_tiles, idx_f, idx_p, Lk, SUB, TABLE_N, EVEN_N, NAMED)),
             ], [4, 1], [240, 24])
@@ -605,7 +591,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 (_hopper_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, Out, Lse, b, h,
                                     row0, n_valid, o_off, HEAD_D, l_off, 1, 0, Lk, n_f, n_tiles, idx_f, idx_p, sm_scale,
                                     @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, SUB, TABLE_N, num_warps, EVEN_M, EVEN_N,
-                                    False, UNDER_PV, LANE, ALPHA)),
+                                    False, UNDER_PV, LANE)),
                 (_hopper_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0, n_f,
                                     n_tiles, idx_f, idx_p, Lk, SUB, TABLE_N, EVEN_N)),
             ], [1], [24])
@@ -617,7 +603,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, SUB: gl.constexpr,
                                   TABLE_N: gl.constexpr, WG: gl.constexpr, EVEN_M: gl.constexpr,
                                   EVEN_N: gl.constexpr, PAGED: gl.constexpr, NAMED: gl.constexpr = 0,
-                                  UNDER_PV: gl.constexpr = 0, LANE: gl.constexpr = 0, ALPHA: gl.constexpr = 0):
+                                  UNDER_PV: gl.constexpr = 0, LANE: gl.constexpr = 0):
         # one warpgroup (4 warps) of the ping-pong kernel: query rows WG * 64 .. WG * 64 + 64 of the
         # program's 128, the overlapped loop (tile t's S = Q K^T issued with tile t-1's P V, the
         # softmax before the wait for it: _softmax_done). The two warpgroups take turns to issue their matmuls (`turn`, one
@@ -657,7 +643,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
             _release(k_empty, 0, _BAR_K_FREE, NAMED)
             p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full, sm_scale,
-                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N, PAGED, ALPHA)
+                                                 @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N, PAGED)
             for t in range(1, n_tiles):  # turn t: tile t's S with tile t-1's P V
                 slot = t % NUM_BUF
                 prev = (t - 1) % NUM_BUF
@@ -671,7 +657,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 _release(k_empty, slot, _BAR_K_FREE, NAMED)
                 p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                      sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
-                                                     PAGED, ALPHA)
+                                                     PAGED)
                 _softmax_done(n_f, UNDER_PV)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _release(v_empty, prev, _BAR_V_FREE, NAMED)
@@ -803,7 +789,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                     SUB: gl.constexpr, TABLE_N: gl.constexpr, WG: gl.constexpr,
                                     EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, NAMED: gl.constexpr = 0,
                                     UNDER_PV: gl.constexpr = 0, INFO: gl.constexpr = 0,
-                                    FAST_STORE: gl.constexpr = False, LANE: gl.constexpr = 0, ALPHA: gl.constexpr = 0):
+                                    FAST_STORE: gl.constexpr = False, LANE: gl.constexpr = 0):
         # one warpgroup of the persistent kernel: _hopper_pingpong_consumer's loop (rows WG * 64 ..
         # + 64 of each tile's 128) over the tiles the load warp hands over, until it hands over
         # num_m * BH. The K / V slots and their phases follow `c`, and the turns `u`, counted over
@@ -861,7 +847,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 _release(k_empty, slot, _BAR_K_FREE, NAMED)
                 p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                      sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
-                                                     False, ALPHA)
+                                                     False)
                 for t in range(1, n_tiles):  # tile t's S with tile t-1's P V
                     prev = c % NUM_BUF
                     prev_phase = (c // NUM_BUF) & 1
@@ -879,7 +865,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     _release(k_empty, slot, _BAR_K_FREE, NAMED)
                     p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                          sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout,
-                                                         EVEN_N, False, ALPHA)
+                                                         EVEN_N, False)
                     _softmax_done(n_f, UNDER_PV)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     _release(v_empty, prev, _BAR_V_FREE, NAMED)
@@ -913,8 +899,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   TABLE_N: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
                                   EVEN_M: gl.constexpr = True, EVEN_N: gl.constexpr = True,
                                   NAMED: gl.constexpr = 0, Q_BUF: gl.constexpr = 1, UNDER_PV: gl.constexpr = 0,
-                                  INFO: gl.constexpr = 0, FAST_STORE: gl.constexpr = False, LANE: gl.constexpr = 0,
-                                  ALPHA: gl.constexpr = 0):
+                                  INFO: gl.constexpr = 0, FAST_STORE: gl.constexpr = False, LANE: gl.constexpr = 0):
         # HOPPER_LOOP = "persistent": the ping-pong kernel's roles in one program per SM, each
         # taking (row block, head) tiles from the call's counter until none is left, heaviest first
         # (_hopper_tile_of). Q_BUF = 1 buffer of queries (so the ring keeps its three K / V
@@ -954,12 +939,12 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 0, EVEN_M,
-                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE, LANE, ALPHA)),
+                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE, LANE)),
             (_hopper_persistent_consumer, (q_smem, k_smem, v_smem, tile_smem, q_ready, q_empty, k_ready, v_ready,
                                            k_empty, v_empty, turn, Out, Lse, num_m, BH, Hq, Lq, Lk, s_tb, s_th, n_cols,
                                            full_num, partial_num, full_idx, partial_idx, sm_scale,
                                            @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, TABLE_M, SUB, TABLE_N, 1, EVEN_M,
-                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE, LANE, ALPHA)),
+                                           EVEN_N, NAMED, UNDER_PV, INFO, FAST_STORE, LANE)),
             (_hopper_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, q_ready,
                                            q_empty, k_ready, v_ready, k_empty, v_empty, counter, num_m, BH, Hq, group,
                                            Lq, Lk, s_tb, s_th, n_cols, full_num, partial_num, full_idx, partial_idx,
@@ -1067,7 +1052,7 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
     pointers = [tables[n] for n in ALL_POINTERS]
     site = ("forward", q.shape, k.shape, q.dtype, q.device, _current_device(q), return_lse, HOPPER_LOOP,
             HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS, HOPPER_UNDER_PV, HOPPER_LANE_SUMS, HOPPER_TILE_INFO,
-            HOPPER_FAST_STORE, HOPPER_ALPHA_FIRST, tuple(t.data_ptr() % 16 == 0 for t in pointers))
+            HOPPER_FAST_STORE, tuple(t.data_ptr() % 16 == 0 for t in pointers))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
     plan = _remember(_HOPPER_PLANS, site, lambda: _hopper_plan(q, k, v, scale, out, lse, pointers))
@@ -1131,8 +1116,6 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
         options["UNDER_PV"] = 1
     if HOPPER_LANE_SUMS:
         options["LANE"] = 1
-    if HOPPER_ALPHA_FIRST:
-        options["ALPHA"] = 1
     if persistent and HOPPER_TILE_INFO:
         options["INFO"] = 1
     if persistent and HOPPER_FAST_STORE:

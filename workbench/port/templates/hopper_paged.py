@@ -142,7 +142,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                              HAS_SCORE: gl.constexpr, RETURN_LSE: gl.constexpr, NUM_BUF: gl.constexpr,
                              num_warps: gl.constexpr, PINGPONG: gl.constexpr, PER_HEAD: gl.constexpr,
                              PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NAMED: gl.constexpr = 0,
-                             UNDER_PV: gl.constexpr = 0, LANE: gl.constexpr = 0, ALPHA: gl.constexpr = 0):
+                             UNDER_PV: gl.constexpr = 0, LANE: gl.constexpr = 0):
         # one program = one slot of 128 query tokens of a request (_hopper_paged_lists) and one
         # query head, over the tiles its row of the lists names: _hopper_specialized_kernel's loop
         # (the same consumers) with b = the request, q_idx = the queries' positions in it, and a load
@@ -199,13 +199,11 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                                              Out, Lse, req, h, q_pos0, n_valid, o_off, Hq * HEAD_D, l_off, Hq, poison,
                                              L, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE,
-                                             RETURN_LSE, 1, BLOCK_N, 0, False, True, True, NAMED, UNDER_PV, LANE,
-                                             ALPHA)),
+                                             RETURN_LSE, 1, BLOCK_N, 0, False, True, True, NAMED, UNDER_PV, LANE)),
                 (_hopper_pingpong_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                                              Out, Lse, req, h, q_pos0, n_valid, o_off, Hq * HEAD_D, l_off, Hq, poison,
                                              L, n_f, n_tiles, idx_f, idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE,
-                                             RETURN_LSE, 1, BLOCK_N, 1, False, True, True, NAMED, UNDER_PV, LANE,
-                                             ALPHA)),
+                                             RETURN_LSE, 1, BLOCK_N, 1, False, True, True, NAMED, UNDER_PV, LANE)),
                 (_hopper_paged_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pages,
                                           kv_col, L, n_f, n_tiles, idx_f, idx_p, PAGE_SIZE)),
             ], [4, 1], [240, 32])
@@ -214,7 +212,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 (_hopper_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, Out, Lse, req, h,
                                     q_pos0, n_valid, o_off, Hq * HEAD_D, l_off, Hq, poison, L, n_f, n_tiles, idx_f,
                                     idx_p, sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, RETURN_LSE, 1, BLOCK_N, num_warps,
-                                    False, True, True, UNDER_PV, LANE, ALPHA)),
+                                    False, True, True, UNDER_PV, LANE)),
                 (_hopper_paged_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pages,
                                           kv_col, L, n_f, n_tiles, idx_f, idx_p, PAGE_SIZE)),
             ], [1], [32])
@@ -297,8 +295,6 @@ def _hopper_paged_launch(q, k_cache, v_cache, block_table, scale, return_lse, po
         options["UNDER_PV"] = 1
     if HOPPER_LANE_SUMS:  # (the row sums by thread, as the contiguous kernel's)
         options["LANE"] = 1
-    if HOPPER_ALPHA_FIRST:  # (O's rescale among the exponentials, as the contiguous kernel's)
-        options["ALPHA"] = 1
     return (Slots.shape[0], Hq), args, options
 
 

@@ -393,7 +393,7 @@ def _invariant_block(acc, l_i, m_i, t_acc, t_l, t_m, piece, i, j, n_p, n_f, p_ro
 
 
 CONFIGS = @@CONFIGS@@  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-WIDE_ROW_CONFIGS = @@WIDE_ROW_CONFIGS@@  # the last ones: small tiles, the only ones float32 runs at D > 64
+WIDE_ROW_CONFIGS = @@WIDE_ROW_CONFIGS@@  # the last one is WIDE_TILE, the only tile float32 runs at D > 64
 WIDE_TILE = @@WIDE_TILE@@  # float32 at D > 64: long rows, decode and packed calls
 
 

@@ -198,12 +198,13 @@ def _rounds(text: str) -> int:
     return rounds
 
 
-# --loops suffixes after '+': q2 (two buffers of queries, HOPPER_Q_BUFFERS), pv0 / pv1 (the softmax's
-# exponentials after / under the previous tile's P V, HOPPER_UNDER_PV), ti0 / ti1 (the persistent
+# --loops suffixes after '+': q2 (two buffers of queries, HOPPER_Q_BUFFERS), pv0 / pv1 / pv2 (the wait
+# for the previous tile's P V where ptxas puts it / after the exponentials / after the row max,
+# HOPPER_UNDER_PV), ti0 / ti1 (the persistent
 # loop's tile counts loaded by the warpgroups / handed over by the load warp, HOPPER_TILE_INFO), fs0 /
 # fs1 (the persistent loop's store: a division per element / a reciprocal per row, HOPPER_FAST_STORE), ls0 /
 # ls1 (the softmax's row sums: the whole row's every tile / each thread's share, HOPPER_LANE_SUMS)
-_LOOP_EXTRAS = ("q2", "pv0", "pv1", "ti0", "ti1", "fs0", "fs1", "ls0", "ls1")
+_LOOP_EXTRAS = ("q2", "pv0", "pv1", "pv2", "ti0", "ti1", "fs0", "fs1", "ls0", "ls1")
 
 
 def check_variants(variants, option: str = "--loops") -> str | None:
@@ -213,7 +214,8 @@ def check_variants(variants, option: str = "--loops") -> str | None:
         unknown = [x for x in loop.split(" ")[0].split("+")[1:] if x not in _LOOP_EXTRAS]
         if unknown:
             return (f"{option} {loop!r}: after '+' only {', '.join(_LOOP_EXTRAS)} are known (two buffers of queries; "
-                    f"the softmax after / under the previous tile's P V; the tile counts loaded / handed over; the "
+                    f"the wait for the previous tile's P V first / after the exponentials / after the row max; "
+                    f"the tile counts loaded / handed over; the "
                     f"store by a division / a reciprocal; the row sums whole / by thread), "
                     f"e.g. persistent+q2 or persistent+ti0")
     return None
@@ -245,6 +247,8 @@ def hopper_variant(module, variant: str):
                     setattr(module, name, 2 if on == "q2" else 1)
                 elif off in extras:
                     setattr(module, name, 0)
+            if "pv2" in extras:
+                module.HOPPER_UNDER_PV = 2
         yield module
     finally:
         for name, value in saved.items():
@@ -277,8 +281,9 @@ def main(argv=None) -> int:
                    help="--hopper: the forms of its tile loop to time (HOPPER_LOOP), each optionally with its number "
                    "of K / V buffers and its warpgroups' hand-offs (HOPPER_NAMED: 0 mbarriers, 1 named turns, 3 named "
                    "turns and releases, 5 or 7: 1 or 3 with the turn taken before the tile's waits), `+q2`, two buffers of "
-                   "queries (HOPPER_Q_BUFFERS), `+pv0` / `+pv1`, the softmax's exponentials after / under the "
-                   "previous tile's P V (HOPPER_UNDER_PV), `+ti0` / `+ti1`, the persistent loop's tile counts "
+                   "queries (HOPPER_Q_BUFFERS), `+pv0` / `+pv1` / `+pv2`, the wait for the previous tile's "
+                   "P V where ptxas puts it / after the exponentials / after the row max (HOPPER_UNDER_PV), "
+                   "`+ti0` / `+ti1`, the persistent loop's tile counts "
                    "loaded by the warpgroups / handed over by the load warp (HOPPER_TILE_INFO), and `+fs0` / `+fs1`, "
                    "its store by a division per element / a reciprocal per row (HOPPER_FAST_STORE), `+ls0` / `+ls1`, "
                    "the softmax's row sums whole every tile / each thread's share (HOPPER_LANE_SUMS): pingpong:3, "

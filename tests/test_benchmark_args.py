@@ -21,9 +21,9 @@ def test_bench_port_refuses_a_hopper_loop_suffix_it_does_not_know(capsys):
     import bench_port
 
     err = refused(bench_port.main, ["--hopper", "--loops", "persistent", "persistent+q3"], capsys)
-    assert "--loops 'persistent+q3': after '+' only q2, pv0, pv1, ti0, ti1, fs0, fs1, ls0, ls1 are known" in err
-    err = refused(bench_port.main, ["--hopper", "--loops", "persistent+q2+pv0", "pingpong+pv2"], capsys)
-    assert "--loops 'pingpong+pv2': after '+' only q2, pv0, pv1, ti0, ti1, fs0, fs1, ls0, ls1 are known" in err
+    assert "--loops 'persistent+q3': after '+' only q2, pv0, pv1, pv2, ti0, ti1, fs0, fs1, ls0, ls1 are known" in err
+    err = refused(bench_port.main, ["--hopper", "--loops", "persistent+q2+pv2", "pingpong+pv3"], capsys)
+    assert "--loops 'pingpong+pv3': after '+' only q2, pv0, pv1, pv2, ti0, ti1, fs0, fs1, ls0, ls1 are known" in err
 
 
 @pytest.mark.parametrize("tile", ["16x64x4", "16x64x4x0", "16xAx4x3", "16x64x4x2@", "16x64x4x2@999", "16x64x4x2@x"])
@@ -150,7 +150,7 @@ def test_bench_clocks_refuses_what_names_nothing_and_a_machine_without_a_gpu(cap
     assert "'-1' is not a positive float" in refused(bench_clocks.main, ["--seconds", "-1"], capsys)
     assert "'x' is not a positive int" in refused(bench_clocks.main, ["--lengths", "x"], capsys)
     err = refused(bench_clocks.main, ["--port-variants", "default", "persistent+ls2"], capsys)
-    assert "--port-variants 'persistent+ls2': after '+' only q2, pv0, pv1, ti0, ti1, fs0, fs1, ls0, ls1 are known" in err
+    assert "--port-variants 'persistent+ls2': after '+' only q2, pv0, pv1, pv2, ti0, ti1, fs0, fs1, ls0, ls1 are known" in err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     err = refused(bench_clocks.main, ["--masks", "causal"], capsys)
     assert "needs a CUDA GPU and nvidia-smi on the PATH" in err and "run it on the GPU machine" in err
@@ -171,6 +171,7 @@ def _settings(module):
     ("default", ("auto", (128, 0, 8), 0, 1, 0, 1, 1, 0)),
     ("persistent+ls1", ("persistent", (128, 0, 8), 0, 1, 0, 1, 1, 1)),
     ("pingpong:3@7+pv1", ("pingpong", (128, 3, 8), 7, 1, 1, 1, 1, 0)),
+    ("persistent+pv2", ("persistent", (128, 0, 8), 0, 1, 2, 1, 1, 0)),
     ("persistent@3+q2+ti0+fs0", ("persistent", (128, 0, 8), 3, 2, 0, 0, 0, 0)),
     ("+ls1", ("auto", (128, 0, 8), 0, 1, 0, 1, 1, 1)),
 ])

@@ -281,7 +281,8 @@ def test_the_warpgroups_hand_offs_give_the_same_bits_every_way(cuda, tmp_path, l
     # 5 and 7 are 1 and 3 with the turn taken before the tile's waits; the persistent loop also with
     # two buffers of queries (HOPPER_Q_BUFFERS = 2) and with the tile counts handed over by the load
     # warp or loaded (HOPPER_TILE_INFO flipped); both loops also with the other place of the wait
-    # for P V (HOPPER_UNDER_PV flipped: the softmax under P V, or the wait first, where ptxas puts it).
+    # for P V (HOPPER_UNDER_PV: the wait first, where ptxas puts it; after the exponentials; after the
+    # row max).
     # The arithmetic is the same, so the bits must be; a barrier left half done or a buffer given
     # back early would hang or mix tiles. Programs whose rows keep nothing (no turn at all), rows of
     # every length, more tiles than SMs, GQA, lengths off the 128 grid, a softcap in the ping-pong
@@ -332,11 +333,15 @@ def test_the_warpgroups_hand_offs_give_the_same_bits_every_way(cuda, tmp_path, l
                 got["ti"] = module.attention(q, k, v, return_lse=True)
                 module.HOPPER_TILE_INFO = info
             under = module.HOPPER_UNDER_PV  # (the softmax's place against the wait: the same arithmetic)
-            module.HOPPER_NAMED, module.HOPPER_UNDER_PV = 0, 1 - under
-            got["pv"] = module.attention(q, k, v, return_lse=True)
+            module.HOPPER_NAMED = 0
+            for place in (0, 1, 2):  # (where ptxas puts it, after the exponentials, after the row max)
+                if place != under:
+                    module.HOPPER_UNDER_PV = place
+                    got[f"pv{place}"] = module.attention(q, k, v, return_lse=True)
             module.HOPPER_UNDER_PV = under
-        assert len(calls) == 7 + 2 * (loop == "persistent"), "attention() did not run the Hopper kernel"
-        for named in (1, 0, 7, 5, "pv") + (("q2", "ti") if loop == "persistent" else ()):
+        assert len(calls) == 8 + 2 * (loop == "persistent"), "attention() did not run the Hopper kernel"
+        places = tuple(f"pv{place}" for place in (0, 1, 2) if place != under)
+        for named in (1, 0, 7, 5) + places + (("q2", "ti") if loop == "persistent" else ()):
             assert torch.equal(got[named][0], got[3][0]) and torch.equal(got[named][1], got[3][1]), \
                 f"{loop}, {Lq} x {Lk}: HOPPER_NAMED = {named} gave other bits than 3"
         out, lse = got[3]

@@ -1302,9 +1302,10 @@ def test_two_buffers_of_queries_reach_the_persistent_kernel_within_its_shared_me
     # unset or empty 1, "1" or "2"
     ("PORT_HOPPER_Q_BUFFERS", "HOPPER_Q_BUFFERS", ((None, 1), ("", 1), ("1", 1), (" 2 ", 2)), ("3", "0", "two", "on"),
      r"names no number.*set 1 \(the default\) or 2"),
-    # unset or empty 0, "0" or "1"
-    ("PORT_HOPPER_UNDER_PV", "HOPPER_UNDER_PV", ((None, 0), ("", 0), (" 1 ", 1), ("0", 0)), ("2", "on", "yes", "-1"),
-     r"is not a switch.*set 1 \(the softmax under the previous tile's P V\) or 0 \(the default\)"),
+    # unset or empty 0, "0", "1" or "2"
+    ("PORT_HOPPER_UNDER_PV", "HOPPER_UNDER_PV", ((None, 0), ("", 0), (" 1 ", 1), ("0", 0), ("2", 2)),
+     ("3", "on", "yes", "-1"),
+     r"is not a place.*set 1 \(after the exponentials\), 2 \(after the row max\) or 0 \(the default"),
     # unset or empty 1, "0" or "1" (the tile counts, the store, the row sums)
     ("PORT_HOPPER_TILE_INFO", "HOPPER_TILE_INFO", ((None, 1), ("", 1), (" 0 ", 0), ("1", 1)), ("2", "on", "true"),
      r"is not a switch of the persistent loop's tile counts: set 1 \(the default, .*\) or 0 \("),
@@ -1372,8 +1373,9 @@ def test_the_softmax_switches_reach_every_loop_and_the_paged_prefill_as_they_say
     q = torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16)
     tables = module._tables(cpu, 1024, 1024)
     sites = set()
+    values = (1, 2, 0) if attribute == "HOPPER_UNDER_PV" else (1, 0)  # (2: the wait after the row max)
     for loop in ("specialized", "pingpong", "persistent"):
-        for on in (1, 0):
+        for on in values:
             module.HOPPER_LOOP = loop
             setattr(module, attribute, on)
             _, _, options, _, _, site = module._hopper_launch(q, q, q, 0.125, False, tables)
@@ -1381,7 +1383,7 @@ def test_the_softmax_switches_reach_every_loop_and_the_paged_prefill_as_they_say
             assert site not in sites, (loop, on)
             sites.add(site)
     module.HOPPER_LOOP = "auto"
-    for on in (1, 0):
+    for on in values:
         setattr(module, attribute, on)
         options = _paged_prefill_options(module, tables)
         assert options.get(option, 0) == on, (on, options)

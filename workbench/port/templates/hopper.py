@@ -99,10 +99,14 @@ HOPPER_NAMED = _hopper_setting(
 # and 32K, the calls were 0-3 % slower (the ping-pong between warpgroups already runs one's softmax
 # under the other's matmuls), so 0, ptxas's own order, stays the default. PORT_HOPPER_UNDER_PV=1 in
 # the environment chooses the overlap.
+# 2: the wait after the row max and the rows' rescale alpha, before the exponentials (FlashAttention-
+# 4's Hopper loop, as its SASS has it): a never-taken branch on the tile's first key ends the block
+# there (_wait_after_max), so the max runs under P V and O's rescale is issued among the
+# exponentials. PORT_HOPPER_UNDER_PV=2 chooses it.
 HOPPER_UNDER_PV = _hopper_setting(
-    "PORT_HOPPER_UNDER_PV", "0", ("0", "1"),
-    "is not a switch of the Hopper softmax's place: set 1 (the softmax under the previous tile's P V) or "
-    "0 (the default), or unset it")
+    "PORT_HOPPER_UNDER_PV", "0", ("0", "1", "2"),
+    "is not a place of the Hopper softmax's wait for P V: set 1 (after the exponentials), 2 (after the row "
+    "max) or 0 (the default, where ptxas puts it), or unset it")
 # The softmax's row sums l (1, the default): each thread keeps the sum of its own share of a row's
 # scores (a row's 128 keys of a tile lie with four threads of a warp, 32 each), and the four shares
 # are added once, at the store, as FlashAttention-2 and -3 do; 0: the row's whole sum every tile,
@@ -287,9 +291,20 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # tile's P V: a branch on the row's full-block count (never negative, so never taken) around
         # one side-effecting instruction, which neither LLVM nor ptxas can fold away; ptxas does not
         # hoist the wait out of its own block, so the exponentials run while P V does
-        if UNDER_PV:
+        if UNDER_PV == 1:
             if n_f < 0:
                 gl.inline_asm_elementwise("nanosleep.u32 1;\n\tmov.u32 $0, 0;", "=r,r", [n_f], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+
+    @gluon.jit
+    def _wait_after_max(first, HOLD: gl.constexpr):
+        # (HOPPER_UNDER_PV = 2) the end of the basic block that takes the row max and alpha: a branch
+        # on the tile's first key (never negative, so never taken), as _softmax_done's; ptxas then
+        # issues the wait for the previous tile's P V after the max, not before it, and schedules O's
+        # rescale among the exponentials that follow
+        if HOLD:
+            if first < 0:
+                gl.inline_asm_elementwise("nanosleep.u32 1;\n\tmov.u32 $0, 0;", "=r,r", [first], dtype=gl.int32,
                                           is_pure=False, pack=1)
 
     @gluon.jit
@@ -314,7 +329,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
     @gluon.jit
     def _hopper_softmax(qk, m_i, l_i, b, h, q_idx, kv_idx, first, Lk, full, sm_scale, @@ALL_PTR_PARAMS@@
                         HAS_SCORE: gl.constexpr, dtype: gl.constexpr, p_layout: gl.constexpr,
-                        EVEN_N: gl.constexpr, PAGED: gl.constexpr):
+                        EVEN_N: gl.constexpr, PAGED: gl.constexpr, HOLD: gl.constexpr = False):
         # one tile's scores (score_mod, then the mask unless the block is full) into the online
         # softmax, base 2, the steps of _online_softmax_step: (P as the P V matmul's register
         # operand, the rows' rescale alpha, the new max, the new sum). Without a score_mod the
@@ -340,6 +355,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # rows with nothing kept yet stay at -inf; shift them by 0 so exp2 gives 0, not NaN
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
+        _wait_after_max(first, HOLD)
         if HAS_SCORE:
             p = gl.exp2(s - m_safe[:, None])
         else:
@@ -489,7 +505,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 mbarrier.arrive(k_empty.index(slot), count=1)
                 p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                      sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
-                                                     PAGED)
+                                                     PAGED, UNDER_PV == 2)
                 _softmax_done(n_f, UNDER_PV)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(prev), count=1)
@@ -657,7 +673,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 _release(k_empty, slot, _BAR_K_FREE, NAMED)
                 p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                      sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
-                                                     PAGED)
+                                                     PAGED, UNDER_PV == 2)
                 _softmax_done(n_f, UNDER_PV)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _release(v_empty, prev, _BAR_V_FREE, NAMED)
@@ -865,7 +881,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     _release(k_empty, slot, _BAR_K_FREE, NAMED)
                     p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                          sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout,
-                                                         EVEN_N, False)
+                                                         EVEN_N, False, UNDER_PV == 2)
                     _softmax_done(n_f, UNDER_PV)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     _release(v_empty, prev, _BAR_V_FREE, NAMED)
@@ -1113,7 +1129,7 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
     if persistent and HOPPER_Q_BUFFERS == 2:
         options["Q_BUF"] = 2
     if HOPPER_UNDER_PV:
-        options["UNDER_PV"] = 1
+        options["UNDER_PV"] = HOPPER_UNDER_PV
     if HOPPER_LANE_SUMS:
         options["LANE"] = 1
     if persistent and HOPPER_TILE_INFO:

@@ -291,8 +291,8 @@ def _hopper_paged_launch(q, k_cache, v_cache, block_table, scale, return_lse, po
     if loop == "pingpong" and HOPPER_NAMED & 1:  # (_hopper_plan's named turns only: compiled for sm_90a,
         options["NAMED"] = HOPPER_NAMED & 5  # named releases made this kernel spill 12-20 bytes at pages of 16
         # where it did not; 4: the turn before the tile's waits
-    if HOPPER_UNDER_PV:  # (the softmax under the previous tile's P V: _softmax_done)
-        options["UNDER_PV"] = 1
+    if HOPPER_UNDER_PV:  # (the wait for the previous tile's P V after the softmax or its row max)
+        options["UNDER_PV"] = HOPPER_UNDER_PV
     if HOPPER_LANE_SUMS:  # (the row sums by thread, as the contiguous kernel's)
         options["LANE"] = 1
     return (Slots.shape[0], Hq), args, options

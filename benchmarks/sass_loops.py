@@ -9,7 +9,9 @@ stand-in driver, then ptxas and nvdisasm from Triton's own bundle), or any cubin
 A loop is the code between a label and a branch back to it. For every innermost loop that issues
 warpgroup MMAs (HGMMA) it prints the lines it spans, its instructions, and the instructions of its straight
 path (the loop less its longest forward branch: in the port's loop, the mask's work on a partial
-block), the instructions after the straight path's last exponential (and how many of them are
+block), the stall cycles ptxas wrote into the straight path's control bits (one warp's issue time
+along it, scoreboard waits not counted: FlashAttention-4's Hopper loop 960 over 470 instructions,
+the port's 1,142 over 480, bf16 D 128), the instructions after the straight path's last exponential (and how many of them are
 FMUL: O's rescale left for after the MUFU unit is done), with the count of each kind that a tile's
 softmax and matmuls are made of. --order LINE
 prints the straight path of the loop that starts at LINE (as the table gives it) as a sequence (runs
@@ -31,6 +33,22 @@ KINDS = ("HGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "SHFL", "BAR"
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA(?:\.\w+)*\s+`\((\.L_x_\d+)\)")
 _INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)([^;]*);")
+_WORD = re.compile(r"\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")  # (nvdisasm -hex: an instruction's 64-bit word)
+
+
+def split_words(listing: str) -> tuple[str, dict]:
+    """nvdisasm -hex's listing as the plain listing (its lines numbered as without -hex) and, for
+    each instruction's line there, its control bits: the second word's bits 41-61 (Volta and later:
+    the stall count in the low 4 bits, then yield, the scoreboards it sets and the ones it waits on)."""
+    plain, control = [], {}
+    for line in listing.splitlines():
+        word = _WORD.match(line)
+        if word and not line.split("/*")[0].strip():  # (a line of only the second word)
+            if plain and _INSTRUCTION.match(plain[-1]):
+                control[len(plain) - 1] = int(word.group(1), 16) >> 41
+            continue
+        plain.append(_WORD.sub("", line))
+    return "\n".join(plain), control
 
 
 @dataclass
@@ -40,6 +58,11 @@ class Loop:
     ops: collections.Counter  # instruction kind -> count, the whole loop
     path: collections.Counter  # the same, less the loop's longest forward branch
     order: list = field(default_factory=list)  # the straight path: (kind with its modifiers, run length)
+    # the stall counts ptxas wrote into the straight path's control bits: the cycles one warp waits
+    # after each instruction before its next, so the path's issue time where every result a
+    # scoreboard tracks (exponentials, shuffles, memory, the MMAs, barriers) comes at once; None
+    # without the control bits (a listing without nvdisasm's -hex)
+    stalls: int | None = None
 
     @property
     def size(self) -> int:
@@ -89,7 +112,9 @@ def _sequence(lines) -> list:
 
 
 def loops(sass: str) -> list[Loop]:
-    """The innermost loops of a SASS listing (nvdisasm's) that issue warpgroup MMAs, shortest first."""
+    """The innermost loops of a SASS listing (nvdisasm's, with -hex or without) that issue warpgroup
+    MMAs, shortest first."""
+    sass, control = split_words(sass)
     lines = sass.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
     found = []
@@ -108,8 +133,10 @@ def loops(sass: str) -> list[Loop]:
             if f and f.group(1) in labels and j < labels[f.group(1)] <= i:
                 if skip is None or labels[f.group(1)] - j > skip[1] - skip[0]:
                     skip = (j, labels[f.group(1)])
-        straight = body if skip is None else lines[a:skip[0] + 1] + lines[skip[1]:i + 1]
-        found.append(Loop(a, i, ops, _kinds(straight), _sequence(straight)))
+        numbers = range(a, i + 1) if skip is None else [*range(a, skip[0] + 1), *range(skip[1], i + 1)]
+        straight = [lines[n] for n in numbers]
+        stalls = sum(control[n] & 15 for n in numbers if n in control) if control else None
+        found.append(Loop(a, i, ops, _kinds(straight), _sequence(straight), stalls))
     # the innermost: those around no other such loop (outer loops repeat their inner ones' mix)
     inner = [x for x in found if not any(y is not x and x.start <= y.start and y.end <= x.end for y in found)]
     return sorted(inner, key=lambda loop: (loop.size, loop.start))
@@ -123,7 +150,7 @@ def _tool(name: str) -> str:
 
 def sass_of_cubin(path: Path) -> str:
     """nvdisasm's listing of a cubin."""
-    done = subprocess.run([_tool("nvdisasm"), "-c", str(path)], capture_output=True, text=True)
+    done = subprocess.run([_tool("nvdisasm"), "-c", "-hex", str(path)], capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"nvdisasm could not read {path}: {done.stderr.strip()[-300:]}")
     return done.stdout
@@ -165,7 +192,7 @@ def port_sass(mask_name: str = "causal", loop: str = "persistent", settings: dic
         driver.set_active(previous)
         if interpret is not None:
             os.environ["TRITON_INTERPRET"] = interpret
-    return run_hopper_compile.sass_of(kernel)
+    return run_hopper_compile.sass_of(kernel, words=True)
 
 
 def _setting(text: str) -> tuple[str, int]:
@@ -200,10 +227,12 @@ def main(argv=None) -> int:
     if not found:
         print("no loop that issues warpgroup MMAs (HGMMA) in this kernel")
         return 1
-    print("| lines | instructions | straight path | after the last EX2 (FMUL) | " + " | ".join(KINDS) + " |")
-    print("|---" * (4 + len(KINDS)) + "|")
+    print("| lines | instructions | straight path | its stall cycles | after the last EX2 (FMUL) | "
+          + " | ".join(KINDS) + " |")
+    print("|---" * (5 + len(KINDS)) + "|")
     for loop in found:
-        print(f"| {loop.start}-{loop.end} | {loop.size} | {loop.path_size} | {loop.tail[0]} ({loop.tail[1]}) | "
+        print(f"| {loop.start}-{loop.end} | {loop.size} | {loop.path_size} | "
+              f"{'-' if loop.stalls is None else loop.stalls} | {loop.tail[0]} ({loop.tail[1]}) | "
               + " | ".join(str(loop.path[k]) for k in KINDS) + " |")
     if args.order is not None:
         chosen = [loop for loop in found if loop.start == args.order]

@@ -65,17 +65,18 @@ def ptxas(kernel) -> str:
     return "; ".join(lines)
 
 
-def sass_of(kernel) -> str:
+def sass_of(kernel, words: bool = False) -> str:
     """A compiled kernel's SASS for sm_90a: ptxas on its PTX, then nvdisasm (both from Triton's own
-    bundle)."""
+    bundle); words: with each instruction's two 64-bit words (nvdisasm -hex: the second, on a line of
+    its own, holds the control bits ptxas scheduled it with)."""
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as folder:
         ptx, cubin = Path(folder) / "k.ptx", Path(folder) / "k.cubin"
         ptx.write_text(kernel.asm["ptx"])
         subprocess.run([str(bin_dir / "ptxas"), "--gpu-name=sm_90a", str(ptx), "-o", str(cubin)], check=True,
                        capture_output=True)
-        return subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(cubin)], check=True, capture_output=True,
-                              text=True).stdout
+        return subprocess.run([str(bin_dir / "nvdisasm"), "-c", *(["-hex"] if words else []), str(cubin)], check=True,
+                              capture_output=True, text=True).stdout
 
 
 def stand_in(module, B: int = 2, H: int = 4, L: int = 1024, D: int = 128):
@@ -190,6 +191,13 @@ def main(argv) -> int:
                     under = exponentials_before_waits(module._hopper_kernel().warmup(*args, grid=grid, **options))
                     module.HOPPER_UNDER_PV = default_under
                     assert max(under) >= 64, f"{module._hopper_loop()}: exponentials before each P V wait: {under}"
+                    # (HOPPER_UNDER_PV = 2) the wait after the row max: only the two rows' alpha before it
+                    module.HOPPER_UNDER_PV = 2
+                    grid, args, options, _, _, _ = module._hopper_launch(q, k, v, D ** -0.5, True, tables)
+                    after_max = exponentials_before_waits(module._hopper_kernel().warmup(*args, grid=grid, **options))
+                    module.HOPPER_UNDER_PV = default_under
+                    assert 2 <= max(after_max) < 64, \
+                        f"{module._hopper_loop()}: exponentials before each P V wait after the max: {after_max}"
                 details.append(f"{module._hopper_loop()}: {ptxas(kernel)}; shared {kernel.metadata.shared} bytes")
             # (HOPPER_TILE_INFO, HOPPER_FAST_STORE: on by default; both settings compiled here) the persistent loop
             # with the tile counts handed over by the load warp loads fewer words from global memory, and

@@ -1447,6 +1447,20 @@ def test_sass_loops_reads_a_loop_its_straight_path_and_its_order():
     assert loop.tail == (2, 1)  # (the FMUL and the branch back come after the last exponential)
     no_exp = sass_loops.loops(listing.replace("MUFU.EX2", "FADD"))[0]
     assert no_exp.tail == (0, 0)
+    assert loop.stalls is None  # (no control bits in a listing without nvdisasm's -hex)
+    # the same listing as nvdisasm -hex prints it: each instruction's first word at its line's end, the
+    # second (its control bits from bit 41: the stall count, yield, no scoreboards) on a line of its own
+    stalls = iter([2, 1, 5, 7, 9, 4, 3, 1, 6, 1])
+    words = []
+    for line in listing.splitlines():
+        if "/*0" not in line:
+            words.append(line)
+            continue
+        control = next(stalls) | 1 << 4 | 7 << 5 | 7 << 8
+        words += [f"{line}   /* 0x0000000000007a02 */", f"{' ' * 60}/* 0x{control << 41:016x} */"]
+    (worded, ) = sass_loops.loops("\n".join(words) + "\n")
+    assert (worded.start, worded.end, worded.path, worded.order) == (loop.start, loop.end, loop.path, loop.order)
+    assert worded.stalls == 2 + 1 + 5 + 4 + 3 + 1 + 6  # (the straight path's: not the masked ISETP's 7 and FSEL's 9)
     assert sass_loops.loops(listing.replace("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT", "NOP")) == []
 
 

@@ -102,7 +102,10 @@ HOPPER_NAMED = _hopper_setting(
 # 2: the wait after the row max and the rows' rescale alpha, before the exponentials (FlashAttention-
 # 4's Hopper loop, as its SASS has it): a never-taken branch on the tile's first key ends the block
 # there (_wait_after_max), so the max runs under P V and O's rescale is issued among the
-# exponentials. PORT_HOPPER_UNDER_PV=2 chooses it.
+# exponentials (compiled for sm_90a: 15 instructions after the last exponential, none of them O's
+# multiplies, against 71). The same bits; on an H100 (bf16 D 128, 32K) no gain either: sustained
+# cycles a call within 0.6 % of 0 both ways (causal, prefix-LM), do_bench 0.1-1.4 % slower on five
+# masks. PORT_HOPPER_UNDER_PV=2 chooses it.
 HOPPER_UNDER_PV = _hopper_setting(
     "PORT_HOPPER_UNDER_PV", "0", ("0", "1", "2"),
     "is not a place of the Hopper softmax's wait for P V: set 1 (after the exponentials), 2 (after the row "

@@ -1256,7 +1256,7 @@ def test_the_warpgroups_hand_offs_reach_the_kernel_as_the_switch_says(tmp_path):
     module, cpu = _planned_on_cpu(tmp_path)
     q = torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16)
     tables = module._tables(cpu, 1024, 1024)
-    assert module.HOPPER_NAMED == int(os.environ.get("PORT_HOPPER_NAMED", "").strip() or 0)
+    assert module.HOPPER_NAMED == int(os.environ.get("PORT_HOPPER_NAMED", "").strip() or 7)
     seen = {}
     for loop in ("specialized", "pingpong", "persistent"):
         for named, buffers in ((3, 0), (1, 0), (0, 0), (3, 4), (7, 0), (5, 0), (7, 4)):
@@ -1302,10 +1302,10 @@ def test_two_buffers_of_queries_reach_the_persistent_kernel_within_its_shared_me
     # unset or empty 1, "1" or "2"
     ("PORT_HOPPER_Q_BUFFERS", "HOPPER_Q_BUFFERS", ((None, 1), ("", 1), ("1", 1), (" 2 ", 2)), ("3", "0", "two", "on"),
      r"names no number.*set 1 \(the default\) or 2"),
-    # unset or empty 0, "0", "1" or "2"
-    ("PORT_HOPPER_UNDER_PV", "HOPPER_UNDER_PV", ((None, 0), ("", 0), (" 1 ", 1), ("0", 0), ("2", 2)),
+    # unset or empty 2, "0", "1" or "2"
+    ("PORT_HOPPER_UNDER_PV", "HOPPER_UNDER_PV", ((None, 2), ("", 2), (" 1 ", 1), ("0", 0), ("2", 2)),
      ("3", "on", "yes", "-1"),
-     r"is not a place.*set 1 \(after the exponentials\), 2 \(after the row max\) or 0 \(the default"),
+     r"is not a place.*set 1 \(after the exponentials\), 2 \(after the row max, the default\) or 0 \("),
     # unset or empty 1, "0" or "1" (the tile counts, the store, the row sums)
     ("PORT_HOPPER_TILE_INFO", "HOPPER_TILE_INFO", ((None, 1), ("", 1), (" 0 ", 0), ("1", 1)), ("2", "on", "true"),
      r"is not a switch of the persistent loop's tile counts: set 1 \(the default, .*\) or 0 \("),
@@ -1368,7 +1368,7 @@ def test_the_softmax_switches_reach_every_loop_and_the_paged_prefill_as_they_say
     import torch
 
     module, cpu = _planned_on_cpu(tmp_path)
-    variable, default = "PORT_" + attribute, {"HOPPER_UNDER_PV": "0", "HOPPER_LANE_SUMS": "1"}[attribute]
+    variable, default = "PORT_" + attribute, {"HOPPER_UNDER_PV": "2", "HOPPER_LANE_SUMS": "1"}[attribute]
     assert getattr(module, attribute) == int(os.environ.get(variable, "").strip() or default)
     q = torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16)
     tables = module._tables(cpu, 1024, 1024)
@@ -1402,11 +1402,11 @@ def test_auto_runs_the_persistent_loop_except_with_a_score_mod_at_d128(tmp_path)
 
 
 def test_the_hand_off_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp_path, monkeypatch):
-    # PORT_HOPPER_NAMED: unset or empty 0 (mbarriers), 1 (named turns), 3 (turns and releases), 5 / 7
-    # (1 / 3, the turn before the tile's waits); any
+    # PORT_HOPPER_NAMED: unset or empty 7 (turns and releases named, the turn before the tile's waits),
+    # 0 (mbarriers), 1 (named turns), 3 (turns and releases), 5 (1, the turn first); any
     # other value stops the file's load with an error that names the variable and the values
     path = port.build(make("causal"), 256, 256, out_dir=tmp_path)
-    for value, want in ((None, 0), ("", 0), ("1", 1), (" 3 ", 3), ("0", 0), ("7", 7), ("5", 5)):
+    for value, want in ((None, 7), ("", 7), ("1", 1), (" 3 ", 3), ("0", 0), ("7", 7), ("5", 5)):
         if value is None:
             monkeypatch.delenv("PORT_HOPPER_NAMED", raising=False)
         else:

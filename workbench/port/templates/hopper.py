@@ -76,19 +76,23 @@ HOPPER_Q_BUFFERS = _hopper_setting(
 # met (compiled for sm_90a: three bar.sync a tile; Nsight Compute put 21% of the math warps' stall
 # samples of causal 8K on them, FlashAttention-4's kernel 10% on its barriers). A named barrier's
 # arrive (bar.arrive) does not wait; its sync waits for the other side's threads, FlashAttention-3's
-# ping-pong. PORT_HOPPER_NAMED=0 / 1 / 3 in the environment chooses; 0 (mbarriers) is the default:
-# on an H200 (32K, bf16, D 128) 3 gave the same bits and was within 1.4 % of 0 either way (causal
-# faster, documents and prefix-LM slower), so the barrier's wait moved rather than went away.
+# ping-pong. PORT_HOPPER_NAMED=0 / 1 / 3 / 5 / 7 in the environment chooses. On an H200 (32K, bf16,
+# D 128) 3 gave the same bits and was within 1.4 % of 0 either way (causal faster, documents and
+# prefix-LM slower), so the barrier's wait moved rather than went away.
 # 4 (with 1): a warpgroup waits for its turn before it waits for the tile's keys and values, not
 # after. Triton puts a barrier of the warpgroup's 128 threads before each wait on an mbarrier of
 # the loop (its analysis of shared memory counts a wait as a write of the barrier): after the
 # named turn's sync of both warpgroups that barrier finds its four warps already together. On an
 # H100 (32K, bf16, D 128) 7 gave the same bits, the window's and documents' kernels 1-6 % faster and
-# causal's 1-5 % slower, so it stays a setting.
+# causal's 1-5 % slower. 7 is the default with the wait for P V after the row max (HOPPER_UNDER_PV =
+# 2): on an H200 (bf16, D 128, 32K; benchmarks/bench_clocks.py at the power cap, two runs) the two
+# together took 0.9-1.1 % fewer cycles a call than 0 with ptxas's own wait on causal, 2.5-3.3 % on
+# prefix-LM and 3.9 % on 8 documents, 1.3 % more on a 1,024 window; either alone was within 0.6 %.
 HOPPER_NAMED = _hopper_setting(
-    "PORT_HOPPER_NAMED", "0", ("0", "1", "3", "5", "7"),
+    "PORT_HOPPER_NAMED", "7", ("0", "1", "3", "5", "7"),
     "names no hand-off of the Hopper kernel's warpgroups: set 0 (mbarriers), 1 (named turns), 3 (named "
-    "turns and K / V releases), 5 or 7 (1 or 3, the turn taken before the tile's waits), or unset it")
+    "turns and K / V releases), 5 or 7 (1 or 3, the turn taken before the tile's waits; 7 is the default), or "
+    "unset it")
 # The softmax under the previous tile's P V (FlashAttention-3's overlap within a warpgroup): in the
 # source, tile t's exponentials come before the wait for tile t-1's P V, but ptxas schedules the
 # wait (WARPGROUP.DEPBAR) as early as its block allows, so compiled for sm_90a every loop waits for
@@ -97,19 +101,19 @@ HOPPER_NAMED = _hopper_setting(
 # which overwrites the registers P V reads, comes after it (tests/run_hopper_compile.py checks the
 # SASS). The same bits; on an H100 (bf16, D 128) no gain: the kernels moved by -4 % to +4 % at 8K
 # and 32K, the calls were 0-3 % slower (the ping-pong between warpgroups already runs one's softmax
-# under the other's matmuls), so 0, ptxas's own order, stays the default. PORT_HOPPER_UNDER_PV=1 in
-# the environment chooses the overlap.
+# under the other's matmuls). PORT_HOPPER_UNDER_PV=1 in the environment chooses the overlap.
 # 2: the wait after the row max and the rows' rescale alpha, before the exponentials (FlashAttention-
 # 4's Hopper loop, as its SASS has it): a never-taken branch on the tile's first key ends the block
 # there (_wait_after_max), so the max runs under P V and O's rescale is issued among the
 # exponentials (compiled for sm_90a: 15 instructions after the last exponential, none of them O's
-# multiplies, against 71). The same bits; on an H100 (bf16 D 128, 32K) no gain either: sustained
-# cycles a call within 0.6 % of 0 both ways (causal, prefix-LM), do_bench 0.1-1.4 % slower on five
-# masks. PORT_HOPPER_UNDER_PV=2 chooses it.
+# multiplies, against 71). The same bits. Alone, with mbarrier hand-offs, on an H100 (bf16 D 128,
+# 32K): sustained cycles a call within 0.6 % of 0 both ways (causal, prefix-LM); with the named
+# turns taken first (HOPPER_NAMED = 7) it is the default, see there. PORT_HOPPER_UNDER_PV=0 chooses
+# ptxas's own place (the wait before the row max).
 HOPPER_UNDER_PV = _hopper_setting(
-    "PORT_HOPPER_UNDER_PV", "0", ("0", "1", "2"),
+    "PORT_HOPPER_UNDER_PV", "2", ("0", "1", "2"),
     "is not a place of the Hopper softmax's wait for P V: set 1 (after the exponentials), 2 (after the row "
-    "max) or 0 (the default, where ptxas puts it), or unset it")
+    "max, the default) or 0 (where ptxas puts it), or unset it")
 # The softmax's row sums l (1, the default): each thread keeps the sum of its own share of a row's
 # scores (a row's 128 keys of a tile lie with four threads of a warp, 32 each), and the four shares
 # are added once, at the store, as FlashAttention-2 and -3 do; 0: the row's whole sum every tile,

@@ -10,8 +10,10 @@ A loop is the code between a label and a branch back to it. For every innermost 
 warpgroup MMAs (HGMMA) it prints the lines it spans, its instructions, and the instructions of its straight
 path (the loop less its longest forward branch: in the port's loop, the mask's work on a partial
 block), the stall cycles ptxas wrote into the straight path's control bits (one warp's issue time
-along it, scoreboard waits not counted: FlashAttention-4's Hopper loop 960 over 470 instructions,
-the port's 1,142 over 480, bf16 D 128), the instructions after the straight path's last exponential (and how many of them are
+along it, scoreboard waits not counted; bf16 D 128: FlashAttention-4's Hopper loop 960 over 470
+instructions, the port's 1,063 over 482 as generated and 1,142 over 480 with HOPPER_NAMED=0
+HOPPER_UNDER_PV=0; a schedule, not a prediction of speed), the instructions after the straight
+path's last exponential (and how many of them are
 FMUL: O's rescale left for after the MUFU unit is done), with the count of each kind that a tile's
 softmax and matmuls are made of. --order LINE
 prints the straight path of the loop that starts at LINE (as the table gives it) as a sequence (runs
@@ -76,8 +78,9 @@ class Loop:
     def tail(self) -> tuple[int, int]:
         """(instructions, of them FMUL) on the straight path after its last exponential (MUFU.EX2):
         what a tile issues after the MUFU unit's last work (bf16 D 128: FlashAttention-4's Hopper loop,
-        whose O's rescale runs among the exponentials, 6; the port's, whose rescale follows them, 71, 64
-        of them FMUL). (0, 0) without exponentials."""
+        whose O's rescale runs among the exponentials, 6; the port's with HOPPER_UNDER_PV = 0, whose
+        rescale follows them, 71, 64 of them FMUL; as generated, 13, none FMUL). (0, 0) without
+        exponentials."""
         names = [name for name, count in self.order for _ in range(count)]
         last = max((i for i, name in enumerate(names) if name.startswith("MUFU.EX2")), default=None)
         if last is None:

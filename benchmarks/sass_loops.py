@@ -13,10 +13,9 @@ block), the stall cycles ptxas wrote into the straight path's control bits (one 
 along it, scoreboard waits not counted; bf16 D 128: FlashAttention-4's Hopper loop 960 over 470
 instructions, the port's 1,063 over 482 as generated and 1,142 over 480 with HOPPER_NAMED=0
 HOPPER_UNDER_PV=0; a schedule, not a prediction of speed), the instructions after the straight
-path's last exponential (and how many of them are
-FMUL: O's rescale left for after the MUFU unit is done), with the count of each kind that a tile's
-softmax and matmuls are made of. --order LINE
-prints the straight path of the loop that starts at LINE (as the table gives it) as a sequence (runs
+path's last exponential (and how many of them are FMUL: O's rescale left for after the MUFU unit is
+done), with the count of each kind that a tile's softmax and matmuls are made of. --order LINE prints
+the straight path of the loop that starts at LINE (as the table gives it) as a sequence (runs
 of one kind counted), where the place of the waits, the exponentials and O's rescale can be read.
 """
 from __future__ import annotations

@@ -96,7 +96,7 @@ HOPPER_NAMED = _hopper_setting(
 # The softmax under the previous tile's P V (FlashAttention-3's overlap within a warpgroup): in the
 # source, tile t's exponentials come before the wait for tile t-1's P V, but ptxas schedules the
 # wait (WARPGROUP.DEPBAR) as early as its block allows, so compiled for sm_90a every loop waits for
-# P V before its first exponential. 1: a branch that is never taken (_softmax_done) ends the
+# P V before its first exponential. 1: a branch that is never taken (_end_block) ends the
 # softmax's block, so the wait stays after the exponentials and only the conversion of P to 16 bits,
 # which overwrites the registers P V reads, comes after it (tests/run_hopper_compile.py checks the
 # SASS). The same bits; on an H100 (bf16, D 128) no gain: the kernels moved by -4 % to +4 % at 8K
@@ -104,7 +104,7 @@ HOPPER_NAMED = _hopper_setting(
 # under the other's matmuls). PORT_HOPPER_UNDER_PV=1 in the environment chooses the overlap.
 # 2: the wait after the row max and the rows' rescale alpha, before the exponentials (FlashAttention-
 # 4's Hopper loop, as its SASS has it): a never-taken branch on the tile's first key ends the block
-# there (_wait_after_max), so the max runs under P V and O's rescale is issued among the
+# there (_end_block), so the max runs under P V and O's rescale is issued among the
 # exponentials (compiled for sm_90a: 15 instructions after the last exponential, none of them O's
 # multiplies, against 71). The same bits. Alone, with mbarrier hand-offs, on an H100 (bf16 D 128,
 # 32K): sustained cycles a call within 0.6 % of 0 both ways (causal, prefix-LM); with the named
@@ -293,25 +293,16 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 _bar_sync(_BAR_V_FREE + i % NUM_BUF, 288)
 
     @gluon.jit
-    def _softmax_done(n_f, UNDER_PV: gl.constexpr):
-        # (HOPPER_UNDER_PV) the end of the softmax's basic block, before the wait for the previous
-        # tile's P V: a branch on the row's full-block count (never negative, so never taken) around
-        # one side-effecting instruction, which neither LLVM nor ptxas can fold away; ptxas does not
-        # hoist the wait out of its own block, so the exponentials run while P V does
-        if UNDER_PV == 1:
-            if n_f < 0:
-                gl.inline_asm_elementwise("nanosleep.u32 1;\n\tmov.u32 $0, 0;", "=r,r", [n_f], dtype=gl.int32,
-                                          is_pure=False, pack=1)
-
-    @gluon.jit
-    def _wait_after_max(first, HOLD: gl.constexpr):
-        # (HOPPER_UNDER_PV = 2) the end of the basic block that takes the row max and alpha: a branch
-        # on the tile's first key (never negative, so never taken), as _softmax_done's; ptxas then
-        # issues the wait for the previous tile's P V after the max, not before it, and schedules O's
-        # rescale among the exponentials that follow
-        if HOLD:
-            if first < 0:
-                gl.inline_asm_elementwise("nanosleep.u32 1;\n\tmov.u32 $0, 0;", "=r,r", [first], dtype=gl.int32,
+    def _end_block(x, ON: gl.constexpr):
+        # (HOPPER_UNDER_PV) the end of a basic block: a branch on x (the row's full-block count or the
+        # tile's first key, never negative, so never taken) around one side-effecting instruction,
+        # which neither LLVM nor ptxas can fold away; ptxas does not hoist the wait for the previous
+        # tile's P V out of its own block. After the softmax (1) the exponentials run while P V does;
+        # after the row max and alpha (2) the max does, and O's rescale is issued among the
+        # exponentials that follow
+        if ON:
+            if x < 0:
+                gl.inline_asm_elementwise("nanosleep.u32 1;\n\tmov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32,
                                           is_pure=False, pack=1)
 
     @gluon.jit
@@ -362,7 +353,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # rows with nothing kept yet stay at -inf; shift them by 0 so exp2 gives 0, not NaN
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
-        _wait_after_max(first, HOLD)
+        _end_block(first, HOLD)  # (HOPPER_UNDER_PV = 2: the wait for P V after the max)
         if HAS_SCORE:
             p = gl.exp2(s - m_safe[:, None])
         else:
@@ -469,7 +460,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
         # softmax (_hopper_softmax), then O = O * alpha + P V (wgmma, P from registers). Overlapped
         # as in FlashAttention-3: tile t's S is issued together with tile t-1's P V, and t's
         # softmax comes before the wait for that P V (O is rescaled after; ptxas runs the softmax
-        # under P V only with HOPPER_UNDER_PV, see _softmax_done). Each buffer goes back to the load warp
+        # under P V only with HOPPER_UNDER_PV, see _end_block). Each buffer goes back to the load warp
         # (its `empty` barrier) as soon as the matmul reading it has finished. The rows' place:
         # q_pos0 = the mods' q_idx of the first row, n_valid = the rows that are queries of this
         # sequence, (o_off, o_stride, l_off, l_stride) where they are stored (_hopper_store)
@@ -513,7 +504,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                      sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
                                                      PAGED, UNDER_PV == 2)
-                _softmax_done(n_f, UNDER_PV)
+                _end_block(n_f, UNDER_PV == 1)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -629,7 +620,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                                   UNDER_PV: gl.constexpr = 0, LANE: gl.constexpr = 0):
         # one warpgroup (4 warps) of the ping-pong kernel: query rows WG * 64 .. WG * 64 + 64 of the
         # program's 128, the overlapped loop (tile t's S = Q K^T issued with tile t-1's P V, the
-        # softmax before the wait for it: _softmax_done). The two warpgroups take turns to issue their matmuls (`turn`, one
+        # softmax before the wait for it: _end_block). The two warpgroups take turns to issue their matmuls (`turn`, one
         # barrier each: a warpgroup waits for its own, issues, then signals the other's), so one's
         # softmax runs while the other's matmuls hold the tensor cores. Warpgroup 0 goes first: its
         # first wait is for parity 1, which a fresh barrier counts as complete.
@@ -681,7 +672,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                 p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                      sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout, EVEN_N,
                                                      PAGED, UNDER_PV == 2)
-                _softmax_done(n_f, UNDER_PV)
+                _end_block(n_f, UNDER_PV == 1)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _release(v_empty, prev, _BAR_V_FREE, NAMED)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -889,7 +880,7 @@ if _HAS_GLUON and HOPPER_MODS is None:
                     p, alpha, m_i, l_i = _hopper_softmax(qk, m_i, l_i, b, h, q_idx, start + cols, first, Lk, full,
                                                          sm_scale, @@ALL_PTR_PARAMS@@HAS_SCORE, dtype, p_layout,
                                                          EVEN_N, False, UNDER_PV == 2)
-                    _softmax_done(n_f, UNDER_PV)
+                    _end_block(n_f, UNDER_PV == 1)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     _release(v_empty, prev, _BAR_V_FREE, NAMED)
                     # (O's rescale here, after its P V, as FlashAttention-3 and -4 do at D <= 128; held

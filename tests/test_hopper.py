@@ -1305,7 +1305,8 @@ def test_two_buffers_of_queries_reach_the_persistent_kernel_within_its_shared_me
     # unset or empty 2, "0", "1" or "2"
     ("PORT_HOPPER_UNDER_PV", "HOPPER_UNDER_PV", ((None, 2), ("", 2), (" 1 ", 1), ("0", 0), ("2", 2)),
      ("3", "on", "yes", "-1"),
-     r"is not a place.*set 1 \(after the exponentials\), 2 \(after the row max, the default\) or 0 \("),
+     r"is not a place.*set 1 \(after the exponentials\), 2 \(after the row max, the default for mods reading at "
+     r"most 3 table entries\) or 0 \("),
     # unset or empty 1, "0" or "1" (the tile counts, the store, the row sums)
     ("PORT_HOPPER_TILE_INFO", "HOPPER_TILE_INFO", ((None, 1), ("", 1), (" 0 ", 0), ("1", 1)), ("2", "on", "true"),
      r"is not a switch of the persistent loop's tile counts: set 1 \(the default, .*\) or 0 \("),
@@ -1330,6 +1331,53 @@ def test_a_hopper_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp
         monkeypatch.setenv(name, value)
         with pytest.raises(ValueError, match=rf"{name}='{value}' " + message):
             port.load(path)
+
+
+def test_mods_reading_many_table_entries_keep_the_wait_for_p_v_where_ptxas_puts_it(tmp_path, monkeypatch):
+    # HOPPER_UNDER_PV's default follows the mods' table reads (HOPPER_TABLE_READS, the distinct
+    # gl.load calls of their forward Gluon copy): 2 (the wait after the row max) up to 3 entries, 0
+    # past them, where the wait after the max made two .any() spans and four tables spill
+    # (tests/run_hopper_compile.py checks the spills); the environment still chooses for every mask
+    import torch
+
+    monkeypatch.delenv("PORT_HOPPER_UNDER_PV", raising=False)
+    w, lens = torch.tensor([64, 128, 256, 1024]), torch.tensor([300, 1024])
+    sink, shift = torch.tensor([4, 8, 16, 0]), torch.tensor([0, 17])
+    one, two = torch.tensor([[100, 300]]), torch.tensor([[100, 300], [600, 700]])
+
+    def head_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < w[h])
+
+    def three_tables(b, h, q_idx, kv_idx):
+        return ((kv_idx <= q_idx) & (q_idx - kv_idx < w[h])) | (kv_idx < lens[b]) | (kv_idx < sink[h])
+
+    def four_tables(b, h, q_idx, kv_idx):
+        return ((kv_idx <= q_idx + shift[b]) & (q_idx - kv_idx < w[h])) | (kv_idx < lens[b]) | (kv_idx < sink[h])
+
+    def spans_of(spans):
+        def image_spans(b, h, q_idx, kv_idx):
+            both = ((q_idx[..., None] >= spans[:, 0]) & (q_idx[..., None] < spans[:, 1])
+                    & (kv_idx[..., None] >= spans[:, 0]) & (kv_idx[..., None] < spans[:, 1]))
+            return (kv_idx <= q_idx) | both.any(-1)
+        return image_spans
+
+    def biases(score, b, h, q_idx, kv_idx):  # (a table read in the score_mod counts too, once)
+        return score + w[h] * 0.001 * (kv_idx - q_idx)
+
+    # (the library's causal is bottom-right aligned: it reads its length offset, one entry)
+    cases = [(make("causal"), 1, 2), (Mask("head_window", mask_mod=head_window), 1, 2),
+             (Mask("head_window_biased", mask_mod=head_window, score_mod=biases), 1, 2),
+             (Mask("three_tables", mask_mod=three_tables), 3, 2), (Mask("four_tables", mask_mod=four_tables), 4, 0),
+             (Mask("one_span", mask_mod=spans_of(one)), 2, 2), (Mask("two_spans", mask_mod=spans_of(two)), 4, 0),
+             (Mask("two_spans_biased", mask_mod=spans_of(two), score_mod=biases), 5, 0)]
+    for mask, reads, default in cases:
+        path = port.build(mask, 1024, 1024, heads=4, batch=2, out_dir=tmp_path / mask.name)
+        module = port.load(path)
+        assert module.HOPPER_MODS is None, (mask.name, module.HOPPER_MODS)
+        assert (module.HOPPER_TABLE_READS, module.HOPPER_UNDER_PV) == (reads, default), mask.name
+        monkeypatch.setenv("PORT_HOPPER_UNDER_PV", "2")
+        assert port.load(path).HOPPER_UNDER_PV == 2, mask.name
+        monkeypatch.delenv("PORT_HOPPER_UNDER_PV")
 
 
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")

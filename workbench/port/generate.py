@@ -289,6 +289,7 @@ def generate(mask: Mask, q_len: int, kv_len: int | None = None, heads: int | Non
         "@@HAS_BOUNDS@@": repr(has_bounds),
         "@@RANGE_PTR_PARAMS@@": params(range_ptrs), "@@RANGE_PTR_ARGS@@": args(range_ptrs),
         "@@HOPPER_MODS@@": repr(no_gluon), "@@GLUON_MODS@@": gluon_mods, "@@HOPPER_GRAD@@": repr(no_gluon_grad),
+        "@@HOPPER_TABLE_READS@@": repr(_table_reads(gluon_mods)),
     }
     text = fill_template(text, fills)
     text = re.sub(r"\n[ ]+\n", "\n", text)  # parameter lines left empty by masks without tables
@@ -315,6 +316,23 @@ def _score_pointers(parts: list[str]) -> list[str]:
         if found:
             return [p.strip() for p in found.group(1).split(",") if p.strip()]
     return []
+
+
+def _table_reads(gluon_mods: str) -> int:
+    """The distinct table entries the forward's Gluon mods read (the gl.load calls of mask_mod_gluon,
+    score_mod_gluon and score_log2_gluon, the same text counted once, as the compiler reads it once;
+    not the derivative's): the Hopper kernel's HOPPER_UNDER_PV default."""
+    forward = gluon_mods.split("def score_grad_gluon")[0]
+    loads, at = set(), forward.find("gl.load(")
+    while at >= 0:  # (each call's text up to its closing parenthesis)
+        depth, end = 0, at + len("gl.load")
+        for end in range(end, len(forward)):
+            depth += {"(": 1, ")": -1}.get(forward[end], 0)
+            if depth == 0:
+                break
+        loads.add(forward[at:end + 1].replace(" ", ""))
+        at = forward.find("gl.load(", end)
+    return len(loads)
 
 
 def _gluon_mods(parts: list[str], fast_mask: str | None = None,

@@ -1305,8 +1305,8 @@ def test_two_buffers_of_queries_reach_the_persistent_kernel_within_its_shared_me
     # unset or empty 2, "0", "1" or "2"
     ("PORT_HOPPER_UNDER_PV", "HOPPER_UNDER_PV", ((None, 2), ("", 2), (" 1 ", 1), ("0", 0), ("2", 2)),
      ("3", "on", "yes", "-1"),
-     r"is not a place.*set 1 \(after the exponentials\), 2 \(after the row max, the default for mods reading at "
-     r"most 3 table entries\) or 0 \("),
+     r"is not a place.*set 1 \(after the exponentials\), 2 \(after the row max, the default for masks without a "
+     r"score_mod reading at most 3 table entries\) or 0 \("),
     # unset or empty 1, "0" or "1" (the tile counts, the store, the row sums)
     ("PORT_HOPPER_TILE_INFO", "HOPPER_TILE_INFO", ((None, 1), ("", 1), (" 0 ", 0), ("1", 1)), ("2", "on", "true"),
      r"is not a switch of the persistent loop's tile counts: set 1 \(the default, .*\) or 0 \("),
@@ -1335,9 +1335,10 @@ def test_a_hopper_setting_is_read_from_the_environment_and_a_typo_is_refused(tmp
 
 def test_mods_reading_many_table_entries_keep_the_wait_for_p_v_where_ptxas_puts_it(tmp_path, monkeypatch):
     # HOPPER_UNDER_PV's default follows the mods' table reads (HOPPER_TABLE_READS, the distinct
-    # gl.load calls of their forward Gluon copy): 2 (the wait after the row max) up to 3 entries, 0
-    # past them, where the wait after the max made two .any() spans and four tables spill
-    # (tests/run_hopper_compile.py checks the spills); the environment still chooses for every mask
+    # gl.load calls of their forward Gluon copy): 2 (the wait after the row max) up to 3 entries
+    # without a score_mod, else 0, where the wait after the max made two .any() spans, four tables and
+    # a score_mod's fast bias form spill (tests/run_hopper_compile.py checks the spills); the
+    # environment still chooses for every mask
     import torch
 
     monkeypatch.delenv("PORT_HOPPER_UNDER_PV", raising=False)
@@ -1366,7 +1367,8 @@ def test_mods_reading_many_table_entries_keep_the_wait_for_p_v_where_ptxas_puts_
 
     # (the library's causal is bottom-right aligned: it reads its length offset, one entry)
     cases = [(make("causal"), 1, 2), (Mask("head_window", mask_mod=head_window), 1, 2),
-             (Mask("head_window_biased", mask_mod=head_window, score_mod=biases), 1, 2),
+             (with_score(make("causal"), make("softcap")), 1, 0),
+             (Mask("head_window_biased", mask_mod=head_window, score_mod=biases), 1, 0),
              (Mask("three_tables", mask_mod=three_tables), 3, 2), (Mask("four_tables", mask_mod=four_tables), 4, 0),
              (Mask("one_span", mask_mod=spans_of(one)), 2, 2), (Mask("two_spans", mask_mod=spans_of(two)), 4, 0),
              (Mask("two_spans_biased", mask_mod=spans_of(two), score_mod=biases), 5, 0)]

@@ -111,18 +111,20 @@ HOPPER_NAMED = _hopper_setting(
 # 32K): sustained cycles a call within 0.6 % of 0 both ways (causal, prefix-LM); with the named
 # turns taken first (HOPPER_NAMED = 7) it is the default, see there. PORT_HOPPER_UNDER_PV=0 chooses
 # ptxas's own place (the wait before the row max). 2 keeps the previous tile's P (32 registers a
-# thread) alive through the max, where a consumer warpgroup already holds S and O (64 + 64), so mods
-# that read more than 3 table entries (HOPPER_TABLE_READS: the distinct loads of their forward
-# Gluon copy, whose values and the compares on them stay in registers) keep 0 by default. Compiled
-# for sm_90a at whole blocks (tests/run_hopper_compile.py): two .any() spans (4 entries) spilled
-# 40-164 bytes with 2 and nothing with 0, four tables 20 bytes in the persistent loop with 2 and
-# nothing with 0; one span (2), two or three tables spilled the same with either (0-12 bytes).
+# thread) alive through the max, where a consumer warpgroup already holds S and O (64 + 64), so it is
+# the default only where it was measured and compiles without new spills: masks without a
+# score_mod whose mods read at most 3 table entries (HOPPER_TABLE_READS: the distinct loads of
+# their forward Gluon copy, whose values and the compares on them stay in registers); others keep
+# 0. Compiled for sm_90a at whole blocks (tests/run_hopper_compile.py), with 2 and not with 0: two
+# .any() spans (4 entries) spilled 40-164 bytes, four tables 20 bytes in the persistent loop, a
+# score_mod's bias tables in their fast form (PORT_FAST_SCORE=1) 280-572 bytes; one span (2), two
+# or three tables spilled the same with either (0-12 bytes).
 HOPPER_TABLE_READS = @@HOPPER_TABLE_READS@@
 HOPPER_UNDER_PV = _hopper_setting(
-    "PORT_HOPPER_UNDER_PV", "2" if HOPPER_TABLE_READS <= 3 else "0", ("0", "1", "2"),
+    "PORT_HOPPER_UNDER_PV", "2" if HOPPER_TABLE_READS <= 3 and not HAS_SCORE else "0", ("0", "1", "2"),
     "is not a place of the Hopper softmax's wait for P V: set 1 (after the exponentials), 2 (after the row "
-    "max, the default for mods reading at most 3 table entries) or 0 (where ptxas puts it, theirs past 3), or "
-    "unset it")
+    "max, the default for masks without a score_mod reading at most 3 table entries) or 0 (where ptxas puts "
+    "it, the others' default), or unset it")
 # The softmax's row sums l (1, the default): each thread keeps the sum of its own share of a row's
 # scores (a row's 128 keys of a tile lie with four threads of a warp, 32 each), and the four shares
 # are added once, at the store, as FlashAttention-2 and -3 do; 0: the row's whole sum every tile,

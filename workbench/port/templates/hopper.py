@@ -117,8 +117,8 @@ HOPPER_NAMED = _hopper_setting(
 # their forward Gluon copy, whose values and the compares on them stay in registers); others keep
 # 0. Compiled for sm_90a at whole blocks (tests/run_hopper_compile.py), with 2 and not with 0: two
 # .any() spans (4 entries) spilled 40-164 bytes, four tables 20 bytes in the persistent loop, a
-# score_mod's bias tables in their fast form (PORT_FAST_SCORE=1) 280-572 bytes; one span (2), two
-# or three tables spilled the same with either (0-12 bytes).
+# score_mod's bias tables in their fast form (PORT_FAST_SCORE=1) 280-572 bytes; one span (2) and
+# three tables (3) spilled the same with either (0 and 12 bytes), two tables (2) 4 bytes with 2.
 HOPPER_TABLE_READS = @@HOPPER_TABLE_READS@@
 HOPPER_UNDER_PV = _hopper_setting(
     "PORT_HOPPER_UNDER_PV", "2" if HOPPER_TABLE_READS <= 3 and not HAS_SCORE else "0", ("0", "1", "2"),

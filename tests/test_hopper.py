@@ -1340,6 +1340,7 @@ def test_mods_reading_many_table_entries_keep_the_wait_for_p_v_where_ptxas_puts_
     # a score_mod's fast bias form spill (tests/run_hopper_compile.py checks the spills); the
     # environment still chooses for every mask
     import torch
+    from torch.nn.attention.flex_attention import and_masks, or_masks
 
     monkeypatch.delenv("PORT_HOPPER_UNDER_PV", raising=False)
     w, lens = torch.tensor([64, 128, 256, 1024]), torch.tensor([300, 1024])
@@ -1371,9 +1372,15 @@ def test_mods_reading_many_table_entries_keep_the_wait_for_p_v_where_ptxas_puts_
              (Mask("head_window_biased", mask_mod=head_window, score_mod=biases), 1, 0),
              (Mask("three_tables", mask_mod=three_tables), 3, 2), (Mask("four_tables", mask_mod=four_tables), 4, 0),
              (Mask("one_span", mask_mod=spans_of(one)), 2, 2), (Mask("two_spans", mask_mod=spans_of(two)), 4, 0),
-             (Mask("two_spans_biased", mask_mod=spans_of(two), score_mod=biases), 5, 0)]
-    for mask, reads, default in cases:
-        path = port.build(mask, 1024, 1024, heads=4, batch=2, out_dir=tmp_path / mask.name)
+             (Mask("two_spans_biased", mask_mod=spans_of(two), score_mod=biases), 5, 0),
+             # (and_masks / or_masks of a user's mods, built at Lq != Lk and at Lq = 1: the same count)
+             (Mask("and_window", mask_mod=and_masks(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, head_window)), 1, 2),
+             (Mask("or_spans", mask_mod=or_masks(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, spans_of(two))), 4, 0)]
+    for i, (mask, reads, default) in enumerate(cases):
+        # (the library's causal, in the first three, at 1,024 x 1,024, where it reads its length offset;
+        # the users' mods also at Lq != Lk and Lq = 1)
+        q_len, kv_len = ((1024, 1024), (777, 1500), (1, 1000))[i % 3] if i >= 3 else (1024, 1024)
+        path = port.build(mask, q_len, kv_len, heads=4, batch=2, out_dir=tmp_path / mask.name)
         module = port.load(path)
         assert module.HOPPER_MODS is None, (mask.name, module.HOPPER_MODS)
         assert (module.HOPPER_TABLE_READS, module.HOPPER_UNDER_PV) == (reads, default), mask.name

@@ -325,14 +325,20 @@ def _table_reads(gluon_mods: str) -> int:
     forward = gluon_mods.split("def score_grad_gluon")[0]
     loads, at = set(), forward.find("gl.load(")
     while at >= 0:  # (each call's text up to its closing parenthesis)
-        depth, end = 0, at + len("gl.load")
-        for end in range(end, len(forward)):
-            depth += {"(": 1, ")": -1}.get(forward[end], 0)
-            if depth == 0:
-                break
+        end = _closing(forward, at + len("gl.load"))
         loads.add(forward[at:end + 1].replace(" ", ""))
         at = forward.find("gl.load(", end)
     return len(loads)
+
+
+def _closing(text: str, at: int) -> int:
+    """The index of the parenthesis that closes the one at text[at] (len(text) where none does)."""
+    depth = 0
+    for i in range(at, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return len(text)
 
 
 def _gluon_mods(parts: list[str], fast_mask: str | None = None,
@@ -425,12 +431,9 @@ def _replace_tanh(text: str) -> str:
     head, tail = PORTABLE_TANH.replace("tl.sigmoid(", "_sigmoid_gluon(").split("{a}")  # (tail: ") - 1.0)")
     start = text.find(head)
     while start >= 0:
-        depth, i = 2, start + len(head)
-        while depth > 1 and i < len(text):  # (to the sigmoid's closing parenthesis)
-            depth += {"(": 1, ")": -1}.get(text[i], 0)
-            i += 1
-        if depth == 1 and text.startswith(tail[1:], i):
-            text = text[:start] + "_tanh_fast_gluon(" + text[start + len(head):i - 1] + ")" + text[i + len(tail) - 1:]
+        close = _closing(text, start + head.index("_sigmoid_gluon(") + len("_sigmoid_gluon"))  # (the sigmoid's)
+        if text.startswith(tail, close):
+            text = text[:start] + "_tanh_fast_gluon(" + text[start + len(head):close] + ")" + text[close + len(tail):]
             start = text.find(head, start)
         else:
             start = text.find(head, start + 1)

@@ -229,7 +229,8 @@ def hopper_variant(module, variant: str):
     generated. Every setting is put back on leaving."""
     saved = {name: getattr(module, name) for name in ("HOPPER", "HOPPER_LOOP", "HOPPER_TILE", "HOPPER_NAMED",
                                                        "HOPPER_Q_BUFFERS", "HOPPER_UNDER_PV", "HOPPER_TILE_INFO",
-                                                       "HOPPER_FAST_STORE", "HOPPER_LANE_SUMS")}
+                                                       "HOPPER_FAST_STORE", "HOPPER_LANE_SUMS",
+                                                       "HOPPER_UNDER_PV_CHOSEN")}
     try:
         if variant != "default":
             variant, *extras = variant.split("+")
@@ -249,6 +250,8 @@ def hopper_variant(module, variant: str):
                     setattr(module, name, 0)
             if "pv2" in extras:
                 module.HOPPER_UNDER_PV = 2
+            if {"pv0", "pv1", "pv2"} & set(extras):  # (the place named, not the one that spills less)
+                module.HOPPER_UNDER_PV_CHOSEN = True
         yield module
     finally:
         for name, value in saved.items():

@@ -160,20 +160,23 @@ class _File:
     """A generated file's Hopper settings, as the module carries them."""
     HOPPER, HOPPER_LOOP, HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS = True, "auto", (128, 0, 8), 0, 1
     HOPPER_UNDER_PV, HOPPER_TILE_INFO, HOPPER_FAST_STORE, HOPPER_LANE_SUMS = 0, 1, 1, 0
+    HOPPER_UNDER_PV_CHOSEN = False  # (the default place, or one that spills less where it spills)
 
 
 def _settings(module):
     return (module.HOPPER_LOOP, module.HOPPER_TILE, module.HOPPER_NAMED, module.HOPPER_Q_BUFFERS,
-            module.HOPPER_UNDER_PV, module.HOPPER_TILE_INFO, module.HOPPER_FAST_STORE, module.HOPPER_LANE_SUMS)
+            module.HOPPER_UNDER_PV, module.HOPPER_TILE_INFO, module.HOPPER_FAST_STORE, module.HOPPER_LANE_SUMS,
+            module.HOPPER_UNDER_PV_CHOSEN)
 
 
 @pytest.mark.parametrize("variant, inside", [
-    ("default", ("auto", (128, 0, 8), 0, 1, 0, 1, 1, 0)),
-    ("persistent+ls1", ("persistent", (128, 0, 8), 0, 1, 0, 1, 1, 1)),
-    ("pingpong:3@7+pv1", ("pingpong", (128, 3, 8), 7, 1, 1, 1, 1, 0)),
-    ("persistent+pv2", ("persistent", (128, 0, 8), 0, 1, 2, 1, 1, 0)),
-    ("persistent@3+q2+ti0+fs0", ("persistent", (128, 0, 8), 3, 2, 0, 0, 0, 0)),
-    ("+ls1", ("auto", (128, 0, 8), 0, 1, 0, 1, 1, 1)),
+    ("default", ("auto", (128, 0, 8), 0, 1, 0, 1, 1, 0, False)),
+    ("persistent+ls1", ("persistent", (128, 0, 8), 0, 1, 0, 1, 1, 1, False)),
+    ("pingpong:3@7+pv1", ("pingpong", (128, 3, 8), 7, 1, 1, 1, 1, 0, True)),
+    ("persistent+pv2", ("persistent", (128, 0, 8), 0, 1, 2, 1, 1, 0, True)),
+    ("persistent+pv0", ("persistent", (128, 0, 8), 0, 1, 0, 1, 1, 0, True)),
+    ("persistent@3+q2+ti0+fs0", ("persistent", (128, 0, 8), 3, 2, 0, 0, 0, 0, False)),
+    ("+ls1", ("auto", (128, 0, 8), 0, 1, 0, 1, 1, 1, False)),
 ])
 def test_a_hopper_variant_sets_what_it_names_and_puts_every_setting_back(variant, inside):
     import bench_port

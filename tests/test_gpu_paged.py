@@ -248,6 +248,39 @@ def test_prefill_steps_on_hopper_match_the_reference(cuda, tmp_path, name, form)
     assert runs == [True] * 6, (runs, module._HOPPER_PAGED_FAILED)
 
 
+def test_the_hopper_prefills_default_wait_after_the_max_gives_way_where_it_spills(cuda, tmp_path):
+    """_under_pv_by_spills in attention_paged's Hopper prefill: with the wait for P V after the row max
+    (UNDER_PV 2) made the file's default, each kind of step (page size) runs the form that spills
+    less by the driver's count, 2 where it spills nothing; a user's .any() spans (6 table entries)
+    and the library's causal, pages of 16 and 128, each request against float64."""
+    import random
+
+    sys.path.insert(0, str(ROOT))
+    from run_port_paged import spans_any
+
+    from workbench import Mask, make, port
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90 only")
+    for mask in (Mask("users_spans_any", mask_mod=spans_any), make("causal")):
+        module = port.load(port.build(mask, 256, 256, heads=4, batch=4, out_dir=tmp_path / mask.name))
+        module.HOPPER_UNDER_PV, module.HOPPER_UNDER_PV_CHOSEN = 2, False
+        spilled = []
+        real = module._spill_bytes
+        module._spill_bytes = lambda compiled: spilled.append(real(compiled)) or spilled[-1]
+        rng = random.Random(2)
+        for page in (16, 128):
+            before = len(spilled)
+            _serve_and_check(module, mask, [(700, 1200), (300, 300), (129, 2000)], page, 4, 2, 128, "bfloat16", rng,
+                             page)
+            (key, place), = [(key, place) for key, place in module._PAGED_UNDER_PV.items()
+                             if dict(key[2])["PAGE_SIZE"] == page]
+            counts = spilled[before:]
+            where = f"{mask.name}, page {page}: spill bytes {counts}"
+            assert counts and (place == 0) == (len(counts) == 2 and counts[1] < counts[0]), where
+        assert not module._HOPPER_PAGED_FAILED, module._HOPPER_PAGED_FAILED
+
+
 def test_the_hopper_prefill_replays_in_a_cuda_graph_and_poisons_bad_pages(cuda, tmp_path):
     """The Hopper prefill plans its tiles on the device: a captured step replays with new contents
     (lengths, pages, queries) and gives what a plain call gives; a request whose table names a page

@@ -1189,7 +1189,8 @@ def test_the_early_compile_sees_arguments_that_specialize_as_the_launchs_do(tmp_
 
         early = []
         module.block_lists = lists
-        module._compile_early = lambda kernel, grid, args, options, device: early.append((kernel, grid, args, options))
+        module._compile_early = lambda kernel, grid, args, options, device, chosen=None: early.append(
+            (kernel, grid, args, options))
         q = torch.randn(B, Hq, Lq, D).to(dtype)
         k, v = (torch.randn(B, Hkv, Lk, D).to(dtype) for _ in range(2))
         tables = module._tables(cpu, Lq, Lk)
@@ -1384,9 +1385,61 @@ def test_mods_reading_many_table_entries_keep_the_wait_for_p_v_where_ptxas_puts_
         module = port.load(path)
         assert module.HOPPER_MODS is None, (mask.name, module.HOPPER_MODS)
         assert (module.HOPPER_TABLE_READS, module.HOPPER_UNDER_PV) == (reads, default), mask.name
+        assert module.HOPPER_UNDER_PV_CHOSEN is False, mask.name  # (a default 2 gives way where it spills)
         monkeypatch.setenv("PORT_HOPPER_UNDER_PV", "2")
-        assert port.load(path).HOPPER_UNDER_PV == 2, mask.name
+        chosen = port.load(path)
+        assert (chosen.HOPPER_UNDER_PV, chosen.HOPPER_UNDER_PV_CHOSEN) == (2, True), mask.name
         monkeypatch.delenv("PORT_HOPPER_UNDER_PV")
+
+
+class _Compiled:
+    """A compiled kernel as Triton's warmup returns it: its spills (words) known once it is loaded."""
+
+    def __init__(self, spills, known=True):
+        self.spills, self.known, self.n_spills = spills, known, None
+
+    def _init_handles(self):
+        if not self.known:
+            raise RuntimeError("no device to load on")
+        self.n_spills = self.spills
+
+
+class _Kernel:
+    """A kernel whose compile, by the wait's place (UNDER_PV), spills `spills[place]` words."""
+
+    def __init__(self, spills, known=True):
+        self.spills, self.known, self.compiled = spills, known, []
+
+    def warmup(self, *args, grid, **options):
+        place = options.get("UNDER_PV", 0)
+        self.compiled.append(place)
+        return _Compiled(self.spills[place], self.known)
+
+
+def test_a_default_wait_after_the_max_gives_way_where_it_spills_and_the_other_spills_less(tmp_path):
+    # _under_pv_by_spills: where the file's default place of the wait for P V (2, after the row max)
+    # spills, the first call of a kind compiles the 0 form too and takes it where it spills less;
+    # a place chosen in the environment (HOPPER_UNDER_PV_CHOSEN), 0 or 1, or a kernel that spills
+    # nothing compiles once and stays; a count this Triton cannot give leaves the default
+    module = port.load(port.build(make("causal"), 1024, 1024, out_dir=tmp_path))
+    options = {"HAS_SCORE": False, "NUM_BUF": 3, "UNDER_PV": 2, "NAMED": 7}
+    rest = {name: value for name, value in options.items() if name != "UNDER_PV"}
+    cases = [({2: 10, 0: 0}, True, rest, [2, 0]),   # (2 spills 40 bytes, 0 none: 0)
+             ({2: 10, 0: 3}, True, rest, [2, 0]),   # (both spill, 0 less: 0)
+             ({2: 3, 0: 10}, True, options, [2, 0]),  # (0 spills more: 2 stays)
+             ({2: 3, 0: 3}, True, options, [2, 0]),   # (the same: 2 stays)
+             ({2: 0, 0: 10}, True, options, [2]),     # (2 spills nothing: one compile)
+             ({2: 10, 0: 0}, False, options, [2])]    # (no count: the default)
+    for spills, known, picked, compiled in cases:
+        kernel = _Kernel(spills, known)
+        assert module._under_pv_by_spills(kernel, (1,), (), options) == picked, spills
+        assert kernel.compiled == compiled, spills
+    for other in ({**options, "UNDER_PV": 1}, rest):  # (1 or 0: nothing to check)
+        kernel = _Kernel({0: 10, 1: 10, 2: 0})
+        assert module._under_pv_by_spills(kernel, (1,), (), other) == other and kernel.compiled == []
+    module.HOPPER_UNDER_PV_CHOSEN = True  # (PORT_HOPPER_UNDER_PV=2: the place the user named)
+    kernel = _Kernel({2: 10, 0: 0})
+    assert module._under_pv_by_spills(kernel, (1,), (), options) == options and kernel.compiled == []
 
 
 @pytest.mark.skipif(not _has_gluon(), reason="this Triton has no Gluon Hopper module (Triton 3.5 and later)")

@@ -125,6 +125,11 @@ HOPPER_UNDER_PV = _hopper_setting(
     "is not a place of the Hopper softmax's wait for P V: set 1 (after the exponentials), 2 (after the row "
     "max, the default for masks without a score_mod reading at most 3 table entries) or 0 (where ptxas puts "
     "it, the others' default), or unset it")
+# ... and where 2 is the default (not chosen in the environment) and the kernel compiled with it
+# spills anyway (local memory, the driver's count when it loads the kernel: a mod heavier than its
+# table reads say), the first call of that kind compiles the 0 form too and runs whichever spills
+# less (_under_pv_by_spills): the same bits either way, one more compile only where 2 spilled.
+HOPPER_UNDER_PV_CHOSEN = bool(os.environ.get("PORT_HOPPER_UNDER_PV", "").strip())
 # The softmax's row sums l (1, the default): each thread keeps the sum of its own share of a row's
 # scores (a row's 128 keys of a tile lie with four threads of a warp, 32 each), and the four shares
 # are added once, at the store, as FlashAttention-2 and -3 do; 0: the row's whole sum every tile,
@@ -1076,8 +1081,8 @@ def _hopper_launch(q, k, v, scale, return_lse, tables):
                          f"one of {', '.join(map(repr, HOPPER_LOOPS))}")
     pointers = [tables[n] for n in ALL_POINTERS]
     site = ("forward", q.shape, k.shape, q.dtype, q.device, _current_device(q), return_lse, HOPPER_LOOP,
-            HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS, HOPPER_UNDER_PV, HOPPER_LANE_SUMS, HOPPER_TILE_INFO,
-            HOPPER_FAST_STORE, tuple(t.data_ptr() % 16 == 0 for t in pointers))
+            HOPPER_TILE, HOPPER_NAMED, HOPPER_Q_BUFFERS, HOPPER_UNDER_PV, HOPPER_UNDER_PV_CHOSEN, HOPPER_LANE_SUMS,
+            HOPPER_TILE_INFO, HOPPER_FAST_STORE, tuple(t.data_ptr() % 16 == 0 for t in pointers))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
     plan = _remember(_HOPPER_PLANS, site, lambda: _hopper_plan(q, k, v, scale, out, lse, pointers))
@@ -1153,25 +1158,58 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
     if persistent:  # one program per SM, or per tile where there are fewer
         grid = (min(grid[0] * grid[1], _sm_count(q.device)), )
     ints = (s_tb, s_th, n_cols, Hq, Hq // Hkv, Lq, Lk)
-    early = None
+    early, chosen = None, []
     if HOPPER_EARLY_COMPILE:
         # the lists' stand-ins: int32 tensors on 16 bytes, as the lists are, so the launch below
         # finds this compile (an argument's kind: _arg_kind)
         stand_in = [torch.empty(4, dtype=torch.int32, device=q.device) for _ in range(4)]
         args = _hopper_args(q, k, v, out, lse, (*stand_in, *ints), scale, block_n, persistent, pointers)
-        early = _compile_early(_hopper_kernel(D), grid, args, options, q.device)
+        early = _compile_early(_hopper_kernel(D), grid, args, options, q.device, chosen)
     try:
         lists = block_lists(B, Hq, Lq, Lk, q.device)
     finally:
         if early is not None:
             early.join()
+    if chosen:
+        options = chosen[0]
+    elif options.get("UNDER_PV") == 2 and not HOPPER_UNDER_PV_CHOSEN and q.device.type == "cuda":
+        args = _hopper_args(q, k, v, out, lse, (*lists, *ints), scale, block_n, persistent, pointers)
+        try:  # (no early compile: the spill check compiles here; a failure is the launch's to report)
+            options = _under_pv_by_spills(_hopper_kernel(D), grid, args, options)
+        except Exception:
+            pass
     return grid, options, block_n, persistent, (*lists, *ints)
 
 
-def _compile_early(kernel, grid, args, options, device):
+def _spill_bytes(compiled):
+    """The bytes of local memory (ptxas's spills) of a compiled kernel, loaded on the current
+    device for the count; None where this Triton does not say."""
+    try:
+        compiled._init_handles()
+        return 4 * int(compiled.n_spills)  # (CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, in words)
+    except Exception:
+        return None
+
+
+def _under_pv_by_spills(kernel, grid, args, options) -> dict:
+    """options, or options with the wait for P V where ptxas puts it (UNDER_PV 0) where the default
+    place after the row max (2) made this kernel spill and 0 spills less (HOPPER_UNDER_PV_CHOSEN).
+    Compiles (Triton's warmup: nothing launches, the launch then finds the compiled kernel)."""
+    if options.get("UNDER_PV") != 2 or HOPPER_UNDER_PV_CHOSEN:
+        return options
+    spilled = _spill_bytes(kernel.warmup(*args, grid=grid, **options))
+    if not spilled:
+        return options
+    other = {name: value for name, value in options.items() if name != "UNDER_PV"}
+    spilled_other = _spill_bytes(kernel.warmup(*args, grid=grid, **other))
+    return other if spilled_other is not None and spilled_other < spilled else options
+
+
+def _compile_early(kernel, grid, args, options, device, chosen=None):
     """A started thread that compiles kernel for these arguments' kinds (Triton's warmup: nothing
-    launches), or None where that cannot help. A failure here is left to the launch, which meets it
-    again and says why (_attention_hopper)."""
+    launches), or None where that cannot help; `chosen` (a list) gets the options the launch should
+    take (_under_pv_by_spills). A failure here is left to the launch, which meets it again and says
+    why (_attention_hopper)."""
     import threading
 
     if device.type != "cuda":
@@ -1180,7 +1218,10 @@ def _compile_early(kernel, grid, args, options, device):
     def compile_():
         try:
             with torch.cuda.device(device):  # (the JIT keeps a compiled kernel per device)
-                kernel.warmup(*args, grid=grid, **options)
+                picked = _under_pv_by_spills(kernel, grid, args, options)
+                kernel.warmup(*args, grid=grid, **picked)
+                if chosen is not None:
+                    chosen.append(picked)
         except Exception:
             pass
 

@@ -295,7 +295,19 @@ def _hopper_paged_launch(q, k_cache, v_cache, block_table, scale, return_lse, po
         options["UNDER_PV"] = HOPPER_UNDER_PV
     if HOPPER_LANE_SUMS:  # (the row sums by thread, as the contiguous kernel's)
         options["LANE"] = 1
-    return (Slots.shape[0], Hq), args, options
+    grid = (Slots.shape[0], Hq)
+    if options.get("UNDER_PV") == 2 and not HOPPER_UNDER_PV_CHOSEN and q.device.type == "cuda":
+        key = (q.dtype, D, tuple(options.items()))  # (a kind's first call: the place that spills less,
+        if key not in _PAGED_UNDER_PV:  # _under_pv_by_spills)
+            _PAGED_UNDER_PV[key] = _under_pv_by_spills(_hopper_paged_kernel, grid, args, options).get("UNDER_PV", 0)
+            while len(_PAGED_UNDER_PV) > _KEPT:
+                _PAGED_UNDER_PV.pop(next(iter(_PAGED_UNDER_PV)))
+        if not _PAGED_UNDER_PV[key]:
+            del options["UNDER_PV"]
+    return grid, args, options
+
+
+_PAGED_UNDER_PV: dict = {}  # (dtype, D, options) -> the paged kernel's UNDER_PV there
 
 
 def _attention_paged_hopper(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, return_lse, pointers,

@@ -286,3 +286,58 @@ def test_value_spans_hold_on_the_library_and_the_mod_corpus():
                         mask.name, role, name, q, kv, float(v.min()), float(v.max()), (lo, hi))
                     checked += 1
     assert checked > 1000, checked
+
+
+def test_tables_index_as_flexattentions_tracer_indexes_them_without_its_private_module():
+    # compat.getitem_as_index (a public TorchFunctionMode) must trace every mod of the corpus and the
+    # Hopper compile script's users' mods into the graph torch's own switch (torch._dynamo's
+    # TransformGetItemToIndex, where this torch has it) gives, and give the same values and table
+    # gradients through vmap over b, h, q, kv: per-head tables w[h], a table read at an int (b[0, 3]),
+    # slices left as they are
+    import sys
+    from pathlib import Path
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from workbench import compat
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import run_hopper_compile
+    from mod_corpus import corpus
+
+    theirs = pytest.importorskip("torch._dynamo._trace_wrapped_higher_order_op").TransformGetItemToIndex
+    masks = [m for m, _, _ in corpus()] + run_hopper_compile.masks("cpu")
+    traced = 0
+    for mask in masks:
+        for role, fn in (("mask", mask.mask_mod), ("score", mask.score_mod)):
+            if fn is None:
+                continue
+            args = [torch.tensor(0, dtype=torch.int32) for _ in range(4)]
+            args = [torch.tensor(0.0)] + args if role == "score" else args
+            codes = []
+            for mode in (compat.getitem_as_index, theirs):
+                with mode():
+                    codes.append(make_fx(fn)(*args).code)
+            assert codes[0] == codes[1], (mask.name, role, codes)
+            traced += 1
+    assert traced >= 60, traced
+    bias = torch.randn(4, 64, dtype=torch.float64, requires_grad=True)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h, (q_idx - kv_idx).clamp(-31, 32) + 31] + bias[0, 3] + bias[1:3].sum()
+
+    b, h, q, kv = torch.arange(2), torch.arange(4), torch.arange(40), torch.arange(50)
+    scores = torch.randn(2, 4, 40, 50, dtype=torch.float64)
+    results = []
+    fn = biased  # (vmapped as FlexAttention does, over 0-d index tensors)
+    for dims in [(None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)]:
+        fn = torch.vmap(fn, in_dims=(0, ) + dims)
+    for mode in (compat.getitem_as_index, theirs):
+        with mode():
+            out = fn(scores, b, h, q, kv)
+        out.square().sum().backward()
+        results.append((out.detach(), bias.grad.clone()))
+        bias.grad = None
+    want = scores + bias[h[:, None, None], (q[:, None] - kv).clamp(-31, 32) + 31] + bias[0, 3] + bias[1:3].sum()
+    assert torch.allclose(results[0][0], want.detach()) and torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1]) and results[0][1].abs().sum() > 0

@@ -17,14 +17,29 @@ if TORCH_VERSION < (2, 6):
     raise ImportError(f"flex-workbench needs torch >= 2.6 (FlexAttention), found {torch.__version__}")
 
 
+class _GetItemAsIndex(torch.overrides.TorchFunctionMode):
+    """`tensor[i, j]` whose indices are all tensors or ints (not bools) becomes `aten.index` with
+    each int as a 0-d int64 tensor on the indexed tensor's device: what FlexAttention's tracer does
+    to a mod's `table[h]` (a 0-d index tensor would otherwise be turned into a Python int, which
+    vmap and make_fx cannot do). Slices, None, Ellipsis, bools and lists index as usual."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and isinstance(args[0], torch.Tensor):
+            table, where = args[0], args[1]
+            where = list(where) if isinstance(where, tuple) else [where]
+            if where and all(isinstance(x, torch.Tensor) or (isinstance(x, int) and not isinstance(x, bool))
+                             for x in where):
+                return torch.ops.aten.index(table, [x if isinstance(x, torch.Tensor) else
+                                                    torch.tensor(x, dtype=torch.int64, device=table.device)
+                                                    for x in where])
+        return func(*args, **(kwargs or {}))
+
+
 def getitem_as_index():
-    """`tensor[idx]` inside a vmapped mod must become aten.index, as FlexAttention does when it
-    traces mods; torch keeps that switch in a private module."""
-    try:
-        from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-    except ImportError:  # pragma: no cover - future torch
-        return contextlib.nullcontext()
-    return TransformGetItemToIndex()
+    """`tensor[idx]` inside a vmapped or traced mod becomes aten.index, as FlexAttention does when
+    it traces mods (_GetItemAsIndex: torch's own switch lives in torch._dynamo, a private module
+    whose import alone takes 2 s)."""
+    return _GetItemAsIndex()
 
 
 def vmap_bhqkv(mod, b, h, q, kv, score=None):

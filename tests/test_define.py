@@ -341,3 +341,9 @@ def test_tables_index_as_flexattentions_tracer_indexes_them_without_its_private_
     want = scores + bias[h[:, None, None], (q[:, None] - kv).clamp(-31, 32) + 31] + bias[0, 3] + bias[1:3].sum()
     assert torch.allclose(results[0][0], want.detach()) and torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1]) and results[0][1].abs().sum() > 0
+    # and outside a mod, plain Python indexing keeps its meaning under the switch
+    t = torch.arange(24).reshape(4, 6)
+    with compat.getitem_as_index():
+        picked = (t[1:3], t[[0, 2]], t[..., 1], t[None, 1], t[2], t[1, torch.tensor(4)], t[t > 20])
+    assert [x.tolist() for x in picked] == [t[1:3].tolist(), t[[0, 2]].tolist(), t[..., 1].tolist(),
+                                            t[None, 1].tolist(), t[2].tolist(), 10, [21, 22, 23]]

@@ -1174,9 +1174,9 @@ def _hopper_plan(q, k, v, scale, out, lse, pointers):
             early.join()
     if chosen:
         options = chosen[0]
-    elif options.get("UNDER_PV") == 2 and not HOPPER_UNDER_PV_CHOSEN and q.device.type == "cuda":
+    elif early is None and q.device.type == "cuda":  # (no early compile: the spill check here)
         args = _hopper_args(q, k, v, out, lse, (*lists, *ints), scale, block_n, persistent, pointers)
-        try:  # (no early compile: the spill check compiles here; a failure is the launch's to report)
+        try:  # (a failure is the launch's to report)
             options = _under_pv_by_spills(_hopper_kernel(D), grid, args, options)
         except Exception:
             pass
